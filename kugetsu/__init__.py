@@ -1,0 +1,3 @@
+"""kugetsu: a capacity manager for parallel AI coding agents."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from kugetsu.cli import main
+
+raise SystemExit(main())

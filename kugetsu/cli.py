@@ -1,0 +1,431 @@
+"""The `kugetsu` command line (DESIGN section 5). Each command is a thin shell around ops."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from kugetsu import ops, pm
+from kugetsu.config import format_duration, get_value, load_config, parse_duration, parse_value
+from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
+from kugetsu.models import PRIORITIES, Task, TaskState
+from kugetsu.paths import Home, default_home
+from kugetsu.render import to_json
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kugetsu", description="Capacity manager for parallel AI coding agents.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    d = sub.add_parser("delegate", help="admit a task: start it in a free slot or queue it",
+                       usage="kugetsu delegate [NAME] [options] [-- CMD ARGS...]")
+    d.add_argument("name", nargs="?", help="task name (default task-<id>)")
+    g = d.add_mutually_exclusive_group()
+    g.add_argument("--prompt", help="the prompt for the agent preset")
+    g.add_argument("--prompt-file", metavar="F", help="read the prompt from a file (- for stdin)")
+    d.add_argument("--agent", metavar="PRESET", help="agent preset (config `agents`)")
+    d.add_argument("--cwd", metavar="DIR", help="working directory (default: here)")
+    d.add_argument("--source", metavar="WHO", default="cli", help="who delegates (pm, telegram:<chat>, ...)")
+    d.add_argument("--priority", choices=PRIORITIES, default="normal")
+    d.add_argument("--expire-after", metavar="DUR", type=_duration, help="expire if still queued after DUR")
+    d.add_argument("--timeout", metavar="DUR", type=_duration, help="stop the agent after running DUR")
+    d.add_argument("--json", action="store_true", help="print the task object")
+
+    q = sub.add_parser("queue", help="running and queued tasks")
+    q.add_argument("--all", action="store_true", help="also recent finished tasks")
+    q.add_argument("--json", action="store_true")
+
+    s = sub.add_parser("status", help="one task in full")
+    s.add_argument("task", metavar="TASK")
+    s.add_argument("--json", action="store_true")
+
+    c = sub.add_parser("cancel", help="cancel queued or running tasks")
+    c.add_argument("tasks", metavar="TASK", nargs="*")
+    c.add_argument("--all", action="store_true", help="every queued and running task")
+    c.add_argument("--json", action="store_true")
+
+    lg = sub.add_parser("logs", help="a task's output")
+    lg.add_argument("task", metavar="TASK")
+    lg.add_argument("--follow", "-f", action="store_true", help="keep printing until the task ends")
+    lg.add_argument("--lines", "-n", type=_positive_int, metavar="N", help="only the last N lines")
+
+    w = sub.add_parser("wait", help="block until tasks are final (exit 0: all succeeded)")
+    w.add_argument("tasks", metavar="TASK", nargs="+")
+    w.add_argument("--timeout", metavar="DUR", type=_duration)
+
+    cap = sub.add_parser("capacity", help="slots and queue: what a PM agent checks before delegating")
+    cap.add_argument("--json", action="store_true")
+
+    cf = sub.add_parser("config", help="read and tune config.json")
+    csub = cf.add_subparsers(dest="action", metavar="ACTION", required=True)
+    show = csub.add_parser("show", help="the effective config (token masked)")
+    show.add_argument("--json", action="store_true")
+    csub.add_parser("get", help="one value").add_argument("key")
+    cs = csub.add_parser("set", help="validate, write, apply at once")
+    cs.add_argument("key")
+    cs.add_argument("value", help="JSON (5, true, null, [1,2]) or a plain string")
+    csub.add_parser("unset", help="back to the default").add_argument("key")
+    csub.add_parser("path", help="where config.json is")
+    csub.add_parser("check", help="validate config.json and index.json")
+
+    sv = sub.add_parser("serve", help="run the service (foreground unless --detach)")
+    sv.add_argument("--detach", action="store_true")
+    sub.add_parser("shutdown", help="stop the service (agents keep running)")
+
+    cl = sub.add_parser("clean", help="drop finished tasks (and their logs) from the index")
+    cl.add_argument("--older-than", metavar="DUR", type=_duration)
+
+    sub.add_parser("demo", help="see kugetsu work on a throw-away home, with a simulated agent")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if argv and argv[0] == "delegate" and "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1 :]
+    args = build_parser().parse_args(argv)
+    args.argv_command = command
+    home = default_home()
+    try:
+        return COMMANDS[args.command](home, args)
+    except KugetsuError as err:
+        print(f"kugetsu: {err}", file=sys.stderr)
+        return err.code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return OK
+
+
+# ---- commands -----------------------------------------------------------------------------
+
+
+def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
+    cfg = load_config(home)
+    prompt = args.prompt
+    if args.prompt_file:
+        try:
+            prompt = sys.stdin.read() if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8").read()
+        except OSError as err:
+            raise UsageError(f"cannot read --prompt-file: {err}") from None
+    if not args.argv_command and prompt is None and args.agent is None and args.name is None:
+        raise UsageError("nothing to run: give --prompt TEXT (for the agent preset) or a command after --")
+    if args.source.strip() == "" or len(args.source) > 64 or not args.source.isprintable():
+        raise UsageError("--source must be 1-64 printable characters, e.g. pm or telegram:123")
+    req = pm.Request(
+        cwd=os.path.abspath(args.cwd or os.getcwd()),
+        name=args.name,
+        command=args.argv_command or None,
+        prompt=prompt,
+        agent=args.agent,
+        source=args.source,
+        priority=args.priority,
+        expire_after=args.expire_after,
+        timeout=args.timeout,
+    )
+    adm = ops.delegate(home, cfg, req)
+    t = adm.task
+    if args.json:
+        print(to_json(ops.task_json(t, adm.position)))
+    elif adm.position is None:
+        print(f"started {t.name} (#{t.id}), slot {t.slot}/{adm.max_agents}")
+    else:
+        print(f"queued {t.name} (#{t.id}), position {adm.position} of {adm.queued}")
+    return OK
+
+
+def cmd_queue(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu import render
+
+    cfg, index = ops.read(home)
+    now = ops.now()
+    pos = pm.positions(index, cfg, now)
+    queued = pm.start_order(index, cfg, now)
+    finished = list(reversed(index.finished[-20:])) if args.all else []
+    if args.json:
+        out: dict[str, Any] = {
+            "max_agents": cfg.max_agents,
+            "active": [ops.task_json(t, None) for t in index.active],
+            "queued": [ops.task_json(t, pos[t.id]) for t in queued],
+        }
+        if args.all:
+            out["finished"] = [ops.task_json(t, None) for t in finished]
+        print(to_json(out))
+        return OK
+    print(render.summary(index, cfg) + ("" if ops.service_pid(home) else " · service not running"))
+    if index.active:
+        print("\nRUNNING\n" + render.running_table(index.active, now))
+    if queued:
+        print("\nQUEUED\n" + render.queued_table(queued, pos, now))
+    if finished:
+        print("\nFINISHED (latest first)\n" + render.finished_table(finished, now))
+    return OK
+
+
+def cmd_status(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu import render
+
+    cfg, index = ops.read(home)
+    task = pm.find(index, args.task)
+    obj = ops.task_json(task, pm.positions(index, cfg, ops.now()).get(task.id))
+    print(to_json(obj) if args.json else render.task_lines(obj))
+    return OK
+
+
+def cmd_cancel(home: Home, args: argparse.Namespace) -> int:
+    if not args.tasks and not args.all:
+        raise UsageError("name the tasks to cancel (id or name), or use --all")
+    cfg = load_config(home)
+    tasks = ops.cancel(home, cfg, args.tasks, everything=args.all, reason="cancelled by " + _who())
+    running = [t for t in tasks if t.state is TaskState.RUNNING]
+    if running:  # report the final state: wait for the processes to go (SIGKILL after kill_grace)
+        _wait_final(home, [t.id for t in running], cfg.kill_grace_s + 5)
+    from kugetsu.store import Store
+
+    final = {t.id: t for t in Store(home).read().all_tasks()}
+    out = [final.get(t.id, t) for t in tasks]
+    if args.json:
+        print(to_json([ops.task_json(t, None) for t in out]))
+    elif not out:
+        print("nothing to cancel")
+    for t in out if not args.json else []:
+        print(f"{t.state.value} {t.name} (#{t.id})" + ("" if t.state.final else " (still stopping)"))
+    return OK
+
+
+def _who() -> str:
+    return "cli"
+
+
+def cmd_logs(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu.store import Store
+
+    store = Store(home)
+    task = pm.find(store.read(), args.task)
+    path = home.log(task.id)
+    out = sys.stdout.buffer
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        if not args.follow:
+            print(f"(no output yet: {task.name} is {task.state.value})", file=sys.stderr)
+            return OK
+        f = None
+    if f is not None and args.lines is not None:
+        out.write(b"".join(f.read().splitlines(keepends=True)[-args.lines :]) if args.lines else b"")
+    elif f is not None:
+        out.write(f.read())
+    out.flush()
+    while args.follow:
+        task = pm.find(store.read(), str(task.id))
+        if f is None and path.exists():
+            f = open(path, "rb")
+        if f is not None:
+            chunk = f.read()
+            if chunk:
+                out.write(chunk)
+                out.flush()
+                continue
+        if task.state.final:
+            break
+        _wait_change(home, [task], 1.0)
+    return OK
+
+
+def cmd_wait(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu.store import Store
+
+    store = Store(home)
+    index = store.read()
+    ids = [pm.find(index, ref).id for ref in args.tasks]
+    done = _wait_final(home, ids, args.timeout)
+    if not done:
+        print(f"kugetsu: timed out after {format_duration(args.timeout)}", file=sys.stderr)
+        return TIMED_OUT
+    tasks = {t.id: t for t in store.read().all_tasks()}
+    bad = [tasks[i] for i in ids if tasks[i].state is not TaskState.SUCCEEDED]
+    for t in bad:
+        print(f"{t.name} (#{t.id}) {t.state.value}" + (f": {t.reason}" if t.reason else ""), file=sys.stderr)
+    return FAILURE if bad else OK
+
+
+def _wait_final(home: Home, ids: list[int], timeout: float | None) -> bool:
+    """Block until every task is final; False on timeout. Event-driven: a pidfd per running
+    task, and a look at the index once a second for the rest."""
+    from kugetsu.store import Store
+
+    store = Store(home)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        tasks = {t.id: t for t in store.read().all_tasks()}
+        pending = [tasks[i] for i in ids if i in tasks and not tasks[i].state.final]
+        if not pending:
+            return True
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        _wait_change(home, pending, 1.0 if left is None else min(1.0, left))
+
+
+def _wait_change(home: Home, tasks: list[Task], timeout: float) -> None:
+    """Sleep until one of the tasks' processes exits (then until the index changes) or `timeout`."""
+    import select
+
+    from kugetsu import runner
+
+    fds = [fd for t in tasks if (fd := runner.open_pidfd(t.pid, t.pid_start)) is not None]
+    try:
+        before = _index_stamp(home)
+        if fds:
+            ready, _, _ = select.select(fds, [], [], timeout)
+        else:
+            ready = []
+            time.sleep(timeout)
+        if ready:  # an agent ended: the service records it within milliseconds
+            end = time.monotonic() + 1.0
+            while _index_stamp(home) == before and time.monotonic() < end:
+                time.sleep(0.01)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _index_stamp(home: Home) -> tuple[int, int]:
+    try:
+        st = os.stat(home.index)
+        return st.st_ino, st.st_mtime_ns
+    except FileNotFoundError:
+        return 0, 0
+
+
+def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu import render
+
+    cfg, index = ops.read(home)
+    if args.json:
+        print(to_json({
+            "max_agents": cfg.max_agents,
+            "active": len(index.active),
+            "queued": len(index.queued),
+            "free": pm.free_slots(index, cfg),
+            "max_queue": cfg.max_queue,
+        }))
+    else:
+        print(render.summary(index, cfg))
+    return OK
+
+
+def cmd_config(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu import config as C
+
+    if args.action == "path":
+        print(home.config)
+        return OK
+    if args.action == "check":
+        cfg = load_config(home)
+        from kugetsu.store import Store
+
+        index = Store(home).read()
+        print(f"ok: {home.config} ({'defaults' if not home.config.exists() else 'valid'}),"
+              f" {home.index} ({len(index.all_tasks())} tasks)")
+        return OK
+    if args.action in ("set", "unset"):
+        value = None if args.action == "unset" else parse_value(args.value)
+        cfg = ops.set_config(home, args.key, value, remove=args.action == "unset")
+        shown = get_value(cfg, args.key)
+        print(f"{args.key} = {to_json('***' if args.key.endswith('token') and shown else shown)}")
+        return OK
+    cfg = load_config(home)
+    if args.action == "get":
+        value = get_value(cfg, args.key)
+        if args.key.endswith("token") and value:
+            value = "***"
+        print(value if isinstance(value, str) else to_json(value))
+        return OK
+    shown = C.masked(cfg)
+    if args.json:
+        print(to_json(shown))
+        return OK
+    for key, value in shown.items():
+        text = value if isinstance(value, str) else to_json(value).replace("\n", "\n  ")
+        print(f"{key} = {text}" + (f"    # {C.KEY_HELP[key]}" if key in C.KEY_HELP and "\n" not in str(text) else ""))
+    return OK
+
+
+def cmd_serve(home: Home, args: argparse.Namespace) -> int:
+    if args.detach:
+        if ops.service_pid(home):
+            print(f"kugetsu service already running (pid {ops.service_pid(home)})")
+            return OK
+        ops.start_service(home)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            pid = ops.service_pid(home)
+            if pid:
+                print(f"kugetsu service started (pid {pid}), log: {home.service_log}")
+                return OK
+            time.sleep(0.05)
+        raise KugetsuError(f"the service did not come up within 10s; see {home.service_log}")
+    from kugetsu.service import serve
+
+    return serve(home)
+
+
+def cmd_shutdown(home: Home, args: argparse.Namespace) -> int:
+    pid = ops.service_pid(home)
+    if not ops.send(home, b"shutdown") or pid is None:
+        print("no kugetsu service is running")
+        return OK
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if ops.service_pid(home) is None:
+            print(f"kugetsu service stopped (pid {pid}); running agents keep running")
+            return OK
+        time.sleep(0.05)
+    raise KugetsuError(f"the service (pid {pid}) did not stop within 15s")
+
+
+def cmd_clean(home: Home, args: argparse.Namespace) -> int:
+    gone = ops.clean(home, args.older_than)
+    print(f"removed {len(gone)} finished task{'s' if len(gone) != 1 else ''} from the index")
+    return OK
+
+
+def cmd_demo(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu.demo import run_demo
+
+    return run_demo()
+
+
+COMMANDS = {
+    "delegate": cmd_delegate,
+    "queue": cmd_queue,
+    "status": cmd_status,
+    "cancel": cmd_cancel,
+    "logs": cmd_logs,
+    "wait": cmd_wait,
+    "capacity": cmd_capacity,
+    "config": cmd_config,
+    "serve": cmd_serve,
+    "shutdown": cmd_shutdown,
+    "clean": cmd_clean,
+    "demo": cmd_demo,
+}

@@ -1,0 +1,261 @@
+"""config.json: the model, defaults, load/validate/save, dotted keys and durations."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from typing import Annotated, Any
+
+import msgspec
+
+from kugetsu.errors import FileError, UsageError
+from kugetsu.paths import Home, atomic_write
+
+# ---- durations ------------------------------------------------------------------------
+
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+
+
+def parse_duration(value: object, what: str = "duration") -> float:
+    """`90s`, `15m`, `2h`, `1d` or plain seconds -> seconds (> 0)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a duration like 90s, 15m, 2h, 1d or seconds, got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        m = _DURATION_RE.match(str(value))
+        if not m:
+            raise ValueError(f"{what}: {value!r} is not a duration; use 90s, 15m, 2h, 1d or plain seconds")
+        seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    if not seconds > 0:
+        raise ValueError(f"{what}: must be more than 0, got {value!r}")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """Short human form: 45s, 12m, 3h05m, 2d04h."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s" if s < 600 and s % 60 else f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+    return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
+
+
+Duration = str | int | float
+
+# ---- the model -------------------------------------------------------------------------
+
+DEFAULT_AGENTS: dict[str, dict[str, Any]] = {
+    "opencode": {"command": ["opencode", "run", "{prompt}"], "env": {}},
+    "claude": {"command": ["claude", "-p", "{prompt}"], "env": {}},
+    "codex": {"command": ["codex", "exec", "{prompt}"], "env": {}},
+}
+DEFAULT_TELEGRAM_EVENTS = ["started", "succeeded", "failed", "cancelled", "expired", "lost"]
+EVENT_TYPES = ("queued", "started", "succeeded", "failed", "cancelled", "expired", "lost", "config")
+
+
+class AgentPreset(msgspec.Struct, forbid_unknown_fields=True):
+    command: Annotated[list[str], msgspec.Meta(min_length=1)]
+    env: dict[str, str] = {}
+
+
+class TelegramConfig(msgspec.Struct, forbid_unknown_fields=True):
+    token: str | None = None
+    allowed_chat_ids: list[int] = []
+    allowed_user_ids: list[int] = []
+    notify_chat_ids: list[int] = []
+    api_base_url: str = "https://api.telegram.org/bot"
+    events: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_TELEGRAM_EVENTS))
+    allow_delegate: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = [e for e in self.events if e not in EVENT_TYPES]
+        if unknown:
+            raise ValueError(f"unknown event type {unknown[0]!r}; choose from {', '.join(EVENT_TYPES)}")
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True):
+    max_agents: Annotated[int, msgspec.Meta(ge=1, le=64)] = 3
+    max_queue: Annotated[int, msgspec.Meta(ge=0)] = 50
+    queue_timeout: Duration | None = "24h"
+    run_timeout: Duration | None = None
+    kill_grace: Duration = "10s"
+    default_agent: str = "opencode"
+    agents: dict[str, AgentPreset] = {}
+    history_limit: Annotated[int, msgspec.Meta(ge=0)] = 500
+    autostart: bool = True
+    telegram: TelegramConfig = msgspec.field(default_factory=TelegramConfig)
+
+    def __post_init__(self) -> None:
+        for key in ("queue_timeout", "run_timeout", "kill_grace"):
+            value = getattr(self, key)
+            if value is not None:
+                parse_duration(value, key)
+        # User presets extend (and may override) the built-in ones.
+        self.agents = {**{k: AgentPreset(**v) for k, v in DEFAULT_AGENTS.items()}, **self.agents}
+        if self.default_agent not in self.agents:
+            raise ValueError(
+                f"default_agent {self.default_agent!r} is not a preset; known: {', '.join(sorted(self.agents))}"
+            )
+
+    # Durations in seconds, for the code that needs numbers.
+    @property
+    def queue_timeout_s(self) -> float | None:
+        return None if self.queue_timeout is None else parse_duration(self.queue_timeout)
+
+    @property
+    def run_timeout_s(self) -> float | None:
+        return None if self.run_timeout is None else parse_duration(self.run_timeout)
+
+    @property
+    def kill_grace_s(self) -> float:
+        return parse_duration(self.kill_grace)
+
+
+KEY_HELP: dict[str, str] = {
+    "max_agents": "running agents at once (1..64)",
+    "max_queue": "queued tasks at most; beyond: rejected, exit 3",
+    "queue_timeout": "a queued task not started by then expires (null: never)",
+    "run_timeout": "a running task is cancelled after this (per task: --timeout; null: never)",
+    "kill_grace": "SIGTERM -> SIGKILL delay",
+    "default_agent": "preset used when no command is given",
+    "agents": "presets {name: {command: [argv with {prompt} {name} {id}], env: {}}}; extend the built-ins",
+    "history_limit": "finished tasks kept in index.json; older ones move to history.jsonl",
+    "autostart": "the CLI starts the service when needed",
+    "telegram": "the Telegram bot: token, allowed_chat_ids, notify_chat_ids, api_base_url, events",
+}
+
+# ---- loading ---------------------------------------------------------------------------
+
+
+def line_col(data: bytes, offset: int) -> tuple[int, int]:
+    before = data[:offset]
+    return before.count(b"\n") + 1, offset - (before.rfind(b"\n") + 1) + 1
+
+
+def describe_decode_error(path: object, data: bytes, err: Exception) -> str:
+    """Turn a msgspec error into 'file: line L col C: what' or 'file: key k: what'."""
+    text = str(err)
+    m = re.search(r"\(byte (\d+)\)", text)
+    if m:
+        line, col = line_col(data, int(m.group(1)))
+        return f"{path}: not valid JSON at line {line}, column {col}: {text[: m.start()].strip()}"
+    m = re.match(r"Object contains unknown field `([^`]*)`(?: - at `\$(.*)`)?", text)
+    if m:
+        parent = _dotted(m.group(2) or "")
+        key = f"{parent}.{m.group(1)}" if parent else m.group(1)
+        return f"{path}: unknown key {key!r}{_did_you_mean(key)}"
+    m = re.match(r"(.*) - at `\$(.*)`$", text)
+    if m:
+        return f"{path}: key {_dotted(m.group(2))!r}: {m.group(1)}"
+    return f"{path}: {text}"
+
+
+def _dotted(msgspec_path: str) -> str:
+    return re.sub(r"\[(\d+)\]", r".\1", msgspec_path).lstrip(".")
+
+
+def _did_you_mean(key: str) -> str:
+    known = list(Config.__struct_fields__) + [f"telegram.{f}" for f in TelegramConfig.__struct_fields__]
+    close = difflib.get_close_matches(key, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(Config.__struct_fields__)}"
+
+
+_FIX = "\nNothing was changed. Fix the file (`kugetsu config check` re-checks it) or move it away to use the defaults."
+
+
+def read_raw(home: Home) -> dict[str, Any]:
+    """The file's own content ({} when there is none): what `config set` edits."""
+    try:
+        data = home.config.read_bytes()
+    except FileNotFoundError:
+        return {}
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError as err:
+        raise FileError(describe_decode_error(home.config, data, err) + _FIX) from None
+    if not isinstance(raw, dict):
+        raise FileError(f"{home.config}: must hold a JSON object {{...}}{_FIX}")
+    return raw
+
+
+def validate(raw: dict[str, Any], where: object = "config.json", hint: str = _FIX) -> Config:
+    try:
+        return msgspec.convert(raw, Config)
+    except msgspec.ValidationError as err:
+        raise FileError(describe_decode_error(where, b"", err) + hint) from None
+
+
+def load_config(home: Home) -> Config:
+    return validate(read_raw(home), home.config)
+
+
+def save_raw(home: Home, raw: dict[str, Any]) -> None:
+    home.ensure()
+    atomic_write(home.config, json.dumps(raw, indent=2, ensure_ascii=False).encode() + b"\n")
+
+
+# ---- dotted keys -----------------------------------------------------------------------
+
+
+def parse_value(text: str) -> object:
+    """A command-line value: JSON when it parses (5, true, null, [1,2]), else the plain string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _check_key(key: str) -> list[str]:
+    parts = key.split(".")
+    if not all(parts):
+        raise UsageError(f"bad key {key!r}: use names separated by dots, e.g. telegram.allowed_chat_ids")
+    top = parts[0]
+    if top not in Config.__struct_fields__:
+        raise UsageError(f"unknown config key {key!r}{_did_you_mean(key)}")
+    if top == "telegram" and len(parts) > 1 and parts[1] not in TelegramConfig.__struct_fields__:
+        raise UsageError(f"unknown config key {key!r}{_did_you_mean(key)}")
+    return parts
+
+
+def get_value(cfg: Config, key: str) -> object:
+    node: object = msgspec.to_builtins(cfg)
+    for part in _check_key(key):
+        if not isinstance(node, dict) or part not in node:
+            raise UsageError(f"config key {key!r} is not set")
+        node = node[part]
+    return node
+
+
+def with_value(raw: dict[str, Any], key: str, value: object, *, remove: bool = False) -> dict[str, Any]:
+    """A copy of the raw config with `key` set to `value` (or removed, back to its default)."""
+    parts = _check_key(key)
+    new = json.loads(json.dumps(raw))
+    node = new
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None and not remove:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            if remove:
+                return new
+            raise UsageError(f"cannot set {key!r}: {part!r} is not an object")
+        node = child
+    if remove:
+        node.pop(parts[-1], None)
+    else:
+        node[parts[-1]] = value
+    return new
+
+
+def masked(cfg: Config) -> dict[str, Any]:
+    """The effective config for display: the token never shown."""
+    out = msgspec.to_builtins(cfg)
+    if out["telegram"].get("token"):
+        out["telegram"]["token"] = "***"
+    return out

@@ -1,0 +1,135 @@
+"""Task, TaskState, Event and Index: what kugetsu keeps in index.json and events.jsonl.
+
+msgspec Structs rather than pydantic models: the CLI decodes and validates the whole index
+on every call, and msgspec does that at a fraction of pydantic's import and decode cost
+(README, "Design decisions").
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from datetime import datetime
+from typing import Annotated, Literal
+
+import msgspec
+
+INDEX_VERSION = 1
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+_NAME_RE = re.compile(NAME_PATTERN)
+
+Time = Annotated[datetime, msgspec.Meta(tz=True)]
+Priority = Literal["urgent", "high", "normal", "low"]
+PRIORITIES: tuple[str, ...] = ("urgent", "high", "normal", "low")
+
+
+class TaskState(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    LOST = "lost"
+
+    @property
+    def final(self) -> bool:
+        return self not in (TaskState.QUEUED, TaskState.RUNNING)
+
+
+def valid_name(name: str) -> bool:
+    return bool(_NAME_RE.match(name))
+
+
+class Task(msgspec.Struct, kw_only=True):
+    """One delegated unit of work: one agent session.
+
+    The first fields are the public task object of DESIGN section 5, in its order.
+    """
+
+    id: int
+    name: str
+    state: TaskState = TaskState.QUEUED
+    priority: Priority = "normal"
+    source: str = "cli"
+    agent: str | None = None
+    command: list[str]
+    cwd: str
+    created_at: Time
+    started_at: Time | None = None
+    finished_at: Time | None = None
+    expires_at: Time | None = None
+    exit_code: int | None = None
+    pid: int | None = None
+    log: str | None = None
+    reason: str | None = None
+    # Beyond the public core:
+    prompt: str | None = None
+    slot: int | None = None
+    timeout: float | None = None  # run timeout in seconds, None = no limit
+    # Identity of `pid`: its start time (clock ticks since boot), so a reused pid is never trusted.
+    pid_start: int | None = None
+    # Only the preset's variables, never the caller's whole environment.
+    env: dict[str, str] = {}
+    # Set while a running task is being stopped: the final state it will get, and when
+    # SIGKILL follows the SIGTERM it was sent.
+    stop: TaskState | None = None
+    kill_at: Time | None = None
+
+
+class Event(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One line of events.jsonl."""
+
+    seq: int = 0
+    type: str
+    at: Time
+    task: int | None = None
+    name: str | None = None
+    source: str | None = None
+    state: str | None = None
+    reason: str | None = None
+    exit_code: int | None = None
+    slot: int | None = None
+    position: int | None = None
+    key: str | None = None
+    value: object = None
+
+
+class Index(msgspec.Struct, kw_only=True):
+    """The whole state. `active`, `queued` and `finished` hold each task exactly once."""
+
+    version: int = INDEX_VERSION
+    next_id: int = 1
+    next_seq: int = 1
+    active: list[Task] = []
+    queued: list[Task] = []
+    finished: list[Task] = []
+    # The events of the last transaction, committed with it: if the process dies between
+    # the index rename and the events.jsonl append, the next transaction appends them.
+    outbox: list[Event] = []
+
+    def live(self) -> list[Task]:
+        return self.active + self.queued
+
+    def all_tasks(self) -> list[Task]:
+        return self.active + self.queued + self.finished
+
+
+def check_index(index: Index) -> str | None:
+    """What is inconsistent in a decoded index, or None. Decoding checks types; this checks meaning."""
+    seen: set[int] = set()
+    for where, tasks, ok in (
+        ("active", index.active, lambda s: s is TaskState.RUNNING),
+        ("queued", index.queued, lambda s: s is TaskState.QUEUED),
+        ("finished", index.finished, lambda s: s.final),
+    ):
+        for i, task in enumerate(tasks):
+            if not ok(task.state):
+                return f"{where}[{i}] (task #{task.id}) has state {task.state.value!r}"
+            if task.id in seen:
+                return f"task id {task.id} appears twice"
+            if task.id >= index.next_id:
+                return f"task id {task.id} is not below next_id {index.next_id}"
+            seen.add(task.id)
+    return None

@@ -1,0 +1,225 @@
+"""The operations every front end shares (CLI, dashboard, Telegram bot, service).
+
+Each one is a store transaction around pm calls, then a wake of the service. When the
+dashboard and the CLI both cancel, they call `cancel` here: one code path.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import socket
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from kugetsu import pm, runner
+from kugetsu.config import Config, load_config, read_raw, save_raw, validate, with_value
+from kugetsu.errors import UsageError
+from kugetsu.models import Event, Index, Task, TaskState
+from kugetsu.paths import Home
+from kugetsu.store import Store, Txn
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def settle(txn: Txn, cfg: Config) -> None:
+    """The scheduling steps every transaction runs: expire what is due, give free slots to
+    the next tasks (they are `running` from here; the service spawns them at once)."""
+    txn.emit(pm.expire_due(txn.index, txn.now))
+    for task in pm.plan_starts(txn.index, cfg, txn.now):
+        txn.emit(pm.start(txn.index, task, txn.now))
+    txn.archive.extend(pm.trim_history(txn.index, cfg.history_limit))
+
+
+# ---- delegate ----------------------------------------------------------------------------
+
+
+@dataclass
+class Admission:
+    task: Task
+    position: int | None  # None when it started at once
+    max_agents: int
+    queued: int
+
+
+def delegate(home: Home, cfg: Config, req: pm.Request) -> Admission:
+    _check_runnable(cfg, req)
+    store = Store(home)
+    with store.transaction(now()) as txn:
+        settle(txn, cfg)
+        task, events = pm.admit(txn.index, cfg, txn.now, req)
+        txn.emit(events)
+        settle(txn, cfg)
+        position = pm.positions(txn.index, cfg, txn.now).get(task.id)
+        admission = Admission(task, position, cfg.max_agents, len(txn.index.queued))
+    wake(home, cfg)
+    return admission
+
+
+def _check_runnable(cfg: Config, req: pm.Request) -> None:
+    """Refuse at admission what could never start: a missing cwd or command."""
+    if not os.path.isdir(req.cwd):
+        raise UsageError(f"--cwd {req.cwd!r} is not a directory")
+    _, argv, env = pm.resolve_agent(cfg, req)
+    path = env.get("PATH", os.environ.get("PATH"))
+    exe = argv[0]
+    found = shutil.which(exe, path=path) if os.sep not in exe else shutil.which(os.path.join(req.cwd, exe))
+    if found is None:
+        hint = f" (agent preset {req.agent or cfg.default_agent!r})" if not req.command else ""
+        raise UsageError(
+            f"command not found: {exe!r}{hint}; install it, pick another preset with --agent,"
+            " or give the command after --"
+        )
+
+
+# ---- cancel ------------------------------------------------------------------------------
+
+
+def cancel(home: Home, cfg: Config, refs: list[str], everything: bool = False, reason: str = "cancelled") -> list[Task]:
+    """Cancel tasks by id or name (or every live one). Queued ones end at once; running ones
+    get SIGTERM to their group now, SIGKILL after kill_grace (the service sees to it)."""
+    store = Store(home)
+    with store.transaction(now()) as txn:
+        tasks = list(txn.index.live()) if everything else [pm.find(txn.index, ref) for ref in refs]
+        for task in tasks:
+            txn.emit(pm.cancel(txn.index, task, txn.now, cfg.kill_grace_s, reason))
+        settle(txn, cfg)
+    for task in tasks:
+        if task.state is TaskState.RUNNING:
+            runner.kill_group(task.pid, task.pid_start, signal.SIGTERM)
+    wake(home, cfg)
+    return tasks
+
+
+# ---- config ------------------------------------------------------------------------------
+
+
+def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Config:
+    """Validate, write atomically and apply at once (raising max_agents starts queued tasks)."""
+    store = Store(home)
+    with store.transaction(now()) as txn:  # the index lock also orders config writes
+        raw = with_value(read_raw(home), key, value, remove=remove)
+        cfg = validate(raw, f"cannot set {key}: {home.config}", hint="\nNothing was changed.")
+        save_raw(home, raw)
+        txn.emit([Event(type="config", at=txn.now, key=key, value=None if remove else _shown(key, value))])
+        settle(txn, cfg)
+    wake(home, cfg)
+    return cfg
+
+
+def _shown(key: str, value: Any) -> Any:
+    return "***" if key.endswith("token") else value
+
+
+# ---- clean -------------------------------------------------------------------------------
+
+
+def clean(home: Home, older_than: float | None) -> list[Task]:
+    """Drop finished tasks from the index, with their log files. Ids are never reused."""
+    with Store(home).transaction(now()) as txn:
+        gone = pm.clean(txn.index, txn.now, older_than)
+    for task in gone:
+        home.log(task.id).unlink(missing_ok=True)
+        home.exit_file(task.id).unlink(missing_ok=True)
+    return gone
+
+
+# ---- reading -----------------------------------------------------------------------------
+
+
+def read(home: Home) -> tuple[Config, Index]:
+    return load_config(home), Store(home).read()
+
+
+def task_json(task: Task, position: int | None) -> dict[str, Any]:
+    """The public task object of DESIGN section 5."""
+    import msgspec
+
+    out = msgspec.to_builtins(task)
+    out = {k: out[k] for k in ("id", "name", "state")} | {"position": position} | {
+        k: v for k, v in out.items() if k not in ("id", "name", "state", "env", "pid_start", "stop", "kill_at")
+    }
+    return out
+
+
+# ---- waking the service ------------------------------------------------------------------
+
+
+def wake(home: Home, cfg: Config | None = None, message: bytes = b"wake") -> bool:
+    """Tell the service the index changed. Starts it if it is not running and autostart is
+    on. Returns whether a service got the message (or was started)."""
+    if send(home, message):
+        return True
+    if service_starting(home):
+        return True  # it reads the index when it comes up
+    if cfg is not None and cfg.autostart:
+        start_service(home)
+        return True
+    return False
+
+
+def service_starting(home: Home) -> bool:
+    """Is the service lock held (a service is up or coming up)? Cheaper than any pid check."""
+    import fcntl
+
+    try:
+        fd = os.open(home.service_lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def send(home: Home, message: bytes) -> bool:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        sock.sendto(message, str(home.socket))
+        return True
+    except OSError as err:
+        if err.errno in (errno.ENOENT, errno.ECONNREFUSED):
+            return False
+        if err.errno == errno.EAGAIN:  # its queue is full of wake-ups already
+            return True
+        raise
+    finally:
+        sock.close()
+
+
+def start_service(home: Home) -> int:
+    """Start `kugetsu serve` detached (own session, no terminal); returns its pid."""
+    import subprocess
+    import sys
+
+    home.ensure()
+    log = os.open(home.service_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kugetsu", "serve"],
+            env={**os.environ, "KUGETSU_HOME": str(home.root)},
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            cwd="/",
+        )
+    finally:
+        os.close(log)
+    return proc.pid
+
+
+def service_pid(home: Home) -> int | None:
+    try:
+        pid = int(home.service_pid.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+    return pid if runner.process_start(pid) is not None else None

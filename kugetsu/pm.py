@@ -1,0 +1,279 @@
+"""The capacity manager: every scheduling rule, as functions of an Index, a Config and a clock.
+
+No I/O, no processes, no time.time(): the caller passes `now` and performs the effects
+(spawn, signal) that these functions decide. Functions that change state change only the
+Index they are given and return the Events that describe the change.
+
+Who starts next is decided in exactly one place, `start_order`; positions, admission
+feedback and the scheduler all derive from it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from kugetsu.config import Config, format_duration
+from kugetsu.errors import NotFound, Rejected, UsageError
+from kugetsu.models import PRIORITIES, Event, Index, Task, TaskState, valid_name
+
+# ---- who runs next ---------------------------------------------------------------------
+
+
+def free_slots(index: Index, cfg: Config) -> int:
+    return max(0, cfg.max_agents - len(index.active))
+
+
+def start_order(index: Index, cfg: Config, now: datetime) -> list[Task]:
+    """Queued tasks in the order they will start if nothing new arrives (the policy seam).
+
+    FIFO: admission order, which ids record exactly (they never repeat and never go back).
+    """
+    return sorted(index.queued, key=lambda t: t.id)
+
+
+def positions(index: Index, cfg: Config, now: datetime) -> dict[int, int]:
+    """Task id -> 1-based position in start order. Position 1 starts next."""
+    return {t.id: i for i, t in enumerate(start_order(index, cfg, now), 1)}
+
+
+def next_to_start(index: Index, cfg: Config, now: datetime) -> Task | None:
+    if free_slots(index, cfg) <= 0:
+        return None
+    order = start_order(index, cfg, now)
+    return order[0] if order else None
+
+
+def plan_starts(index: Index, cfg: Config, now: datetime) -> list[Task]:
+    """Every queued task that may start now, in order, without changing the index."""
+    return start_order(index, cfg, now)[: free_slots(index, cfg)]
+
+
+def lowest_free_slot(index: Index) -> int:
+    used = {t.slot for t in index.active}
+    return next(n for n in range(1, len(used) + 2) if n not in used)
+
+
+# ---- finding tasks ---------------------------------------------------------------------
+
+
+def find(index: Index, ref: str) -> Task:
+    """TASK is an id or a name: a live task of that name, else the latest finished one."""
+    ref = ref.strip().lstrip("#")
+    if ref.isdigit():
+        for task in index.all_tasks():
+            if task.id == int(ref):
+                return task
+    for task in index.live():
+        if task.name == ref:
+            return task
+    for task in reversed(index.finished):
+        if task.name == ref:
+            return task
+    raise NotFound(f"no task {ref!r}; `kugetsu queue --all` lists the tasks kugetsu knows")
+
+
+# ---- admission -------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    """What a delegator asks for. `command` is an explicit argv; without it the agent preset runs."""
+
+    cwd: str
+    name: str | None = None
+    command: list[str] | None = None
+    prompt: str | None = None
+    agent: str | None = None
+    source: str = "cli"
+    priority: str = "normal"
+    expire_after: float | None = None  # seconds; None: config queue_timeout
+    timeout: float | None = None  # seconds; None: config run_timeout
+    env: dict[str, str] = field(default_factory=dict)
+
+
+_PLACEHOLDER = re.compile(r"\{(prompt|name|id)\}")
+
+
+def render_command(template: list[str], values: dict[str, str]) -> list[str]:
+    """Substitute {prompt} {name} {id} inside argv elements, in one pass: a prompt that
+    itself contains `{name}` is passed verbatim."""
+    return [_PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in template]
+
+
+def resolve_agent(cfg: Config, req: Request) -> tuple[str | None, list[str], dict[str, str]]:
+    """(agent name, argv template, env) for a request."""
+    if req.command:
+        return req.agent, list(req.command), dict(req.env)
+    agent = req.agent or cfg.default_agent
+    preset = cfg.agents.get(agent)
+    if preset is None:
+        raise UsageError(f"unknown agent preset {agent!r}; known: {', '.join(sorted(cfg.agents))}")
+    if req.prompt is None and any("{prompt}" in a for a in preset.command):
+        raise UsageError(
+            f"agent {agent!r} needs a prompt: give --prompt TEXT or --prompt-file FILE (or a command after --)"
+        )
+    return agent, list(preset.command), {**preset.env, **req.env}
+
+
+def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task, list[Event]]:
+    """Add a task to the queue, or refuse. Raises before changing anything."""
+    if req.name is not None and not valid_name(req.name):
+        raise UsageError(
+            f"invalid task name {req.name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    if req.name is not None and any(t.name == req.name for t in index.live()):
+        raise UsageError(f"a task named {req.name!r} is already queued or running; pick another name")
+    if req.priority not in PRIORITIES:
+        raise UsageError(f"invalid priority {req.priority!r}; choose one of {', '.join(PRIORITIES)}")
+    agent, template, env = resolve_agent(cfg, req)
+    waiting_after = len(index.queued) + 1 - free_slots(index, cfg)
+    if waiting_after > cfg.max_queue:
+        raise Rejected(
+            f"queue full: {len(index.queued)}/{cfg.max_queue} waiting, {len(index.active)}/{cfg.max_agents} running;"
+            " try again when a task finishes (`kugetsu capacity`)"
+        )
+    task_id = index.next_id
+    name = req.name or f"task-{task_id}"
+    expire_after = req.expire_after if req.expire_after is not None else cfg.queue_timeout_s
+    timeout = req.timeout if req.timeout is not None else cfg.run_timeout_s
+    command = template if req.command else render_command(template, {"prompt": req.prompt or "", "name": name, "id": str(task_id)})
+    task = Task(
+        id=task_id,
+        name=name,
+        priority=req.priority,  # type: ignore[arg-type]
+        source=req.source,
+        agent=agent,
+        command=command,
+        cwd=req.cwd,
+        created_at=now,
+        expires_at=now + timedelta(seconds=expire_after) if expire_after else None,
+        prompt=req.prompt,
+        timeout=timeout,
+        env=env,
+    )
+    index.next_id += 1
+    index.queued.append(task)
+    position = positions(index, cfg, now)[task.id]
+    return task, [_event("queued", task, now, position=position)]
+
+
+# ---- transitions -----------------------------------------------------------------------
+
+
+def start(index: Index, task: Task, now: datetime) -> list[Event]:
+    """queued -> running in the lowest free slot. The caller spawns the process and records its pid."""
+    index.queued.remove(task)
+    task.state = TaskState.RUNNING
+    task.slot = lowest_free_slot(index)
+    task.started_at = now
+    index.active.append(task)
+    return [_event("started", task, now, slot=task.slot)]
+
+
+def finish(index: Index, task: Task, now: datetime, exit_code: int | None, reason: str | None = None) -> list[Event]:
+    """running -> final. A stop that was asked for (cancel, timeout) decides the state;
+    else the exit code does; no exit code at all means the task is lost."""
+    index.active.remove(task)
+    if task.stop is not None:
+        state = task.stop
+    elif exit_code is None:
+        state = TaskState.LOST
+        task.reason = reason or "the process vanished and its exit status could not be recovered"
+    elif exit_code == 0:
+        state = TaskState.SUCCEEDED
+    else:
+        state = TaskState.FAILED
+        task.reason = reason or describe_exit(exit_code)
+    return [_close(index, task, state, now, exit_code)]
+
+
+def describe_exit(code: int) -> str:
+    if code > 128:
+        import signal
+
+        try:
+            return f"exit code {code} (killed by {signal.Signals(code - 128).name})"
+        except ValueError:
+            pass
+    if code == 127:
+        return "exit code 127 (command not found)"
+    return f"exit code {code}"
+
+
+def cancel(index: Index, task: Task, now: datetime, grace: float, reason: str = "cancelled") -> list[Event]:
+    """queued: cancelled at once. running: marked to stop; the caller sends SIGTERM to its
+    process group now and SIGKILL at `kill_at`; it becomes final when its process is gone."""
+    if task.state.final:
+        raise UsageError(f"task {task.name} (#{task.id}) is already {task.state.value}", code=1)
+    if task.state is TaskState.QUEUED:
+        index.queued.remove(task)
+        task.reason = reason
+        return [_close(index, task, TaskState.CANCELLED, now)]
+    _request_stop(task, TaskState.CANCELLED, reason, now, grace)
+    return []
+
+
+def _request_stop(task: Task, state: TaskState, reason: str, now: datetime, grace: float) -> None:
+    if task.stop is None:
+        task.stop, task.reason = state, reason
+        task.kill_at = now + timedelta(seconds=grace)
+
+
+def expire_due(index: Index, now: datetime) -> list[Event]:
+    """Queued tasks whose expires_at has come end as expired."""
+    events = []
+    for task in [t for t in index.queued if t.expires_at is not None and t.expires_at <= now]:
+        index.queued.remove(task)
+        task.reason = f"expired after {format_duration((now - task.created_at).total_seconds())} in the queue"
+        events.append(_close(index, task, TaskState.EXPIRED, now))
+    return events
+
+
+def timeouts_due(index: Index, now: datetime, grace: float) -> list[Task]:
+    """Running tasks past their run timeout are marked to stop (failed); returns them to signal."""
+    due = []
+    for task in index.active:
+        if task.stop is None and task.timeout and task.started_at:
+            if now >= task.started_at + timedelta(seconds=task.timeout):
+                _request_stop(task, TaskState.FAILED, f"timed out after {format_duration(task.timeout)}", now, grace)
+                due.append(task)
+    return due
+
+
+def kills_due(index: Index, now: datetime) -> list[Task]:
+    """Tasks asked to stop whose grace is over: their group gets SIGKILL."""
+    return [t for t in index.active if t.kill_at is not None and t.kill_at <= now]
+
+
+def trim_history(index: Index, limit: int) -> list[Task]:
+    """Finished tasks beyond `limit` leave the index (oldest first) and are returned for the archive."""
+    if len(index.finished) <= limit:
+        return []
+    cut = len(index.finished) - limit
+    gone, index.finished = index.finished[:cut], index.finished[cut:]
+    return gone
+
+
+def clean(index: Index, now: datetime, older_than: float | None = None) -> list[Task]:
+    """Drop finished tasks (finished more than `older_than` seconds ago, if given)."""
+    keep, gone = [], []
+    for task in index.finished:
+        old = older_than is None or (task.finished_at and (now - task.finished_at).total_seconds() >= older_than)
+        (gone if old else keep).append(task)
+    index.finished = keep
+    return gone
+
+
+def _close(index: Index, task: Task, state: TaskState, now: datetime, exit_code: int | None = None) -> Event:
+    task.state = state
+    task.finished_at = now
+    task.exit_code = exit_code
+    task.kill_at = None
+    index.finished.append(task)
+    return _event(state.value, task, now, exit_code=exit_code, reason=task.reason)
+
+
+def _event(kind: str, task: Task, now: datetime, **detail: object) -> Event:
+    return Event(type=kind, at=now, task=task.id, name=task.name, source=task.source, state=task.state.value, **detail)

@@ -1,0 +1,87 @@
+"""Human-readable text for tasks and queues, shared by the CLI and the demo."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+from kugetsu.config import Config, format_duration
+from kugetsu.models import Index, Task
+
+
+def to_json(obj: Any) -> str:
+    return msgspec.json.format(msgspec.json.encode(obj), indent=2).decode()
+
+
+def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:  # type: ignore[assignment]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(headers)] + [line(r) for r in rows])
+
+
+def since(t: datetime | None, now: datetime) -> str:
+    return format_duration((now - t).total_seconds()) if t else "-"
+
+
+def until(t: datetime | None, now: datetime) -> str:
+    if t is None:
+        return "never"
+    return format_duration((t - now).total_seconds()) if t > now else "due"
+
+
+def summary(index: Index, cfg: Config) -> str:
+    return (
+        f"{len(index.active)}/{cfg.max_agents} running, {max(0, cfg.max_agents - len(index.active))} free,"
+        f" {len(index.queued)} queued (max {cfg.max_queue})"
+    )
+
+
+def running_table(tasks: list[Task], now: datetime) -> str:
+    rows = [
+        [str(t.slot or "-"), str(t.id), t.name, t.source, t.agent or "-", since(t.started_at, now),
+         str(t.pid or "starting"), "stopping" if t.stop else ""]
+        for t in tasks
+    ]
+    return table(["SLOT", "ID", "NAME", "SOURCE", "AGENT", "ELAPSED", "PID", ""], rows, right={0, 1})
+
+
+def queued_table(tasks: list[Task], positions: dict[int, int], now: datetime) -> str:
+    rows = [
+        [str(positions.get(t.id, "-")), str(t.id), t.name, t.priority, t.source, since(t.created_at, now),
+         until(t.expires_at, now)]
+        for t in tasks
+    ]
+    return table(["POS", "ID", "NAME", "PRIORITY", "SOURCE", "WAITING", "EXPIRES IN"], rows, right={0, 1})
+
+
+def finished_table(tasks: list[Task], now: datetime) -> str:
+    rows = [
+        [str(t.id), t.name, t.state.value, "-" if t.exit_code is None else str(t.exit_code),
+         since(t.finished_at, now) + " ago", (t.reason or "")[:60]]
+        for t in tasks
+    ]
+    return table(["ID", "NAME", "STATE", "EXIT", "ENDED", "REASON"], rows, right={0})
+
+
+def task_lines(task: dict[str, Any]) -> str:
+    """`kugetsu status`: one field a line, the command as a list."""
+    width = max(len(k) for k in task)
+    out = []
+    for key, value in task.items():
+        if value is None or value == {} or value == []:
+            continue
+        if isinstance(value, list):
+            value = " ".join(_quote(v) for v in value)
+        out.append(f"{key.ljust(width)}  {value}")
+    return "\n".join(out)
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)

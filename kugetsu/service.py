@@ -1,0 +1,307 @@
+"""The service (`kugetsu serve`): the one long-running process of a KUGETSU_HOME.
+
+It spawns agents as slots free and learns of their exit at once (a pidfd per agent in the
+asyncio loop: no polling), records the result and promotes the next task in the same
+transaction. APScheduler wakes it for everything that happens at a time (queue expiry,
+run timeouts, SIGKILL after the grace, a periodic reconcile); the CLI wakes it through a
+Unix datagram socket after each transaction. What to do is always decided by pm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import signal
+import socket
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+from kugetsu import ops, pm, runner
+from kugetsu.config import Config, load_config
+from kugetsu.errors import KugetsuError
+from kugetsu.models import Event, Index, Task
+from kugetsu.paths import Home
+from kugetsu.store import Store
+
+log = logging.getLogger("kugetsu.service")
+
+RECONCILE_EVERY = 5.0  # seconds: a safety net; exits and deadlines do not wait for it
+
+
+class AlreadyRunning(KugetsuError):
+    pass
+
+
+class Service:
+    def __init__(self, home: Home):
+        self.home = home
+        self.store = Store(home)
+        self.cfg: Config = Config()
+        self.children: dict[int, Any] = {}  # pid -> Popen of the wrappers this service spawned
+        self.watches: dict[int, int] = {}  # task id -> pidfd
+        self.exited: set[int] = set()  # task ids whose pidfd fired
+        self.jobs: dict[str, datetime] = {}
+        self.listeners: list[Callable[[list[Event]], None]] = []  # told of each transaction's events
+        self.index = Index()
+        self._tick_pending = False
+        self._first_tick = True
+        self._stopping: asyncio.Event | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def run(self) -> int:
+        return asyncio.run(self.main())
+
+    async def main(self) -> int:
+        self.home.ensure()
+        lock_fd = self._lock()
+        self.loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        sock = self._bind()
+        from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+        self.scheduler = AsyncIOScheduler(event_loop=self.loop, timezone="UTC")
+        self.scheduler.add_job(self._job, "interval", seconds=RECONCILE_EVERY, id="reconcile", args=["reconcile"])
+        self.scheduler.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self._stopping.set)
+        try:
+            self.tick()
+            self.home.service_pid.write_text(f"{os.getpid()}\n")
+            self.home.service_pid.chmod(0o600)
+            log.info("kugetsu service up (pid %d, home %s, max_agents %d)", os.getpid(), self.home.root, self.cfg.max_agents)
+            await self._start_extensions()
+            await self._stopping.wait()
+            log.info("kugetsu service stopping; running agents keep running")
+        finally:
+            await self._stop_extensions()
+            self.scheduler.shutdown(wait=False)
+            for fd in self.watches.values():
+                self.loop.remove_reader(fd)
+                os.close(fd)
+            self.loop.remove_reader(sock.fileno())
+            sock.close()
+            self.home.socket.unlink(missing_ok=True)
+            self.home.service_pid.unlink(missing_ok=True)
+            os.close(lock_fd)
+        return 0
+
+    def stop(self) -> None:
+        if self._stopping is not None:
+            self._stopping.set()
+
+    def _lock(self) -> int:
+        import time
+
+        fd = os.open(self.home.service_lock, os.O_RDWR | os.O_CREAT, 0o600)
+        # A CLI may hold a shared lock for a moment to see whether we run: retry briefly.
+        for _ in range(20):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if ops.service_pid(self.home):
+                    break
+                time.sleep(0.01)
+        os.close(fd)
+        pid = ops.service_pid(self.home)
+        raise AlreadyRunning(
+            f"a kugetsu service is already running for {self.home.root}"
+            + (f" (pid {pid})" if pid else "")
+            + "; `kugetsu shutdown` stops it"
+        )
+
+    def _bind(self) -> socket.socket:
+        path = self.home.socket
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)  # a stale one: we hold the service lock
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.bind(str(path))
+        path.chmod(0o600)
+        sock.setblocking(False)
+        self.loop.add_reader(sock.fileno(), self._on_message, sock)
+        return sock
+
+    def _on_message(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                message = sock.recv(64)
+            except BlockingIOError:
+                break
+            if message == b"shutdown":
+                self.stop()
+        self.request_tick()
+
+    # ---- the tick: one transaction that brings the world in line ---------------------
+
+    def request_tick(self) -> None:
+        """Coalesce wake-ups that arrive together into one transaction."""
+        if not self._tick_pending:
+            self._tick_pending = True
+            self.loop.call_soon(self._safe_tick)
+
+    async def _job(self, job_id: str) -> None:
+        self.jobs.pop(job_id, None)  # date jobs end after firing; let sync re-add if still due
+        self.tick()
+
+    def _safe_tick(self) -> None:
+        try:
+            self.tick()
+        except Exception:
+            log.exception("tick failed; the next wake-up or reconcile retries")
+
+    def tick(self) -> None:
+        self._tick_pending = False
+        self._reload_config()
+        cfg = self.cfg
+        signals: list[tuple[Task, signal.Signals]] = []
+        with self.store.transaction(ops.now()) as txn:
+            index = txn.index
+            for task in list(index.active):
+                if task.pid is not None and (task.id in self.exited or not runner.alive(task.pid, task.pid_start)):
+                    code, reason = self._exit_status(task)
+                    txn.emit(pm.finish(index, task, txn.now, code, reason))
+            signals += [(t, signal.SIGTERM) for t in pm.timeouts_due(index, txn.now, cfg.kill_grace_s)]
+            signals += [(t, signal.SIGKILL) for t in pm.kills_due(index, txn.now)]
+            while True:
+                ops.settle(txn, cfg)
+                if not self._spawn_pending(txn):
+                    break
+            self.index = index
+            events = txn.events
+        self.exited.clear()
+        self._first_tick = False
+        for task, sig in signals:
+            runner.kill_group(task.pid, task.pid_start, sig)
+        self._sync_watches()
+        self._sync_jobs()
+        if events:
+            for listener in self.listeners:
+                listener(events)
+
+    def _reload_config(self) -> None:
+        try:
+            self.cfg = load_config(self.home)
+        except KugetsuError as err:
+            log.error("%s\nKeeping the last valid config.", err)
+
+    def _spawn_pending(self, txn: Any) -> bool:
+        """Spawn running tasks that have no process yet. Returns whether a slot came free
+        again (a task that could not start), so that the caller settles once more."""
+        freed = False
+        for task in [t for t in txn.index.active if t.pid is None]:
+            if task.stop is not None:  # cancelled before its process existed
+                txn.emit(pm.finish(txn.index, task, txn.now, None))
+                freed = True
+                continue
+            if self._first_tick and self._adopt_unrecorded(txn, task):
+                continue
+            try:
+                spawned = runner.spawn(self.home, task.id, task.name, task.command, task.cwd, task.env)
+            except OSError as err:
+                txn.emit(pm.finish(txn.index, task, txn.now, 127, f"could not start: {err}"))
+                freed = True
+                continue
+            self.children[spawned.pid] = spawned.popen
+            task.pid, task.pid_start, task.log = spawned.pid, spawned.start, str(self.home.log(task.id))
+            if spawned.start is None:  # it exited before we could look at it
+                self.exited.add(task.id)
+        return freed
+
+    def _adopt_unrecorded(self, txn: Any, task: Task) -> bool:
+        """After a crash between spawn and commit: find the wrapper the index does not know."""
+        found = runner.find_wrapper(self.home, task.id)
+        if found:
+            task.pid, task.pid_start, task.log = found[0], found[1], str(self.home.log(task.id))
+            log.info("re-adopted %s (#%d), pid %d, started before a crash", task.name, task.id, found[0])
+            return True
+        code = runner.read_exit(self.home, task.id)
+        if code is not None:
+            task.log = str(self.home.log(task.id))
+            txn.emit(pm.finish(txn.index, task, txn.now, code))
+            return True
+        return False
+
+    def _exit_status(self, task: Task) -> tuple[int | None, str | None]:
+        popen = self.children.pop(task.pid, None)  # type: ignore[arg-type]
+        returncode = None
+        if popen is not None:
+            try:
+                returncode = popen.wait(timeout=5)  # it has exited: this only reaps it
+            except Exception:
+                log.warning("wrapper of %s (#%d) did not reap; continuing", task.name, task.id)
+        code = runner.read_exit(self.home, task.id)
+        if code is not None:
+            return code, None
+        if returncode is not None and returncode < 0:
+            name = signal.Signals(-returncode).name
+            return 128 - returncode, f"killed by {name}"
+        return None, None
+
+    # ---- watching processes and deadlines --------------------------------------------
+
+    def _sync_watches(self) -> None:
+        active = {t.id: t for t in self.index.active if t.pid is not None}
+        for task_id in [i for i in self.watches if i not in active]:
+            fd = self.watches.pop(task_id)
+            self.loop.remove_reader(fd)
+            os.close(fd)
+        for task_id, task in active.items():
+            if task_id in self.watches:
+                continue
+            fd = runner.open_pidfd(task.pid, task.pid_start)
+            if fd is None:  # already gone
+                self.exited.add(task_id)
+                self.request_tick()
+                continue
+            self.watches[task_id] = fd
+            self.loop.add_reader(fd, self._on_exit, task_id)
+
+    def _on_exit(self, task_id: int) -> None:
+        fd = self.watches.pop(task_id, None)
+        if fd is not None:
+            self.loop.remove_reader(fd)
+            os.close(fd)
+        self.exited.add(task_id)
+        self.request_tick()
+
+    def _sync_jobs(self) -> None:
+        want: dict[str, datetime] = {}
+        for task in self.index.queued:
+            if task.expires_at is not None:
+                want[f"expire-{task.id}"] = task.expires_at
+        for task in self.index.active:
+            if task.kill_at is not None:
+                want[f"kill-{task.id}"] = task.kill_at
+            elif task.timeout and task.started_at and task.stop is None:
+                want[f"timeout-{task.id}"] = task.started_at + timedelta(seconds=task.timeout)
+        for job_id in [j for j in self.jobs if j not in want]:
+            del self.jobs[job_id]
+            try:
+                self.scheduler.remove_job(job_id)
+            except Exception:  # JobLookupError: it already ran
+                pass
+        for job_id, when in want.items():
+            if self.jobs.get(job_id) != when:
+                self.jobs[job_id] = when
+                self.scheduler.add_job(
+                    self._job, "date", run_date=when, id=job_id, args=[job_id],
+                    replace_existing=True, misfire_grace_time=None,
+                )
+
+    # ---- extensions (the Telegram bot) -----------------------------------------------
+
+    async def _start_extensions(self) -> None:
+        pass
+
+    async def _stop_extensions(self) -> None:
+        pass
+
+
+def serve(home: Home) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    return Service(home).run()

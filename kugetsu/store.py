@@ -1,0 +1,187 @@
+"""Store: locked, atomic transactions on index.json, and the events.jsonl feed.
+
+Every change of the index is one transaction: an exclusive kernel lock on index.lock
+(released by the kernel if the holder dies), read, change, write by temp file + fsync +
+rename + directory fsync. Readers need no lock: the rename is atomic.
+
+Events are committed inside the index (its `outbox`) and appended to events.jsonl after
+the rename; a process that dies in between leaves them in the outbox, and the next
+transaction appends them. So events.jsonl needs no fsync of its own and loses nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+
+import msgspec
+
+from kugetsu.config import describe_decode_error
+from kugetsu.errors import FileError
+from kugetsu.models import Event, Index, Task, check_index
+from kugetsu.paths import Home, atomic_write
+
+_index_decoder = msgspec.json.Decoder(Index)
+_event_decoder = msgspec.json.Decoder(Event)
+_encoder = msgspec.json.Encoder()
+_held = threading.local()
+
+
+def encode_index(index: Index) -> bytes:
+    return msgspec.json.format(_encoder.encode(index), indent=2) + b"\n"
+
+
+class Txn:
+    """What a transaction sees and collects: the index, and the events and archived tasks to write."""
+
+    def __init__(self, index: Index, now: datetime):
+        self.index = index
+        self.now = now
+        self.events: list[Event] = []
+        self.archive: list[Task] = []
+
+    def emit(self, events: list[Event]) -> None:
+        self.events.extend(events)
+
+
+class Store:
+    def __init__(self, home: Home):
+        self.home = home
+
+    # ---- reading (no lock) ---------------------------------------------------------
+
+    def _load(self) -> tuple[Index, bytes]:
+        try:
+            data = self.home.index.read_bytes()
+        except FileNotFoundError:
+            return Index(), b""
+        try:
+            index = _index_decoder.decode(data)
+        except msgspec.DecodeError as err:
+            raise FileError(describe_decode_error(self.home.index, data, err) + _FIX) from None
+        problem = check_index(index)
+        if problem:
+            raise FileError(f"{self.home.index}: {problem}{_FIX}")
+        return index, data
+
+    def read(self) -> Index:
+        """The committed index, as a reader sees it (no lock; never half-written)."""
+        return self._load()[0]
+
+    def read_events(self, after: int = 0) -> list[Event]:
+        """Events with seq > after, oldest first."""
+        try:
+            data = self.home.events.read_bytes()
+        except FileNotFoundError:
+            return []
+        return [e for e in _decode_lines(data) if e.seq > after]
+
+    def tail_events(self, count: int) -> list[Event]:
+        """The last `count` events, cheaply: reads only the end of the file."""
+        return _decode_lines(_tail(self.home.events, max(4096, count * 400)))[-count:] if count else []
+
+    # ---- writing -------------------------------------------------------------------
+
+    @contextmanager
+    def transaction(self, now: datetime) -> Iterator[Txn]:
+        """Lock, load, let the caller change `txn.index`, commit. An exception commits nothing."""
+        if getattr(_held, "depth", 0):
+            raise RuntimeError("nested kugetsu transaction (it would deadlock on index.lock)")
+        self.home.ensure()
+        lock_fd = os.open(self.home.lock, os.O_RDWR | os.O_CREAT, 0o600)
+        _held.depth = 1
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            index, before = self._load()
+            self._recover_outbox(index)
+            txn = Txn(index, now)
+            yield txn
+            self._commit(txn, before)
+        finally:
+            _held.depth = 0
+            os.close(lock_fd)  # releases the lock
+
+    def _commit(self, txn: Txn, before: bytes) -> None:
+        index = txn.index
+        for event in txn.events:
+            event.seq = index.next_seq
+            index.next_seq += 1
+        if txn.events:
+            index.outbox = txn.events
+        if txn.archive:
+            # Before the index write: a crash in between repeats lines (readers keep the
+            # last line of an id), it never loses one.
+            _append(self.home.history, b"".join(_encoder.encode(t) + b"\n" for t in txn.archive), sync=True)
+        data = encode_index(index)
+        if data != before:
+            atomic_write(self.home.index, data)
+        if txn.events:
+            _append_events(self.home.events, txn.events)
+
+    def _recover_outbox(self, index: Index) -> None:
+        if not index.outbox:
+            return
+        last = _last_seq(self.home.events)
+        missing = [e for e in index.outbox if e.seq > last]
+        if missing:
+            _append_events(self.home.events, missing)
+
+
+_FIX = (
+    "\nNothing was changed. Repair the file by hand, or move it away to start with an empty"
+    " queue (running agents are not affected)."
+)
+
+
+def _append(path: os.PathLike[str], data: bytes, sync: bool = False) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, data)
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _append_events(path: os.PathLike[str], events: list[Event]) -> None:
+    data = b"".join(_encoder.encode(e) + b"\n" for e in events)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data  # end a line torn by a crash, so this one stays readable
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _tail(path: os.PathLike[str], size: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            f.seek(max(0, end - size))
+            data = f.read()
+    except FileNotFoundError:
+        return b""
+    if len(data) >= size:  # drop the partial first line
+        data = data[data.find(b"\n") + 1 :]
+    return data
+
+
+def _decode_lines(data: bytes) -> list[Event]:
+    events = []
+    for line in data.splitlines():
+        try:
+            events.append(_event_decoder.decode(line))
+        except msgspec.DecodeError:
+            continue  # a line torn by a crash mid-append; its event is still in the outbox
+    return events
+
+
+def _last_seq(path: os.PathLike[str]) -> int:
+    events = _decode_lines(_tail(path, 4096))
+    return events[-1].seq if events else 0

@@ -1,0 +1,143 @@
+"""Fixtures that drive the real thing: a temp KUGETSU_HOME, the real CLI in subprocesses,
+real agent processes that record their own start and end times, the real service."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from kugetsu.paths import Home  # noqa: E402
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> object:
+    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+class Kugetsu:
+    """The real `kugetsu` command against one temp home."""
+
+    def __init__(self, home: Path):
+        self.home = Home(home)
+        self.env = {
+            **os.environ,
+            "KUGETSU_HOME": str(home),
+            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        }
+        self.rec = home.parent / "rec"
+        self.rec.mkdir(exist_ok=True)
+
+    def run(self, *args: str, input: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kugetsu", *args],
+            env=self.env, input=input, capture_output=True, text=True, timeout=timeout,
+        )
+
+    def ok(self, *args: str, **kw: object) -> str:
+        r = self.run(*args, **kw)  # type: ignore[arg-type]
+        assert r.returncode == 0, f"kugetsu {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}"
+        return r.stdout
+
+    def json(self, *args: str) -> object:
+        return json.loads(self.ok(*args, "--json"))
+
+    def config(self, **values: object) -> None:
+        self.home.root.mkdir(mode=0o700, exist_ok=True)
+        self.home.config.write_text(json.dumps(values))
+
+    # ---- agents that record themselves ------------------------------------------------
+
+    def agent(self, name: str, seconds: float = 0.0, code: int = 0) -> list[str]:
+        """argv of an agent that appends `start <t>` and `end <t>` to rec/<name>."""
+        script = (
+            'echo "start $(date +%s.%N)" >> "$0"; sleep "$1"; '
+            'echo "end $(date +%s.%N)" >> "$0"; exit "$2"'
+        )
+        return ["sh", "-c", script, str(self.rec / name), str(seconds), str(code)]
+
+    def delegate(self, name: str, seconds: float = 0.0, code: int = 0, *extra: str) -> str:
+        return self.ok("delegate", name, *extra, "--", *self.agent(name, seconds, code))
+
+    def times(self, name: str) -> dict[str, float]:
+        try:
+            lines = (self.rec / name).read_text().split("\n")
+        except FileNotFoundError:
+            return {}
+        return {k: float(v) for k, v in (line.split() for line in lines if line.strip())}
+
+    def index(self) -> dict:
+        return json.loads(self.home.index.read_text())
+
+    def task(self, ref: str) -> dict:
+        return self.json("status", ref)  # type: ignore[return-value]
+
+    def wait_state(self, ref: str, *states: str, timeout: float = 15) -> dict:
+        return wait_for(
+            lambda: (t := self.task(ref))["state"] in states and t, timeout, f"{ref} to be {states}"
+        )  # type: ignore[return-value]
+
+    def service_pid(self) -> int | None:
+        try:
+            return int(self.home.service_pid.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def cleanup(self) -> None:
+        """Stop the service and every agent group of this home, whatever the test left."""
+        self.run("shutdown", timeout=30)
+        pid = self.service_pid()
+        if pid:
+            _kill(pid, signal.SIGKILL)
+        for pid in agent_wrappers(self.home):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def agent_wrappers(home: Home) -> list[int]:
+    """pids of living task wrappers of this home (their $0 is kugetsu[<home key>]#<id>)."""
+    want = f"kugetsu[{home.key}]#".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                stat = (entry / "stat").read_bytes()
+            except OSError:
+                continue
+            if len(argv) > 3 and argv[3].startswith(want) and b") Z" not in stat:
+                found.append(int(entry.name))
+    return found
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture
+def kg(tmp_path: Path) -> Iterator[Kugetsu]:
+    k = Kugetsu(tmp_path / "home")
+    yield k
+    k.cleanup()
