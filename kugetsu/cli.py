@@ -156,6 +156,7 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
     from kugetsu import render
 
     cfg, index = ops.read(home)
+    ops.ensure_service(home, cfg, index)
     now = ops.now()
     pos = pm.positions(index, cfg, now)
     queued = pm.start_order(index, cfg, now)
@@ -184,6 +185,7 @@ def cmd_status(home: Home, args: argparse.Namespace) -> int:
     from kugetsu import render
 
     cfg, index = ops.read(home)
+    ops.ensure_service(home, cfg, index)
     task = pm.find(index, args.task)
     obj = ops.task_json(task, pm.positions(index, cfg, ops.now()).get(task.id))
     print(to_json(obj) if args.json else render.task_lines(obj))
@@ -254,7 +256,8 @@ def cmd_wait(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.store import Store
 
     store = Store(home)
-    index = store.read()
+    cfg, index = ops.read(home)
+    ops.ensure_service(home, cfg, index)
     ids = [pm.find(index, ref).id for ref in args.tasks]
     done = _wait_final(home, ids, args.timeout)
     if not done:
@@ -320,6 +323,7 @@ def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
     from kugetsu import render
 
     cfg, index = ops.read(home)
+    ops.ensure_service(home, cfg, index)
     if args.json:
         print(to_json({
             "max_agents": cfg.max_agents,
@@ -372,10 +376,10 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
 
 def cmd_serve(home: Home, args: argparse.Namespace) -> int:
     if args.detach:
-        if ops.service_pid(home):
-            print(f"kugetsu service already running (pid {ops.service_pid(home)})")
+        if ops.start_service(home) is None:
+            pid = ops.service_pid(home)
+            print(f"kugetsu service already running{f' (pid {pid})' if pid else ''}")
             return OK
-        ops.start_service(home)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             pid = ops.service_pid(home)

@@ -97,7 +97,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
             if value is not None:
                 parse_duration(value, key)
         # User presets extend (and may override) the built-in ones.
-        self.agents = {**{k: AgentPreset(**v) for k, v in DEFAULT_AGENTS.items()}, **self.agents}
+        self.agents = msgspec.convert({**DEFAULT_AGENTS, **msgspec.to_builtins(self.agents)}, dict[str, AgentPreset])
         if self.default_agent not in self.agents:
             raise ValueError(
                 f"default_agent {self.default_agent!r} is not a preset; known: {', '.join(sorted(self.agents))}"
@@ -141,6 +141,9 @@ def line_col(data: bytes, offset: int) -> tuple[int, int]:
 def describe_decode_error(path: object, data: bytes, err: Exception) -> str:
     """Turn a msgspec error into 'file: line L col C: what' or 'file: key k: what'."""
     text = str(err)
+    if "truncated" in text:
+        line, col = line_col(data, len(data))
+        return f"{path}: not valid JSON: it ends early, at line {line}, column {col} (truncated?)"
     m = re.search(r"\(byte (\d+)\)", text)
     if m:
         line, col = line_col(data, int(m.group(1)))

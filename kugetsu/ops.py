@@ -152,32 +152,19 @@ def task_json(task: Task, position: int | None) -> dict[str, Any]:
 
 def wake(home: Home, cfg: Config | None = None, message: bytes = b"wake") -> bool:
     """Tell the service the index changed. Starts it if it is not running and autostart is
-    on. Returns whether a service got the message (or was started)."""
+    on. Returns whether a service got the message (or is coming up)."""
     if send(home, message):
         return True
-    if service_starting(home):
-        return True  # it reads the index when it comes up
     if cfg is not None and cfg.autostart:
         start_service(home)
         return True
     return False
 
 
-def service_starting(home: Home) -> bool:
-    """Is the service lock held (a service is up or coming up)? Cheaper than any pid check."""
-    import fcntl
-
-    try:
-        fd = os.open(home.service_lock, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+def ensure_service(home: Home, cfg: Config, index: Index) -> None:
+    """For read-only commands: if there is live work and no service (it crashed), bring it back."""
+    if index.live():
+        wake(home, cfg)
 
 
 def send(home: Home, message: bytes) -> bool:
@@ -195,25 +182,43 @@ def send(home: Home, message: bytes) -> bool:
         sock.close()
 
 
-def start_service(home: Home) -> int:
-    """Start `kugetsu serve` detached (own session, no terminal); returns its pid."""
+LOCK_FD_ENV = "KUGETSU_SERVICE_LOCK_FD"
+
+
+def start_service(home: Home) -> int | None:
+    """Start `kugetsu serve` detached (own session, no terminal); returns its pid, or None
+    if a service is already up or coming up.
+
+    The service lock is taken here and its descriptor handed to the child, so it is held
+    without a gap from this decision until the service exits: two CLIs that find no service
+    at the same moment cannot start two."""
+    import fcntl
     import subprocess
     import sys
 
     home.ensure()
-    log = os.open(home.service_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    lock = os.open(home.service_lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kugetsu", "serve"],
-            env={**os.environ, "KUGETSU_HOME": str(home.root)},
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-            cwd="/",
-        )
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
+        log = os.open(home.service_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kugetsu", "serve"],
+                env={**os.environ, "KUGETSU_HOME": str(home.root), LOCK_FD_ENV: str(lock)},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                cwd="/",
+                pass_fds=(lock,),
+            )
+        finally:
+            os.close(log)
     finally:
-        os.close(log)
+        os.close(lock)  # the child's copy keeps the lock
     return proc.pid
 
 

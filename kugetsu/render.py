@@ -24,8 +24,8 @@ def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset
     return "\n".join([line(headers)] + [line(r) for r in rows])
 
 
-def since(t: datetime | None, now: datetime) -> str:
-    return format_duration((now - t).total_seconds()) if t else "-"
+def since(t: datetime | None, now: datetime | None) -> str:
+    return format_duration((now - t).total_seconds()) if t and now else "-"
 
 
 def until(t: datetime | None, now: datetime) -> str:
@@ -62,10 +62,11 @@ def queued_table(tasks: list[Task], positions: dict[int, int], now: datetime) ->
 def finished_table(tasks: list[Task], now: datetime) -> str:
     rows = [
         [str(t.id), t.name, t.state.value, "-" if t.exit_code is None else str(t.exit_code),
+         since(t.started_at, t.finished_at) if t.started_at and t.finished_at else "-",
          since(t.finished_at, now) + " ago", (t.reason or "")[:60]]
         for t in tasks
     ]
-    return table(["ID", "NAME", "STATE", "EXIT", "ENDED", "REASON"], rows, right={0})
+    return table(["ID", "NAME", "STATE", "EXIT", "RAN", "ENDED", "REASON"], rows, right={0})
 
 
 def task_lines(task: dict[str, Any]) -> str:

@@ -94,23 +94,23 @@ class Service:
             self._stopping.set()
 
     def _lock(self) -> int:
-        import time
-
+        """The single-instance lock: inherited from the CLI that started us, or taken here."""
+        inherited = os.environ.pop(ops.LOCK_FD_ENV, None)
+        if inherited is not None:
+            fd = int(inherited)
+            os.set_inheritable(fd, False)  # agents must never hold it
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # already ours: a no-op that proves it
+            return fd
         fd = os.open(self.home.service_lock, os.O_RDWR | os.O_CREAT, 0o600)
-        # A CLI may hold a shared lock for a moment to see whether we run: retry briefly.
-        for _ in range(20):
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return fd
-            except BlockingIOError:
-                if ops.service_pid(self.home):
-                    break
-                time.sleep(0.01)
-        os.close(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            os.close(fd)
         pid = ops.service_pid(self.home)
         raise AlreadyRunning(
             f"a kugetsu service is already running for {self.home.root}"
-            + (f" (pid {pid})" if pid else "")
+            + (f" (pid {pid})" if pid else " (starting)")
             + "; `kugetsu shutdown` stops it"
         )
 

@@ -65,16 +65,18 @@ class Kugetsu:
 
     # ---- agents that record themselves ------------------------------------------------
 
-    def agent(self, name: str, seconds: float = 0.0, code: int = 0) -> list[str]:
-        """argv of an agent that appends `start <t>` and `end <t>` to rec/<name>."""
+    def agent(self, name: str, seconds: float = 0.0, code: int = 0, gate: Path | None = None) -> list[str]:
+        """argv of an agent that appends `start <t>` and `end <t>` to rec/<name>; with a
+        gate, it also waits until that file exists before it ends."""
         script = (
             'echo "start $(date +%s.%N)" >> "$0"; sleep "$1"; '
+            'while [ -n "$3" ] && [ ! -e "$3" ]; do sleep 0.05; done; '
             'echo "end $(date +%s.%N)" >> "$0"; exit "$2"'
         )
-        return ["sh", "-c", script, str(self.rec / name), str(seconds), str(code)]
+        return ["sh", "-c", script, str(self.rec / name), str(seconds), str(code), str(gate or "")]
 
-    def delegate(self, name: str, seconds: float = 0.0, code: int = 0, *extra: str) -> str:
-        return self.ok("delegate", name, *extra, "--", *self.agent(name, seconds, code))
+    def delegate(self, name: str, seconds: float = 0.0, code: int = 0, *extra: str, gate: Path | None = None) -> str:
+        return self.ok("delegate", name, *extra, "--", *self.agent(name, seconds, code, gate))
 
     def times(self, name: str) -> dict[str, float]:
         try:
@@ -134,6 +136,30 @@ def _kill(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def processes_under(root: Path) -> list[int]:
+    """pids of processes whose KUGETSU_HOME lies under `root` (services and agents)."""
+    want = f"KUGETSU_HOME={root}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(v.startswith(want) for v in env):
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_process_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Whatever a test started under the session's temp dir (a service autostarted by an
+    in-process call, an agent) is killed at the end, so runs never pile up processes."""
+    yield
+    for pid in processes_under(tmp_path_factory.getbasetemp()):
+        _kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture

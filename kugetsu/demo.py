@@ -1,0 +1,153 @@
+"""`kugetsu demo`: the whole job on a throw-away home with a simulated agent.
+
+Six tasks, two slots: watch positions move, a running task cancelled and its slot handed
+on at once, a queued task expire, one agent fail, then a summary. Needs nothing but kugetsu.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kugetsu import ops, pm, render
+from kugetsu.config import Config, save_raw
+from kugetsu.paths import Home
+from kugetsu.store import Store
+
+# name, seconds of work, fails, queue expiry
+PLAN = [
+    ("issue-1", 5, False, None),
+    ("issue-2", 8, False, None),
+    ("issue-3", 4, False, None),
+    ("issue-4", 3, False, 4.0),
+    ("issue-5", 3, True, None),
+    ("issue-6", 3, False, None),
+]
+CANCEL = ("issue-2", 2.0)  # cancelled while running, 2 s in
+
+
+def agent(seconds: float, fail: bool) -> int:
+    """The simulated coding agent: prints its steps, works a while, sometimes fails."""
+    steps = ["reading the issue", "planning", "editing files", "running tests", "writing the summary"]
+    for i, step in enumerate(steps, 1):
+        print(f"[{i}/{len(steps)}] {step}", flush=True)
+        time.sleep(seconds / len(steps))
+    if fail:
+        print("tests failed: 2 of 31", flush=True)
+        return 1
+    print("done: all tests pass", flush=True)
+    return 0
+
+
+def run_demo() -> int:
+    root = Path(tempfile.mkdtemp(prefix="kugetsu-demo-"))
+    home = Home(root / "home")
+    home.ensure()
+    save_raw(home, {"max_agents": 2, "autostart": False, "kill_grace": "2s"})
+    cfg = Config(max_agents=2, autostart=False, kill_grace="2s")
+    env = {**os.environ, "KUGETSU_HOME": str(home.root)}
+    service = subprocess.Popen([sys.executable, "-m", "kugetsu", "serve"], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    started = time.monotonic()
+    say = _printer(started)
+    try:
+        _wait(lambda: ops.service_pid(home) is not None, 10)
+        say(f"throw-away home {home.root}, max_agents 2, six tasks\n")
+        for name, seconds, fail, expiry in PLAN:
+            req = pm.Request(cwd=str(root), name=name, source="demo", expire_after=expiry,
+                             command=[sys.executable, "-m", "kugetsu.demo", str(seconds), "fail" if fail else "ok"])
+            adm = ops.delegate(home, cfg, req)
+            say(f"$ kugetsu delegate {name}  ->  " + (
+                f"started in slot {adm.task.slot}/2" if adm.position is None else f"queued, position {adm.position}"))
+        seen = 0
+        cancelled = False
+        while True:
+            index = Store(home).read()
+            events = Store(home).read_events(seen)
+            for event in events:
+                seen = event.seq
+                if event.type not in ("queued", "config"):
+                    say(f"{event.type:<9} {event.name}" + (f"  slot {event.slot}" if event.slot else "")
+                        + (f"  ({event.reason})" if event.reason else ""))
+            if events and index.live():
+                print(_frame(index, cfg), flush=True)
+            if not cancelled and time.monotonic() - started >= CANCEL[1]:
+                cancelled = True
+                say(f"$ kugetsu cancel {CANCEL[0]}")
+                ops.cancel(home, cfg, [CANCEL[0]], reason="cancelled by the demo")
+            if cancelled and not index.live():
+                break
+            if time.monotonic() - started > 40:
+                say("the demo ran too long; stopping")
+                break
+            time.sleep(0.25)
+        index = Store(home).read()
+        print("\nSUMMARY\n" + render.finished_table(sorted(index.finished, key=lambda t: t.id), ops.now()))
+        counts: dict[str, int] = {}
+        for t in index.finished:
+            counts[t.state.value] = counts.get(t.state.value, 0) + 1
+        print("\n" + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+              + f" in {time.monotonic() - started:.1f}s; at most {peak_running(index)} running at once (max_agents 2).")
+        return 0
+    finally:
+        ops.send(home, b"shutdown")
+        try:
+            service.wait(10)
+        except subprocess.TimeoutExpired:
+            service.kill()
+        for task in Store(home).read().active:  # nothing is left behind, even after Ctrl-C
+            if task.pid:
+                try:
+                    os.killpg(task.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _printer(started: float):
+    def say(text: str) -> None:
+        print(f"[{time.monotonic() - started:5.1f}s] {text}", flush=True)
+
+    return say
+
+
+def _frame(index, cfg: Config) -> str:
+    """The live queue, as `kugetsu queue` shows it, indented under the event lines."""
+    now = ops.now()
+    parts = [render.summary(index, cfg)]
+    if index.active:
+        parts.append(render.running_table(index.active, now))
+    if index.queued:
+        parts.append(render.queued_table(pm.start_order(index, cfg, now), pm.positions(index, cfg, now), now))
+    return "\n".join("          " + line for part in parts for line in part.splitlines()) + "\n"
+
+
+def peak_running(index) -> int:
+    """The most tasks that ever ran at once, from their recorded start and end times."""
+    edges = sorted(
+        [(t.started_at, 1) for t in index.finished if t.started_at]
+        + [(t.finished_at, -1) for t in index.finished if t.started_at and t.finished_at]
+    )
+    peak = running = 0
+    for _, step in edges:
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+def _wait(condition, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the demo service did not start")
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    raise SystemExit(agent(float(sys.argv[1]), sys.argv[2] == "fail"))

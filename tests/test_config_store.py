@@ -1,0 +1,191 @@
+"""config.py and store.py against real files in a temp home."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import msgspec
+import pytest
+
+from kugetsu import ops, pm
+from kugetsu.config import Config, format_duration, load_config, parse_duration, validate
+from kugetsu.errors import FileError, UsageError
+from kugetsu.models import Event, Index
+from kugetsu.paths import Home
+from kugetsu.store import Store, encode_index
+
+REPO_EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "config.example.json")
+
+
+@pytest.mark.parametrize("text,seconds", [("90s", 90), ("15m", 900), ("2h", 7200), ("1d", 86400), ("45", 45),
+                                          (30, 30), ("1.5h", 5400), (" 5m ", 300)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "abc", "5w", "-5s", "0", "0s", "1h30", True, "1e3"])
+def test_bad_durations(text):
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+def test_format_duration():
+    assert [format_duration(s) for s in (5, 90, 900, 3660, 90000)] == ["5s", "1m30s", "15m", "1h01m", "1d01h"]
+
+
+def test_example_config_is_valid_and_holds_every_default():
+    raw = json.load(open(REPO_EXAMPLE))
+    assert msgspec.to_builtins(validate(raw)) == msgspec.to_builtins(Config())
+    assert set(raw) == set(Config.__struct_fields__)
+
+
+def test_unknown_key_is_an_error_with_a_suggestion(tmp_path):
+    home = Home(tmp_path)
+    home.config.write_text('{"max_agent": 4}')
+    with pytest.raises(FileError, match=r"unknown key 'max_agent' \(did you mean 'max_agents'\?\)"):
+        load_config(home)
+
+
+def test_bad_value_names_the_key(tmp_path):
+    home = Home(tmp_path)
+    home.config.write_text('{"telegram": {"notify_chat_ids": ["x"]}}')
+    with pytest.raises(FileError, match=r"key 'telegram.notify_chat_ids.0': Expected `int`"):
+        load_config(home)
+    home.config.write_text('{"max_agents": 65}')
+    with pytest.raises(FileError, match=r"key 'max_agents': Expected `int` <= 64"):
+        load_config(home)
+
+
+def test_json_syntax_error_names_line_and_column(tmp_path):
+    home = Home(tmp_path)
+    home.config.write_text('{\n  "max_agents": 3,\n}\n')
+    with pytest.raises(FileError, match=r"config.json: not valid JSON at line 3, column 1"):
+        load_config(home)
+
+
+def test_set_config_validates_and_keeps_the_file_on_error(tmp_path):
+    home = Home(tmp_path / "h")
+    ops.set_config(home, "autostart", False)  # no service needed here
+    ops.set_config(home, "max_agents", 5)
+    ops.set_config(home, "telegram.allowed_chat_ids", [1, 2])
+    before = home.config.read_bytes()
+    with pytest.raises(FileError, match="Expected `int` >= 1"):
+        ops.set_config(home, "max_agents", 0)
+    with pytest.raises(UsageError, match="unknown config key 'max_agnets'"):
+        ops.set_config(home, "max_agnets", 1)
+    assert home.config.read_bytes() == before
+    assert json.loads(before) == {"autostart": False, "max_agents": 5, "telegram": {"allowed_chat_ids": [1, 2]}}
+    ops.set_config(home, "max_agents", None, remove=True)
+    assert load_config(home).max_agents == 3
+    assert stat.S_IMODE(home.config.stat().st_mode) == 0o600
+    assert stat.S_IMODE(home.root.stat().st_mode) == 0o700
+
+
+def test_token_is_masked_in_events(tmp_path):
+    home = Home(tmp_path / "h")
+    ops.set_config(home, "autostart", False)
+    ops.set_config(home, "telegram.token", "123:SECRET")
+    assert "SECRET" not in home.events.read_text()
+    assert "SECRET" not in json.dumps(__import__("kugetsu.config", fromlist=["masked"]).masked(load_config(home)))
+
+
+# ---- store --------------------------------------------------------------------------------
+
+
+def _admit(store, name):
+    with store.transaction(ops.now()) as txn:
+        task, events = pm.admit(txn.index, Config(), txn.now, pm.Request(cwd="/", name=name, command=["true"]))
+        txn.emit(events)
+    return task
+
+
+def test_transaction_writes_atomically_with_private_modes(tmp_path):
+    home = Home(tmp_path / "h")
+    store = Store(home)
+    _admit(store, "a")
+    index = store.read()
+    assert [t.name for t in index.queued] == ["a"] and index.next_id == 2
+    for path in (home.index, home.lock, home.events):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert not list(home.root.glob(".*.tmp"))
+    assert [e.seq for e in store.read_events()] == [1]
+
+
+def test_a_failed_transaction_writes_nothing(tmp_path):
+    store = Store(Home(tmp_path / "h"))
+    _admit(store, "a")
+    before = store.home.index.read_bytes()
+    with pytest.raises(RuntimeError):
+        with store.transaction(ops.now()) as txn:
+            txn.index.queued.clear()
+            raise RuntimeError("boom")
+    assert store.home.index.read_bytes() == before
+
+
+def test_corrupt_index_is_never_overwritten(tmp_path):
+    home = Home(tmp_path / "h")
+    store = Store(home)
+    _admit(store, "a")
+    home.index.write_text(home.index.read_text()[:-30])
+    broken = home.index.read_bytes()
+    with pytest.raises(FileError, match=r"index.json: not valid JSON: it ends early, at line \d+"):
+        _admit(store, "b")
+    assert home.index.read_bytes() == broken
+
+
+def test_inconsistent_index_is_refused(tmp_path):
+    home = Home(tmp_path / "h")
+    store = Store(home)
+    _admit(store, "a")
+    data = json.loads(home.index.read_text())
+    data["next_id"] = 1
+    home.index.write_text(json.dumps(data))
+    with pytest.raises(FileError, match="not below next_id"):
+        store.read()
+
+
+def test_outbox_recovers_events_lost_between_rename_and_append(tmp_path):
+    home = Home(tmp_path / "h")
+    store = Store(home)
+    _admit(store, "a")
+    _admit(store, "b")
+    # Simulate a crash after the index rename, before the events append: drop the last line.
+    lines = home.events.read_bytes().splitlines(keepends=True)
+    home.events.write_bytes(b"".join(lines[:-1]) + b'{"seq":2,"ty')  # and a torn line
+    _admit(store, "c")
+    seqs = [e.seq for e in store.read_events()]
+    assert seqs == [1, 2, 3]
+
+
+def test_history_moves_out_beyond_the_limit(tmp_path):
+    home = Home(tmp_path / "h")
+    home.ensure()
+    home.config.write_text('{"history_limit": 2, "max_agents": 5}')
+    cfg = load_config(home)
+    store = Store(home)
+    with store.transaction(ops.now()) as txn:
+        for n in "abcd":
+            pm.admit(txn.index, cfg, txn.now, pm.Request(cwd="/", name=n, command=["true"]))
+        ops.settle(txn, cfg)
+        for task in list(txn.index.active):
+            pm.finish(txn.index, task, txn.now, 0)
+        ops.settle(txn, cfg)
+    assert [t.name for t in store.read().finished] == ["c", "d"]
+    assert [json.loads(line)["name"] for line in home.history.read_text().splitlines()] == ["a", "b"]
+
+
+def test_index_is_pretty_and_round_trips():
+    index = Index()
+    data = encode_index(index)
+    assert data.startswith(b'{\n  "version": 1,')
+    assert msgspec.json.decode(data, type=Index) == index
+
+
+def test_event_lines_omit_empty_fields(tmp_path):
+    store = Store(Home(tmp_path / "h"))
+    with store.transaction(ops.now()) as txn:
+        txn.emit([Event(type="config", at=txn.now, key="max_agents", value=4)])
+    line = json.loads(store.home.events.read_text())
+    assert set(line) == {"seq", "type", "at", "key", "value"}

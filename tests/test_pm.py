@@ -1,0 +1,247 @@
+"""pm.py: every scheduling rule, with an injected clock, in microseconds."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kugetsu import pm
+from kugetsu.config import Config
+from kugetsu.errors import NotFound, Rejected, UsageError
+from kugetsu.models import Index, TaskState, check_index
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def req(name=None, **kw):
+    return pm.Request(cwd="/tmp", name=name, command=kw.pop("command", ["true"]), **kw)
+
+
+def admit_all(index, cfg, names, now=T0):
+    return [pm.admit(index, cfg, now, req(n))[0] for n in names]
+
+
+def settle(index, cfg, now=T0):
+    for task in pm.plan_starts(index, cfg, now):
+        pm.start(index, task, now)
+
+
+def test_admit_assigns_increasing_ids_and_default_names():
+    index, cfg = Index(), Config()
+    a, b = admit_all(index, cfg, [None, "x"])
+    assert (a.id, a.name, b.id, b.name) == (1, "task-1", 2, "x")
+    assert index.next_id == 3 and check_index(index) is None
+
+
+def test_fifo_positions_follow_admission_order():
+    index, cfg = Index(), Config(max_agents=1)
+    tasks = admit_all(index, cfg, ["a", "b", "c", "d"])
+    settle(index, cfg)
+    assert [t.name for t in index.active] == ["a"]
+    assert pm.positions(index, cfg, T0) == {tasks[1].id: 1, tasks[2].id: 2, tasks[3].id: 3}
+
+
+def test_start_takes_lowest_free_slot():
+    index, cfg = Index(), Config(max_agents=3)
+    a, b, c = admit_all(index, cfg, ["a", "b", "c"])
+    settle(index, cfg)
+    assert (a.slot, b.slot, c.slot) == (1, 2, 3)
+    pm.finish(index, b, T0, 0)
+    d, = admit_all(index, cfg, ["d"])
+    settle(index, cfg)
+    assert d.slot == 2
+
+
+def test_duplicate_live_name_is_refused_but_finished_name_may_return():
+    index, cfg = Index(), Config()
+    a, = admit_all(index, cfg, ["a"])
+    with pytest.raises(UsageError, match="already queued or running"):
+        pm.admit(index, cfg, T0, req("a"))
+    settle(index, cfg)
+    pm.finish(index, a, T0, 0)
+    b, _ = pm.admit(index, cfg, T0, req("a"))
+    assert b.id == 2
+    assert pm.find(index, "a") is b  # the live one wins
+    assert pm.find(index, "1") is a
+
+
+@pytest.mark.parametrize("name", ["", "-x", "a b", "x" * 65, "é", "a/b", ".hidden"])
+def test_invalid_names_are_refused(name):
+    with pytest.raises(UsageError, match="invalid task name"):
+        pm.admit(Index(), Config(), T0, req(name))
+
+
+def test_queue_full_is_rejected_with_numbers_and_nothing_changes():
+    index, cfg = Index(), Config(max_agents=1, max_queue=2)
+    admit_all(index, cfg, ["a", "b", "c"])
+    settle(index, cfg)
+    before = (index.next_id, len(index.queued))
+    with pytest.raises(Rejected, match=r"queue full: 2/2 waiting, 1/1 running"):
+        pm.admit(index, cfg, T0, req("d"))
+    assert (index.next_id, len(index.queued)) == before
+
+
+def test_a_free_slot_admits_even_when_max_queue_is_zero():
+    index, cfg = Index(), Config(max_agents=1, max_queue=0)
+    pm.admit(index, cfg, T0, req("a"))
+    settle(index, cfg)
+    with pytest.raises(Rejected):
+        pm.admit(index, cfg, T0, req("b"))
+
+
+def test_preset_placeholders_are_substituted_inside_one_argv_element():
+    cfg = Config(agents={"echo": {"command": ["echo", "--task={name}#{id}", "{prompt}"]}}, default_agent="echo")
+    prompt = "a; rm -rf / $(whoami) '{name}' \"x\""
+    task, _ = pm.admit(Index(), cfg, T0, pm.Request(cwd="/", name="n1", prompt=prompt))
+    assert task.command == ["echo", "--task=n1#1", prompt]
+
+
+def test_preset_needs_a_prompt_and_must_exist():
+    with pytest.raises(UsageError, match="needs a prompt"):
+        pm.admit(Index(), Config(), T0, pm.Request(cwd="/", name="x"))
+    with pytest.raises(UsageError, match="unknown agent preset 'nope'"):
+        pm.admit(Index(), Config(), T0, pm.Request(cwd="/", prompt="p", agent="nope"))
+
+
+def test_finish_states():
+    index, cfg = Index(), Config()
+    a, b, c = admit_all(index, cfg, ["a", "b", "c"])
+    settle(index, cfg)
+    pm.finish(index, a, T0, 0)
+    pm.finish(index, b, T0, 137)
+    pm.finish(index, c, T0, None)
+    assert (a.state, b.state, c.state) == (TaskState.SUCCEEDED, TaskState.FAILED, TaskState.LOST)
+    assert b.reason == "exit code 137 (killed by SIGKILL)"
+    assert check_index(index) is None
+
+
+def test_cancel_queued_is_immediate_and_running_waits_for_the_process():
+    index, cfg = Index(), Config(max_agents=1)
+    a, b = admit_all(index, cfg, ["a", "b"])
+    settle(index, cfg)
+    events = pm.cancel(index, b, T0, grace=10)
+    assert b.state is TaskState.CANCELLED and [e.type for e in events] == ["cancelled"]
+    assert pm.cancel(index, a, T0, grace=10) == []
+    assert a.state is TaskState.RUNNING and a.stop is TaskState.CANCELLED
+    assert a.kill_at == T0 + timedelta(seconds=10)
+    assert pm.kills_due(index, T0 + timedelta(seconds=9)) == []
+    assert pm.kills_due(index, T0 + timedelta(seconds=10)) == [a]
+    pm.finish(index, a, T0, 143)
+    assert a.state is TaskState.CANCELLED and a.exit_code == 143
+    with pytest.raises(UsageError, match="already cancelled"):
+        pm.cancel(index, a, T0, grace=10)
+
+
+def test_expiry_is_exact_to_the_deadline():
+    index, cfg = Index(), Config(max_agents=1, queue_timeout="1h")
+    a, b = admit_all(index, cfg, ["a", "b"])
+    settle(index, cfg)
+    assert pm.expire_due(index, T0 + timedelta(minutes=59, seconds=59)) == []
+    events = pm.expire_due(index, T0 + timedelta(hours=1))
+    assert [e.type for e in events] == ["expired"] and b.state is TaskState.EXPIRED
+    assert b.reason == "expired after 1h00m in the queue"
+    assert a.state is TaskState.RUNNING  # running tasks never expire
+
+
+def test_run_timeout_marks_failed_stop_once():
+    index, cfg = Index(), Config(run_timeout="90s")
+    a, = admit_all(index, cfg, ["a"])
+    settle(index, cfg)
+    assert pm.timeouts_due(index, T0 + timedelta(seconds=89), grace=5) == []
+    assert pm.timeouts_due(index, T0 + timedelta(seconds=90), grace=5) == [a]
+    assert pm.timeouts_due(index, T0 + timedelta(seconds=95), grace=5) == []  # already stopping
+    pm.finish(index, a, T0, 143)
+    assert a.state is TaskState.FAILED and a.reason == "timed out after 1m30s"
+
+
+def test_lowering_max_agents_never_stops_running_tasks():
+    index = Index()
+    admit_all(index, Config(max_agents=3), ["a", "b", "c", "d"])
+    settle(index, Config(max_agents=3))
+    low = Config(max_agents=1)
+    settle(index, low)
+    assert len(index.active) == 3 and pm.free_slots(index, low) == 0
+
+
+def test_trim_history_keeps_the_newest():
+    index, cfg = Index(), Config(max_agents=5)
+    tasks = admit_all(index, cfg, list("abcde"))
+    settle(index, cfg)
+    for t in tasks:
+        pm.finish(index, t, T0, 0)
+    gone = pm.trim_history(index, 2)
+    assert [t.name for t in gone] == ["a", "b", "c"] and [t.name for t in index.finished] == ["d", "e"]
+
+
+def test_find_unknown_task():
+    with pytest.raises(NotFound, match="no task 'x'"):
+        pm.find(Index(), "x")
+
+
+# ---- properties ---------------------------------------------------------------------------
+
+ops_strategy = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.integers(0, 0)),
+        st.tuples(st.just("finish"), st.integers(0, 9)),
+        st.tuples(st.just("cancel"), st.integers(0, 9)),
+        st.tuples(st.just("max"), st.integers(1, 5)),
+        st.tuples(st.just("tick"), st.integers(1, 3600)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops_strategy, st.integers(1, 5))
+def test_invariants_hold_under_any_sequence(steps, max_agents):
+    """Capacity is never exceeded by a start, every task is in exactly one place, ids
+    increase, positions are 1..n in start order, and tasks start in FIFO order."""
+    cfg = Config(max_agents=max_agents, max_queue=1000, queue_timeout="2h")
+    index, now, started = Index(), T0, []
+    for op, arg in steps:
+        if op == "admit":
+            pm.admit(index, cfg, now, req())
+        elif op == "finish" and index.active:
+            pm.finish(index, index.active[arg % len(index.active)], now, arg % 2)
+        elif op == "cancel" and index.live():
+            task = index.live()[arg % len(index.live())]
+            pm.cancel(index, task, now, grace=0)
+            if task.state is TaskState.RUNNING:
+                pm.finish(index, task, now, 143)
+        elif op == "max":
+            cfg = Config(max_agents=arg, max_queue=1000, queue_timeout="2h")
+        elif op == "tick":
+            now += timedelta(seconds=arg)
+            pm.expire_due(index, now)
+        before = len(index.active)
+        planned = pm.plan_starts(index, cfg, now)
+        for task in planned:
+            pm.start(index, task, now)
+            started.append(task.id)
+        assert len(index.active) <= max(cfg.max_agents, before)
+        assert check_index(index) is None
+        pos = pm.positions(index, cfg, now)
+        assert sorted(pos.values()) == list(range(1, len(index.queued) + 1))
+        assert len({t.id for t in index.all_tasks()}) == len(index.all_tasks())
+    assert started == sorted(started)  # FIFO: admission order is start order
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 20), st.integers(1, 5))
+def test_positions_predict_the_real_start_order(n, max_agents):
+    cfg = Config(max_agents=max_agents, max_queue=1000)
+    index = Index()
+    admit_all(index, cfg, [f"t{i}" for i in range(n)])
+    settle(index, cfg)
+    predicted = sorted(pm.positions(index, cfg, T0), key=pm.positions(index, cfg, T0).get)
+    actual = []
+    while index.active:
+        pm.finish(index, index.active[0], T0, 0)
+        for task in pm.plan_starts(index, cfg, T0):
+            pm.start(index, task, T0)
+            actual.append(task.id)
+    assert actual == predicted
