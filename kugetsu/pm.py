@@ -284,4 +284,5 @@ def _close(index: Index, task: Task, state: TaskState, now: datetime, exit_code:
 
 
 def _event(kind: str, task: Task, now: datetime, **detail: object) -> Event:
+    detail.setdefault("branch", task.branch)  # worktree tasks: notifications name the branch
     return Event(type=kind, at=now, task=task.id, name=task.name, source=task.source, state=task.state.value, **detail)
