@@ -226,3 +226,21 @@ def test_config_preset_keep_and_max_disk(kg, repo):
     assert r.returncode == 2
     kg.ok("config", "set", "worktrees.keep", "always")
     assert kg.ok("config", "get", "worktrees.keep").strip() == "always"
+
+
+def test_cancel_and_timeout_leave_no_worktree(kg, repo, tmp_path):
+    kg.config(max_agents=1)
+    go = tmp_path / "go"
+    assert delegate(kg, repo, "running", gated(go)).returncode == 0
+    assert delegate(kg, repo, "waiting", ["true"]).returncode == 0
+    kg.ok("cancel", "waiting")  # queued: it never had a worktree
+    assert kg.task("waiting")["worktree"] is None
+    wait_for(lambda: Path(f"{go}.ready").exists(), 15, "the agent to run")
+    assert kg.task("running")["worktree_state"] == "active"
+    kg.ok("cancel", "running")
+    assert kg.task("running")["worktree_state"] == "removed"
+    assert delegate(kg, repo, "slow", ["sleep", "30"], "--timeout", "1s").returncode == 0
+    t = kg.wait_state("slow", "failed")
+    assert "timed out" in t["reason"] and t["worktree_state"] == "removed"
+    assert branches(repo) == ["main"] and registered(repo) == [str(repo)]
+    assert not any((kg.home.root / "worktrees").glob("*/*"))
