@@ -244,3 +244,22 @@ def test_cancel_and_timeout_leave_no_worktree(kg, repo, tmp_path):
     assert "timed out" in t["reason"] and t["worktree_state"] == "removed"
     assert branches(repo) == ["main"] and registered(repo) == [str(repo)]
     assert not any((kg.home.root / "worktrees").glob("*/*"))
+
+
+def test_a_worktree_created_before_a_crash_is_reused_not_recreated(kg, repo):
+    # autostart off: the task is `running` in the index with no process and no worktree
+    # recorded, as if the service died between `git worktree add` and its commit.
+    kg.config(autostart=False)
+    r = delegate(kg, repo, "orphaned", ["sh", "-c", 'cat left.txt > "$0"', str(kg.rec / "orphaned")])
+    assert r.returncode == 0, r.stderr
+    task = kg.index()["active"][0]
+    assert task["pid"] is None and task["worktree"] is None
+    from kugetsu.worktree import group_dir
+
+    path = group_dir(kg.home, str(repo)) / "orphaned"
+    git(repo, "worktree", "add", "-q", "-b", "kugetsu/orphaned", str(path), task["base"])
+    (path / "left.txt").write_text("from before the crash\n")
+    kg.ok("serve", "--detach")
+    t = kg.wait_state("orphaned", "succeeded")
+    assert (kg.rec / "orphaned").read_text() == "from before the crash\n"
+    assert t["worktree"] == str(path) and t["worktree_state"] == "kept"
