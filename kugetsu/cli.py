@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--expire-after", metavar="DUR", type=_duration, help="expire if still queued after DUR")
     d.add_argument("--timeout", metavar="DUR", type=_duration, help="stop the agent after running DUR")
     d.add_argument("--json", action="store_true", help="print the task object")
+    wt = d.add_mutually_exclusive_group()
+    wt.add_argument("--worktree", action="store_true", default=None,
+                    help="run the agent in its own git worktree on branch kugetsu/NAME")
+    wt.add_argument("--no-worktree", dest="worktree", action="store_false",
+                    help="not in a worktree, whatever the preset or config say")
+    d.add_argument("--base", metavar="REF", help="the worktree's starting point (default: HEAD now)")
 
     q = sub.add_parser("queue", help="running and queued tasks")
     q.add_argument("--all", action="store_true", help="also recent finished tasks")
@@ -90,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     cl = sub.add_parser("clean", help="drop finished tasks (and their logs) from the index")
     cl.add_argument("--older-than", metavar="DUR", type=_duration)
+
+    wts = sub.add_parser("worktrees", help="kugetsu's git worktrees: list, prune")
+    wts.add_argument("--json", action="store_true")
+    wsub = wts.add_subparsers(dest="action", metavar="ACTION")
+    wp = wsub.add_parser("prune", help="remove the worktrees of finished tasks")
+    wp.add_argument("--older-than", metavar="DUR", type=_duration, help="only tasks finished more than DUR ago")
+    wp.add_argument("--force", action="store_true", help="also uncommitted changes and unmerged branches")
+    wp.add_argument("--json", action="store_true")
 
     sub.add_parser("demo", help="see kugetsu work on a throw-away home, with a simulated agent")
     return p
@@ -140,16 +154,22 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         priority=args.priority,
         expire_after=args.expire_after,
         timeout=args.timeout,
+        worktree=args.worktree,
+        base=args.base,
     )
     adm = ops.delegate(home, cfg, req)
     t = adm.task
     if args.json:
         print(to_json(ops.task_json(t, adm.position)))
     elif adm.position is None:
-        print(f"started {t.name} (#{t.id}), slot {t.slot}/{adm.max_agents}")
+        print(f"started {t.name} (#{t.id}), slot {t.slot}/{adm.max_agents}" + _on_branch(t))
     else:
-        print(f"queued {t.name} (#{t.id}), position {adm.position} of {adm.queued}")
+        print(f"queued {t.name} (#{t.id}), position {adm.position} of {adm.queued}" + _on_branch(t))
     return OK
+
+
+def _on_branch(t: Task) -> str:
+    return f", worktree on branch {t.branch}" if t.branch else ""
 
 
 def cmd_queue(home: Home, args: argparse.Namespace) -> int:
@@ -413,6 +433,44 @@ def cmd_clean(home: Home, args: argparse.Namespace) -> int:
     return OK
 
 
+def cmd_worktrees(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu import render, worktree
+
+    if args.action == "prune":
+        done = ops.prune_worktrees(home, args.older_than, args.force)
+        if args.json:
+            print(to_json([{"path": str(p.entry.path), "task": p.entry.task.id if p.entry.task else None,
+                            "branch": p.entry.branch, "removed": p.removed, "note": p.note} for p in done]))
+            return OK
+        for p in done:
+            who = f"{p.entry.task.name} (#{p.entry.task.id})" if p.entry.task else f"{p.entry.path.name} (no task)"
+            print(f"{'removed' if p.removed else 'kept'} {who}: {p.note}")
+        if not done:
+            print("no worktrees of finished tasks to prune")
+        return OK
+    index = ops.read(home)[1]
+    rows = [_worktree_row(e, worktree.disk_usage(e.path)) for e in worktree.entries(home, index.all_tasks())]
+    if args.json:
+        print(to_json(rows))
+    elif not rows:
+        print(f"no worktrees (they live in {home.root / 'worktrees'})")
+    else:
+        print(render.worktrees_table(rows, ops.now()))
+    return OK
+
+
+def _worktree_row(e: Any, size: int) -> dict[str, Any]:
+    from datetime import datetime, timezone
+
+    t = e.task
+    created = t.started_at if t and t.started_at else datetime.fromtimestamp(e.path.stat().st_mtime, timezone.utc)
+    return {
+        "task": t.id if t else None, "name": t.name if t else None, "state": t.state.value if t else None,
+        "worktree_state": t.worktree_state if t else None, "branch": e.branch, "path": str(e.path),
+        "repo": t.repo if t else e.repo, "size": size, "created_at": created.isoformat(),
+    }
+
+
 def cmd_demo(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.demo import run_demo
 
@@ -431,5 +489,6 @@ COMMANDS = {
     "serve": cmd_serve,
     "shutdown": cmd_shutdown,
     "clean": cmd_clean,
+    "worktrees": cmd_worktrees,
     "demo": cmd_demo,
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -46,7 +46,30 @@ def format_duration(seconds: float) -> str:
     return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
 
 
+def format_size(n: float) -> str:
+    """Short human form: 512B, 3.4K, 12.0M, 1.5G."""
+    for unit in ("B", "K", "M", "G"):
+        if n < 1024:
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}T"
+
+
 Duration = str | int | float
+
+_SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: object, what: str = "size") -> int:
+    """`500M`, `10G`, `1.5T` (powers of 1024) or plain bytes -> bytes (> 0)."""
+    m = None if isinstance(value, bool) else _SIZE_RE.match(str(value))
+    if not m:
+        raise ValueError(f"{what}: {value!r} is not a size; use 500M, 10G, 1T or plain bytes")
+    size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"{what}: must be more than 0, got {value!r}")
+    return size
 
 # ---- the model -------------------------------------------------------------------------
 
@@ -56,12 +79,27 @@ DEFAULT_AGENTS: dict[str, dict[str, Any]] = {
     "codex": {"command": ["codex", "exec", "{prompt}"], "env": {}},
 }
 DEFAULT_TELEGRAM_EVENTS = ["started", "succeeded", "failed", "cancelled", "expired", "lost"]
-EVENT_TYPES = ("queued", "started", "succeeded", "failed", "cancelled", "expired", "lost", "config")
+EVENT_TYPES = ("queued", "started", "succeeded", "failed", "cancelled", "expired", "lost", "config", "worktree")
 
 
 class AgentPreset(msgspec.Struct, forbid_unknown_fields=True):
     command: Annotated[list[str], msgspec.Meta(min_length=1)]
     env: dict[str, str] = {}
+    worktree: bool = False  # run this agent in its own git worktree (docs/worktrees.md)
+
+
+class WorktreesConfig(msgspec.Struct, forbid_unknown_fields=True):
+    enabled: bool = False
+    keep: Literal["changed", "always", "never"] = "changed"
+    max_disk: str | int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_disk is not None:
+            parse_size(self.max_disk, "worktrees.max_disk")
+
+    @property
+    def max_disk_bytes(self) -> int | None:
+        return None if self.max_disk is None else parse_size(self.max_disk)
 
 
 class TelegramConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -90,6 +128,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     history_limit: Annotated[int, msgspec.Meta(ge=0)] = 500
     autostart: bool = True
     telegram: TelegramConfig = msgspec.field(default_factory=TelegramConfig)
+    worktrees: WorktreesConfig = msgspec.field(default_factory=WorktreesConfig)
 
     def __post_init__(self) -> None:
         for key in ("queue_timeout", "run_timeout", "kill_grace"):
@@ -128,7 +167,9 @@ KEY_HELP: dict[str, str] = {
     "history_limit": "finished tasks kept in index.json; older ones move to history.jsonl",
     "autostart": "the CLI starts the service when needed",
     "telegram": "the Telegram bot: token, allowed_chat_ids, notify_chat_ids, api_base_url, events",
+    "worktrees": "git worktree per agent: enabled, keep (changed|always|never), max_disk (e.g. 20G)",
 }
+_NESTED: dict[str, type[msgspec.Struct]] = {"telegram": TelegramConfig, "worktrees": WorktreesConfig}
 
 # ---- loading ---------------------------------------------------------------------------
 
@@ -164,7 +205,7 @@ def _dotted(msgspec_path: str) -> str:
 
 
 def _did_you_mean(key: str) -> str:
-    known = list(Config.__struct_fields__) + [f"telegram.{f}" for f in TelegramConfig.__struct_fields__]
+    known = list(Config.__struct_fields__) + [f"{k}.{f}" for k, t in _NESTED.items() for f in t.__struct_fields__]
     close = difflib.get_close_matches(key, known, n=1)
     return f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(Config.__struct_fields__)}"
 
@@ -221,7 +262,7 @@ def _check_key(key: str) -> list[str]:
     top = parts[0]
     if top not in Config.__struct_fields__:
         raise UsageError(f"unknown config key {key!r}{_did_you_mean(key)}")
-    if top == "telegram" and len(parts) > 1 and parts[1] not in TelegramConfig.__struct_fields__:
+    if top in _NESTED and len(parts) > 1 and parts[1] not in _NESTED[top].__struct_fields__:
         raise UsageError(f"unknown config key {key!r}{_did_you_mean(key)}")
     return parts
 

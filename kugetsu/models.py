@@ -76,6 +76,15 @@ class Task(msgspec.Struct, kw_only=True):
     # SIGKILL follows the SIGTERM it was sent.
     stop: TaskState | None = None
     kill_at: Time | None = None
+    # Worktree isolation (docs/worktrees.md). `repo` set = the task runs in its own worktree.
+    # `base` is what it branches from: a commit pinned at admission, or the --base REF as given
+    # (resolved when it starts); `base_commit` is the commit the worktree was really created at.
+    repo: str | None = None
+    base: str | None = None
+    branch: str | None = None
+    worktree: str | None = None
+    base_commit: str | None = None
+    worktree_state: Literal["active", "kept", "removed", "pruned"] | None = None
 
 
 class Event(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -94,6 +103,8 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True):
     position: int | None = None
     key: str | None = None
     value: object = None
+    branch: str | None = None
+    worktree: str | None = None
 
 
 class Index(msgspec.Struct, kw_only=True):

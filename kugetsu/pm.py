@@ -91,6 +91,11 @@ class Request:
     expire_after: float | None = None  # seconds; None: config queue_timeout
     timeout: float | None = None  # seconds; None: config run_timeout
     env: dict[str, str] = field(default_factory=dict)
+    # Worktree isolation: None lets the agent preset and config decide (ops does); ops then
+    # fills `repo` (the repository's top level) and `base`, which pm records on the task.
+    worktree: bool | None = None
+    base: str | None = None
+    repo: str | None = None
 
 
 _PLACEHOLDER = re.compile(r"\{(prompt|name|id)\}")
@@ -152,6 +157,9 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         prompt=req.prompt,
         timeout=timeout,
         env=env,
+        repo=req.repo,
+        base=req.base if req.repo else None,
+        branch=f"kugetsu/{name}" if req.repo else None,
     )
     index.next_id += 1
     index.queued.append(task)
@@ -276,4 +284,5 @@ def _close(index: Index, task: Task, state: TaskState, now: datetime, exit_code:
 
 
 def _event(kind: str, task: Task, now: datetime, **detail: object) -> Event:
+    detail.setdefault("branch", task.branch)  # worktree tasks: notifications name the branch
     return Event(type=kind, at=now, task=task.id, name=task.name, source=task.source, state=task.state.value, **detail)

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from kugetsu.config import Config, format_duration
+from kugetsu.config import Config, format_duration, format_size
 from kugetsu.models import Index, Task
 
 
@@ -47,7 +47,12 @@ def running_table(tasks: list[Task], now: datetime) -> str:
          str(t.pid or "starting"), "stopping" if t.stop else ""]
         for t in tasks
     ]
-    return table(["SLOT", "ID", "NAME", "SOURCE", "AGENT", "ELAPSED", "PID", ""], rows, right={0, 1})
+    headers = ["SLOT", "ID", "NAME", "SOURCE", "AGENT", "ELAPSED", "PID", ""]
+    if any(t.branch for t in tasks):  # worktree tasks: where their work goes
+        headers.insert(-1, "BRANCH")
+        for row, t in zip(rows, tasks):
+            row.insert(-1, t.branch or "-")
+    return table(headers, rows, right={0, 1})
 
 
 def queued_table(tasks: list[Task], positions: dict[int, int], now: datetime) -> str:
@@ -66,7 +71,25 @@ def finished_table(tasks: list[Task], now: datetime) -> str:
          since(t.finished_at, now) + " ago", (t.reason or "")[:60]]
         for t in tasks
     ]
-    return table(["ID", "NAME", "STATE", "EXIT", "RAN", "ENDED", "REASON"], rows, right={0})
+    headers = ["ID", "NAME", "STATE", "EXIT", "RAN", "ENDED", "REASON"]
+    if any(t.branch for t in tasks):
+        headers.insert(-1, "WORKTREE")
+        for row, t in zip(rows, tasks):
+            row.insert(-1, f"{t.worktree_state} {t.branch}" if t.worktree_state else (t.branch or "-"))
+            row[-1] = (t.reason or "")[:90]  # "work kept on branch ..." is worth the width
+    return table(headers, rows, right={0})
+
+
+def worktrees_table(rows: list[dict[str, Any]], now: datetime) -> str:
+    from datetime import datetime as dt
+
+    out = [
+        [str(r["task"] or "-"), r["name"] or "(no task)", r["state"] or "-", r["branch"] or "-",
+         format_size(r["size"]), since(dt.fromisoformat(r["created_at"]), now), r["path"]]
+        for r in rows
+    ]
+    return table(["ID", "TASK", "STATE", "BRANCH", "SIZE", "AGE", "PATH"], out, right={0, 4})
+
 
 
 def task_lines(task: dict[str, Any]) -> str:

@@ -17,9 +17,10 @@ import signal
 import socket
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
-from kugetsu import ops, pm, runner
+from kugetsu import ops, pm, runner, worktree
 from kugetsu.config import Config, load_config
 from kugetsu.errors import KugetsuError
 from kugetsu.models import Event, Index, Task
@@ -49,6 +50,7 @@ class Service:
         self._tick_pending = False
         self._first_tick = True
         self._stopping: asyncio.Event | None = None
+        self._disk_check = True  # worktrees.max_disk: look at start, then whenever one is kept
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -163,7 +165,7 @@ class Service:
             for task in list(index.active):
                 if task.pid is not None and (task.id in self.exited or not runner.alive(task.pid, task.pid_start)):
                     code, reason = self._exit_status(task)
-                    txn.emit(pm.finish(index, task, txn.now, code, reason))
+                    self._finish(txn, task, code, reason)
             signals += [(t, signal.SIGTERM) for t in pm.timeouts_due(index, txn.now, cfg.kill_grace_s)]
             signals += [(t, signal.SIGKILL) for t in pm.kills_due(index, txn.now)]
             while True:
@@ -178,6 +180,10 @@ class Service:
             runner.kill_group(task.pid, task.pid_start, sig)
         self._sync_watches()
         self._sync_jobs()
+        if self._disk_check and self.cfg.worktrees.max_disk is not None:
+            self._disk_check = False
+            # Off the loop: measuring worktrees walks their files.
+            self.loop.run_in_executor(None, self._enforce_max_disk, self.cfg)
         if events:
             for listener in self.listeners:
                 listener(events)
@@ -194,15 +200,21 @@ class Service:
         freed = False
         for task in [t for t in txn.index.active if t.pid is None]:
             if task.stop is not None:  # cancelled before its process existed
-                txn.emit(pm.finish(txn.index, task, txn.now, None))
+                self._finish(txn, task, None)
                 freed = True
                 continue
             if self._first_tick and self._adopt_unrecorded(txn, task):
                 continue
             try:
-                spawned = runner.spawn(self.home, task.id, task.name, task.command, task.cwd, task.env)
+                cwd, env = self._workplace(task)
+            except worktree.WorktreeError as err:
+                self._finish(txn, task, 1, f"could not create its worktree: {err}")
+                freed = True
+                continue
+            try:
+                spawned = runner.spawn(self.home, task.id, task.name, task.command, cwd, env)
             except OSError as err:
-                txn.emit(pm.finish(txn.index, task, txn.now, 127, f"could not start: {err}"))
+                self._finish(txn, task, 127, f"could not start: {err}")
                 freed = True
                 continue
             self.children[spawned.pid] = spawned.popen
@@ -211,8 +223,37 @@ class Service:
                 self.exited.add(task.id)
         return freed
 
+    def _workplace(self, task: Task) -> tuple[str, dict[str, str]]:
+        """Where and with what environment the agent runs: a worktree task gets its worktree
+        created now, at start, so that a long queue costs no disk."""
+        if not task.repo:
+            return task.cwd, task.env
+        if task.worktree_state is None:
+            worktree.create(self.home, task)
+        assert task.worktree and task.branch
+        env = {**task.env, "KUGETSU_WORKTREE": task.worktree, "KUGETSU_BRANCH": task.branch}
+        return worktree.agent_cwd(task, Path(task.worktree)), env
+
+    def _finish(self, txn: Any, task: Task, code: int | None, reason: str | None = None) -> None:
+        """pm.finish, then the task's worktree kept or removed (worktrees.keep); what became of
+        it goes into the task's reason and its final event."""
+        events = pm.finish(txn.index, task, txn.now, code, reason)
+        if task.worktree_state == "active":
+            try:
+                note = worktree.close(self.home, task, self.cfg.worktrees.keep)
+            except worktree.WorktreeError as err:  # never lose work over a git hiccup: keep it
+                task.worktree_state, note = "kept", f"worktree kept at {task.worktree} ({err})"
+            if task.worktree_state == "kept":
+                self._disk_check = True
+            if note:
+                task.reason = f"{task.reason}; {note}" if task.reason else note
+            for event in events:
+                event.reason, event.branch, event.worktree = task.reason, task.branch, task.worktree
+        txn.emit(events)
+
     def _adopt_unrecorded(self, txn: Any, task: Task) -> bool:
         """After a crash between spawn and commit: find the wrapper the index does not know."""
+        worktree.recover(self.home, task)  # a worktree created just before the crash
         found = runner.find_wrapper(self.home, task.id)
         if found:
             task.pid, task.pid_start, task.log = found[0], found[1], str(self.home.log(task.id))
@@ -221,7 +262,7 @@ class Service:
         code = runner.read_exit(self.home, task.id)
         if code is not None:
             task.log = str(self.home.log(task.id))
-            txn.emit(pm.finish(txn.index, task, txn.now, code))
+            self._finish(txn, task, code)
             return True
         return False
 
@@ -240,6 +281,13 @@ class Service:
             name = signal.Signals(-returncode).name
             return 128 - returncode, f"killed by {name}"
         return None, None
+
+    def _enforce_max_disk(self, cfg: Config) -> None:
+        try:
+            for done in ops.enforce_max_disk(self.home, cfg):
+                log.info("worktree %s: %s", done.entry.path, done.note)
+        except Exception:
+            log.exception("worktrees.max_disk check failed")
 
     # ---- watching processes and deadlines --------------------------------------------
 

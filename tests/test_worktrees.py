@@ -1,0 +1,265 @@
+"""Worktree isolation through the real CLI, the real service, real git repositories and
+real agent processes (docs/worktrees.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import agent_wrappers, wait_for
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    r = tmp_path / "repo"
+    r.mkdir()
+    git(r, "init", "-q", "-b", "main")
+    git(r, "config", "user.name", "Test")
+    git(r, "config", "user.email", "test@example.com")
+    (r / "f.txt").write_text("original\n")
+    (r / "sub").mkdir()
+    (r / "sub" / "keep.txt").write_text("x\n")
+    git(r, "add", ".")
+    git(r, "commit", "-qm", "init")
+    return r
+
+
+def gated(go: Path, after: str = "") -> list[str]:
+    """An agent that says it runs (touches `<go>.ready`), waits for the file `go`, then runs `after`."""
+    return ["sh", "-c", f'touch "$0.ready"; while [ ! -e "$0" ]; do sleep 0.05; done; {after}', str(go)]
+
+
+def delegate(kg, repo: Path, name: str, argv: list[str], *extra: str, cwd: Path | None = None):
+    return kg.run("delegate", name, "--worktree", "--cwd", str(cwd or repo), *extra, "--", *argv)
+
+
+def branches(repo: Path) -> list[str]:
+    return git(repo, "branch", "--format=%(refname:short)").splitlines()
+
+
+def registered(repo: Path) -> list[str]:
+    return [line.split(" ", 1)[1] for line in git(repo, "worktree", "list", "--porcelain").splitlines()
+            if line.startswith("worktree ")]
+
+
+def events(kg, kind: str) -> list[dict]:
+    lines = kg.home.events.read_text().splitlines() if kg.home.events.exists() else []
+    return [e for e in map(json.loads, lines) if e["type"] == kind]
+
+
+def test_parallel_tasks_each_see_only_their_own_change(kg, repo, tmp_path):
+    go = tmp_path / "go"
+    for name in ("a", "b"):
+        # Each agent writes its own name into the same file, then (once both are running)
+        # reports what it sees, where it runs and its branch.
+        report = (f'echo {name} > f.txt; touch "$0.{name}"; while [ ! -e "$0" ]; do sleep 0.05; done; '
+                  f'{{ cat f.txt; pwd; echo "$KUGETSU_BRANCH"; echo "$KUGETSU_WORKTREE"; }} > "{kg.rec / name}"')
+        r = delegate(kg, repo, name, ["sh", "-c", report, str(go)])
+        assert r.returncode == 0, r.stderr
+        assert "worktree on branch kugetsu/" + name in r.stdout
+    wait_for(lambda: Path(f"{go}.a").exists() and Path(f"{go}.b").exists(), 15, "both agents running at once")
+    go.touch()
+    for name in ("a", "b"):
+        t = kg.wait_state(name, "succeeded")
+        seen, cwd, branch, wt = (kg.rec / name).read_text().splitlines()
+        assert seen == name, f"{name} saw the other agent's change"
+        assert branch == f"kugetsu/{name}" and t["branch"] == branch
+        assert cwd == wt == t["worktree"] != str(repo)
+        assert t["worktree_state"] == "kept" and "work kept on branch kugetsu/" + name in t["reason"]
+        assert (Path(wt) / "f.txt").read_text() == f"{name}\n"
+    assert (repo / "f.txt").read_text() == "original\n"
+    assert git(repo, "status", "--porcelain") == ""
+    assert git(repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"
+    listed = kg.json("worktrees")
+    assert sorted(w["name"] for w in listed) == ["a", "b"]
+    assert all(w["size"] > 0 and w["state"] == "succeeded" for w in listed)
+
+
+def test_clean_task_leaves_nothing_behind(kg, repo):
+    r = delegate(kg, repo, "clean", ["sh", "-c", 'cat f.txt > /dev/null; echo "$PWD" > "$0"', str(kg.rec / "clean")],
+                 cwd=repo / "sub")
+    assert r.returncode == 0, r.stderr
+    t = kg.wait_state("clean", "succeeded")
+    assert (kg.rec / "clean").read_text().strip() == t["worktree"] + "/sub"  # same subdirectory as delegated from
+    assert t["worktree_state"] == "removed" and t["reason"] is None
+    assert branches(repo) == ["main"]
+    assert registered(repo) == [str(repo)]
+    assert not any((kg.home.root / "worktrees").glob("*/*"))
+    assert kg.json("worktrees") == []
+
+
+def test_task_with_a_commit_keeps_its_branch(kg, repo):
+    work = 'echo more >> f.txt; echo new > g.txt; git add -A; git commit -qm "agent work"'
+    assert delegate(kg, repo, "issue-16", ["sh", "-c", work]).returncode == 0
+    t = kg.wait_state("issue-16", "succeeded")
+    assert t["reason"] == "work kept on branch kugetsu/issue-16 (1 commit, 2 files changed)"
+    assert git(repo, "log", "-1", "--format=%s", "kugetsu/issue-16") == "agent work"
+    assert git(repo, "rev-parse", "kugetsu/issue-16~1") == t["base"] == git(repo, "rev-parse", "main")
+    final = events(kg, "succeeded")[-1]
+    assert final["branch"] == "kugetsu/issue-16" and final["reason"] == t["reason"]
+    assert "kugetsu/issue-16" in kg.ok("queue", "--all")
+    # The next task of that name would collide with the kept branch: refused up front.
+    r = delegate(kg, repo, "issue-16", ["true"])
+    assert r.returncode == 2 and "already exists" in r.stderr
+
+
+def test_creation_failure_fails_the_task_and_frees_the_slot(kg, repo, tmp_path):
+    kg.config(max_agents=1)
+    git(repo, "branch", "feature")
+    go = tmp_path / "go"
+    assert delegate(kg, repo, "blocker", gated(go)).returncode == 0
+    assert delegate(kg, repo, "bad", ["true"], "--base", "feature").returncode == 0
+    assert delegate(kg, repo, "next", ["true"]).returncode == 0
+    git(repo, "branch", "-D", "feature")  # the base vanishes while the task waits
+    go.touch()
+    bad = kg.wait_state("bad", "failed")
+    assert "could not create its worktree" in bad["reason"] and "feature" in bad["reason"]
+    assert bad["worktree"] is None and bad["pid"] is None
+    kg.wait_state("next", "succeeded")
+    assert "kugetsu/bad" not in branches(repo)
+    assert not list((kg.home.root / "worktrees").glob("*/bad"))
+
+
+def test_admission_refuses_what_could_never_get_a_worktree(kg, repo, tmp_path):
+    outside = tmp_path / "plain"
+    outside.mkdir()
+    r = kg.run("delegate", "x", "--worktree", "--cwd", str(outside), "--", "true")
+    assert r.returncode == 2 and "not inside" in r.stderr
+    assert not kg.home.index.exists()
+    r = delegate(kg, repo, "y", ["true"], "--base", "no-such-ref")
+    assert r.returncode == 2 and "no-such-ref" in r.stderr
+    r = delegate(kg, repo, "bad..name", ["true"])
+    assert r.returncode == 2
+    r = kg.run("delegate", "z", "--base", "main", "--cwd", str(repo), "--", "true")
+    assert r.returncode == 2 and "--worktree" in r.stderr
+    assert not kg.home.index.exists()
+
+
+def test_kill_9_of_the_service_mid_run_leaves_nothing_stale(kg, repo, tmp_path):
+    go = tmp_path / "go"
+    assert delegate(kg, repo, "long", gated(go, 'echo w > w.txt; git add w.txt; git commit -qm w')).returncode == 0
+    wait_for(lambda: Path(f"{go}.ready").exists(), 15, "the agent to run")
+    old = kg.service_pid()
+    os.kill(old, signal.SIGKILL)
+    wait_for(lambda: not Path(f"/proc/{old}").exists() or b") Z" in Path(f"/proc/{old}/stat").read_bytes(), 5)
+    # The next delegation brings the service back (autostart); it re-adopts `long` and starts `after`.
+    assert delegate(kg, repo, "after", ["sh", "-c", "echo after > f.txt"]).returncode == 0
+    assert "work kept on branch kugetsu/after" in kg.wait_state("after", "succeeded")["reason"]
+    assert kg.service_pid() != old
+    go.touch()
+    t = kg.wait_state("long", "succeeded")
+    assert "work kept on branch kugetsu/long (1 commit" in t["reason"]
+    # A crash of the agent too: its worktree stays registered, and the next start must not trip on it.
+    assert delegate(kg, repo, "crash", gated(go.with_name("go2"))).returncode == 0
+    wait_for(lambda: Path(f"{go.with_name('go2')}.ready").exists(), 15, "the second agent to run")
+    pid = kg.service_pid()
+    os.kill(pid, signal.SIGKILL)
+    for wrapper in agent_wrappers(kg.home):
+        os.killpg(wrapper, signal.SIGKILL)
+    wait_for(lambda: not agent_wrappers(kg.home), 5, "the agents to die")
+    assert delegate(kg, repo, "next", ["true"]).returncode == 0  # brings the service back
+    kg.wait_state("next", "succeeded")
+    lost = kg.wait_state("crash", "lost", "failed")
+    assert lost["worktree_state"] == "removed"
+    assert "kugetsu/crash" not in branches(repo) and len(registered(repo)) == 3  # main + two kept ones
+    assert delegate(kg, repo, "crash", ["sh", "-c", "echo again > f.txt"]).returncode == 0
+    kg.wait_state("crash", "succeeded")
+
+
+def test_prune_spares_live_tasks_and_unmerged_work(kg, repo, tmp_path):
+    go = tmp_path / "go"
+    commit = 'echo "$KUGETSU_TASK_NAME" > f.txt; git commit -qam work'
+    assert delegate(kg, repo, "merged", ["sh", "-c", commit]).returncode == 0
+    assert delegate(kg, repo, "unmerged", ["sh", "-c", commit]).returncode == 0
+    assert delegate(kg, repo, "live", gated(go, "echo live > f.txt")).returncode == 0
+    kg.wait_state("merged", "succeeded")
+    kg.wait_state("unmerged", "succeeded")
+    wait_for(lambda: Path(f"{go}.ready").exists(), 15, "the live agent to run")
+    git(repo, "merge", "-q", "--ff-only", "kugetsu/merged")
+    live = kg.task("live")["worktree"]
+
+    out = kg.ok("worktrees", "prune")
+    assert "removed merged" in out and "kept unmerged" in out and "live (#" not in out
+    assert "kugetsu/merged" not in branches(repo) and "kugetsu/unmerged" in branches(repo)
+    assert kg.task("merged")["worktree_state"] == "pruned"
+    assert kg.ok("worktrees", "prune", "--older-than", "1h").strip() == "no worktrees of finished tasks to prune"
+
+    kg.ok("worktrees", "prune", "--force")
+    assert "kugetsu/unmerged" not in branches(repo)
+    assert os.path.isdir(live) and (Path(live) / ".git").exists()
+    assert [w["name"] for w in kg.json("worktrees")] == ["live"]
+    go.touch()
+    t = kg.wait_state("live", "succeeded")
+    assert t["worktree_state"] == "kept" and "1 file changed, uncommitted" in t["reason"]
+    assert [e["name"] for e in events(kg, "worktree")] == ["merged", "unmerged"]
+
+
+def test_config_preset_keep_and_max_disk(kg, repo):
+    kg.config(
+        agents={"coder": {"command": ["sh", "-c", 'echo "$KUGETSU_BRANCH" > out.txt; git add -A; git commit -qm x'],
+                          "worktree": True}},
+        worktrees={"keep": "changed", "max_disk": "1K"},
+    )
+    r = kg.run("delegate", "p1", "--agent", "coder", "--cwd", str(repo))
+    assert r.returncode == 0 and "kugetsu/p1" in r.stdout, r.stderr
+    t = kg.wait_state("p1", "succeeded")
+    assert "work kept on branch kugetsu/p1" in t["reason"]
+    # Over max_disk: the finished task's worktree goes, its branch (the work) stays.
+    wait_for(lambda: events(kg, "worktree"), 10, "the max_disk prune")
+    assert "max_disk" in events(kg, "worktree")[0]["reason"]
+    assert kg.task("p1")["worktree_state"] == "pruned" and not os.path.exists(t["worktree"])
+    assert git(repo, "show", "kugetsu/p1:out.txt") == "kugetsu/p1"
+    r = kg.run("delegate", "p2", "--agent", "coder", "--no-worktree", "--cwd", str(repo))
+    assert r.returncode == 0 and "worktree" not in r.stdout
+    kg.wait_state("p2", "succeeded")
+    assert (repo / "out.txt").read_text() == "\n"  # it ran in the checkout itself, without a branch
+    r = kg.run("config", "set", "worktrees.keep", "sometimes")
+    assert r.returncode == 2
+    kg.ok("config", "set", "worktrees.keep", "always")
+    assert kg.ok("config", "get", "worktrees.keep").strip() == "always"
+
+
+def test_cancel_and_timeout_leave_no_worktree(kg, repo, tmp_path):
+    kg.config(max_agents=1)
+    go = tmp_path / "go"
+    assert delegate(kg, repo, "running", gated(go)).returncode == 0
+    assert delegate(kg, repo, "waiting", ["true"]).returncode == 0
+    kg.ok("cancel", "waiting")  # queued: it never had a worktree
+    assert kg.task("waiting")["worktree"] is None
+    wait_for(lambda: Path(f"{go}.ready").exists(), 15, "the agent to run")
+    assert kg.task("running")["worktree_state"] == "active"
+    kg.ok("cancel", "running")
+    assert kg.task("running")["worktree_state"] == "removed"
+    assert delegate(kg, repo, "slow", ["sleep", "30"], "--timeout", "1s").returncode == 0
+    t = kg.wait_state("slow", "failed")
+    assert "timed out" in t["reason"] and t["worktree_state"] == "removed"
+    assert branches(repo) == ["main"] and registered(repo) == [str(repo)]
+    assert not any((kg.home.root / "worktrees").glob("*/*"))
+
+
+def test_a_worktree_created_before_a_crash_is_reused_not_recreated(kg, repo):
+    # autostart off: the task is `running` in the index with no process and no worktree
+    # recorded, as if the service died between `git worktree add` and its commit.
+    kg.config(autostart=False)
+    r = delegate(kg, repo, "orphaned", ["sh", "-c", 'cat left.txt > "$0"', str(kg.rec / "orphaned")])
+    assert r.returncode == 0, r.stderr
+    task = kg.index()["active"][0]
+    assert task["pid"] is None and task["worktree"] is None
+    from kugetsu.worktree import group_dir
+
+    path = group_dir(kg.home, str(repo)) / "orphaned"
+    git(repo, "worktree", "add", "-q", "-b", "kugetsu/orphaned", str(path), task["base"])
+    (path / "left.txt").write_text("from before the crash\n")
+    kg.ok("serve", "--detach")
+    t = kg.wait_state("orphaned", "succeeded")
+    assert (kg.rec / "orphaned").read_text() == "from before the crash\n"
+    assert t["worktree"] == str(path) and t["worktree_state"] == "kept"
