@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kugetsu import ops, pm
@@ -29,12 +30,13 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kugetsu", description="Capacity manager for parallel AI coding agents.")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+# Each command's arguments. Only the parser of the command being run is built: argparse
+# looks up a translation catalog on disk for every help string, and building all of them
+# cost 42 ms of a call that agents make all day.
 
-    d = sub.add_parser("delegate", help="admit a task: start it in a free slot or queue it",
-                       usage="kugetsu delegate [NAME] [options] [-- CMD ARGS...]")
+
+def _delegate_args(d: argparse.ArgumentParser) -> None:
+    d.usage = "kugetsu delegate [NAME] [options] [-- CMD ARGS...]"
     d.add_argument("name", nargs="?", help="task name (default task-<id>)")
     g = d.add_mutually_exclusive_group()
     g.add_argument("--prompt", help="the prompt for the agent preset")
@@ -53,32 +55,39 @@ def build_parser() -> argparse.ArgumentParser:
                     help="not in a worktree, whatever the preset or config say")
     d.add_argument("--base", metavar="REF", help="the worktree's starting point (default: HEAD now)")
 
-    q = sub.add_parser("queue", help="running and queued tasks")
+
+def _queue_args(q: argparse.ArgumentParser) -> None:
     q.add_argument("--all", action="store_true", help="also recent finished tasks")
     q.add_argument("--json", action="store_true")
 
-    s = sub.add_parser("status", help="one task in full")
+
+def _status_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("task", metavar="TASK")
     s.add_argument("--json", action="store_true")
 
-    c = sub.add_parser("cancel", help="cancel queued or running tasks")
+
+def _cancel_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("tasks", metavar="TASK", nargs="*")
     c.add_argument("--all", action="store_true", help="every queued and running task")
     c.add_argument("--json", action="store_true")
 
-    lg = sub.add_parser("logs", help="a task's output")
+
+def _logs_args(lg: argparse.ArgumentParser) -> None:
     lg.add_argument("task", metavar="TASK")
     lg.add_argument("--follow", "-f", action="store_true", help="keep printing until the task ends")
     lg.add_argument("--lines", "-n", type=_positive_int, metavar="N", help="only the last N lines")
 
-    w = sub.add_parser("wait", help="block until tasks are final (exit 0: all succeeded)")
+
+def _wait_args(w: argparse.ArgumentParser) -> None:
     w.add_argument("tasks", metavar="TASK", nargs="+")
     w.add_argument("--timeout", metavar="DUR", type=_duration)
 
-    cap = sub.add_parser("capacity", help="slots and queue: what a PM agent checks before delegating")
-    cap.add_argument("--json", action="store_true")
 
-    cf = sub.add_parser("config", help="read and tune config.json")
+def _json_only(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true")
+
+
+def _config_args(cf: argparse.ArgumentParser) -> None:
     csub = cf.add_subparsers(dest="action", metavar="ACTION", required=True)
     show = csub.add_parser("show", help="the effective config (token masked)")
     show.add_argument("--json", action="store_true")
@@ -90,14 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     csub.add_parser("path", help="where config.json is")
     csub.add_parser("check", help="validate config.json and index.json")
 
-    sv = sub.add_parser("serve", help="run the service (foreground unless --detach)")
-    sv.add_argument("--detach", action="store_true")
-    sub.add_parser("shutdown", help="stop the service (agents keep running)")
 
-    cl = sub.add_parser("clean", help="drop finished tasks (and their logs) from the index")
+def _serve_args(sv: argparse.ArgumentParser) -> None:
+    sv.add_argument("--detach", action="store_true")
+
+
+def _clean_args(cl: argparse.ArgumentParser) -> None:
     cl.add_argument("--older-than", metavar="DUR", type=_duration)
 
-    wts = sub.add_parser("worktrees", help="kugetsu's git worktrees: list, prune")
+
+def _worktrees_args(wts: argparse.ArgumentParser) -> None:
     wts.add_argument("--json", action="store_true")
     wsub = wts.add_subparsers(dest="action", metavar="ACTION")
     wp = wsub.add_parser("prune", help="remove the worktrees of finished tasks")
@@ -105,7 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
     wp.add_argument("--force", action="store_true", help="also uncommitted changes and unmerged branches")
     wp.add_argument("--json", action="store_true")
 
-    sub.add_parser("demo", help="see kugetsu work on a throw-away home, with a simulated agent")
+
+def _no_args(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or (with `only`) just the top level and that one command."""
+    p = argparse.ArgumentParser(prog="kugetsu", description="Capacity manager for parallel AI coding agents.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (help_text, add_args, _) in COMMANDS.items():
+        if only is None or name == only:
+            add_args(sub.add_parser(name, help=help_text, description=help_text))
     return p
 
 
@@ -115,11 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "delegate" and "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
     args.argv_command = command
     home = default_home()
     try:
-        return COMMANDS[args.command](home, args)
+        return COMMANDS[args.command][2](home, args)
     except KugetsuError as err:
         print(f"kugetsu: {err}", file=sys.stderr)
         return err.code
@@ -477,18 +499,18 @@ def cmd_demo(home: Home, args: argparse.Namespace) -> int:
     return run_demo()
 
 
-COMMANDS = {
-    "delegate": cmd_delegate,
-    "queue": cmd_queue,
-    "status": cmd_status,
-    "cancel": cmd_cancel,
-    "logs": cmd_logs,
-    "wait": cmd_wait,
-    "capacity": cmd_capacity,
-    "config": cmd_config,
-    "serve": cmd_serve,
-    "shutdown": cmd_shutdown,
-    "clean": cmd_clean,
-    "worktrees": cmd_worktrees,
-    "demo": cmd_demo,
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[Home, argparse.Namespace], int]]] = {
+    "delegate": ("admit a task: start it in a free slot or queue it", _delegate_args, cmd_delegate),
+    "queue": ("running and queued tasks", _queue_args, cmd_queue),
+    "status": ("one task in full", _status_args, cmd_status),
+    "cancel": ("cancel queued or running tasks", _cancel_args, cmd_cancel),
+    "logs": ("a task's output", _logs_args, cmd_logs),
+    "wait": ("block until tasks are final (exit 0: all succeeded)", _wait_args, cmd_wait),
+    "capacity": ("slots and queue: what a PM agent checks before delegating", _json_only, cmd_capacity),
+    "config": ("read and tune config.json", _config_args, cmd_config),
+    "serve": ("run the service (foreground unless --detach)", _serve_args, cmd_serve),
+    "shutdown": ("stop the service (agents keep running)", _no_args, cmd_shutdown),
+    "clean": ("drop finished tasks (and their logs) from the index", _clean_args, cmd_clean),
+    "worktrees": ("kugetsu's git worktrees: list, prune", _worktrees_args, cmd_worktrees),
+    "demo": ("see kugetsu work on a throw-away home, with a simulated agent", _no_args, cmd_demo),
 }

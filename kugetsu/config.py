@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -206,6 +205,8 @@ def _dotted(msgspec_path: str) -> str:
 
 def _did_you_mean(key: str) -> str:
     known = list(Config.__struct_fields__) + [f"{k}.{f}" for k, t in _NESTED.items() for f in t.__struct_fields__]
+    import difflib
+
     close = difflib.get_close_matches(key, known, n=1)
     return f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(Config.__struct_fields__)}"
 

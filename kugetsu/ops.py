@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import signal
-import socket
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
+
+import msgspec
 
 from kugetsu import pm, runner
 from kugetsu.config import Config, format_size, load_config, read_raw, save_raw, validate, with_value
@@ -39,8 +38,7 @@ def settle(txn: Txn, cfg: Config) -> None:
 # ---- delegate ----------------------------------------------------------------------------
 
 
-@dataclass
-class Admission:
+class Admission(msgspec.Struct):
     task: Task
     position: int | None  # None when it started at once
     max_agents: int
@@ -69,6 +67,8 @@ def _check_runnable(cfg: Config, req: pm.Request) -> None:
     _, argv, env = pm.resolve_agent(cfg, req)
     path = env.get("PATH", os.environ.get("PATH"))
     exe = argv[0]
+    import shutil
+
     found = shutil.which(exe, path=path) if os.sep not in exe else shutil.which(os.path.join(req.cwd, exe))
     if found is None:
         hint = f" (agent preset {req.agent or cfg.default_agent!r})" if not req.command else ""
@@ -149,8 +149,7 @@ def clean(home: Home, older_than: float | None) -> list[Task]:
 # ---- worktrees ---------------------------------------------------------------------------
 
 
-@dataclass
-class Pruned:
+class Pruned(msgspec.Struct):
     entry: Any  # worktree.Entry
     note: str  # what was done, or why it was left alone
     removed: bool
@@ -294,6 +293,8 @@ def ensure_service(home: Home, cfg: Config, index: Index) -> None:
 
 
 def send(home: Home, message: bytes) -> bool:
+    import socket  # only here: 10+ ms of import the read-only commands skip
+
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         sock.sendto(message, str(home.socket))

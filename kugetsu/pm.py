@@ -11,7 +11,8 @@ feedback and the scheduler all derive from it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+
+import msgspec
 from datetime import datetime, timedelta
 
 from kugetsu.config import Config, format_duration
@@ -77,8 +78,7 @@ def find(index: Index, ref: str) -> Task:
 # ---- admission -------------------------------------------------------------------------
 
 
-@dataclass
-class Request:
+class Request(msgspec.Struct, kw_only=True):
     """What a delegator asks for. `command` is an explicit argv; without it the agent preset runs."""
 
     cwd: str
@@ -90,7 +90,7 @@ class Request:
     priority: str = "normal"
     expire_after: float | None = None  # seconds; None: config queue_timeout
     timeout: float | None = None  # seconds; None: config run_timeout
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = {}
     # Worktree isolation: None lets the agent preset and config decide (ops does); ops then
     # fills `repo` (the repository's top level) and `base`, which pm records on the task.
     worktree: bool | None = None

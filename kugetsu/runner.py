@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from kugetsu.paths import Home
 
@@ -27,8 +28,7 @@ def marker(home: Home, task_id: int) -> str:
     return f"kugetsu[{home.key}]#{task_id}"
 
 
-@dataclass
-class Spawned:
+class Spawned(msgspec.Struct):
     pid: int
     start: int | None
     popen: Any  # subprocess.Popen: the spawner reaps it to learn how the wrapper ended

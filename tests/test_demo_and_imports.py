@@ -1,0 +1,40 @@
+"""The demo as a user runs it, and what the everyday commands import."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import processes_under
+
+
+def test_demo_shows_the_whole_job_and_leaves_nothing_behind(kg, tmp_path):
+    env = {**kg.env, "TMPDIR": str(tmp_path)}  # its throw-away home lands here, so we can look for leftovers
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "kugetsu", "demo"], env=env, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert took < 45
+    for expected in ("started in slot 1/2", "queued, position 4", "cancelled issue-2", "expired   issue-4",
+                     "failed    issue-5", "SUMMARY", "at most 2 running at once (max_agents 2)"):
+        assert expected in out, expected
+    # positions move: issue-5 is position 3 at admission, position 1 after the cancel and the expiry
+    assert re.search(r"^\s+1\s+5\s+issue-5", out, re.M)
+    assert processes_under(tmp_path) == []
+    assert list(tmp_path.glob("kugetsu-demo-*")) == []  # the throw-away home is gone
+
+
+@pytest.mark.parametrize("command", [["capacity", "--json"], ["queue", "--json"], ["delegate", "x", "--", "true"]])
+def test_everyday_commands_do_not_import_heavy_modules(kg, command):
+    kg.config(autostart=False)
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "kugetsu", *command], env=kg.env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time")}
+    heavy = {m for m in imported if m.split(".")[0] in ("textual", "telegram", "apscheduler", "pydantic", "psutil",
+                                                         "asyncio", "subprocess", "platformdirs")}
+    assert heavy == set()
