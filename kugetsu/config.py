@@ -34,15 +34,17 @@ def parse_duration(value: object, what: str = "duration") -> float:
 
 
 def format_duration(seconds: float) -> str:
-    """Short human form: 45s, 12m, 3h05m, 2d04h."""
+    """Short human form: 45s, 1m30s, 12m, 24h, 3h05m, 2d, 2d04h."""
     s = max(0, int(round(seconds)))
     if s < 60:
         return f"{s}s"
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s" if s < 600 and s % 60 else f"{s // 60}m"
-    if s < 86400:
-        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
-    return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
+    if s < 2 * 86400:  # "24h" and "36h" read better than "1d00h"
+        h, m = divmod(s // 60, 60)
+        return f"{h}h{m:02d}m" if m else f"{h}h"
+    d, h = divmod(s // 3600, 24)
+    return f"{d}d{h:02d}h" if h else f"{d}d"
 
 
 def format_size(n: float) -> str:

@@ -32,7 +32,8 @@ def test_bad_durations(text):
 
 
 def test_format_duration():
-    assert [format_duration(s) for s in (5, 90, 900, 3660, 90000)] == ["5s", "1m30s", "15m", "1h01m", "1d01h"]
+    assert [format_duration(s) for s in (5, 90, 900, 3600, 3660, 86400, 90000, 172800, 187200)] == [
+        "5s", "1m30s", "15m", "1h", "1h01m", "24h", "25h", "2d", "2d04h"]
 
 
 def test_example_config_is_valid_and_holds_every_default():

@@ -142,7 +142,7 @@ def test_expiry_is_exact_to_the_deadline():
     assert pm.expire_due(index, T0 + timedelta(minutes=59, seconds=59)) == []
     events = pm.expire_due(index, T0 + timedelta(hours=1))
     assert [e.type for e in events] == ["expired"] and b.state is TaskState.EXPIRED
-    assert b.reason == "expired after 1h00m in the queue"
+    assert b.reason == "expired after 1h in the queue"
     assert a.state is TaskState.RUNNING  # running tasks never expire
 
 
