@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--cwd", metavar="DIR", help="working directory (default: here)")
     d.add_argument("--source", metavar="WHO", default="cli", help="who delegates (pm, telegram:<chat>, ...)")
     d.add_argument("--priority", choices=PRIORITIES, default="normal")
+    d.add_argument("--group", metavar="NAME", help="run in this pool (config `groups`): it needs a slot there too")
     d.add_argument("--expire-after", metavar="DUR", type=_duration, help="expire if still queued after DUR")
     d.add_argument("--timeout", metavar="DUR", type=_duration, help="stop the agent after running DUR")
     d.add_argument("--json", action="store_true", help="print the task object")
@@ -68,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("wait", help="block until tasks are final (exit 0: all succeeded)")
     w.add_argument("tasks", metavar="TASK", nargs="+")
     w.add_argument("--timeout", metavar="DUR", type=_duration)
+
+    pr = sub.add_parser("priority", help="change a queued task's priority")
+    pr.add_argument("task", metavar="TASK")
+    pr.add_argument("level", choices=PRIORITIES)
+    pr.add_argument("--json", action="store_true")
 
     cap = sub.add_parser("capacity", help="slots and queue: what a PM agent checks before delegating")
     cap.add_argument("--json", action="store_true")
@@ -138,6 +144,7 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         agent=args.agent,
         source=args.source,
         priority=args.priority,
+        group=args.group,
         expire_after=args.expire_after,
         timeout=args.timeout,
     )
@@ -158,24 +165,28 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
     cfg, index = ops.read(home)
     ops.ensure_service(home, cfg, index)
     now = ops.now()
-    pos = pm.positions(index, cfg, now)
     queued = pm.start_order(index, cfg, now)
+    pos = {t.id: i for i, t in enumerate(queued, 1)}
+    why = pm.waiting_for(index, cfg, now, ops.measure(cfg)) if queued else {}
     finished = list(reversed(index.finished[-20:])) if args.all else []
     if args.json:
         out: dict[str, Any] = {
             "max_agents": cfg.max_agents,
             "active": [ops.task_json(t, None) for t in index.active],
-            "queued": [ops.task_json(t, pos[t.id]) for t in queued],
+            "queued": [ops.task_json(t, pos[t.id]) | {"waiting_for": why.get(t.id)} for t in queued],
+            "groups": pm.group_usage(index, cfg),
         }
         if args.all:
             out["finished"] = [ops.task_json(t, None) for t in finished]
         print(to_json(out))
         return OK
     print(render.summary(index, cfg) + ("" if ops.service_pid(home) else " · service not running"))
+    if cfg.groups:
+        print(render.groups_line(pm.group_usage(index, cfg)))
     if index.active:
         print("\nRUNNING\n" + render.running_table(index.active, now))
     if queued:
-        print("\nQUEUED\n" + render.queued_table(queued, pos, now))
+        print("\nQUEUED\n" + render.queued_table(queued, pos, now, why))
     if finished:
         print("\nFINISHED (latest first)\n" + render.finished_table(finished, now))
     return OK
@@ -319,6 +330,18 @@ def _index_stamp(home: Home) -> tuple[int, int]:
         return 0, 0
 
 
+def cmd_priority(home: Home, args: argparse.Namespace) -> int:
+    cfg = load_config(home)
+    task, position = ops.set_priority(home, cfg, args.task, args.level)
+    if args.json:
+        print(to_json(ops.task_json(task, position)))
+    elif position is None:  # it started as part of the change
+        print(f"{task.name} (#{task.id}) priority {task.priority}, started")
+    else:
+        print(f"{task.name} (#{task.id}) priority {task.priority}, position {position}")
+    return OK
+
+
 def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
     from kugetsu import render
 
@@ -426,6 +449,7 @@ COMMANDS = {
     "cancel": cmd_cancel,
     "logs": cmd_logs,
     "wait": cmd_wait,
+    "priority": cmd_priority,
     "capacity": cmd_capacity,
     "config": cmd_config,
     "serve": cmd_serve,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -48,6 +48,40 @@ def format_duration(seconds: float) -> str:
 
 Duration = str | int | float
 
+# ---- sizes -----------------------------------------------------------------------------
+
+# KiB/MiB/GiB and bare K/M/G are powers of 1024 (what free(1) and psutil report); KB/MB/GB
+# are powers of 1000, as their SI names say.
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+               "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: object, what: str = "size") -> int:
+    """`2GiB`, `512MiB`, `1.5G`, `800MB` or plain bytes -> bytes (> 0)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a size like 2GiB or 512MiB, got {value!r}")
+    if isinstance(value, (int, float)):
+        size = float(value)
+    else:
+        m = _SIZE_RE.match(str(value))
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _SIZE_UNITS:
+            raise ValueError(f"{what}: {value!r} is not a size; use e.g. 2GiB, 512MiB, 800MB or plain bytes")
+        size = float(m.group(1)) * _SIZE_UNITS[unit]
+    if not size > 0:
+        raise ValueError(f"{what}: must be more than 0, got {value!r}")
+    return int(size)
+
+
+def format_size(size: float) -> str:
+    """Short binary form: 1.2 GiB, 512 MiB."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if size >= scale:
+            value = size / scale
+            return f"{value:.1f} {unit}".replace(".0 ", " ")
+    return f"{int(size)} B"
+
 # ---- the model -------------------------------------------------------------------------
 
 DEFAULT_AGENTS: dict[str, dict[str, Any]] = {
@@ -79,6 +113,33 @@ class TelegramConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"unknown event type {unknown[0]!r}; choose from {', '.join(EVENT_TYPES)}")
 
 
+class GroupConfig(msgspec.Struct, forbid_unknown_fields=True):
+    max_agents: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+
+
+class ResourceGuard(msgspec.Struct, forbid_unknown_fields=True):
+    """No new agent starts while the machine is below either bound. Both off by default."""
+
+    min_available_memory: str | int | None = None
+    max_load_per_cpu: Annotated[float, msgspec.Meta(gt=0)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_available_memory is not None:
+            parse_size(self.min_available_memory, "min_available_memory")
+
+    @property
+    def min_available_memory_bytes(self) -> int | None:
+        return None if self.min_available_memory is None else parse_size(self.min_available_memory)
+
+    @property
+    def enabled(self) -> bool:
+        return self.min_available_memory is not None or self.max_load_per_cpu is not None
+
+
+Strategy = Literal["fifo", "priority", "fair"]
+STRATEGIES: tuple[str, ...] = ("fifo", "priority", "fair")
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True):
     max_agents: Annotated[int, msgspec.Meta(ge=1, le=64)] = 3
     max_queue: Annotated[int, msgspec.Meta(ge=0)] = 50
@@ -90,9 +151,17 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     history_limit: Annotated[int, msgspec.Meta(ge=0)] = 500
     autostart: bool = True
     telegram: TelegramConfig = msgspec.field(default_factory=TelegramConfig)
+    # Scheduling policies (docs/policies.md); the defaults are plain FIFO.
+    strategy: Strategy = "fifo"
+    max_active_per_source: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_queued_per_source: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    min_start_interval_per_source: Duration | None = None
+    on_queue_full: Literal["reject", "drop_oldest"] = "reject"
+    groups: dict[str, GroupConfig] = {}
+    resource_guard: ResourceGuard = msgspec.field(default_factory=ResourceGuard)
 
     def __post_init__(self) -> None:
-        for key in ("queue_timeout", "run_timeout", "kill_grace"):
+        for key in ("queue_timeout", "run_timeout", "kill_grace", "min_start_interval_per_source"):
             value = getattr(self, key)
             if value is not None:
                 parse_duration(value, key)
@@ -116,6 +185,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     def kill_grace_s(self) -> float:
         return parse_duration(self.kill_grace)
 
+    @property
+    def min_start_interval_s(self) -> float | None:
+        v = self.min_start_interval_per_source
+        return None if v is None else parse_duration(v)
+
 
 KEY_HELP: dict[str, str] = {
     "max_agents": "running agents at once (1..64)",
@@ -128,7 +202,17 @@ KEY_HELP: dict[str, str] = {
     "history_limit": "finished tasks kept in index.json; older ones move to history.jsonl",
     "autostart": "the CLI starts the service when needed",
     "telegram": "the Telegram bot: token, allowed_chat_ids, notify_chat_ids, api_base_url, events",
+    "strategy": "who starts next: fifo | priority (urgent>high>normal>low) | fair (round-robin across sources)",
+    "max_active_per_source": "running tasks one source may hold at once (null: no limit)",
+    "max_queued_per_source": "queued tasks one source may have; beyond: rejected, exit 3 (null: no limit)",
+    "min_start_interval_per_source": "rate limit: two starts of one source at least this far apart (null: none)",
+    "on_queue_full": "when max_queue is reached: reject (exit 3) | drop_oldest (cancel the oldest queued task)",
+    "groups": 'named pools {name: {"max_agents": N}}; delegate --group NAME needs a slot there and globally',
+    "resource_guard": "hold new starts while min_available_memory (e.g. 2GiB) or max_load_per_cpu is not met",
 }
+
+# Sub-objects whose keys are fixed (dotted `config set` checks them); `groups` has free names.
+_NESTED: dict[str, type[msgspec.Struct]] = {"telegram": TelegramConfig, "resource_guard": ResourceGuard}
 
 # ---- loading ---------------------------------------------------------------------------
 
@@ -164,7 +248,9 @@ def _dotted(msgspec_path: str) -> str:
 
 
 def _did_you_mean(key: str) -> str:
-    known = list(Config.__struct_fields__) + [f"telegram.{f}" for f in TelegramConfig.__struct_fields__]
+    known = list(Config.__struct_fields__) + [
+        f"{top}.{f}" for top, struct in _NESTED.items() for f in struct.__struct_fields__
+    ]
     close = difflib.get_close_matches(key, known, n=1)
     return f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(Config.__struct_fields__)}"
 
@@ -221,8 +307,11 @@ def _check_key(key: str) -> list[str]:
     top = parts[0]
     if top not in Config.__struct_fields__:
         raise UsageError(f"unknown config key {key!r}{_did_you_mean(key)}")
-    if top == "telegram" and len(parts) > 1 and parts[1] not in TelegramConfig.__struct_fields__:
+    nested = _NESTED.get(top)
+    if nested is not None and len(parts) > 1 and parts[1] not in nested.__struct_fields__:
         raise UsageError(f"unknown config key {key!r}{_did_you_mean(key)}")
+    if top == "groups" and len(parts) > 2 and parts[2] not in GroupConfig.__struct_fields__:
+        raise UsageError(f"unknown config key {key!r}; a group has: {', '.join(GroupConfig.__struct_fields__)}")
     return parts
 
 
