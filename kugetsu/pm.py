@@ -64,7 +64,7 @@ def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources |
     for (source, group), lane in board.lanes.items():
         reason = board.hold or board.why(source, group)
         if reason is not None:
-            out.update((t.id, reason) for t in lane)
+            out.update((t.id, reason) for _, t in lane)
     return out
 
 

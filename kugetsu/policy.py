@@ -70,19 +70,25 @@ class Board:
         self.cfg = cfg
         self.now = now
         self.hold = guard_hold(cfg, resources)
+        self.fair = cfg.strategy == "fair"
+        self.source_limit = cfg.max_active_per_source
+        self.caps = {name: g.max_agents for name, g in cfg.groups.items()}
         interval = cfg.min_start_interval_s
         self.interval = timedelta(seconds=interval) if interval else None
         self.starts = index.starts
-        self.last = {s: (m.at, m.n) for s, m in index.last_start.items()}
-        # Running tasks in start order (index.active is appended to by pm.start): when the
+        self.mark = {s: m.n for s, m in index.last_start.items()}  # fair: the start counter
+        # rate limit: when each source may start again
+        self.ready = {s: m.at + self.interval for s, m in index.last_start.items()} if self.interval else {}
+        # Running tasks in start order (pm.start appends to index.active): when the
         # simulation frees a slot, the oldest ends first.
         self.running: deque[tuple[str, str | None]] = deque((t.source, self.group_of(t)) for t in index.active)
         self.by_source = Counter(s for s, _ in self.running)
         self.by_group = Counter(g for _, g in self.running if g is not None)
-        lanes: dict[tuple[str, str | None], list[Task]] = {}
+        lanes: dict[tuple[str, str | None], list[tuple[tuple[int, int], Task]]] = {}
         for t in index.queued:
-            lanes.setdefault((t.source, self.group_of(t)), []).append(t)
-        self.lanes = {k: deque(sorted(v, key=lambda t: task_key(cfg, t))) for k, v in lanes.items()}
+            lanes.setdefault((t.source, self.group_of(t)), []).append((task_key(cfg, t), t))
+        # Lanes are never empty: a lane leaves the dict with its last task.
+        self.lanes = {k: deque(sorted(v, key=lambda kt: kt[0])) for k, v in lanes.items()}
 
     def group_of(self, task: Task) -> str | None:
         # A group removed from the config no longer limits the tasks that named it.
@@ -90,57 +96,65 @@ class Board:
 
     # ---- the rules --------------------------------------------------------------------
 
+    def free(self, source: str, group: str | None) -> bool:
+        """May a task of this lane start now, given a free global slot? (`why` in words.)"""
+        if self.source_limit is not None and self.by_source[source] >= self.source_limit:
+            return False
+        if self.interval is not None and source in self.ready and self.ready[source] > self.now:
+            return False
+        return group is None or self.by_group[group] < self.caps[group]
+
     def why(self, source: str, group: str | None) -> str | None:
         """Why a task of this lane may not start now even with a free global slot, or None."""
-        limit = self.cfg.max_active_per_source
+        limit = self.source_limit
         if limit is not None and self.by_source[source] >= limit:
             return f"source {source} has {self.by_source[source]} running (limit {limit})"
-        if self.interval is not None and source in self.last:
-            ready = self.last[source][0] + self.interval
-            if ready > self.now:
-                wait = math.ceil((ready - self.now).total_seconds())
-                return f"rate limit: source {source} may start again in {format_duration(wait)}"
-        if group is not None:
-            cap = self.cfg.groups[group].max_agents
-            if self.by_group[group] >= cap:
-                return f"group {group} full ({self.by_group[group]}/{cap} running)"
+        if self.interval is not None and source in self.ready and self.ready[source] > self.now:
+            wait = math.ceil((self.ready[source] - self.now).total_seconds())
+            return f"rate limit: source {source} may start again in {format_duration(wait)}"
+        if group is not None and self.by_group[group] >= self.caps[group]:
+            return f"group {group} full ({self.by_group[group]}/{self.caps[group]} running)"
         return None
 
-    def order_key(self, source: str, task: Task) -> tuple[int, ...]:
-        if self.cfg.strategy == "fair":
-            # Round-robin: the source whose last start is oldest goes first.
-            return (self.last[source][1] if source in self.last else NEVER, *task_key(self.cfg, task))
-        return task_key(self.cfg, task)
-
     def pick(self) -> Task | None:
-        """THE selection: the queued task that starts next now, or None."""
+        """THE selection: the queued task that starts next now, or None.
+
+        fifo and priority: the smallest task key among the lanes that may start; fair: the
+        same, after the source whose last start is oldest (round-robin)."""
         if self.hold is not None or len(self.running) >= self.cfg.max_agents:
             return None
         best: Task | None = None
-        best_key: tuple[int, ...] | None = None
+        best_key: tuple = ()
+        fair, mark = self.fair, self.mark
         for (source, group), lane in self.lanes.items():
-            if not lane:
+            key: tuple = lane[0][0]
+            task = lane[0][1]
+            if fair:
+                key = (mark.get(source, NEVER), key)
+            if best is not None and key >= best_key:
                 continue
-            key = self.order_key(source, lane[0])
-            if best_key is not None and key >= best_key:
-                continue
-            if self.why(source, group) is None:
-                best, best_key = lane[0], key
+            if self.free(source, group):
+                best, best_key = task, key
         return best
 
     def take(self, task: Task) -> None:
         """Record `task` as started now, as pm.start does on the Index."""
         group = self.group_of(task)
-        lane = self.lanes[(task.source, group)]
-        if lane[0] is not task:
+        lane_id = (task.source, group)
+        lane = self.lanes[lane_id]
+        if lane[0][1] is not task:
             raise ValueError(f"task #{task.id} is not the head of its lane: only pick() chooses what starts")
         lane.popleft()
-        self.running.append((task.source, group))
+        if not lane:
+            del self.lanes[lane_id]
+        self.running.append(lane_id)
         self.by_source[task.source] += 1
         if group is not None:
             self.by_group[group] += 1
         self.starts += 1
-        self.last[task.source] = (self.now, self.starts)
+        self.mark[task.source] = self.starts
+        if self.interval is not None:
+            self.ready[task.source] = self.now + self.interval
 
     def finish_oldest(self) -> None:
         source, group = self.running.popleft()
@@ -152,15 +166,11 @@ class Board:
         """The earliest moment a rate limit that holds a queued task runs out."""
         if self.interval is None:
             return None
-        times = [
-            self.last[s][0] + self.interval
-            for (s, _), lane in self.lanes.items()
-            if lane and s in self.last and self.last[s][0] + self.interval > self.now
-        ]
+        times = [self.ready[s] for s, _ in self.lanes if s in self.ready and self.ready[s] > self.now]
         return min(times, default=None)
 
     def queued_left(self) -> bool:
-        return any(self.lanes.values())
+        return bool(self.lanes)
 
     # ---- playing forward ----------------------------------------------------------------
 
@@ -183,6 +193,5 @@ class Board:
             elif self.running:
                 self.finish_oldest()
             else:  # nothing can ever free it; not reachable with limits >= 1, but never loop
-                rest = sorted((t for lane in self.lanes.values() for t in lane), key=lambda t: task_key(self.cfg, t))
-                return order + rest
+                return order + [t for _, t in sorted(kt for lane in self.lanes.values() for kt in lane)]
         return order

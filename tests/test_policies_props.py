@@ -69,6 +69,9 @@ def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
     while index.queued:
         steps += 1
         assert steps < 1000, "drain does not progress"
+        board = Board(index, cfg, now)
+        for source, group in board.lanes:  # the quick rule and the worded one agree
+            assert board.free(source, group) == (board.why(source, group) is None)
         task = pm.next_to_start(index, cfg, now)
         if task is not None:
             assert pm.plan_starts(index, cfg, now)[0] is task
