@@ -155,7 +155,8 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     elif adm.position is None:
         print(f"started {t.name} (#{t.id}), slot {t.slot}/{adm.max_agents}")
     else:
-        print(f"queued {t.name} (#{t.id}), position {adm.position} of {adm.queued}")
+        print(f"queued {t.name} (#{t.id}), position {adm.position} of {adm.queued}"
+              + (f"; waiting for: {adm.waiting_for}" if adm.waiting_for else ""))
     return OK
 
 

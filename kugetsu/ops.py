@@ -57,6 +57,7 @@ class Admission:
     position: int | None  # None when it started at once
     max_agents: int
     queued: int
+    waiting_for: str | None = None  # why it waits when not simply behind others (pm.waiting_for)
 
 
 def delegate(home: Home, cfg: Config, req: pm.Request) -> Admission:
@@ -68,7 +69,8 @@ def delegate(home: Home, cfg: Config, req: pm.Request) -> Admission:
         txn.emit(events)
         settle(txn, cfg)
         position = pm.positions(txn.index, cfg, txn.now).get(task.id)
-        admission = Admission(task, position, cfg.max_agents, len(txn.index.queued))
+        why = pm.waiting_for(txn.index, cfg, txn.now, measure(cfg)).get(task.id) if position else None
+        admission = Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
     wake(home, cfg)
     return admission
 

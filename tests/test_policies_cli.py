@@ -50,7 +50,9 @@ def test_fair_round_robin_across_sources(kg):
 def test_per_source_limits(kg):
     kg.config(max_agents=3, max_active_per_source=1, max_queued_per_source=1)
     kg.delegate("a1", 30, 0, "--source", "a")
-    assert kg.delegate("a2", 0, 0, "--source", "a").startswith("queued a2 (#2), position 1")
+    assert kg.delegate("a2", 0, 0, "--source", "a").strip() == (
+        "queued a2 (#2), position 1 of 1; waiting for: source a has 1 running (limit 1)"
+    )
     assert kg.delegate("b1", 30, 0, "--source", "b").startswith("started b1")  # passes a2
     [a2] = queued(kg)
     assert a2["waiting_for"] == "source a has 1 running (limit 1)"
