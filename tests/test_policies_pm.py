@@ -257,6 +257,27 @@ def test_resource_guard_off_by_default_ignores_readings():
     assert settle(ix, c, res=pm.Resources(available_memory=1, load_per_cpu=99.0)) == ["a"]
 
 
+def test_policy_config_keys_are_checked():
+    from kugetsu.config import KEY_HELP, validate, with_value
+
+    raw: dict = {}
+    for key, value in [("strategy", "fair"), ("groups.gpu", {"max_agents": 2}), ("groups.gpu.max_agents", 1),
+                       ("resource_guard.max_load_per_cpu", 1.5), ("min_start_interval_per_source", "30s"),
+                       ("on_queue_full", "drop_oldest"), ("max_active_per_source", 2), ("max_queued_per_source", 5)]:
+        raw = with_value(raw, key, value)
+    c = validate(raw)
+    assert (c.strategy, c.groups["gpu"].max_agents, c.min_start_interval_s) == ("fair", 1, 30.0)
+    for key, value in [("strategy", "lottery"), ("min_start_interval_per_source", "soon"),
+                       ("on_queue_full", "drop_newest"), ("max_active_per_source", 0), ("groups.gpu.max_agents", 0),
+                       ("resource_guard.max_load_per_cpu", -1), ("resource_guard.min_available_memory", "lots")]:
+        with pytest.raises(Exception):
+            validate(with_value(raw, key, value))
+    for key in ("resource_guard.min_free", "groups.gpu.slots", "stratgy"):
+        with pytest.raises(UsageError):
+            with_value(raw, key, 1)
+    assert all(k in KEY_HELP for k in Config.__struct_fields__)
+
+
 def test_parse_size_units():
     assert parse_size("2GiB") == 2 * 1024**3
     assert parse_size("512 MiB") == 512 * 1024**2

@@ -92,7 +92,7 @@ def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
     return order
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(config_st, st.lists(task_st, max_size=8), st.lists(task_st, max_size=16), st.integers(0, 6))
 def test_limits_hold_and_positions_are_the_real_start_order(raw, first, later, gap):
     cfg, index, now = build(raw, first, later, gap)
@@ -104,7 +104,7 @@ def test_limits_hold_and_positions_are_the_real_start_order(raw, first, later, g
     assert drain(cfg, index, now) == predicted
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(config_st, st.lists(task_st, max_size=8), st.lists(task_st, max_size=16), st.integers(0, 6))
 def test_sort_fast_path_is_the_simulation(raw, first, later, gap):
     raw = {**raw, "strategy": raw["strategy"] if raw["strategy"] != "fair" else "priority"}
@@ -118,7 +118,7 @@ def test_sort_fast_path_is_the_simulation(raw, first, later, gap):
     assert Board(index, cfg, now).drain() == sorted(index.queued, key=lambda t: task_key(cfg, t))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(config_st, st.lists(task_st, max_size=8), st.lists(task_st, min_size=1, max_size=16), st.integers(0, 6))
 def test_fair_never_starves_a_source(raw, first, later, gap):
     cfg, index, now = build({**raw, "strategy": "fair"}, first, later, gap)
