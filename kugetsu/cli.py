@@ -45,6 +45,7 @@ def _delegate_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--cwd", metavar="DIR", help="working directory (default: here)")
     d.add_argument("--source", metavar="WHO", default="cli", help="who delegates (pm, telegram:<chat>, ...)")
     d.add_argument("--priority", choices=PRIORITIES, default="normal")
+    d.add_argument("--group", metavar="NAME", help="run in this pool (config `groups`): it needs a slot there too")
     d.add_argument("--expire-after", metavar="DUR", type=_duration, help="expire if still queued after DUR")
     d.add_argument("--timeout", metavar="DUR", type=_duration, help="stop the agent after running DUR")
     d.add_argument("--json", action="store_true", help="print the task object")
@@ -81,6 +82,13 @@ def _logs_args(lg: argparse.ArgumentParser) -> None:
 def _wait_args(w: argparse.ArgumentParser) -> None:
     w.add_argument("tasks", metavar="TASK", nargs="+")
     w.add_argument("--timeout", metavar="DUR", type=_duration)
+
+
+
+def _priority_args(pr: argparse.ArgumentParser) -> None:
+    pr.add_argument("task", metavar="TASK")
+    pr.add_argument("level", choices=PRIORITIES)
+    pr.add_argument("--json", action="store_true")
 
 
 def _json_only(p: argparse.ArgumentParser) -> None:
@@ -174,6 +182,7 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         agent=args.agent,
         source=args.source,
         priority=args.priority,
+        group=args.group,
         expire_after=args.expire_after,
         timeout=args.timeout,
         worktree=args.worktree,
@@ -186,7 +195,8 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     elif adm.position is None:
         print(f"started {t.name} (#{t.id}), slot {t.slot}/{adm.max_agents}" + _on_branch(t))
     else:
-        print(f"queued {t.name} (#{t.id}), position {adm.position} of {adm.queued}" + _on_branch(t))
+        print(f"queued {t.name} (#{t.id}), position {adm.position} of {adm.queued}" + _on_branch(t)
+              + (f"; waiting for: {adm.waiting_for}" if adm.waiting_for else ""))
     return OK
 
 
@@ -200,24 +210,28 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
     cfg, index = ops.read(home)
     ops.ensure_service(home, cfg, index)
     now = ops.now()
-    pos = pm.positions(index, cfg, now)
     queued = pm.start_order(index, cfg, now)
+    pos = {t.id: i for i, t in enumerate(queued, 1)}
+    why = pm.waiting_for(index, cfg, now, ops.measure(cfg)) if queued else {}
     finished = list(reversed(index.finished[-20:])) if args.all else []
     if args.json:
         out: dict[str, Any] = {
             "max_agents": cfg.max_agents,
             "active": [ops.task_json(t, None) for t in index.active],
-            "queued": [ops.task_json(t, pos[t.id]) for t in queued],
+            "queued": [ops.task_json(t, pos[t.id]) | {"waiting_for": why.get(t.id)} for t in queued],
+            "groups": pm.group_usage(index, cfg),
         }
         if args.all:
             out["finished"] = [ops.task_json(t, None) for t in finished]
         print(to_json(out))
         return OK
     print(render.summary(index, cfg) + ("" if ops.service_pid(home) else " · service not running"))
+    if cfg.groups:
+        print(render.groups_line(pm.group_usage(index, cfg)))
     if index.active:
         print("\nRUNNING\n" + render.running_table(index.active, now))
     if queued:
-        print("\nQUEUED\n" + render.queued_table(queued, pos, now))
+        print("\nQUEUED\n" + render.queued_table(queued, pos, now, why))
     if finished:
         print("\nFINISHED (latest first)\n" + render.finished_table(finished, now))
     return OK
@@ -359,6 +373,18 @@ def _index_stamp(home: Home) -> tuple[int, int]:
         return st.st_ino, st.st_mtime_ns
     except FileNotFoundError:
         return 0, 0
+
+
+def cmd_priority(home: Home, args: argparse.Namespace) -> int:
+    cfg = load_config(home)
+    task, position = ops.set_priority(home, cfg, args.task, args.level)
+    if args.json:
+        print(to_json(ops.task_json(task, position)))
+    elif position is None:  # it started as part of the change
+        print(f"{task.name} (#{task.id}) priority {task.priority}, started")
+    else:
+        print(f"{task.name} (#{task.id}) priority {task.priority}, position {position}")
+    return OK
 
 
 def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
@@ -506,6 +532,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "cancel": ("cancel queued or running tasks", _cancel_args, cmd_cancel),
     "logs": ("a task's output", _logs_args, cmd_logs),
     "wait": ("block until tasks are final (exit 0: all succeeded)", _wait_args, cmd_wait),
+    "priority": ("change a queued task's priority", _priority_args, cmd_priority),
     "capacity": ("slots and queue: what a PM agent checks before delegating", _json_only, cmd_capacity),
     "config": ("read and tune config.json", _config_args, cmd_config),
     "serve": ("run the service (foreground unless --detach)", _serve_args, cmd_serve),

@@ -47,30 +47,41 @@ def format_duration(seconds: float) -> str:
     return f"{d}d{h:02d}h" if h else f"{d}d"
 
 
-def format_size(n: float) -> str:
-    """Short human form: 512B, 3.4K, 12.0M, 1.5G."""
-    for unit in ("B", "K", "M", "G"):
-        if n < 1024:
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n:.1f}T"
-
-
 Duration = str | int | float
 
-_SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+# ---- sizes -----------------------------------------------------------------------------
+
+# KiB/MiB/GiB and bare K/M/G are powers of 1024 (what free(1) and psutil report); KB/MB/GB
+# are powers of 1000, as their SI names say.
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+               "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
 def parse_size(value: object, what: str = "size") -> int:
-    """`500M`, `10G`, `1.5T` (powers of 1024) or plain bytes -> bytes (> 0)."""
-    m = None if isinstance(value, bool) else _SIZE_RE.match(str(value))
-    if not m:
-        raise ValueError(f"{what}: {value!r} is not a size; use 500M, 10G, 1T or plain bytes")
-    size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-    if size <= 0:
+    """`2GiB`, `512MiB`, `1.5G`, `800MB` or plain bytes -> bytes (> 0)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a size like 2GiB or 512MiB, got {value!r}")
+    if isinstance(value, (int, float)):
+        size = float(value)
+    else:
+        m = _SIZE_RE.match(str(value))
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _SIZE_UNITS:
+            raise ValueError(f"{what}: {value!r} is not a size; use e.g. 2GiB, 512MiB, 800MB or plain bytes")
+        size = float(m.group(1)) * _SIZE_UNITS[unit]
+    if not size > 0:
         raise ValueError(f"{what}: must be more than 0, got {value!r}")
-    return size
+    return int(size)
+
+
+def format_size(size: float) -> str:
+    """Short binary form: 1.2 GiB, 512 MiB."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if size >= scale:
+            value = size / scale
+            return f"{value:.1f} {unit}".replace(".0 ", " ")
+    return f"{int(size)} B"
 
 # ---- the model -------------------------------------------------------------------------
 
@@ -118,6 +129,33 @@ class TelegramConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"unknown event type {unknown[0]!r}; choose from {', '.join(EVENT_TYPES)}")
 
 
+class GroupConfig(msgspec.Struct, forbid_unknown_fields=True):
+    max_agents: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+
+
+class ResourceGuard(msgspec.Struct, forbid_unknown_fields=True):
+    """No new agent starts while the machine is below either bound. Both off by default."""
+
+    min_available_memory: str | int | None = None
+    max_load_per_cpu: Annotated[float, msgspec.Meta(gt=0)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_available_memory is not None:
+            parse_size(self.min_available_memory, "min_available_memory")
+
+    @property
+    def min_available_memory_bytes(self) -> int | None:
+        return None if self.min_available_memory is None else parse_size(self.min_available_memory)
+
+    @property
+    def enabled(self) -> bool:
+        return self.min_available_memory is not None or self.max_load_per_cpu is not None
+
+
+Strategy = Literal["fifo", "priority", "fair"]
+STRATEGIES: tuple[str, ...] = ("fifo", "priority", "fair")
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True):
     max_agents: Annotated[int, msgspec.Meta(ge=1, le=64)] = 3
     max_queue: Annotated[int, msgspec.Meta(ge=0)] = 50
@@ -130,9 +168,17 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     autostart: bool = True
     telegram: TelegramConfig = msgspec.field(default_factory=TelegramConfig)
     worktrees: WorktreesConfig = msgspec.field(default_factory=WorktreesConfig)
+    # Scheduling policies (docs/policies.md); the defaults are plain FIFO.
+    strategy: Strategy = "fifo"
+    max_active_per_source: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_queued_per_source: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    min_start_interval_per_source: Duration | None = None
+    on_queue_full: Literal["reject", "drop_oldest"] = "reject"
+    groups: dict[str, GroupConfig] = {}
+    resource_guard: ResourceGuard = msgspec.field(default_factory=ResourceGuard)
 
     def __post_init__(self) -> None:
-        for key in ("queue_timeout", "run_timeout", "kill_grace"):
+        for key in ("queue_timeout", "run_timeout", "kill_grace", "min_start_interval_per_source"):
             value = getattr(self, key)
             if value is not None:
                 parse_duration(value, key)
@@ -156,6 +202,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     def kill_grace_s(self) -> float:
         return parse_duration(self.kill_grace)
 
+    @property
+    def min_start_interval_s(self) -> float | None:
+        v = self.min_start_interval_per_source
+        return None if v is None else parse_duration(v)
+
 
 KEY_HELP: dict[str, str] = {
     "max_agents": "running agents at once (1..64)",
@@ -169,8 +220,18 @@ KEY_HELP: dict[str, str] = {
     "autostart": "the CLI starts the service when needed",
     "telegram": "the Telegram bot: token, allowed_chat_ids, notify_chat_ids, api_base_url, events",
     "worktrees": "git worktree per agent: enabled, keep (changed|always|never), max_disk (e.g. 20G)",
+    "strategy": "who starts next: fifo | priority (urgent>high>normal>low) | fair (round-robin across sources)",
+    "max_active_per_source": "running tasks one source may hold at once (null: no limit)",
+    "max_queued_per_source": "queued tasks one source may have; beyond: rejected, exit 3 (null: no limit)",
+    "min_start_interval_per_source": "rate limit: two starts of one source at least this far apart (null: none)",
+    "on_queue_full": "when max_queue is reached: reject (exit 3) | drop_oldest (cancel the oldest queued task)",
+    "groups": 'named pools {name: {"max_agents": N}}; delegate --group NAME needs a slot there and globally',
+    "resource_guard": "hold new starts while min_available_memory (e.g. 2GiB) or max_load_per_cpu is not met",
 }
-_NESTED: dict[str, type[msgspec.Struct]] = {"telegram": TelegramConfig, "worktrees": WorktreesConfig}
+# Sub-objects whose keys are fixed (dotted `config set` checks them); `groups` has free names.
+_NESTED: dict[str, type[msgspec.Struct]] = {
+    "telegram": TelegramConfig, "worktrees": WorktreesConfig, "resource_guard": ResourceGuard,
+}
 
 # ---- loading ---------------------------------------------------------------------------
 
@@ -206,7 +267,9 @@ def _dotted(msgspec_path: str) -> str:
 
 
 def _did_you_mean(key: str) -> str:
-    known = list(Config.__struct_fields__) + [f"{k}.{f}" for k, t in _NESTED.items() for f in t.__struct_fields__]
+    known = list(Config.__struct_fields__) + [
+        f"{top}.{f}" for top, struct in _NESTED.items() for f in struct.__struct_fields__
+    ]
     import difflib
 
     close = difflib.get_close_matches(key, known, n=1)
@@ -265,8 +328,11 @@ def _check_key(key: str) -> list[str]:
     top = parts[0]
     if top not in Config.__struct_fields__:
         raise UsageError(f"unknown config key {key!r}{_did_you_mean(key)}")
-    if top in _NESTED and len(parts) > 1 and parts[1] not in _NESTED[top].__struct_fields__:
+    nested = _NESTED.get(top)
+    if nested is not None and len(parts) > 1 and parts[1] not in nested.__struct_fields__:
         raise UsageError(f"unknown config key {key!r}{_did_you_mean(key)}")
+    if top == "groups" and len(parts) > 2 and parts[2] not in GroupConfig.__struct_fields__:
+        raise UsageError(f"unknown config key {key!r}; a group has: {', '.join(GroupConfig.__struct_fields__)}")
     return parts
 
 

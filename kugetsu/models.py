@@ -54,6 +54,7 @@ class Task(msgspec.Struct, kw_only=True):
     priority: Priority = "normal"
     source: str = "cli"
     agent: str | None = None
+    group: str | None = None  # a named pool (config `groups`): it needs a slot there too
     command: list[str]
     cwd: str
     created_at: Time
@@ -107,6 +108,14 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True):
     worktree: str | None = None
 
 
+class SourceMark(msgspec.Struct, kw_only=True):
+    """When a source last started a task. `n` is the index's start counter at that start: it
+    orders sources that started in the same transaction (same `at`), which `fair` needs."""
+
+    at: Time
+    n: int
+
+
 class Index(msgspec.Struct, kw_only=True):
     """The whole state. `active`, `queued` and `finished` hold each task exactly once."""
 
@@ -116,6 +125,9 @@ class Index(msgspec.Struct, kw_only=True):
     active: list[Task] = []
     queued: list[Task] = []
     finished: list[Task] = []
+    # Scheduling memory that must outlive `clean` and history trimming (rate limits, fair).
+    starts: int = 0
+    last_start: dict[str, SourceMark] = {}
     # The events of the last transaction, committed with it: if the process dies between
     # the index rename and the events.jsonl append, the next transaction appends them.
     outbox: list[Event] = []

@@ -30,9 +30,21 @@ def settle(txn: Txn, cfg: Config) -> None:
     """The scheduling steps every transaction runs: expire what is due, give free slots to
     the next tasks (they are `running` from here; the service spawns them at once)."""
     txn.emit(pm.expire_due(txn.index, txn.now))
-    for task in pm.plan_starts(txn.index, cfg, txn.now):
+    for task in pm.plan_starts(txn.index, cfg, txn.now, measure(cfg)):
         txn.emit(pm.start(txn.index, task, txn.now))
     txn.archive.extend(pm.trim_history(txn.index, cfg.history_limit))
+
+
+def measure(cfg: Config) -> pm.Resources | None:
+    """The machine's readings for the resource guard; None (and no psutil import) when it is off."""
+    if not cfg.resource_guard.enabled:
+        return None
+    import psutil
+
+    return pm.Resources(
+        available_memory=psutil.virtual_memory().available,
+        load_per_cpu=os.getloadavg()[0] / (os.cpu_count() or 1),
+    )
 
 
 # ---- delegate ----------------------------------------------------------------------------
@@ -43,6 +55,7 @@ class Admission(msgspec.Struct):
     position: int | None  # None when it started at once
     max_agents: int
     queued: int
+    waiting_for: str | None = None  # why it waits when not simply behind others (pm.waiting_for)
 
 
 def delegate(home: Home, cfg: Config, req: pm.Request) -> Admission:
@@ -55,7 +68,8 @@ def delegate(home: Home, cfg: Config, req: pm.Request) -> Admission:
         txn.emit(events)
         settle(txn, cfg)
         position = pm.positions(txn.index, cfg, txn.now).get(task.id)
-        admission = Admission(task, position, cfg.max_agents, len(txn.index.queued))
+        why = pm.waiting_for(txn.index, cfg, txn.now, measure(cfg)).get(task.id) if position else None
+        admission = Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
     wake(home, cfg)
     return admission
 
@@ -111,6 +125,20 @@ def cancel(home: Home, cfg: Config, refs: list[str], everything: bool = False, r
             runner.kill_group(task.pid, task.pid_start, signal.SIGTERM)
     wake(home, cfg)
     return tasks
+
+
+# ---- priority ----------------------------------------------------------------------------
+
+
+def set_priority(home: Home, cfg: Config, ref: str, level: str) -> tuple[Task, int | None]:
+    """Change a queued task's priority; returns it with its new position."""
+    with Store(home).transaction(now()) as txn:
+        task = pm.find(txn.index, ref)
+        txn.emit(pm.set_priority(txn.index, task, level, txn.now))
+        settle(txn, cfg)
+        position = pm.positions(txn.index, cfg, txn.now).get(task.id)
+    wake(home, cfg)
+    return task, position
 
 
 # ---- config ------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ No I/O, no processes, no time.time(): the caller passes `now` and performs the e
 (spawn, signal) that these functions decide. Functions that change state change only the
 Index they are given and return the Events that describe the change.
 
-Who starts next is decided in exactly one place, `start_order`; positions, admission
-feedback and the scheduler all derive from it.
+Who starts next is decided in exactly one place, `policy.Board.pick`; the scheduler
+(plan_starts), positions, admission feedback and the reasons tasks wait all derive from it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from datetime import datetime, timedelta
 
 from kugetsu.config import Config, format_duration
 from kugetsu.errors import NotFound, Rejected, UsageError
-from kugetsu.models import PRIORITIES, Event, Index, Task, TaskState, valid_name
+from kugetsu.models import PRIORITIES, Event, Index, SourceMark, Task, TaskState, valid_name
+# Resources and guard_hold are also used by the front ends, through pm.
+from kugetsu.policy import Board, Resources, guard_hold, simple_order, task_key  # noqa: F401
 
 # ---- who runs next ---------------------------------------------------------------------
 
@@ -26,12 +28,28 @@ def free_slots(index: Index, cfg: Config) -> int:
     return max(0, cfg.max_agents - len(index.active))
 
 
-def start_order(index: Index, cfg: Config, now: datetime) -> list[Task]:
-    """Queued tasks in the order they will start if nothing new arrives (the policy seam).
+def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> list[Task]:
+    """Every queued task that may start now, in order, without changing the index.
+    `resources`: the machine's readings for the resource guard (None: no guard check)."""
+    board = Board(index, cfg, now, resources)
+    started = []
+    while (task := board.pick()) is not None:
+        board.take(task)
+        started.append(task)
+    return started
 
-    FIFO: admission order, which ids record exactly (they never repeat and never go back).
-    """
-    return sorted(index.queued, key=lambda t: t.id)
+
+def next_to_start(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> Task | None:
+    board = Board(index, cfg, now, resources)
+    return board.pick()
+
+
+def start_order(index: Index, cfg: Config, now: datetime) -> list[Task]:
+    """Queued tasks in the order they will really start if nothing new arrives: the same
+    selection as plan_starts, played forward on a copy (policy.Board.drain)."""
+    if simple_order(index, cfg):  # the same order, as a sort (property-tested against drain)
+        return sorted(index.queued, key=lambda t: task_key(cfg, t))
+    return Board(index, cfg, now).drain()
 
 
 def positions(index: Index, cfg: Config, now: datetime) -> dict[int, int]:
@@ -39,16 +57,31 @@ def positions(index: Index, cfg: Config, now: datetime) -> dict[int, int]:
     return {t.id: i for i, t in enumerate(start_order(index, cfg, now), 1)}
 
 
-def next_to_start(index: Index, cfg: Config, now: datetime) -> Task | None:
-    if free_slots(index, cfg) <= 0:
-        return None
-    order = start_order(index, cfg, now)
-    return order[0] if order else None
+def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> dict[int, str]:
+    """Task id -> why that queued task waits, when it is not simply behind others (a source
+    or group limit, a rate limit, the resource guard). Tasks without a reason are left out."""
+    board = Board(index, cfg, now, resources)
+    out = {}
+    for (source, group), lane in board.lanes.items():
+        reason = board.hold or board.why(source, group)
+        if reason is not None:
+            out.update((t.id, reason) for _, t in lane)
+    return out
 
 
-def plan_starts(index: Index, cfg: Config, now: datetime) -> list[Task]:
-    """Every queued task that may start now, in order, without changing the index."""
-    return start_order(index, cfg, now)[: free_slots(index, cfg)]
+def next_release(index: Index, cfg: Config, now: datetime) -> datetime | None:
+    """When a rate limit that holds a queued task runs out (the service wakes then)."""
+    return Board(index, cfg, now).next_release()
+
+
+def group_usage(index: Index, cfg: Config) -> dict[str, dict[str, int]]:
+    """Per configured group: its slots, running and queued tasks."""
+    usage = {name: {"max_agents": g.max_agents, "active": 0, "queued": 0} for name, g in cfg.groups.items()}
+    for where, tasks in (("active", index.active), ("queued", index.queued)):
+        for t in tasks:
+            if t.group in usage:
+                usage[t.group][where] += 1
+    return usage
 
 
 def lowest_free_slot(index: Index) -> int:
@@ -88,6 +121,7 @@ class Request(msgspec.Struct, kw_only=True):
     agent: str | None = None
     source: str = "cli"
     priority: str = "normal"
+    group: str | None = None
     expire_after: float | None = None  # seconds; None: config queue_timeout
     timeout: float | None = None  # seconds; None: config run_timeout
     env: dict[str, str] = {}
@@ -132,13 +166,33 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         raise UsageError(f"a task named {req.name!r} is already queued or running; pick another name")
     if req.priority not in PRIORITIES:
         raise UsageError(f"invalid priority {req.priority!r}; choose one of {', '.join(PRIORITIES)}")
+    if req.group is not None and req.group not in cfg.groups:
+        known = ", ".join(sorted(cfg.groups)) or "none defined"
+        raise UsageError(
+            f"unknown group {req.group!r} (groups: {known}); define it with"
+            f" `kugetsu config set groups.{req.group} '{{\"max_agents\": 1}}'`"
+        )
     agent, template, env = resolve_agent(cfg, req)
+    limit = cfg.max_queued_per_source
+    if limit is not None:
+        mine = sum(1 for t in index.queued if t.source == req.source)
+        if mine >= limit:
+            raise Rejected(
+                f"source {req.source} already has {mine} queued task{'' if mine == 1 else 's'} (limit {limit});"
+                " try again when one of them starts"
+            )
     waiting_after = len(index.queued) + 1 - free_slots(index, cfg)
-    if waiting_after > cfg.max_queue:
+    excess = waiting_after - cfg.max_queue
+    if excess > 0 and (cfg.on_queue_full != "drop_oldest" or excess > len(index.queued)):
         raise Rejected(
             f"queue full: {len(index.queued)}/{cfg.max_queue} waiting, {len(index.active)}/{cfg.max_agents} running;"
             " try again when a task finishes (`kugetsu capacity`)"
         )
+    # Nothing was refused: from here on the index changes.
+    events = []
+    if excess > 0:  # drop_oldest: the longest-waiting tasks make room, their delegators are told
+        for victim in sorted(index.queued, key=lambda t: t.id)[:excess]:
+            events += cancel(index, victim, now, 0.0, "dropped: queue full")
     task_id = index.next_id
     name = req.name or f"task-{task_id}"
     expire_after = req.expire_after if req.expire_after is not None else cfg.queue_timeout_s
@@ -149,6 +203,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         name=name,
         priority=req.priority,  # type: ignore[arg-type]
         source=req.source,
+        group=req.group,
         agent=agent,
         command=command,
         cwd=req.cwd,
@@ -164,7 +219,21 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     index.next_id += 1
     index.queued.append(task)
     position = positions(index, cfg, now)[task.id]
-    return task, [_event("queued", task, now, position=position)]
+    return task, events + [_event("queued", task, now, position=position)]
+
+
+def set_priority(index: Index, task: Task, level: str, now: datetime) -> list[Event]:
+    """Change a queued task's priority (it moves in the order under `priority` and `fair`)."""
+    if level not in PRIORITIES:
+        raise UsageError(f"invalid priority {level!r}; choose one of {', '.join(PRIORITIES)}")
+    if task.state is not TaskState.QUEUED:
+        raise UsageError(
+            f"task {task.name} (#{task.id}) is {task.state.value}; only a queued task's priority can change", code=1
+        )
+    if task.priority == level:
+        return []
+    task.priority = level  # type: ignore[assignment]
+    return [_event("priority", task, now, value=level)]
 
 
 # ---- transitions -----------------------------------------------------------------------
@@ -177,7 +246,26 @@ def start(index: Index, task: Task, now: datetime) -> list[Event]:
     task.slot = lowest_free_slot(index)
     task.started_at = now
     index.active.append(task)
+    index.starts += 1
+    index.last_start.pop(task.source, None)  # keeps the dict in start order, oldest first
+    index.last_start[task.source] = SourceMark(at=now, n=index.starts)
+    _forget_sources(index)
     return [_event("started", task, now, slot=task.slot)]
+
+
+_REMEMBERED_SOURCES = 256
+
+
+def _forget_sources(index: Index) -> None:
+    """Bound `last_start`: forget the least recent sources that have no live task. A
+    forgotten source counts as never started, which under `fair` is where it would stand
+    anyway; only a rate limit shorter than the time since its last start is lost with it."""
+    extra = len(index.last_start) - _REMEMBERED_SOURCES
+    if extra <= 0:
+        return
+    live = {t.source for t in index.live()}
+    for source in [s for s in index.last_start if s not in live][:extra]:
+        del index.last_start[source]
 
 
 def finish(index: Index, task: Task, now: datetime, exit_code: int | None, reason: str | None = None) -> list[Event]:

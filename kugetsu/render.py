@@ -55,13 +55,28 @@ def running_table(tasks: list[Task], now: datetime) -> str:
     return table(headers, rows, right={0, 1})
 
 
-def queued_table(tasks: list[Task], positions: dict[int, int], now: datetime) -> str:
+def queued_table(
+    tasks: list[Task], positions: dict[int, int], now: datetime, waiting_for: dict[int, str] | None = None
+) -> str:
+    """`waiting_for`: why a task waits when it is not simply behind others (pm.waiting_for)."""
+    why = waiting_for or {}
+    grouped = any(t.group for t in tasks)
     rows = [
-        [str(positions.get(t.id, "-")), str(t.id), t.name, t.priority, t.source, since(t.created_at, now),
-         until(t.expires_at, now)]
+        [str(positions.get(t.id, "-")), str(t.id), t.name, t.priority, t.source]
+        + ([t.group or "-"] if grouped else [])
+        + [since(t.created_at, now), until(t.expires_at, now)]
+        + ([why.get(t.id, "")] if why else [])
         for t in tasks
     ]
-    return table(["POS", "ID", "NAME", "PRIORITY", "SOURCE", "WAITING", "EXPIRES IN"], rows, right={0, 1})
+    headers = ["POS", "ID", "NAME", "PRIORITY", "SOURCE"] + (["GROUP"] if grouped else [])
+    headers += ["WAITING", "EXPIRES IN"] + (["WAITING FOR"] if why else [])
+    return table(headers, rows, right={0, 1})
+
+
+def groups_line(usage: dict[str, dict[str, int]]) -> str:
+    """Per-group usage under the summary: `groups: gpu 1/1 running, 2 queued · cpu 0/4 ...`."""
+    parts = [f"{name} {u['active']}/{u['max_agents']} running, {u['queued']} queued" for name, u in usage.items()]
+    return "groups: " + " · ".join(parts)
 
 
 def finished_table(tasks: list[Task], now: datetime) -> str:

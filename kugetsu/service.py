@@ -30,6 +30,7 @@ from kugetsu.store import Store
 log = logging.getLogger("kugetsu.service")
 
 RECONCILE_EVERY = 5.0  # seconds: a safety net; exits and deadlines do not wait for it
+GUARD_RECHECK = 2.0  # seconds between resource readings while the guard holds queued tasks
 
 
 class AlreadyRunning(KugetsuError):
@@ -326,6 +327,7 @@ class Service:
                 want[f"kill-{task.id}"] = task.kill_at
             elif task.timeout and task.started_at and task.stop is None:
                 want[f"timeout-{task.id}"] = task.started_at + timedelta(seconds=task.timeout)
+        want.update(self._policy_jobs())
         for job_id in [j for j in self.jobs if j not in want]:
             del self.jobs[job_id]
             try:
@@ -339,6 +341,20 @@ class Service:
                     self._job, "date", run_date=when, id=job_id, args=[job_id],
                     replace_existing=True, misfire_grace_time=None,
                 )
+
+    def _policy_jobs(self) -> dict[str, datetime]:
+        """Wake-ups the scheduling policies need: when a rate limit that holds a task runs
+        out (so it starts on time), and a fresh resource reading while the guard holds."""
+        index, cfg, now = self.index, self.cfg, ops.now()
+        if not index.queued or pm.free_slots(index, cfg) == 0:
+            return {}
+        jobs = {}
+        release = pm.next_release(index, cfg, now)
+        if release is not None:
+            jobs["rate-limit"] = release
+        if pm.guard_hold(cfg, ops.measure(cfg)) is not None:
+            jobs["resource-guard"] = self.jobs.get("resource-guard") or now + timedelta(seconds=GUARD_RECHECK)
+        return jobs
 
     # ---- extensions (the Telegram bot) -----------------------------------------------
 

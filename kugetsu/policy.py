@@ -1,0 +1,197 @@
+"""Scheduling policies: who may start next, and why the others wait. Pure, like pm.
+
+Everything goes through one selection, `Board.pick`: the scheduler asks it which queued
+tasks start now (pm.plan_starts), and positions come from playing it forward on a copy of
+the state (`Board.drain`) with slots freeing one at a time and nothing new arriving. So a
+position is the truth for every strategy and limit: there is no second ordering to drift.
+
+A Board groups queued tasks into lanes by (source, group): every limit applies to a whole
+source or a whole group, so within a lane only the head can be next, and a pick looks at
+one task per lane instead of the whole queue.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from kugetsu.config import Config, format_duration, format_size
+from kugetsu.models import PRIORITIES, Index, Task
+
+RANK = {p: i for i, p in enumerate(PRIORITIES)}
+NEVER = -1  # the start counter of a source that never started: oldest of all under `fair`
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Machine readings, measured by the caller (the service, the CLI) and passed in."""
+
+    available_memory: int | None = None  # bytes
+    load_per_cpu: float | None = None  # 1-minute load average / CPUs
+
+
+def guard_hold(cfg: Config, res: Resources | None) -> str | None:
+    """Why the resource guard holds every start now, or None."""
+    g = cfg.resource_guard
+    if res is None or not g.enabled:
+        return None
+    need = g.min_available_memory_bytes
+    if need is not None and res.available_memory is not None and res.available_memory < need:
+        return f"held: {format_size(res.available_memory)} available, need {format_size(need)}"
+    top = g.max_load_per_cpu
+    if top is not None and res.load_per_cpu is not None and res.load_per_cpu > top:
+        return f"held: load {res.load_per_cpu:.2f} per CPU, max {top:g}"
+    return None
+
+
+def task_key(cfg: Config, task: Task) -> tuple[int, int]:
+    """Order within a lane. Ids are the admission sequence: they never repeat or go back,
+    where timestamps can tie."""
+    return (0 if cfg.strategy == "fifo" else RANK[task.priority], task.id)
+
+
+def simple_order(index: Index, cfg: Config) -> bool:
+    """True when no limit can hold one queued task while another passes it: then every pick
+    takes the smallest key of all heads, and the start order is a plain sort (fifo, priority)."""
+    return (
+        cfg.strategy in ("fifo", "priority")
+        and cfg.max_active_per_source is None
+        and cfg.min_start_interval_s is None
+        and not any(t.group is not None and t.group in cfg.groups for t in index.queued)
+    )
+
+
+class Board:
+    """What the selection needs from an Index, in a form cheap to play forward."""
+
+    def __init__(self, index: Index, cfg: Config, now: datetime, resources: Resources | None = None):
+        self.cfg = cfg
+        self.now = now
+        self.hold = guard_hold(cfg, resources)
+        self.fair = cfg.strategy == "fair"
+        self.source_limit = cfg.max_active_per_source
+        self.caps = {name: g.max_agents for name, g in cfg.groups.items()}
+        interval = cfg.min_start_interval_s
+        self.interval = timedelta(seconds=interval) if interval else None
+        self.starts = index.starts
+        self.mark = {s: m.n for s, m in index.last_start.items()}  # fair: the start counter
+        # rate limit: when each source may start again
+        self.ready = {s: m.at + self.interval for s, m in index.last_start.items()} if self.interval else {}
+        # Running tasks in start order (pm.start appends to index.active): when the
+        # simulation frees a slot, the oldest ends first.
+        self.running: deque[tuple[str, str | None]] = deque((t.source, self.group_of(t)) for t in index.active)
+        self.by_source = Counter(s for s, _ in self.running)
+        self.by_group = Counter(g for _, g in self.running if g is not None)
+        lanes: dict[tuple[str, str | None], list[tuple[tuple[int, int], Task]]] = {}
+        for t in index.queued:
+            lanes.setdefault((t.source, self.group_of(t)), []).append((task_key(cfg, t), t))
+        # Lanes are never empty: a lane leaves the dict with its last task.
+        self.lanes = {k: deque(sorted(v, key=lambda kt: kt[0])) for k, v in lanes.items()}
+
+    def group_of(self, task: Task) -> str | None:
+        # A group removed from the config no longer limits the tasks that named it.
+        return task.group if task.group is not None and task.group in self.cfg.groups else None
+
+    # ---- the rules --------------------------------------------------------------------
+
+    def free(self, source: str, group: str | None) -> bool:
+        """May a task of this lane start now, given a free global slot? (`why` in words.)"""
+        if self.source_limit is not None and self.by_source[source] >= self.source_limit:
+            return False
+        if self.interval is not None and source in self.ready and self.ready[source] > self.now:
+            return False
+        return group is None or self.by_group[group] < self.caps[group]
+
+    def why(self, source: str, group: str | None) -> str | None:
+        """Why a task of this lane may not start now even with a free global slot, or None."""
+        limit = self.source_limit
+        if limit is not None and self.by_source[source] >= limit:
+            return f"source {source} has {self.by_source[source]} running (limit {limit})"
+        if self.interval is not None and source in self.ready and self.ready[source] > self.now:
+            wait = math.ceil((self.ready[source] - self.now).total_seconds())
+            return f"rate limit: source {source} may start again in {format_duration(wait)}"
+        if group is not None and self.by_group[group] >= self.caps[group]:
+            return f"group {group} full ({self.by_group[group]}/{self.caps[group]} running)"
+        return None
+
+    def pick(self) -> Task | None:
+        """THE selection: the queued task that starts next now, or None.
+
+        fifo and priority: the smallest task key among the lanes that may start; fair: the
+        same, after the source whose last start is oldest (round-robin)."""
+        if self.hold is not None or len(self.running) >= self.cfg.max_agents:
+            return None
+        best: Task | None = None
+        best_key: tuple = ()
+        fair, mark = self.fair, self.mark
+        for (source, group), lane in self.lanes.items():
+            key: tuple = lane[0][0]
+            task = lane[0][1]
+            if fair:
+                key = (mark.get(source, NEVER), key)
+            if best is not None and key >= best_key:
+                continue
+            if self.free(source, group):
+                best, best_key = task, key
+        return best
+
+    def take(self, task: Task) -> None:
+        """Record `task` as started now, as pm.start does on the Index."""
+        group = self.group_of(task)
+        lane_id = (task.source, group)
+        lane = self.lanes[lane_id]
+        if lane[0][1] is not task:
+            raise ValueError(f"task #{task.id} is not the head of its lane: only pick() chooses what starts")
+        lane.popleft()
+        if not lane:
+            del self.lanes[lane_id]
+        self.running.append(lane_id)
+        self.by_source[task.source] += 1
+        if group is not None:
+            self.by_group[group] += 1
+        self.starts += 1
+        self.mark[task.source] = self.starts
+        if self.interval is not None:
+            self.ready[task.source] = self.now + self.interval
+
+    def finish_oldest(self) -> None:
+        source, group = self.running.popleft()
+        self.by_source[source] -= 1
+        if group is not None:
+            self.by_group[group] -= 1
+
+    def next_release(self) -> datetime | None:
+        """The earliest moment a rate limit that holds a queued task runs out."""
+        if self.interval is None:
+            return None
+        times = [self.ready[s] for s, _ in self.lanes if s in self.ready and self.ready[s] > self.now]
+        return min(times, default=None)
+
+    def queued_left(self) -> bool:
+        return bool(self.lanes)
+
+    # ---- playing forward ----------------------------------------------------------------
+
+    def drain(self) -> list[Task]:
+        """Every queued task in the order it starts if nothing new arrives, taking slots as
+        soon as they are free; when none is free the oldest running task ends; when one is
+        free but every waiting task is held by a rate limit, time moves on to its end.
+        The resource guard holds every task alike, so it changes when, never the order: a
+        Board for positions is built without readings."""
+        order: list[Task] = []
+        while self.queued_left():
+            task = self.pick()
+            if task is not None:
+                self.take(task)
+                order.append(task)
+                continue
+            release = self.next_release() if len(self.running) < self.cfg.max_agents else None
+            if release is not None:
+                self.now = release
+            elif self.running:
+                self.finish_oldest()
+            else:  # nothing can ever free it; not reachable with limits >= 1, but never loop
+                return order + [t for _, t in sorted(kt for lane in self.lanes.values() for kt in lane)]
+        return order

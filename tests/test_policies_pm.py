@@ -1,0 +1,312 @@
+"""Each scheduling rule of pm/policy, on an in-memory Index with an injected clock."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import msgspec
+import pytest
+
+from kugetsu import pm
+from kugetsu.config import Config, parse_size
+from kugetsu.errors import Rejected, UsageError
+from kugetsu.models import Index, TaskState
+
+T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
+
+
+def cfg(**kw: object) -> Config:
+    return msgspec.convert(kw, Config)
+
+
+def add(index: Index, c: Config, name: str, source: str = "cli", priority: str = "normal",
+        group: str | None = None, now: datetime = T0):
+    req = pm.Request(cwd="/", name=name, command=["true"], source=source, priority=priority, group=group)
+    task, events = pm.admit(index, c, now, req)
+    return task, events
+
+
+def settle(index: Index, c: Config, now: datetime = T0, res: pm.Resources | None = None) -> list[str]:
+    started = pm.plan_starts(index, c, now, res)
+    for t in started:
+        pm.start(index, t, now)
+    return [t.name for t in started]
+
+
+def order(index: Index, c: Config, now: datetime = T0) -> list[str]:
+    return [t.name for t in pm.start_order(index, c, now)]
+
+
+def finish(index: Index, name: str, now: datetime = T0) -> None:
+    pm.finish(index, next(t for t in index.active if t.name == name), now, 0)
+
+
+# ---- defaults: FIFO exactly as before ----------------------------------------------------
+
+
+def test_default_is_fifo_whatever_the_priority():
+    c, ix = cfg(max_agents=1), Index()
+    for name, prio in [("a", "low"), ("b", "urgent"), ("c", "normal")]:
+        add(ix, c, name, priority=prio)
+    assert settle(ix, c) == ["a"]
+    assert order(ix, c) == ["b", "c"]
+    assert pm.waiting_for(ix, c, T0) == {}
+
+
+# ---- priority ----------------------------------------------------------------------------
+
+
+def test_priority_levels_then_admission_order():
+    c, ix = cfg(max_agents=1, strategy="priority"), Index()
+    add(ix, c, "run")
+    settle(ix, c)
+    for name, prio in [("l1", "low"), ("n1", "normal"), ("u1", "urgent"), ("h1", "high"), ("u2", "urgent"), ("n2", "normal")]:
+        add(ix, c, name, priority=prio)
+    assert order(ix, c) == ["u1", "u2", "h1", "n1", "n2", "l1"]
+    assert pm.positions(ix, c, T0)[ix.queued[0].id] == 6  # l1
+
+
+def test_set_priority_moves_a_queued_task_and_refuses_others():
+    c, ix = cfg(max_agents=1, strategy="priority"), Index()
+    add(ix, c, "run")
+    settle(ix, c)
+    add(ix, c, "a")
+    b, _ = add(ix, c, "b")
+    events = pm.set_priority(ix, b, "high", T0)
+    assert [e.type for e in events] == ["priority"] and events[0].value == "high"
+    assert order(ix, c) == ["b", "a"]
+    assert pm.set_priority(ix, b, "high", T0) == []  # no change, no event
+    with pytest.raises(UsageError) as err:
+        pm.set_priority(ix, ix.active[0], "low", T0)
+    assert err.value.code == 1 and "running" in str(err.value)
+    with pytest.raises(UsageError):
+        pm.set_priority(ix, b, "asap", T0)
+
+
+# ---- fair --------------------------------------------------------------------------------
+
+
+def test_fair_round_robin_by_oldest_last_start():
+    c, ix = cfg(max_agents=1, strategy="fair"), Index()
+    for i, src in enumerate("aaabbc"):
+        add(ix, c, f"{src}{i}", source=src)
+    started = settle(ix, c)
+    assert order(ix, c) == ["b3", "c5", "a1", "b4", "a2"]
+    now = T0
+    while ix.queued or ix.active:  # drain for real: one slot freeing at a time, the clock moving
+        now += timedelta(seconds=1)
+        finish(ix, ix.active[0].name, now)
+        started += settle(ix, c, now)
+    assert [s[0] for s in started] == list("abcaba")
+
+
+def test_fair_within_a_source_priority_then_fifo():
+    c, ix = cfg(max_agents=1, strategy="fair"), Index()
+    add(ix, c, "b0", source="b")
+    settle(ix, c)
+    add(ix, c, "a1", source="a")
+    add(ix, c, "a2", source="a", priority="high")
+    add(ix, c, "b1", source="b", priority="urgent")
+    # a never started: it goes first, its high task first; then b (started before), then a.
+    assert order(ix, c) == ["a2", "b1", "a1"]
+
+
+def test_fair_sources_started_in_one_transaction_still_alternate():
+    # Several starts at the same instant must not tie: the start counter orders them.
+    c, ix = cfg(max_agents=2, strategy="fair"), Index()
+    for name, src in [("a1", "a"), ("b1", "b"), ("a2", "a"), ("a3", "a"), ("b2", "b")]:
+        add(ix, c, name, source=src)
+    assert settle(ix, c) == ["a1", "b1"]
+    assert ix.last_start["a"].at == ix.last_start["b"].at
+    assert order(ix, c) == ["a2", "b2", "a3"]
+
+
+# ---- per-source limits -------------------------------------------------------------------
+
+
+def test_max_active_per_source_lets_others_pass():
+    c, ix = cfg(max_agents=3, max_active_per_source=1), Index()
+    add(ix, c, "a1", source="a")
+    add(ix, c, "a2", source="a")
+    add(ix, c, "b1", source="b")
+    assert settle(ix, c) == ["a1", "b1"]
+    assert pm.waiting_for(ix, c, T0) == {ix.queued[0].id: "source a has 1 running (limit 1)"}
+    finish(ix, "a1")
+    assert settle(ix, c) == ["a2"]
+
+
+def test_max_queued_per_source_rejects_before_writing():
+    c, ix = cfg(max_agents=1, max_queued_per_source=2), Index()
+    for n in range(3):  # one runs, two wait
+        add(ix, c, f"p{n}", source="pm")
+        settle(ix, c)
+    before = msgspec.json.encode(ix)
+    with pytest.raises(Rejected, match=r"^source pm already has 2 queued tasks \(limit 2\)"):
+        add(ix, c, "p3", source="pm")
+    assert msgspec.json.encode(ix) == before
+    add(ix, c, "other", source="cli")  # other sources are not affected
+
+
+def test_min_start_interval_holds_one_source_only_and_says_until_when():
+    c, ix = cfg(max_agents=4, min_start_interval_per_source="10s"), Index()
+    add(ix, c, "a1", source="a")
+    add(ix, c, "a2", source="a")
+    add(ix, c, "b1", source="b")
+    assert settle(ix, c) == ["a1", "b1"]
+    a2 = ix.queued[0]
+    assert pm.waiting_for(ix, c, T0 + timedelta(seconds=3)) == {a2.id: "rate limit: source a may start again in 7s"}
+    assert pm.next_release(ix, c, T0) == T0 + timedelta(seconds=10)
+    assert settle(ix, c, T0 + timedelta(seconds=9.9)) == []
+    assert settle(ix, c, T0 + timedelta(seconds=10)) == ["a2"]
+    assert pm.next_release(ix, c, T0 + timedelta(seconds=10)) is None
+
+
+def test_rate_limit_survives_clean_of_finished_tasks():
+    c, ix = cfg(max_agents=2, min_start_interval_per_source="1m"), Index()
+    add(ix, c, "a1", source="a")
+    settle(ix, c)
+    finish(ix, "a1")
+    pm.clean(ix, T0)
+    add(ix, c, "a2", source="a")
+    assert settle(ix, c, T0 + timedelta(seconds=30)) == []
+
+
+# ---- queue full --------------------------------------------------------------------------
+
+
+def test_queue_full_rejects_by_default():
+    c, ix = cfg(max_agents=1, max_queue=1), Index()
+    add(ix, c, "a")
+    settle(ix, c)
+    add(ix, c, "b")
+    with pytest.raises(Rejected, match=r"queue full: 1/1 waiting"):
+        add(ix, c, "c")
+
+
+def test_drop_oldest_cancels_the_longest_waiting_task():
+    c, ix = cfg(max_agents=1, max_queue=2, on_queue_full="drop_oldest"), Index()
+    for name in "abc":
+        add(ix, c, name)
+        settle(ix, c)
+    task, events = add(ix, c, "d")
+    assert [(e.type, e.name, e.reason) for e in events] == [
+        ("cancelled", "b", "dropped: queue full"), ("queued", "d", None)
+    ]
+    assert [t.name for t in ix.queued] == ["c", "d"]
+    assert ix.finished[-1].state is TaskState.CANCELLED
+
+
+def test_drop_oldest_with_an_empty_queue_still_rejects():
+    c, ix = cfg(max_agents=1, max_queue=0, on_queue_full="drop_oldest"), Index()
+    add(ix, c, "a")
+    settle(ix, c)
+    with pytest.raises(Rejected):
+        add(ix, c, "b")
+
+
+# ---- groups ------------------------------------------------------------------------------
+
+
+def test_group_needs_a_slot_in_its_group_and_globally():
+    c, ix = cfg(max_agents=2, groups={"gpu": {"max_agents": 1}}), Index()
+    add(ix, c, "g1", group="gpu")
+    add(ix, c, "g2", group="gpu")
+    add(ix, c, "c1")
+    add(ix, c, "c2")
+    assert settle(ix, c) == ["g1", "c1"]
+    assert order(ix, c) == ["g2", "c2"]  # g2 waits for g1, which ends first
+    finish(ix, "c1")
+    assert pm.waiting_for(ix, c, T0)[ix.queued[0].id] == "group gpu full (1/1 running)"
+    assert settle(ix, c) == ["c2"]  # passes the blocked g2
+    assert pm.group_usage(ix, c) == {"gpu": {"max_agents": 1, "active": 1, "queued": 1}}
+
+
+def test_unknown_group_is_refused_at_admission():
+    c, ix = cfg(groups={"gpu": {"max_agents": 1}}), Index()
+    with pytest.raises(UsageError, match="unknown group 'tpu'"):
+        add(ix, c, "x", group="tpu")
+
+
+def test_a_group_removed_from_config_no_longer_limits():
+    c, ix = cfg(max_agents=3, groups={"gpu": {"max_agents": 1}}), Index()
+    add(ix, c, "g1", group="gpu")
+    add(ix, c, "g2", group="gpu")
+    assert settle(ix, c) == ["g1"]
+    assert settle(ix, cfg(max_agents=3)) == ["g2"]
+
+
+# ---- resource guard ------------------------------------------------------------------------
+
+
+def test_resource_guard_holds_every_start_and_says_why():
+    c, ix = cfg(max_agents=3, resource_guard={"min_available_memory": "2GiB", "max_load_per_cpu": 1.5}), Index()
+    add(ix, c, "a")
+    low_mem = pm.Resources(available_memory=int(1.2 * 1024**3), load_per_cpu=0.1)
+    assert settle(ix, c, res=low_mem) == []
+    assert pm.waiting_for(ix, c, T0, low_mem) == {ix.queued[0].id: "held: 1.2 GiB available, need 2 GiB"}
+    busy = pm.Resources(available_memory=8 * 1024**3, load_per_cpu=2.25)
+    assert pm.waiting_for(ix, c, T0, busy) == {ix.queued[0].id: "held: load 2.25 per CPU, max 1.5"}
+    assert settle(ix, c, res=busy) == []
+    assert pm.positions(ix, c, T0) == {ix.queued[0].id: 1}  # the order does not change
+    assert settle(ix, c, res=pm.Resources(available_memory=3 * 1024**3, load_per_cpu=1.0)) == ["a"]
+
+
+def test_resource_guard_off_by_default_ignores_readings():
+    c, ix = cfg(), Index()
+    add(ix, c, "a")
+    assert settle(ix, c, res=pm.Resources(available_memory=1, load_per_cpu=99.0)) == ["a"]
+
+
+def test_policy_config_keys_are_checked():
+    from kugetsu.config import KEY_HELP, validate, with_value
+
+    raw: dict = {}
+    for key, value in [("strategy", "fair"), ("groups.gpu", {"max_agents": 2}), ("groups.gpu.max_agents", 1),
+                       ("resource_guard.max_load_per_cpu", 1.5), ("min_start_interval_per_source", "30s"),
+                       ("on_queue_full", "drop_oldest"), ("max_active_per_source", 2), ("max_queued_per_source", 5)]:
+        raw = with_value(raw, key, value)
+    c = validate(raw)
+    assert (c.strategy, c.groups["gpu"].max_agents, c.min_start_interval_s) == ("fair", 1, 30.0)
+    for key, value in [("strategy", "lottery"), ("min_start_interval_per_source", "soon"),
+                       ("on_queue_full", "drop_newest"), ("max_active_per_source", 0), ("groups.gpu.max_agents", 0),
+                       ("resource_guard.max_load_per_cpu", -1), ("resource_guard.min_available_memory", "lots")]:
+        with pytest.raises(Exception):
+            validate(with_value(raw, key, value))
+    for key in ("resource_guard.min_free", "groups.gpu.slots", "stratgy"):
+        with pytest.raises(UsageError):
+            with_value(raw, key, 1)
+    assert all(k in KEY_HELP for k in Config.__struct_fields__)
+
+
+def test_parse_size_units():
+    assert parse_size("2GiB") == 2 * 1024**3
+    assert parse_size("512 MiB") == 512 * 1024**2
+    assert parse_size("1G") == 1024**3
+    assert parse_size("800MB") == 800 * 1000**2
+    assert parse_size(4096) == 4096
+    for bad in ("2 GiBs", "-1G", "0", True, "lots"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+# ---- positions are the selection played forward ------------------------------------------------
+
+
+def test_positions_follow_a_blocked_head_rather_than_a_sort():
+    # a2 is first by admission, but source a is at its limit and a1 ends only after b1 (the
+    # oldest running task ends first): b2 takes b1's slot, a2 the next one, then c1.
+    c, ix = cfg(max_agents=2, max_active_per_source=1), Index()
+    add(ix, c, "b1", source="b")
+    add(ix, c, "a1", source="a")
+    settle(ix, c)
+    add(ix, c, "a2", source="a")
+    add(ix, c, "b2", source="b")
+    add(ix, c, "c1", source="c")
+    assert order(ix, c) == ["b2", "a2", "c1"]
+    assert sorted(ix.queued, key=lambda t: t.id)[0].name == "a2"
+
+
+def test_old_index_without_policy_fields_loads():
+    data = b'{"version": 1, "next_id": 2, "queued": [{"id": 1, "name": "x", "state": "queued", "command": ["true"], "cwd": "/", "created_at": "2025-01-01T00:00:00+00:00"}]}'
+    ix = msgspec.json.decode(data, type=Index)
+    assert ix.starts == 0 and ix.last_start == {} and ix.queued[0].group is None
