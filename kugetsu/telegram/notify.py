@@ -1,0 +1,236 @@
+"""Delivery of events.jsonl to the notify chats, at least once and normally exactly once.
+
+One asyncio task per chat reads the events after that chat's cursor, sends each one the
+config asks for, and only then moves the cursor (a small JSON file in KUGETSU_HOME,
+written atomically). A crash between the send and the cursor write repeats one message;
+nothing else can repeat or be lost, across restarts and outages alike. Each chat has its
+own cursor so that one unreachable chat never holds back or duplicates another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import time
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+from telegram import Bot, LinkPreviewOptions
+from telegram.constants import ParseMode
+from telegram.error import BadRequest, Forbidden, InvalidToken, RetryAfter, TelegramError
+
+from kugetsu.config import Config
+from kugetsu.models import Event, Task
+from kugetsu.ops import now
+from kugetsu.paths import Home, atomic_write
+from kugetsu.store import Store
+from kugetsu.telegram import text
+
+log = logging.getLogger("kugetsu.telegram")
+
+BACKOFF_FIRST = 0.5  # seconds; doubles on each failure in a row
+BACKOFF_MAX = 60.0
+RECHECK = 1.0  # seconds between looks at events.jsonl when nobody woke us (DESIGN: >= 1 s)
+# With no cursor yet (the bot was just set up), events older than this are history, not news.
+FIRST_RUN_WINDOW = timedelta(minutes=10)
+_NO_PREVIEW = LinkPreviewOptions(is_disabled=True)
+
+
+def retry_after_seconds(err: RetryAfter) -> float:
+    with warnings.catch_warnings():  # the int-or-timedelta deprecation: we accept both
+        warnings.simplefilter("ignore")
+        value = err.retry_after
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+class Cursors:
+    """chat id -> seq of the last event settled (delivered, or not wanted) for that chat."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            raw = json.loads(path.read_text())
+            self.seqs = {int(k): int(v) for k, v in raw.items()}
+        except FileNotFoundError:
+            self.seqs = {}
+        except (ValueError, AttributeError, TypeError):
+            log.error("%s does not parse; starting notifications from recent events", path)
+            self.seqs = {}
+
+    def get(self, chat: int) -> int | None:
+        return self.seqs.get(chat)
+
+    def set(self, chat: int, seq: int) -> None:
+        self.seqs[chat] = seq
+        data = json.dumps({str(k): v for k, v in sorted(self.seqs.items())}, indent=1).encode() + b"\n"
+        atomic_write(self.path, data)
+
+
+def cursor_path(home: Home) -> Path:
+    return home.root / "telegram-cursor.json"
+
+
+class Notifier:
+    def __init__(self, home: Home, bot: Bot, get_cfg: Callable[[], Config]):
+        self.home = home
+        self.store = Store(home)
+        self.bot = bot
+        self.get_cfg = get_cfg
+        self.cursors = Cursors(cursor_path(home))
+        self.feeds: dict[int, asyncio.Task[None]] = {}
+        self.wakes: dict[int, asyncio.Event] = {}
+        self._said_no_chats = False
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def sync(self) -> None:
+        """One feed per notify chat in the current config; config changes apply at once."""
+        chats = set(self.get_cfg().telegram.notify_chat_ids)
+        if not chats and not self._said_no_chats:
+            log.info("telegram.notify_chat_ids is empty: no notifications are sent")
+            self._said_no_chats = True
+        for chat in [c for c in self.feeds if c not in chats]:
+            self.feeds.pop(chat).cancel()
+            self.wakes.pop(chat, None)
+        for chat in chats - set(self.feeds):
+            self.wakes[chat] = asyncio.Event()
+            self.feeds[chat] = asyncio.create_task(self._feed(chat), name=f"telegram-notify-{chat}")
+
+    def wake(self) -> None:
+        self.sync()
+        for event in self.wakes.values():
+            event.set()
+
+    async def stop(self) -> None:
+        feeds = list(self.feeds.values())
+        for feed in feeds:
+            feed.cancel()
+        await asyncio.gather(*feeds, return_exceptions=True)
+        self.feeds.clear()
+
+    # ---- one chat ----------------------------------------------------------------------
+
+    async def _feed(self, chat: int) -> None:
+        try:
+            cursor = self.cursors.get(chat)
+            if cursor is None:
+                cursor = await asyncio.to_thread(self._first_cursor)
+                await asyncio.to_thread(self.cursors.set, chat, cursor)
+            while True:
+                stamp = self._stamp()
+                events = await asyncio.to_thread(self.store.read_events, cursor)
+                unsaved = False
+                for event in events:
+                    if event.type in self.get_cfg().telegram.events:
+                        message = await asyncio.to_thread(self._message, event)
+                        await self._send(chat, message)
+                        await asyncio.to_thread(self.cursors.set, chat, event.seq)
+                        unsaved = False
+                    else:
+                        unsaved = True  # saved with the next delivery or at the end: fewer fsyncs
+                    cursor = event.seq
+                if unsaved:
+                    await asyncio.to_thread(self.cursors.set, chat, cursor)
+                await self._changed(chat, stamp)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("notifications to chat %d stopped by an unexpected error", chat)
+
+    def _first_cursor(self) -> int:
+        cut = now() - FIRST_RUN_WINDOW
+        old = [e.seq for e in self.store.read_events(0) if e.at < cut]
+        return max(old, default=0)
+
+    def _stamp(self) -> tuple[int, int]:
+        try:
+            st = os.stat(self.home.events)
+            return st.st_size, st.st_mtime_ns
+        except FileNotFoundError:
+            return 0, 0
+
+    async def _changed(self, chat: int, stamp: tuple[int, int]) -> None:
+        """Until the service says there are new events, or events.jsonl changed (a CLI
+        transaction the service did not see as its own)."""
+        wake = self.wakes[chat]
+        while True:
+            try:
+                await asyncio.wait_for(wake.wait(), RECHECK)
+                wake.clear()
+                return
+            except asyncio.TimeoutError:
+                if self._stamp() != stamp:
+                    return
+
+    def _message(self, event: Event) -> str:
+        task = self._task(event.task) if event.task is not None else None
+        tail = None
+        if event.type in ("failed", "lost") and event.task is not None:
+            tail = _log_tail(self.home.log(event.task))
+        return text.notification(event, task, self.get_cfg(), tail)
+
+    def _task(self, task_id: int) -> Task | None:
+        try:
+            return next((t for t in self.store.read().all_tasks() if t.id == task_id), None)
+        except Exception:  # an unreadable index must not stop notifications; durations are optional
+            return None
+
+    async def _send(self, chat: int, message: str) -> bool:
+        """Send until Telegram takes it. False if Telegram refuses it for good (bad chat,
+        bot blocked): retrying could never succeed, and it must not block the chat forever."""
+        delay = BACKOFF_FIRST
+        failures = 0
+        parse_mode: str | None = ParseMode.HTML
+        last_warned = 0.0
+        while True:
+            try:
+                await self.bot.send_message(chat, message, parse_mode=parse_mode, link_preview_options=_NO_PREVIEW)
+                if failures:
+                    log.info("delivered to chat %d after %d failed attempts", chat, failures)
+                return True
+            except RetryAfter as err:
+                wait = retry_after_seconds(err)
+                log.warning("flood control for chat %d, waiting %.0fs as asked", chat, wait)
+                await asyncio.sleep(wait)
+                continue
+            except BadRequest as err:
+                if parse_mode and "parse" in str(err).lower():
+                    message, parse_mode = _plain(message), None  # our HTML was wrong: say it plainly
+                    continue
+                log.error("telegram refused a notification for chat %d (%s); skipping it", chat, err)
+                return False
+            except Forbidden as err:
+                log.error("the bot may not write to chat %d (%s); skipping a notification", chat, err)
+                return False
+            except InvalidToken:
+                delay = BACKOFF_MAX  # revoked token: nothing gets through until it is fixed; keep the events
+                error = "the token was refused; fix telegram.token and restart the service"
+            except TelegramError as err:
+                error = str(err)
+            failures += 1
+            if failures == 1 or time.monotonic() - last_warned > 60:
+                log.warning("cannot notify chat %d (%s); retrying in %.1fs", chat, error, delay)
+                last_warned = time.monotonic()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX)
+
+
+def _log_tail(path: Path, size: int = 8192) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            f.seek(max(0, end - size))
+            return text.tail_lines(f.read())
+    except OSError:
+        return None
+
+
+def _plain(message: str) -> str:
+    import html
+
+    return html.unescape(re.sub(r"<[^>]+>", "", message))
