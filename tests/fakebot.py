@@ -26,6 +26,7 @@ class Call:
     params: dict[str, Any]
     at: float
     status: int = 200
+    result: Any = None
 
 
 @dataclass
@@ -156,7 +157,8 @@ class FakeBotAPI:
         if result is None:
             call.status = 404
             return 404, {"ok": False, "error_code": 404, "description": "Not Found: method not found"}
-        return 200, {"ok": True, "result": result(params)}
+        call.result = result(params)
+        return 200, {"ok": True, "result": call.result}
 
     def api_getMe(self, p: dict[str, Any]) -> Any:
         return {**BOT_USER, "can_join_groups": True, "can_read_all_group_messages": False,
@@ -224,11 +226,14 @@ def _handler(api: FakeBotAPI) -> type[BaseHTTPRequestHandler]:
             token, _, method = rest.partition("/")
             status, body = api.handle(token, method, params)
             data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the bot gave up on a long poll it no longer needs (it is stopping)
 
         do_GET = do_POST  # noqa: N815
 

@@ -49,3 +49,47 @@ def test_queue_lists_running_and_queued_and_refuses_strangers(kg, api):
     refusal = reply(api, STRANGER, "private")
     assert "busy" not in refusal and "next-one" not in refusal
     assert "refused chat 999" in kg.home.service_log.read_text()
+
+
+def test_cancel_buttons_and_delegate(kg, api, tmp_path):
+    setup(kg, api, max_agents=1, default_agent="say",
+          agents={"say": {"command": ["sh", "-c", "echo {prompt}; sleep 30"]}},
+          telegram={"delegate_cwd": str(tmp_path)})
+    bot_up(kg, api)
+    kg.delegate("busy", 30)
+    kg.delegate("q1", 30)
+    kg.delegate("q2", 30)
+
+    api.message(ME, "/cancel q1")
+    assert "cancelled <b>q1</b>" in reply(api, ME, "q1</b>")
+    assert kg.task("q1")["state"] == "cancelled"
+
+    api.message(ME, "/queue")
+    reply(api, ME, "Queued")
+    listing = api.with_text(ME, "Queued")[-1]
+    buttons = [b for row in listing.params["reply_markup"]["inline_keyboard"] for b in row]
+    assert [b["text"] for b in buttons] == ["Cancel busy", "Cancel q2"]
+    api.press(STRANGER, buttons[0]["callback_data"], listing.result["message_id"])
+    wait_for(lambda: api.calls_to("answerCallbackQuery"), 10, "the refusal")
+    api.press(ME, buttons[0]["callback_data"], listing.result["message_id"])
+    kg.wait_state("busy", "cancelled")
+    answers = [c.params.get("text", "") for c in api.calls_to("answerCallbackQuery")]
+    assert "private" in answers[0] and "busy" in answers[1]
+    edited = wait_for(lambda: api.calls_to("editMessageText"), 10, "the listing to refresh")
+    assert "busy" not in edited[-1].params["text"] and "q2" in edited[-1].params["text"]
+    assert kg.task("busy")["reason"] == f"cancelled by telegram:{ME}"
+
+    api.message(ME, "/delegate fresh write the docs")
+    assert "off" in reply(api, ME, "allow_delegate")
+    kg.ok("config", "set", "telegram.allow_delegate", "true")
+    api.message(ME, "/delegate fresh write the docs")
+    assert "queued <b>fresh</b>" in reply(api, ME, "fresh</b>") and "position 1 of 1" in api.texts(ME)[-1]
+    task = kg.task("fresh")
+    assert task["source"] == f"telegram:{ME}" and task["cwd"] == str(tmp_path)
+    assert task["command"] == ["sh", "-c", "echo write the docs; sleep 30"]
+    api.message(STRANGER, "/delegate sneaky rm -rf /")  # refused silently: one refusal a minute
+    api.message(ME, "/capacity")
+    reply(api, ME, "1/1 running")
+    assert all(t["name"] != "sneaky" for t in kg.json("queue", "--all")["queued"])
+    menus = [{c["command"] for c in call.params["commands"]} for call in api.calls_to("setMyCommands")]
+    assert "delegate" not in menus[0] and "delegate" in menus[-1] and "queue" in menus[-1]

@@ -61,6 +61,7 @@ class Env:
     home: Home
     get_cfg: Callable[[], Config]
     refused_at: dict[int, float] = field(default_factory=dict)
+    menu_has_delegate: bool | None = None  # what setMyCommands last registered
 
 
 def _env(context: ContextTypes.DEFAULT_TYPE) -> Env:
@@ -84,6 +85,9 @@ async def gate(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
     chat = update.effective_chat
     user = update.effective_user
     if chat is not None and allowed(cfg, chat.id, user.id if user else None):
+        if env.menu_has_delegate is not None and env.menu_has_delegate != cfg.allow_delegate:
+            # allow_delegate changed since the menu was registered: the owner is here, refresh it
+            context.application.create_task(set_commands(context.application, env))
         return
     message = update.effective_message
     is_command = message is not None and (message.text or "").startswith("/")
@@ -250,6 +254,17 @@ def build(token: str, home: Home, get_cfg: Callable[[], Config]) -> Application:
     return app
 
 
+async def set_commands(app: Application, env: Env) -> None:
+    """Register the commands for the client's menu; /delegate only when it is allowed."""
+    allow = env.get_cfg().telegram.allow_delegate
+    env.menu_has_delegate = allow
+    try:
+        await app.bot.set_my_commands([BotCommand(n, d) for n, d in text.COMMANDS if allow or n != "delegate"])
+    except TelegramError as err:  # only the client's menu suffers
+        env.menu_has_delegate = None if env.menu_has_delegate == allow else env.menu_has_delegate
+        log.warning("setMyCommands failed (%s); the commands still work", err)
+
+
 class TelegramBot:
     """The bot and the notifier, as one extension of the service."""
 
@@ -286,7 +301,7 @@ class TelegramBot:
                 )
             self.notifier = Notifier(self.home, app.bot, self.get_cfg)
             self.notifier.sync()
-            await self._set_commands(app, cfg.allow_delegate)
+            await set_commands(app, app.bot_data["kugetsu"])
             await app.start()
             await app.updater.start_polling(  # type: ignore[union-attr]
                 timeout=self.poll_timeout, bootstrap_retries=-1, error_callback=self._poll_error
@@ -310,13 +325,6 @@ class TelegramBot:
                 log.warning("cannot reach the Bot API (%s); retrying in %.1fs", redact(err, self.token), delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX)
-
-    async def _set_commands(self, app: Application, allow_delegate: bool) -> None:
-        commands = [BotCommand(n, d) for n, d in text.COMMANDS if allow_delegate or n != "delegate"]
-        try:
-            await app.bot.set_my_commands(commands)
-        except TelegramError as err:  # only the client's menu suffers
-            log.warning("setMyCommands failed (%s); the commands still work", redact(err, self.token))
 
     def _poll_error(self, err: TelegramError) -> None:
         # python-telegram-bot retries with its own backoff; one line, not a traceback each time
