@@ -41,6 +41,8 @@ def test_queue_lists_running_and_queued_and_refuses_strangers(kg, api):
     kg.delegate("busy", 30)
     kg.delegate("next-one", 30)
     kg.delegate("third", 30)
+    api.message(ME, "/help")
+    assert "/cancel" in reply(api, ME, "/queue") and "/delegate" not in api.texts(ME)[-1]
     api.message(ME, "/queue")
     text = reply(api, ME, "Queued")
     assert "1/1 running" in text and "2 queued" in text
@@ -63,6 +65,10 @@ def test_cancel_buttons_and_delegate(kg, api, tmp_path):
     api.message(ME, "/cancel q1")
     assert "cancelled <b>q1</b>" in reply(api, ME, "q1</b>")
     assert kg.task("q1")["state"] == "cancelled"
+    api.message(ME, "/status q1")
+    assert "cancelled by telegram:111" in reply(api, ME, "<pre>")
+    api.message(ME, "/status nope")
+    assert "no task 'nope'" in reply(api, ME, "no task")
 
     api.message(ME, "/queue")
     reply(api, ME, "Queued")

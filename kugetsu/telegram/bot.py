@@ -158,7 +158,7 @@ def _cancel(home: Home, refs: list[str], chat_id: int) -> str:
             lines.append(f"stopping {text.task_ref(t)}: cancelled once it exits")
         else:
             lines.append(f"{t.state.value} {text.task_ref(t)}")
-    return "\n".join(lines) or "nothing to cancel"
+    return text.fit(lines) or "nothing to cancel"
 
 
 async def cmd_cancel(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
