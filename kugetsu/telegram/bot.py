@@ -182,7 +182,7 @@ async def on_button(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
     except KugetsuError as err:
         await query.answer(str(err)[:190])
         return
-    await query.answer(_strip_tags(outcome)[:190])
+    await query.answer(text.plain(outcome)[:190])
     body, markup = await asyncio.to_thread(_queue_view, home)
     try:
         await query.edit_message_text(body, parse_mode=ParseMode.HTML, reply_markup=markup)
@@ -226,13 +226,6 @@ async def on_error(update: object, context: ContextTypes.DEFAULT_TYPE) -> None:
             await _reply(update, "Something went wrong; the service log has the details.")
         except TelegramError:
             pass
-
-
-def _strip_tags(html_text: str) -> str:
-    import html
-    import re
-
-    return html.unescape(re.sub(r"<[^>]+>", "", html_text))
 
 
 # ---- lifecycle ---------------------------------------------------------------------------------
@@ -301,6 +294,7 @@ class TelegramBot:
                 )
             self.notifier = Notifier(self.home, app.bot, self.get_cfg)
             self.notifier.sync()
+            self.notifier.start()
             await set_commands(app, app.bot_data["kugetsu"])
             await app.start()
             await app.updater.start_polling(  # type: ignore[union-attr]

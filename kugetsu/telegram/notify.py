@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import time
 import warnings
 from collections.abc import Callable
@@ -85,8 +84,12 @@ class Notifier:
         self.feeds: dict[int, asyncio.Task[None]] = {}
         self.wakes: dict[int, asyncio.Event] = {}
         self._said_no_chats = False
+        self._watcher: asyncio.Task[None] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._watcher = asyncio.create_task(self._watch(), name="telegram-notify-watch")
 
     def sync(self) -> None:
         """One feed per notify chat in the current config; config changes apply at once."""
@@ -99,48 +102,70 @@ class Notifier:
             self.wakes.pop(chat, None)
         for chat in chats - set(self.feeds):
             self.wakes[chat] = asyncio.Event()
+            self.wakes[chat].set()
             self.feeds[chat] = asyncio.create_task(self._feed(chat), name=f"telegram-notify-{chat}")
 
     def wake(self) -> None:
+        """New events are committed (the service's own transactions say so at once)."""
         self.sync()
         for event in self.wakes.values():
             event.set()
 
+    async def _watch(self) -> None:
+        """Once a second: config changes (notify chats), and events.jsonl grown by a CLI
+        transaction the service did not see as its own."""
+        stamp = self._stamp()
+        while True:
+            await asyncio.sleep(RECHECK)
+            try:
+                self.sync()
+                if (now_stamp := self._stamp()) != stamp:
+                    stamp = now_stamp
+                    self.wake()
+            except Exception:
+                log.exception("notification watcher failed; retrying")
+
     async def stop(self) -> None:
-        feeds = list(self.feeds.values())
-        for feed in feeds:
-            feed.cancel()
-        await asyncio.gather(*feeds, return_exceptions=True)
+        tasks = list(self.feeds.values()) + ([self._watcher] if self._watcher else [])
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.feeds.clear()
 
     # ---- one chat ----------------------------------------------------------------------
 
     async def _feed(self, chat: int) -> None:
-        try:
-            cursor = self.cursors.get(chat)
-            if cursor is None:
-                cursor = await asyncio.to_thread(self._first_cursor)
-                await asyncio.to_thread(self.cursors.set, chat, cursor)
-            while True:
-                stamp = self._stamp()
-                events = await asyncio.to_thread(self.store.read_events, cursor)
+        wake = self.wakes[chat]
+        if self.cursors.get(chat) is None:
+            await asyncio.to_thread(self.cursors.set, chat, await asyncio.to_thread(self._first_cursor))
+        while True:
+            await wake.wait()
+            wake.clear()  # before reading: what lands while we send sets it again
+            try:
+                await self._deliver(chat)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("notifications to chat %d failed unexpectedly; retrying in %.0fs", chat, BACKOFF_MAX)
+                await asyncio.sleep(BACKOFF_MAX)
+                wake.set()
+
+    async def _deliver(self, chat: int) -> None:
+        """Send what is new for `chat`, moving its cursor after each message Telegram took."""
+        cursor = self.cursors.get(chat) or 0
+        events = await asyncio.to_thread(self.store.read_events, cursor)
+        unsaved = False
+        for event in events:
+            if event.type in self.get_cfg().telegram.events:
+                message = await asyncio.to_thread(self._message, event)
+                await self._send(chat, message)
+                await asyncio.to_thread(self.cursors.set, chat, event.seq)
                 unsaved = False
-                for event in events:
-                    if event.type in self.get_cfg().telegram.events:
-                        message = await asyncio.to_thread(self._message, event)
-                        await self._send(chat, message)
-                        await asyncio.to_thread(self.cursors.set, chat, event.seq)
-                        unsaved = False
-                    else:
-                        unsaved = True  # saved with the next delivery or at the end: fewer fsyncs
-                    cursor = event.seq
-                if unsaved:
-                    await asyncio.to_thread(self.cursors.set, chat, cursor)
-                await self._changed(chat, stamp)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("notifications to chat %d stopped by an unexpected error", chat)
+            else:
+                unsaved = True  # saved with the next delivery or at the end: fewer fsyncs
+            cursor = event.seq
+        if unsaved:
+            await asyncio.to_thread(self.cursors.set, chat, cursor)
 
     def _first_cursor(self) -> int:
         cut = now() - FIRST_RUN_WINDOW
@@ -153,19 +178,6 @@ class Notifier:
             return st.st_size, st.st_mtime_ns
         except FileNotFoundError:
             return 0, 0
-
-    async def _changed(self, chat: int, stamp: tuple[int, int]) -> None:
-        """Until the service says there are new events, or events.jsonl changed (a CLI
-        transaction the service did not see as its own)."""
-        wake = self.wakes[chat]
-        while True:
-            try:
-                await asyncio.wait_for(wake.wait(), RECHECK)
-                wake.clear()
-                return
-            except asyncio.TimeoutError:
-                if self._stamp() != stamp:
-                    return
 
     def _message(self, event: Event) -> str:
         task = self._task(event.task) if event.task is not None else None
@@ -200,7 +212,7 @@ class Notifier:
                 continue
             except BadRequest as err:
                 if parse_mode and "parse" in str(err).lower():
-                    message, parse_mode = _plain(message), None  # our HTML was wrong: say it plainly
+                    message, parse_mode = text.plain(message), None  # our HTML was wrong: say it plainly
                     continue
                 log.error("telegram refused a notification for chat %d (%s); skipping it", chat, err)
                 return False
@@ -228,9 +240,3 @@ def _log_tail(path: Path, size: int = 8192) -> str | None:
             return text.tail_lines(f.read())
     except OSError:
         return None
-
-
-def _plain(message: str) -> str:
-    import html
-
-    return html.unescape(re.sub(r"<[^>]+>", "", message))

@@ -50,6 +50,11 @@ def pre(text: str, room: int = _ROOM) -> str:
     return ""
 
 
+def plain(html_text: str) -> str:
+    """Telegram HTML as plain text: for places without parse mode (button answers, fallbacks)."""
+    return html.unescape(re.sub(r"<[^>]+>", "", html_text))
+
+
 def task_ref(task: Task | Event) -> str:
     return f"<b>{esc(task.name)}</b> (#{task.task if isinstance(task, Event) else task.id})"
 
