@@ -78,3 +78,9 @@ def test_restart_between_events_loses_and_repeats_nothing(kg, api):
     for needle in ("started <b>a</b>", "<b>a</b> (#1) succeeded", "started <b>b</b>", "<b>b</b> (#2) succeeded",
                    "started <b>c</b>"):
         assert once(api, needle), needle
+
+    kg.ok("config", "set", "telegram.notify_chat_ids", f"[{ME}, 222]")  # a new chat gets news, not history
+    wait_for(lambda: "222" in (kg.home.root / "telegram-cursor.json").read_text(), 10, "the new chat's cursor")
+    kg.delegate("d", 0)
+    reply(api, 222, "<b>d</b> (#4) succeeded")
+    assert [t for t in api.texts(222) if "<b>d</b>" not in t] == []

@@ -343,6 +343,6 @@ class TelegramBot:
             try:
                 coro = step()
                 if coro is not None:
-                    await asyncio.wait_for(coro, 5)
+                    await asyncio.wait_for(coro, 3)
             except Exception as err:  # stopping must go on: the service is shutting down
                 log.warning("while stopping: %s", redact(err, self.token))

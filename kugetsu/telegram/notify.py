@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -52,6 +53,8 @@ class Cursors:
 
     def __init__(self, path: Path):
         self.path = path
+        # Feeds write from worker threads, and atomic_write's temp file name is fixed.
+        self._lock = threading.Lock()
         try:
             raw = json.loads(path.read_text())
             self.seqs = {int(k): int(v) for k, v in raw.items()}
@@ -65,9 +68,10 @@ class Cursors:
         return self.seqs.get(chat)
 
     def set(self, chat: int, seq: int) -> None:
-        self.seqs[chat] = seq
-        data = json.dumps({str(k): v for k, v in sorted(self.seqs.items())}, indent=1).encode() + b"\n"
-        atomic_write(self.path, data)
+        with self._lock:
+            self.seqs[chat] = seq
+            data = json.dumps({str(k): v for k, v in sorted(self.seqs.items())}, indent=1).encode() + b"\n"
+            atomic_write(self.path, data)
 
 
 def cursor_path(home: Home) -> Path:
@@ -136,12 +140,12 @@ class Notifier:
 
     async def _feed(self, chat: int) -> None:
         wake = self.wakes[chat]
-        if self.cursors.get(chat) is None:
-            await asyncio.to_thread(self.cursors.set, chat, await asyncio.to_thread(self._first_cursor))
         while True:
             await wake.wait()
             wake.clear()  # before reading: what lands while we send sets it again
             try:
+                if self.cursors.get(chat) is None:
+                    await asyncio.to_thread(self.cursors.set, chat, await asyncio.to_thread(self._first_cursor))
                 await self._deliver(chat)
             except asyncio.CancelledError:
                 raise
@@ -168,9 +172,14 @@ class Notifier:
             await asyncio.to_thread(self.cursors.set, chat, cursor)
 
     def _first_cursor(self) -> int:
+        """Where a chat without a cursor starts. A chat added to a working set-up gets what
+        happens from now on; on the very first set-up, the service was likely started by
+        the very delegate whose events the user expects, so the last minutes count too."""
+        events = self.store.read_events(0)
+        if self.cursors.seqs:
+            return events[-1].seq if events else 0
         cut = now() - FIRST_RUN_WINDOW
-        old = [e.seq for e in self.store.read_events(0) if e.at < cut]
-        return max(old, default=0)
+        return max((e.seq for e in events if e.at < cut), default=0)
 
     def _stamp(self) -> tuple[int, int]:
         try:
