@@ -43,6 +43,9 @@ def test_queue_lists_running_and_queued_and_refuses_strangers(kg, api):
     kg.delegate("third", 30)
     api.message(ME, "/help")
     assert "/cancel" in reply(api, ME, "/queue") and "/delegate" not in api.texts(ME)[-1]
+    api.message(ME, "/frobnicate@someone_else_bot")  # another bot's: not ours to answer
+    api.message(ME, "/frobnicate")
+    reply(api, ME, "Unknown command")
     api.message(ME, "/queue")
     text = reply(api, ME, "Queued")
     assert "1/1 running" in text and "2 queued" in text
@@ -51,6 +54,7 @@ def test_queue_lists_running_and_queued_and_refuses_strangers(kg, api):
     refusal = reply(api, STRANGER, "private")
     assert "busy" not in refusal and "next-one" not in refusal
     assert "refused chat 999" in kg.home.service_log.read_text()
+    assert len(api.with_text(ME, "Unknown command")) == 1
 
 
 def test_cancel_buttons_and_delegate(kg, api, tmp_path):

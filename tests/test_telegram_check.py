@@ -17,6 +17,7 @@ from kugetsu.models import Index, Task, TaskState
 from kugetsu.telegram import redact, text
 from kugetsu.telegram.bot import allowed
 from kugetsu.telegram.check import check
+from kugetsu.telegram.notify import EventTail
 
 SECRET = TOKEN.split(":")[1]
 
@@ -98,3 +99,14 @@ def test_long_listings_are_cut_and_escaped():
 def test_redact():
     assert redact(f"url /bot{TOKEN}/getMe", TOKEN) == "url /bot***/getMe"
     assert SECRET not in redact(f"The token `{SECRET}` was rejected", TOKEN)
+
+
+def test_event_tail_reads_each_complete_line_once(tmp_path):
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(b'{"seq":1,"type":"started","at":"2026-01-01T00:00:00+00:00"}\n{"seq":2,"type":"succ')
+    tail = EventTail(path)
+    assert [e.seq for e in tail.after(0)] == [1]
+    with open(path, "ab") as f:
+        f.write(b'eeded","at":"2026-01-01T00:00:01+00:00"}\n')
+    assert [e.seq for e in tail.after(1)] == [2]
+    assert tail.after(0) == []

@@ -212,6 +212,10 @@ async def cmd_delegate(update: Update, context: ContextTypes.DEFAULT_TYPE) -> No
 
 
 async def cmd_unknown(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
+    command = (update.effective_message.text or "").split()[0]  # type: ignore[union-attr]
+    addressee = command.partition("@")[2]
+    if addressee and addressee.lower() != (context.bot.username or "").lower():
+        return  # a command for another bot in a shared group
     await _reply(update, "Unknown command; /help lists what I can do.")
 
 
@@ -253,8 +257,8 @@ async def set_commands(app: Application, env: Env) -> None:
     env.menu_has_delegate = allow
     try:
         await app.bot.set_my_commands([BotCommand(n, d) for n, d in text.COMMANDS if allow or n != "delegate"])
-    except TelegramError as err:  # only the client's menu suffers
-        env.menu_has_delegate = None if env.menu_has_delegate == allow else env.menu_has_delegate
+    except TelegramError as err:  # only the client's menu suffers; the next message retries
+        env.menu_has_delegate = not allow
         log.warning("setMyCommands failed (%s); the commands still work", err)
 
 

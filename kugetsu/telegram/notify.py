@@ -20,6 +20,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+import msgspec
 from telegram import Bot, LinkPreviewOptions
 from telegram.constants import ParseMode
 from telegram.error import BadRequest, Forbidden, InvalidToken, RetryAfter, TelegramError
@@ -74,6 +75,38 @@ class Cursors:
             atomic_write(self.path, data)
 
 
+class EventTail:
+    """Reads events.jsonl from where the last read stopped, so a long history is scanned
+    once per feed, not on every new event."""
+
+    _decoder = msgspec.json.Decoder(Event)
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+
+    def after(self, seq: int) -> list[Event]:
+        try:
+            with open(self.path, "rb") as f:
+                if f.seek(0, os.SEEK_END) < self.offset:
+                    self.offset = 0  # replaced by a shorter file: read it all again
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        data = data[: data.rfind(b"\n") + 1]  # a line still being written is read next time
+        self.offset += len(data)
+        events = []
+        for line in data.splitlines():
+            try:
+                event = self._decoder.decode(line)
+            except msgspec.DecodeError:
+                continue  # torn by a crash; the store re-appends its event from the outbox
+            if event.seq > seq:
+                events.append(event)
+        return events
+
+
 def cursor_path(home: Home) -> Path:
     return home.root / "telegram-cursor.json"
 
@@ -87,6 +120,7 @@ class Notifier:
         self.cursors = Cursors(cursor_path(home))
         self.feeds: dict[int, asyncio.Task[None]] = {}
         self.wakes: dict[int, asyncio.Event] = {}
+        self.tails: dict[int, EventTail] = {}
         self._said_no_chats = False
         self._watcher: asyncio.Task[None] | None = None
 
@@ -104,9 +138,11 @@ class Notifier:
         for chat in [c for c in self.feeds if c not in chats]:
             self.feeds.pop(chat).cancel()
             self.wakes.pop(chat, None)
+            self.tails.pop(chat, None)
         for chat in chats - set(self.feeds):
             self.wakes[chat] = asyncio.Event()
             self.wakes[chat].set()
+            self.tails[chat] = EventTail(self.home.events)
             self.feeds[chat] = asyncio.create_task(self._feed(chat), name=f"telegram-notify-{chat}")
 
     def wake(self) -> None:
@@ -157,7 +193,7 @@ class Notifier:
     async def _deliver(self, chat: int) -> None:
         """Send what is new for `chat`, moving its cursor after each message Telegram took."""
         cursor = self.cursors.get(chat) or 0
-        events = await asyncio.to_thread(self.store.read_events, cursor)
+        events = await asyncio.to_thread(self.tails[chat].after, cursor)
         unsaved = False
         for event in events:
             if event.type in self.get_cfg().telegram.events:
