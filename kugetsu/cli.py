@@ -125,6 +125,11 @@ def _worktrees_args(wts: argparse.ArgumentParser) -> None:
     wp.add_argument("--json", action="store_true")
 
 
+def _telegram_args(tg: argparse.ArgumentParser) -> None:
+    tgsub = tg.add_subparsers(dest="action", metavar="ACTION", required=True)
+    tgsub.add_parser("check", help="validate the token (getMe) and send a test message to each notify chat")
+
+
 def _no_args(p: argparse.ArgumentParser) -> None:
     pass
 
@@ -525,6 +530,12 @@ def cmd_demo(home: Home, args: argparse.Namespace) -> int:
     return run_demo()
 
 
+def cmd_telegram(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu.telegram.check import check  # python-telegram-bot only for this command
+
+    return check(home)
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[Home, argparse.Namespace], int]]] = {
     "delegate": ("admit a task: start it in a free slot or queue it", _delegate_args, cmd_delegate),
     "queue": ("running and queued tasks", _queue_args, cmd_queue),
@@ -540,4 +551,5 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "clean": ("drop finished tasks (and their logs) from the index", _clean_args, cmd_clean),
     "worktrees": ("kugetsu's git worktrees: list, prune", _worktrees_args, cmd_worktrees),
     "demo": ("see kugetsu work on a throw-away home, with a simulated agent", _no_args, cmd_demo),
+    "telegram": ("the Telegram bot: check its set-up (docs/telegram.md)", _telegram_args, cmd_telegram),
 }

@@ -122,6 +122,8 @@ class TelegramConfig(msgspec.Struct, forbid_unknown_fields=True):
     api_base_url: str = "https://api.telegram.org/bot"
     events: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_TELEGRAM_EVENTS))
     allow_delegate: bool = False
+    # Where /delegate runs the agent (the service itself runs in /); None: the user's home.
+    delegate_cwd: str | None = None
 
     def __post_init__(self) -> None:
         unknown = [e for e in self.events if e not in EVENT_TYPES]
@@ -218,7 +220,8 @@ KEY_HELP: dict[str, str] = {
     "agents": "presets {name: {command: [argv with {prompt} {name} {id}], env: {}}}; extend the built-ins",
     "history_limit": "finished tasks kept in index.json; older ones move to history.jsonl",
     "autostart": "the CLI starts the service when needed",
-    "telegram": "the Telegram bot: token, allowed_chat_ids, notify_chat_ids, api_base_url, events",
+    "telegram": "the Telegram bot: token, allowed_chat_ids, allowed_user_ids, notify_chat_ids, api_base_url, events,"
+    " allow_delegate, delegate_cwd (docs/telegram.md)",
     "worktrees": "git worktree per agent: enabled, keep (changed|always|never), max_disk (e.g. 20G)",
     "strategy": "who starts next: fifo | priority (urgent>high>normal>low) | fair (round-robin across sources)",
     "max_active_per_source": "running tasks one source may hold at once (null: no limit)",

@@ -47,6 +47,7 @@ class Service:
         self.exited: set[int] = set()  # task ids whose pidfd fired
         self.jobs: dict[str, datetime] = {}
         self.listeners: list[Callable[[list[Event]], None]] = []  # told of each transaction's events
+        self.telegram: Any = None
         self.index = Index()
         self._tick_pending = False
         self._first_tick = True
@@ -359,10 +360,25 @@ class Service:
     # ---- extensions (the Telegram bot) -----------------------------------------------
 
     async def _start_extensions(self) -> None:
-        pass
+        from kugetsu.telegram import resolve_token  # light: no python-telegram-bot yet
+
+        token = resolve_token(self.cfg)
+        if not token:
+            log.info("telegram bot off: no token (config telegram.token or env KUGETSU_TELEGRAM_TOKEN)")
+            return
+        try:
+            from kugetsu.telegram.bot import TelegramBot  # the heavy import, only with a token
+
+            self.telegram = TelegramBot(self.home, token, lambda: self.cfg)
+            self.telegram.start()  # runs in its own task: Telegram being down never blocks us
+            self.listeners.append(self.telegram.on_events)
+        except Exception:
+            log.exception("telegram bot failed to start; the service runs without it")
+            self.telegram = None
 
     async def _stop_extensions(self) -> None:
-        pass
+        if self.telegram is not None:
+            await self.telegram.stop()
 
 
 def serve(home: Home) -> int:

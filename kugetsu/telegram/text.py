@@ -1,0 +1,171 @@
+"""What the bot says, as Telegram HTML: listings, task details, notifications.
+
+Pure functions of tasks, config and a clock (no python-telegram-bot, no I/O), so the
+wording is testable without a bot. Every user-supplied string (names, sources, reasons,
+log lines) goes through `esc`; every message stays under Telegram's 4096 characters.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from datetime import datetime
+
+from kugetsu import render
+from kugetsu.config import Config, format_duration
+from kugetsu.models import Event, Index, Task
+
+LIMIT = 4096
+_ROOM = LIMIT - 96  # headroom for the "... and N more" line and closing tags
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def esc(text: object) -> str:
+    return html.escape(str(text), quote=False)
+
+
+def fit(lines: list[str], more: str = "... and {n} more") -> str:
+    """Join lines, cutting the listing with "... and N more" before Telegram's limit."""
+    out: list[str] = []
+    size = 0
+    for i, line in enumerate(lines):
+        if size + len(line) + 1 > _ROOM:
+            out.append(more.format(n=len(lines) - i))
+            break
+        out.append(line)
+        size += len(line) + 1
+    return "\n".join(out)
+
+
+def pre(text: str, room: int = _ROOM) -> str:
+    """`text` in a <pre> block, shortened (from the front: the end of a log matters most)
+    so that the escaped result fits in `room`."""
+    text = _ANSI.sub("", text)
+    keep = len(text)
+    while keep > 0:
+        body = esc(text if keep == len(text) else "..." + text[-keep:])
+        if len(body) + 11 <= room:
+            return f"<pre>{body}</pre>"
+        keep = keep * 3 // 4
+    return ""
+
+
+def plain(html_text: str) -> str:
+    """Telegram HTML as plain text: for places without parse mode (button answers, fallbacks)."""
+    return html.unescape(re.sub(r"<[^>]+>", "", html_text))
+
+
+def task_ref(task: Task | Event) -> str:
+    return f"<b>{esc(task.name)}</b> (#{task.task if isinstance(task, Event) else task.id})"
+
+
+# ---- listings ----------------------------------------------------------------------------
+
+
+def queue(index: Index, cfg: Config, order: list[Task], positions: dict[int, int], now: datetime) -> str:
+    """`/queue`: capacity, running tasks with elapsed time, queued ones with position,
+    waiting time and time left before expiry."""
+    lines = [f"<b>{esc(render.summary(index, cfg))}</b>"]
+    if index.active:
+        lines.append("\n<b>Running</b>")
+        for t in sorted(index.active, key=lambda t: t.slot or 0):
+            stopping = " · stopping" if t.stop else ""
+            lines.append(
+                f"slot {t.slot or '-'} · {task_ref(t)} · {render.since(t.started_at, now)} · {esc(t.source)}{stopping}"
+            )
+    if order:
+        lines.append("\n<b>Queued</b>")
+        for t in order:
+            lines.append(
+                f"{positions.get(t.id, '-')}. {task_ref(t)} · waiting {render.since(t.created_at, now)}"
+                f" · expires in {render.until(t.expires_at, now)} · {esc(t.source)}"
+            )
+    if not index.active and not order:
+        lines.append("Nothing running, nothing queued.")
+    return fit(lines)
+
+
+def capacity(index: Index, cfg: Config) -> str:
+    return esc(render.summary(index, cfg))
+
+
+def status(task_obj: dict[str, object]) -> str:
+    """`/status`: the same fields `kugetsu status` prints."""
+    return pre(render.task_lines(task_obj))
+
+
+# ---- notifications -------------------------------------------------------------------------
+
+
+def notification(event: Event, task: Task | None, cfg: Config, log_tail: str | None) -> str:
+    """The message for one event. `task` (from the index, if still there) adds durations."""
+    ref = task_ref(event)
+    kind = event.type
+    took = _took(task)
+    if kind == "queued":
+        pos = f", position {event.position}" if event.position else ""
+        return f"🕒 queued {ref}{pos} · {esc(event.source or '-')}"
+    if kind == "started":
+        return f"▶️ started {ref}, slot {event.slot}/{cfg.max_agents} · {esc(event.source or '-')}"
+    if kind == "succeeded":
+        return f"✅ {ref} succeeded" + (f" after {took}" if took else "")
+    if kind == "failed":
+        head = f"❌ {ref} failed" + (f" after {took}" if took else "")
+        reason = event.reason or ""
+        code = f"exit code {event.exit_code}"
+        detail = reason if code in reason or event.exit_code is None else f"{code}, {reason}" if reason else code
+        return _with_log(f"{head}: {esc(detail)}" if detail else head, log_tail)
+    if kind == "cancelled":
+        reason = event.reason or "cancelled"
+        return f"🚫 {ref} " + esc(reason if reason.startswith("cancelled") else f"cancelled: {reason}")
+    if kind == "expired":
+        # "issue-16 expired after 1d00h in the queue": pm words the reason.
+        return f"⌛ <b>{esc(event.name)}</b> {esc(event.reason or 'expired in the queue')}"
+    if kind == "lost":
+        return _with_log(f"❓ {ref} lost: {esc(event.reason or 'its process vanished')}", log_tail)
+    if kind == "config":
+        return f"⚙️ config {esc(event.key)} = {esc(event.value)}"
+    return f"{esc(kind)} {ref}"
+
+
+def _took(task: Task | None) -> str | None:
+    if task is None or task.started_at is None or task.finished_at is None:
+        return None
+    return format_duration((task.finished_at - task.started_at).total_seconds())
+
+
+def _with_log(head: str, log_tail: str | None) -> str:
+    if not log_tail or not log_tail.strip():
+        return head
+    return f"{head}\n{pre(log_tail.rstrip(), _ROOM - len(head))}"
+
+
+def tail_lines(data: bytes, count: int = 8, width: int = 300) -> str:
+    """The last `count` non-empty lines of a log, each cut to `width` characters."""
+    lines = [ln[:width] for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
+    return "\n".join(lines[-count:])
+
+
+def help_text(allow_delegate: bool) -> str:
+    lines = [
+        "<b>kugetsu</b>: the agent queue on this machine.",
+        "",
+        "/queue: running and queued tasks, with Cancel buttons",
+        "/status TASK: one task in full (TASK = id or name)",
+        "/capacity: slots and queue in one line",
+        "/cancel TASK...: cancel queued or running tasks",
+    ]
+    if allow_delegate:
+        lines.append("/delegate NAME PROMPT: run the default agent on PROMPT")
+    lines.append("/help: this text")
+    return "\n".join(lines)
+
+
+COMMANDS = [
+    ("queue", "running and queued tasks"),
+    ("status", "one task in full: /status TASK"),
+    ("capacity", "slots and queue"),
+    ("cancel", "cancel tasks: /cancel TASK"),
+    ("delegate", "start an agent: /delegate NAME PROMPT"),
+    ("help", "what this bot does"),
+]

@@ -1,0 +1,105 @@
+"""The bot through the real python-telegram-bot, a fake Bot API server, the real service
+and real agent processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from conftest import wait_for
+from fakebot import TOKEN, FakeBotAPI
+
+ME, STRANGER = 111, 999
+
+
+@pytest.fixture
+def api() -> Iterator[FakeBotAPI]:
+    server = FakeBotAPI().start()
+    yield server
+    server.close()
+
+
+def setup(kg, api: FakeBotAPI, **extra: object) -> None:
+    telegram = {"token": TOKEN, "api_base_url": api.base_url, "allowed_chat_ids": [ME], "notify_chat_ids": [ME]}
+    telegram.update(extra.pop("telegram", {}))  # type: ignore[arg-type]
+    kg.config(telegram=telegram, **extra)
+
+
+def bot_up(kg, api: FakeBotAPI) -> None:
+    kg.ok("serve", "--detach")
+    wait_for(lambda: api.calls_to("getUpdates"), 15, "the bot to poll")
+
+
+def reply(api: FakeBotAPI, chat: int, needle: str, timeout: float = 10) -> str:
+    calls = wait_for(lambda: api.with_text(chat, needle), timeout, f"a reply with {needle!r}")
+    return calls[-1].params["text"]  # type: ignore[index]
+
+
+def test_queue_lists_running_and_queued_and_refuses_strangers(kg, api):
+    setup(kg, api, max_agents=1)
+    bot_up(kg, api)
+    kg.delegate("busy", 30)
+    kg.delegate("next-one", 30)
+    kg.delegate("third", 30)
+    api.message(ME, "/help")
+    assert "/cancel" in reply(api, ME, "/queue") and "/delegate" not in api.texts(ME)[-1]
+    api.message(ME, "/frobnicate@someone_else_bot")  # another bot's: not ours to answer
+    api.message(ME, "/frobnicate")
+    reply(api, ME, "Unknown command")
+    api.message(ME, "/queue")
+    text = reply(api, ME, "Queued")
+    assert "1/1 running" in text and "2 queued" in text
+    assert "busy" in text and "1. <b>next-one</b>" in text and "2. <b>third</b>" in text
+    api.message(STRANGER, "/queue")
+    refusal = reply(api, STRANGER, "private")
+    assert "busy" not in refusal and "next-one" not in refusal
+    assert "refused chat 999" in kg.home.service_log.read_text()
+    assert len(api.with_text(ME, "Unknown command")) == 1
+
+
+def test_cancel_buttons_and_delegate(kg, api, tmp_path):
+    setup(kg, api, max_agents=1, default_agent="say",
+          agents={"say": {"command": ["sh", "-c", "echo {prompt}; sleep 30"]}},
+          telegram={"delegate_cwd": str(tmp_path)})
+    bot_up(kg, api)
+    kg.delegate("busy", 30)
+    kg.delegate("q1", 30)
+    kg.delegate("q2", 30)
+
+    api.message(ME, "/cancel q1")
+    assert "cancelled <b>q1</b>" in reply(api, ME, "q1</b>")
+    assert kg.task("q1")["state"] == "cancelled"
+    api.message(ME, "/status q1")
+    assert "cancelled by telegram:111" in reply(api, ME, "<pre>")
+    api.message(ME, "/status nope")
+    assert "no task 'nope'" in reply(api, ME, "no task")
+
+    api.message(ME, "/queue")
+    reply(api, ME, "Queued")
+    listing = api.with_text(ME, "Queued")[-1]
+    buttons = [b for row in listing.params["reply_markup"]["inline_keyboard"] for b in row]
+    assert [b["text"] for b in buttons] == ["Cancel busy", "Cancel q2"]
+    api.press(STRANGER, buttons[0]["callback_data"], listing.result["message_id"])
+    wait_for(lambda: api.calls_to("answerCallbackQuery"), 10, "the refusal")
+    api.press(ME, buttons[0]["callback_data"], listing.result["message_id"])
+    kg.wait_state("busy", "cancelled")
+    answers = [c.params.get("text", "") for c in api.calls_to("answerCallbackQuery")]
+    assert "private" in answers[0] and "busy" in answers[1]
+    edited = wait_for(lambda: api.calls_to("editMessageText"), 10, "the listing to refresh")
+    assert "busy" not in edited[-1].params["text"] and "q2" in edited[-1].params["text"]
+    assert kg.task("busy")["reason"] == f"cancelled by telegram:{ME}"
+
+    api.message(ME, "/delegate fresh write the docs")
+    assert "off" in reply(api, ME, "allow_delegate")
+    kg.ok("config", "set", "telegram.allow_delegate", "true")
+    api.message(ME, "/delegate fresh write the docs")
+    assert "queued <b>fresh</b>" in reply(api, ME, "fresh</b>") and "position 1 of 1" in api.texts(ME)[-1]
+    task = kg.task("fresh")
+    assert task["source"] == f"telegram:{ME}" and task["cwd"] == str(tmp_path)
+    assert task["command"] == ["sh", "-c", "echo write the docs; sleep 30"]
+    api.message(STRANGER, "/delegate sneaky rm -rf /")  # refused silently: one refusal a minute
+    api.message(ME, "/capacity")
+    reply(api, ME, "1/1 running")
+    assert all(t["name"] != "sneaky" for t in kg.json("queue", "--all")["queued"])
+    menus = [{c["command"] for c in call.params["commands"]} for call in api.calls_to("setMyCommands")]
+    assert "delegate" not in menus[0] and "delegate" in menus[-1] and "queue" in menus[-1]

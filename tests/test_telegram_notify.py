@@ -1,0 +1,86 @@
+"""Notifications: each event once, through outages, flood control and service restarts."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from conftest import wait_for
+from fakebot import TOKEN
+from test_telegram_bot import ME, api, bot_up, reply, setup  # noqa: F401  (api is a fixture)
+
+
+def once(api, needle: str) -> bool:
+    found = api.with_text(ME, needle)
+    assert len(found) <= 1, f"{needle!r} delivered {len(found)} times"
+    return len(found) == 1
+
+
+def test_started_finished_failed_expired_cancelled_each_once(kg, api):
+    setup(kg, api, max_agents=1)
+    bot_up(kg, api)
+    kg.delegate("ok1", 0.1)
+    kg.ok("delegate", "bad", "--", "sh", "-c", 'echo step one; echo "<boom> & fail"; exit 3')
+    kg.delegate("hog", 30)
+    kg.delegate("issue-16", 30, 0, "--expire-after", "1s")
+    reply(api, ME, "issue-16</b> expired after")
+    kg.ok("cancel", "hog")
+    kg.delegate("last", 0)
+    reply(api, ME, "<b>last</b> (#5) succeeded")  # delivery is in order: all before it are settled
+    for needle in ("started <b>ok1</b>", "<b>ok1</b> (#1) succeeded after", "started <b>bad</b>",
+                   "<b>bad</b> (#2) failed", "started <b>hog</b>", "issue-16</b> expired",
+                   "<b>hog</b> (#3) cancelled by cli", "started <b>last</b>"):
+        assert once(api, needle), needle
+    failed = api.with_text(ME, "<b>bad</b> (#2) failed")[0].params["text"]
+    assert "exit code 3" in failed and "step one" in failed and "&lt;boom&gt; &amp; fail" in failed
+    assert "after" in failed  # the duration
+    expired = api.with_text(ME, "issue-16</b> expired")[0].params["text"]
+    assert expired.endswith("expired after 1s in the queue")
+    assert not api.with_text(ME, "queued")  # not in the default telegram.events
+    assert stat.S_IMODE(os.stat(kg.home.root / "telegram-cursor.json").st_mode) == 0o600
+    assert TOKEN.split(":")[1] not in kg.home.service_log.read_text()
+
+
+def test_outage_then_recovery_and_flood_control(kg, api):
+    setup(kg, api)
+    bot_up(kg, api)
+    api.fail(500)  # every method, the polling too
+    kg.delegate("a", 0.1)
+    kg.delegate("b", 0.1)
+    wait_for(lambda: len([c for c in api.calls_to("sendMessage", ok_only=False) if c.status == 500]) >= 3,
+             10, "a few failed deliveries")
+    kg.wait_state("b", "succeeded")
+    api.recover()
+    reply(api, ME, "<b>b</b> (#2) succeeded")
+    reply(api, ME, "<b>a</b> (#1) succeeded")
+    api.fail(429, count=1, methods={"sendMessage"}, retry_after=1)
+    kg.delegate("c", 0)
+    reply(api, ME, "<b>c</b> (#3) succeeded")
+    for needle in ("started <b>a</b>", "started <b>b</b>", "<b>a</b> (#1) succeeded", "<b>b</b> (#2) succeeded",
+                   "started <b>c</b>"):
+        assert once(api, needle), needle
+    flood = next(c for c in api.calls_to("sendMessage", ok_only=False) if c.status == 429)
+    after = next(c for c in api.sent(ME) if c.at > flood.at)
+    assert after.at - flood.at >= 1.0, "retry_after was not waited out"
+
+
+def test_restart_between_events_loses_and_repeats_nothing(kg, api):
+    setup(kg, api)
+    bot_up(kg, api)
+    kg.delegate("a", 0.1)
+    reply(api, ME, "<b>a</b> (#1) succeeded")
+    kg.delegate("b", 1.5)
+    reply(api, ME, "started <b>b</b>")
+    kg.ok("shutdown")
+    wait_for(lambda: "end" in kg.times("b"), 10, "b to end while the service is down")
+    kg.delegate("c", 0)  # autostarts the service again
+    reply(api, ME, "<b>c</b> (#3) succeeded")
+    for needle in ("started <b>a</b>", "<b>a</b> (#1) succeeded", "started <b>b</b>", "<b>b</b> (#2) succeeded",
+                   "started <b>c</b>"):
+        assert once(api, needle), needle
+
+    kg.ok("config", "set", "telegram.notify_chat_ids", f"[{ME}, 222]")  # a new chat gets news, not history
+    wait_for(lambda: "222" in (kg.home.root / "telegram-cursor.json").read_text(), 10, "the new chat's cursor")
+    kg.delegate("d", 0)
+    reply(api, 222, "<b>d</b> (#4) succeeded")
+    assert [t for t in api.texts(222) if "<b>d</b>" not in t] == []
