@@ -32,6 +32,7 @@ from kugetsu.tui.screens import SOURCE, ConfirmCancel, DelegateForm, HelpScreen,
 from kugetsu.tui.widgets import LogView, StateTable, TaskTable
 
 EVENTS_SHOWN = 100
+NOTHING_SELECTED = "(no task selected; d delegates one)"
 Stamp = tuple[int, int, int]
 
 
@@ -107,6 +108,8 @@ class Dashboard(App[None]):
         first = next((t for t in self._task_tables() if t.row_count), self.running)
         first.focus()
         self._select_from(first)
+        if self.selected is None:
+            self.watch_selected(None)
         self.set_interval(self.poll, self.refresh_view)
 
     def _task_tables(self) -> list[TaskTable]:
@@ -181,7 +184,10 @@ class Dashboard(App[None]):
     def _follow_selection(self) -> None:
         """Keep the selected task selected as it moves queue -> running -> finished: when it
         leaves the focused table, focus follows it (only then: never against the user's tab)."""
-        if self.selected is None:
+        if self.selected is None:  # e.g. the first task just arrived in the focused table
+            focused = self.focused
+            if isinstance(focused, TaskTable) and focused.row_count:
+                self._select_from(focused)
             return
         key = str(self.selected)
         was = self._selected_table
@@ -199,7 +205,7 @@ class Dashboard(App[None]):
     def watch_selected(self, selected: int | None) -> None:
         output = self.output
         output.follow(None if selected is None else self.home.log(selected),
-                      "(select a task: tab and arrow keys)" if selected is None else "(no output yet)")
+                      NOTHING_SELECTED if selected is None else "(no output yet)")
         output.border_title = view.task_title(self.selected_task())
 
     # ---- actions ---------------------------------------------------------------------

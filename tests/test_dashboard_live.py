@@ -1,0 +1,33 @@
+"""The dashboard against the real thing: a service, the CLI in another process, a real agent."""
+
+from __future__ import annotations
+
+import asyncio
+
+from dashboard_data import until
+
+from kugetsu.tui.app import make_app
+
+
+async def test_a_task_delegated_from_the_cli_appears_and_finishes_in_the_dashboard(kg):
+    kg.config(max_agents=2)
+    app = make_app(kg.home, cwd=str(kg.home.root.parent))
+    async with app.run_test() as pilot:
+        assert "service not running" in str(app.summary.render())
+        agent = ["sh", "-c", "echo hello from the agent; sleep 2; echo all done"]
+        out = await asyncio.to_thread(kg.ok, "delegate", "live", "--", *agent)
+        assert out.startswith("started live (#1), slot 1/2")
+
+        # The first task to arrive in the focused table is selected, so its output shows.
+        await until(pilot, lambda: app.running.keys == ["1"], timeout=3, what="the task in Running")
+        await until(pilot, lambda: "hello from the agent" in app.output.lines, timeout=3, what="its output")
+        await until(pilot, lambda: "service running" in str(app.summary.render()), timeout=3, what="the service")
+        assert str(app.summary.render()).startswith("1/2 running · 0 queued")
+
+        await until(pilot, lambda: "1" in app.finished.keys, timeout=10, what="the task in Finished")
+        assert app.running.keys == []
+        assert [str(c) for c in app.finished.get_row("1")][:4] == ["1", "live", "succeeded", "0"]
+        # It was selected while it ran, so the selection followed it into Finished.
+        assert app.finished.has_focus and app.selected == 1
+        await until(pilot, lambda: "all done" in app.output.lines, timeout=3, what="the end of its output")
+        assert "live (#1) · succeeded" in str(app.output.border_title)
