@@ -202,3 +202,21 @@ async def test_corrupt_index_is_a_notification_not_a_crash(tmp_path):
         home.index.write_bytes(good)
         await pilot.press("r")
         assert not app.query_one("#summary").has_class("-error")
+
+
+async def test_help_keys_are_inert_under_a_dialog_and_q_quits(tmp_path):
+    from kugetsu.tui.screens import HelpScreen
+
+    home = live_home(tmp_path)
+    before = home.config.read_bytes()
+    app = app_for(home)
+    async with app.run_test() as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("plus", "d")  # behind the help: neither acts
+        await settled(pilot)
+        assert isinstance(app.screen, HelpScreen) and home.config.read_bytes() == before
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("q")
+        await until(pilot, lambda: not app.is_running, what="the app to quit")

@@ -27,7 +27,9 @@ async def test_a_task_delegated_from_the_cli_appears_and_finishes_in_the_dashboa
         await until(pilot, lambda: "1" in app.finished.keys, timeout=10, what="the task in Finished")
         assert app.running.keys == []
         assert [str(c) for c in app.finished.get_row("1")][:4] == ["1", "live", "succeeded", "0"]
-        # It was selected while it ran, so the selection followed it into Finished.
-        assert app.finished.has_focus and app.selected == 1
+        # It was selected while it ran, so the selection follows it into Finished (focus moves
+        # on the next message cycle).
+        await until(pilot, lambda: app.finished.has_focus, timeout=2, what="focus to follow the task")
+        assert app.selected == 1
         await until(pilot, lambda: "all done" in app.output.lines, timeout=3, what="the end of its output")
         assert "live (#1) · succeeded" in str(app.output.border_title)

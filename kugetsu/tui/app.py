@@ -194,7 +194,8 @@ class Dashboard(App[None]):
         now = next((t for t in self._task_tables() if key in t.keys), None)
         if now is None:  # it left the index (clean): select whatever the cursor is on
             if was is not None and was.has_focus:
-                self._select_from(was)
+                key = was.cursor_key
+                self.selected = int(key) if key else None
             return
         now.select_key(key)
         if now is not was:
@@ -210,12 +211,21 @@ class Dashboard(App[None]):
 
     # ---- actions ---------------------------------------------------------------------
 
+    MAIN_ONLY = {"cancel", "delegate", "max_agents", "log", "refresh", "help"}
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # App bindings stay live under a dialog: `d` or `+` must not act behind a question.
+        if action in self.MAIN_ONLY and self.screen is not self.screen_stack[0]:
+            return False
+        return True
+
     def action_refresh(self) -> None:
         self.refresh_view(force=True)
         self.output.poll()
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen())
+        states = ("queued", "running", "stopping", "succeeded", "failed", "cancelled", "expired", "lost")
+        self.push_screen(HelpScreen(self.running.legend(states)))
 
     def action_log(self) -> None:
         task = self.selected_task()

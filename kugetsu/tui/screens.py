@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 
+from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Horizontal, Vertical
+from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Input, Label, Select, Static
 
@@ -74,16 +75,21 @@ class DelegateForm(ModalScreen["ops.Admission | None"]):
         self.cwd = cwd
 
     def compose(self) -> ComposeResult:
-        with Grid(id="form"):
+        with Vertical(id="form"):
             yield Label("Delegate a task", id="form-title")
-            yield Label("Name")
-            yield Input(placeholder="optional: task-<id>", id="name")
-            yield Label("Prompt")
-            yield Input(placeholder="what the agent should do", id="prompt")
-            yield Label("Agent")
-            yield Select([(a, a) for a in self.agents], value=self.default_agent, allow_blank=False, id="agent")
-            yield Label("Directory")
-            yield Input(value=self.cwd, id="cwd")
+            with Horizontal(classes="field"):
+                yield Label("Name")
+                yield Input(placeholder="optional: task-<id>", id="name", compact=True)
+            with Horizontal(classes="field"):
+                yield Label("Prompt")
+                yield Input(placeholder="what the agent should do", id="prompt", compact=True)
+            with Horizontal(classes="field"):
+                yield Label("Agent")
+                yield Select([(a, a) for a in self.agents], value=self.default_agent, allow_blank=False,
+                             id="agent", compact=True)
+            with Horizontal(classes="field"):
+                yield Label("Directory")
+                yield Input(value=self.cwd, id="cwd", compact=True)
             yield Static("", id="error")
             with Horizontal(id="form-buttons"):
                 yield Button("Delegate", variant="primary", id="submit")
@@ -147,8 +153,8 @@ class LogScreen(Screen[None]):
 HELP = """\
 [b]kugetsu dashboard[/b]
 
-[b]Running[/b]   tasks holding a slot (id, name, source, agent, start, elapsed, pid)
-[b]Queue[/b]     waiting tasks in the order they will start (position 1 starts next)
+[b]Running[/b]   tasks holding a slot: start time, elapsed, pid
+[b]Queue[/b]     waiting tasks in start order (position 1 starts next)
 [b]Finished[/b]  the latest finished tasks, newest first
 [b]Output[/b]    the live tail of the selected task's log
 [b]Events[/b]    what just happened (events.jsonl)
@@ -156,17 +162,21 @@ HELP = """\
 [b]tab[/b] / [b]shift+tab[/b]  move between tables    [b]↑ ↓[/b]  select a task
 [b]c[/b]  cancel the selected task (asks first; [b]y[/b] confirms)
 [b]d[/b]  delegate a new task (name, prompt, agent preset)
-[b]+[/b] / [b]-[/b]  raise / lower max_agents (like `kugetsu config set max_agents`)
+[b]+[/b] / [b]-[/b]  raise / lower max_agents (as `kugetsu config set` does)
 [b]l[/b]  the selected task's log, full screen
 [b]r[/b]  refresh now (it also refreshes by itself, within a second)
 [b]q[/b]  quit (tasks keep running)
-
-Colours: [green]running[/]  [yellow]stopping[/]  succeeded  [red]failed[/]  cancelled / expired  [magenta]lost[/]
 """
 
 
 class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,question_mark,q", "app.pop_screen", "close")]
 
+    def __init__(self, legend: Text):
+        super().__init__()
+        self.legend = legend
+
     def compose(self) -> ComposeResult:
-        yield Static(HELP, id="help")
+        with Vertical(id="help"):
+            yield Static(HELP)
+            yield Static(Text("Colours: ") + self.legend)

@@ -86,6 +86,10 @@ class StateTable(DataTable):
         rank = {k: i for i, k in enumerate(order)}
         self.sort(self._key_column, key=lambda cell: rank[str(cell)])
 
+    def legend(self, states: tuple[str, ...]) -> Text:
+        """The state names in their own colours, for the help screen."""
+        return Text("  ").join(self._cell(state, state) for state in states)
+
     def _cells(self, row: Row) -> list[Text]:
         return [self._cell(text, row.style) for text in row.cells]
 
