@@ -36,6 +36,13 @@ async def focus_task(pilot, table_id: str, task_id: int) -> TaskTable:  # type: 
     return table
 
 
+async def open_form(pilot) -> None:  # type: ignore[no-untyped-def]
+    await pilot.press("d")
+    assert isinstance(pilot.app.screen, DelegateForm)
+    name = pilot.app.screen.query_one("#name")
+    await until(pilot, lambda: name.has_focus, what="the name field to take the keys")
+
+
 async def test_cancel_queued_task_after_confirm(tmp_path):
     home = live_home(tmp_path)
     app = app_for(home)
@@ -96,8 +103,7 @@ async def test_delegate_form_admits_through_ops(tmp_path):
     home = live_home(tmp_path)
     app = app_for(home)
     async with app.run_test() as pilot:
-        await pilot.press("d")
-        assert isinstance(app.screen, DelegateForm)
+        await open_form(pilot)
         await pilot.press(*"new-task", "tab", *"say hi", "enter")
         await settled(pilot)
         await until(pilot, lambda: not isinstance(app.screen, DelegateForm), what="the form to close")
@@ -112,7 +118,7 @@ async def test_delegate_form_shows_validation_errors_and_stays_open(tmp_path):
     before = home.index.read_bytes()
     app = app_for(home)
     async with app.run_test() as pilot:
-        await pilot.press("d")
+        await open_form(pilot)
         await pilot.press(*"bad name!", "tab", *"x", "enter")
         await settled(pilot)
         form = app.screen

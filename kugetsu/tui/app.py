@@ -127,22 +127,22 @@ class Dashboard(App[None]):
                 self.cfg, self.index = load_config(self.home), self.store.read()
             if "events" in changed:
                 self.events = self.store.tail_events(EVENTS_SHOWN)
-        except KugetsuError as err:
-            self._report(str(err))  # keep showing the last good state; retry next tick
+        except (KugetsuError, OSError) as err:  # e.g. a corrupt index, or one made unreadable
+            self._report(describe_error(err))  # keep showing the last good state; retry next tick
         else:
             self._stamps = stamps
             if self.error:
                 self.error = None
                 self.notify("the files read cleanly again", title="recovered")
         self.service_pid = ops.service_pid(self.home)
-        self._render()
+        self._show()
 
     def _report(self, message: str) -> None:
         if message != self.error:  # once per problem, not once a second
             self.error = message
             self.notify(message, title="cannot read", severity="error", timeout=10)
 
-    def _render(self) -> None:
+    def _show(self) -> None:
         now = self.clock()
         summary = self.summary
         text = view.summary(self.index, self.cfg, self.service_pid)

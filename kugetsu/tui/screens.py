@@ -14,6 +14,7 @@ from textual.widgets import Button, Footer, Input, Label, Select, Static
 
 from kugetsu import ops, pm
 from kugetsu.config import format_duration, load_config
+from kugetsu.errors import KugetsuError
 from kugetsu.models import Task, TaskState
 from kugetsu.paths import Home
 from kugetsu.tui.view import task_title
@@ -24,8 +25,6 @@ SOURCE = "dashboard"
 
 def describe_error(err: BaseException) -> str:
     """A failed action's message for a person: kugetsu's own errors already say what to do."""
-    from kugetsu.errors import KugetsuError
-
     return str(err) if isinstance(err, KugetsuError) else f"{type(err).__name__}: {err}"
 
 
