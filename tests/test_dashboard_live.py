@@ -33,3 +33,16 @@ async def test_a_task_delegated_from_the_cli_appears_and_finishes_in_the_dashboa
         assert app.selected == 1
         await until(pilot, lambda: "all done" in app.output.lines, timeout=3, what="the end of its output")
         assert "live (#1) · succeeded" in str(app.output.border_title)
+
+
+def test_other_commands_never_import_textual(kg):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "kugetsu", "capacity"],
+                       env=kg.env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "textual" not in r.stderr
+    from kugetsu.cli import COMMANDS, build_parser
+
+    assert build_parser().parse_args(["dashboard"]).command == "dashboard" and "dashboard" in COMMANDS
