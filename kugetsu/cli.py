@@ -524,6 +524,12 @@ def _worktree_row(e: Any, size: int) -> dict[str, Any]:
     }
 
 
+def cmd_dashboard(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu.tui.app import run  # textual costs ~100 ms to import: only this command pays
+
+    return run(home)
+
+
 def cmd_demo(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.demo import run_demo
 
@@ -550,6 +556,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "shutdown": ("stop the service (agents keep running)", _no_args, cmd_shutdown),
     "clean": ("drop finished tasks (and their logs) from the index", _clean_args, cmd_clean),
     "worktrees": ("kugetsu's git worktrees: list, prune", _worktrees_args, cmd_worktrees),
+    "dashboard": ("the live Textual dashboard: queue, output, events, actions", _no_args, cmd_dashboard),
     "demo": ("see kugetsu work on a throw-away home, with a simulated agent", _no_args, cmd_demo),
     "telegram": ("the Telegram bot: check its set-up (docs/telegram.md)", _telegram_args, cmd_telegram),
 }

@@ -1,0 +1,2 @@
+"""The Textual dashboard (`kugetsu dashboard`). Importing this package imports textual, so
+only the dashboard command does it."""

@@ -1,0 +1,304 @@
+"""The dashboard app: a live view of one KUGETSU_HOME and the usual actions at one key.
+
+Live without a service of its own: once a second it stats index.json, config.json and
+events.jsonl (the index is replaced by rename, so inode + mtime + size tell a change from
+any process) and re-reads only what changed. Actions run the shared ops functions (the CLI's
+own transactions) in thread workers, so a lock wait or an fsync never freezes the screen.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from datetime import datetime, tzinfo
+from typing import Any
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.reactive import reactive
+from textual.widgets import DataTable, Footer, Static
+
+from kugetsu import ops
+from kugetsu.config import Config, load_config
+from kugetsu.errors import KugetsuError
+from kugetsu.models import Event, Index, Task
+from kugetsu.paths import Home
+from kugetsu.store import Store
+from kugetsu.tui import view
+from kugetsu.tui.screens import SOURCE, ConfirmCancel, DelegateForm, HelpScreen, LogScreen, describe_error
+from kugetsu.tui.widgets import LogView, StateTable, TaskTable
+
+EVENTS_SHOWN = 100
+NOTHING_SELECTED = "(no task selected; d delegates one)"
+Stamp = tuple[int, int, int]
+
+
+def _stamp(path: os.PathLike[str]) -> Stamp:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (0, 0, 0)
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+class Dashboard(App[None]):
+    CSS_PATH = "app.tcss"
+    TITLE = "kugetsu"
+    ENABLE_COMMAND_PALETTE = False
+    BINDINGS = [
+        Binding("c", "cancel", "cancel"),
+        Binding("d", "delegate", "delegate"),
+        # One footer entry for the pair: the footer must fit 80 columns.
+        Binding("plus,equals_sign", "max_agents(1)", "max agents", key_display="+/-"),
+        Binding("minus", "max_agents(-1)", "fewer agents", show=False),
+        Binding("l", "log", "log"),
+        Binding("r", "refresh", "refresh"),
+        Binding("question_mark", "help", "help", key_display="?"),
+        Binding("q", "quit", "quit"),
+    ]
+
+    selected: reactive[int | None] = reactive(None, init=False)
+
+    def __init__(self, home: Home, *, clock: Callable[[], datetime] = ops.now, tz: tzinfo | None = None,
+                 poll: float = 1.0, cwd: str | None = None):
+        super().__init__()
+        self.home = home
+        self.store = Store(home)
+        self.clock = clock
+        self.tz = tz  # None: local time; tests pin it
+        self.poll = poll
+        self.cwd = cwd or os.getcwd()
+        self.cfg = Config()
+        self.index = Index()
+        self.events: list[Event] = []
+        self.service_pid: int | None = None
+        self.error: str | None = None
+        self._stamps: dict[str, Stamp] = {}
+        self._selected_table: TaskTable | None = None
+        self._config_lock = threading.Lock()  # +/- read-modify-write: two quick presses make +2
+
+    # ---- layout --------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="summary")
+        with Vertical(id="tables"):
+            yield TaskTable(view.RUNNING_COLUMNS, key_column="id", id="running")
+            yield TaskTable(view.QUEUE_COLUMNS, key_column="id", id="queue")
+            yield TaskTable(view.FINISHED_COLUMNS, key_column="id", id="finished")
+        with Horizontal(id="bottom"):
+            yield LogView(poll=self.poll, id="output")
+            yield StateTable(view.EVENT_COLUMNS, id="events", show_cursor=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        # Kept by reference: App.query_one searches the current screen, which may be a dialog.
+        self.summary = self.query_one("#summary", Static)
+        self.running = self.query_one("#running", TaskTable)
+        self.queue = self.query_one("#queue", TaskTable)
+        self.finished = self.query_one("#finished", TaskTable)
+        self.events_table = self.query_one("#events", StateTable)
+        self.output = self.query_one("#output", LogView)
+        for widget, title in ((self.running, "Running"), (self.queue, "Queue"), (self.finished, "Finished"),
+                              (self.events_table, "Events"), (self.output, "Output")):
+            widget.border_title = title
+        self.refresh_view(force=True)
+        first = next((t for t in self._task_tables() if t.row_count), self.running)
+        first.focus()
+        self._select_from(first)
+        if self.selected is None:
+            self.watch_selected(None)
+        self.set_interval(self.poll, self.refresh_view)
+
+    def _task_tables(self) -> list[TaskTable]:
+        return [self.running, self.queue, self.finished]
+
+    # ---- reading ---------------------------------------------------------------------
+
+    def refresh_view(self, force: bool = False) -> None:
+        """Re-read what changed on disk and bring every pane up to date (called each second)."""
+        stamps = {"index": _stamp(self.home.index), "config": _stamp(self.home.config),
+                  "events": _stamp(self.home.events)}
+        changed = {k for k, v in stamps.items() if force or self._stamps.get(k) != v}
+        try:
+            if changed & {"index", "config"}:
+                self.cfg, self.index = load_config(self.home), self.store.read()
+            if "events" in changed:
+                self.events = self.store.tail_events(EVENTS_SHOWN)
+        except (KugetsuError, OSError) as err:  # e.g. a corrupt index, or one made unreadable
+            self._report(describe_error(err))  # keep showing the last good state; retry next tick
+        else:
+            self._stamps = stamps
+            if self.error:
+                self.error = None
+                self.notify("the files read cleanly again", title="recovered")
+        self.service_pid = ops.service_pid(self.home)
+        self._show()
+
+    def _report(self, message: str) -> None:
+        if message != self.error:  # once per problem, not once a second
+            self.error = message
+            self.notify(message, title="cannot read", severity="error", timeout=10)
+
+    def _show(self) -> None:
+        now = self.clock()
+        summary = self.summary
+        text = view.summary(self.index, self.cfg, self.service_pid)
+        summary.update(text + (" · files unreadable: see notification" if self.error else ""))
+        summary.set_class(self.service_pid is None, "-down")
+        summary.set_class(self.error is not None, "-error")
+        self.running.sync(view.running_rows(self.index, now, self.tz))
+        self.queue.sync(view.queue_rows(self.index, self.cfg, now))
+        self.finished.sync(view.finished_rows(self.index, now))
+        events = self.events_table
+        before = events.row_count and events.keys[-1]
+        events.sync(view.event_rows(self.events, now, self.tz))
+        if events.row_count and events.keys[-1] != before and not events.has_focus:
+            events.scroll_end(animate=False, immediate=True)  # the newest is at the bottom: keep it in view
+        self._follow_selection()
+        self.output.border_title = view.task_title(self.selected_task())
+
+    # ---- selection -------------------------------------------------------------------
+
+    def selected_task(self) -> Task | None:
+        return next((t for t in self.index.all_tasks() if t.id == self.selected), None)
+
+    def _select_from(self, table: TaskTable) -> None:
+        key = table.cursor_key
+        if key is not None:
+            self._selected_table = table
+            self.selected = int(key)
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        table = event.data_table
+        if isinstance(table, TaskTable) and table.has_focus and event.row_key.value:
+            self._selected_table = table
+            self.selected = int(event.row_key.value)
+
+    def on_descendant_focus(self, event: Any) -> None:
+        if isinstance(event.widget, TaskTable):
+            self._select_from(event.widget)
+
+    def _follow_selection(self) -> None:
+        """Keep the selected task selected as it moves queue -> running -> finished: when it
+        leaves the focused table, focus follows it (only then: never against the user's tab)."""
+        if self.selected is None:  # e.g. the first task just arrived in the focused table
+            focused = self.focused
+            if isinstance(focused, TaskTable) and focused.row_count:
+                self._select_from(focused)
+            return
+        key = str(self.selected)
+        was = self._selected_table
+        now = next((t for t in self._task_tables() if key in t.keys), None)
+        if now is None:  # it left the index (clean): select whatever the cursor is on
+            if was is not None and was.has_focus:
+                key = was.cursor_key
+                self.selected = int(key) if key else None
+            return
+        now.select_key(key)
+        if now is not was:
+            self._selected_table = now
+            if was is not None and was.has_focus and self.screen is self.screen_stack[0]:
+                now.focus(scroll_visible=False)
+
+    def watch_selected(self, selected: int | None) -> None:
+        output = self.output
+        output.follow(None if selected is None else self.home.log(selected),
+                      NOTHING_SELECTED if selected is None else "(no output yet)")
+        output.border_title = view.task_title(self.selected_task())
+
+    # ---- actions ---------------------------------------------------------------------
+
+    MAIN_ONLY = {"cancel", "delegate", "max_agents", "log", "refresh", "help"}
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # App bindings stay live under a dialog: `d` or `+` must not act behind a question.
+        if action in self.MAIN_ONLY and self.screen is not self.screen_stack[0]:
+            return False
+        return True
+
+    def action_refresh(self) -> None:
+        self.refresh_view(force=True)
+        self.output.poll()
+
+    def action_help(self) -> None:
+        states = ("queued", "running", "stopping", "succeeded", "failed", "cancelled", "expired", "lost")
+        self.push_screen(HelpScreen(self.running.legend(states)))
+
+    def action_log(self) -> None:
+        task = self.selected_task()
+        if task is None:
+            self.notify("select a task first (tab and arrow keys)", severity="warning")
+            return
+        self.push_screen(LogScreen(self.home, task, self.poll))
+
+    def action_cancel(self) -> None:
+        task = self.selected_task()
+        if task is None:
+            self.notify("select a task first (tab and arrow keys)", severity="warning")
+        elif task.state.final:
+            self.notify(f"{task.name} (#{task.id}) is already {task.state.value}", severity="warning")
+        else:
+            self.push_screen(ConfirmCancel(task, self.cfg.kill_grace_s),
+                             callback=lambda yes: self._cancel(task.id) if yes else None)
+
+    @work(thread=True, group="actions")
+    def _cancel(self, task_id: int) -> None:
+        # A thread: the transaction locks and fsyncs. A running task's cancel returns right
+        # after its SIGTERM; the row shows it stopping until the service records the end.
+        try:
+            cfg = load_config(self.home)
+            (task,) = ops.cancel(self.home, cfg, [str(task_id)], reason=f"cancelled by {SOURCE}")
+        except Exception as err:
+            self._done(describe_error(err), error=True)
+            return
+        verb = "cancelled" if task.state.final else "stopping"
+        self._done(f"{verb} {task.name} (#{task.id})")
+
+    def action_delegate(self) -> None:
+        form = DelegateForm(self.home, sorted(self.cfg.agents), self.cfg.default_agent, self.cwd)
+        self.push_screen(form, callback=self._delegated)
+
+    def _delegated(self, admission: ops.Admission | None) -> None:
+        if admission is None:
+            return
+        t = admission.task
+        if admission.position is None:
+            self.notify(f"started {t.name} (#{t.id}), slot {t.slot}/{admission.max_agents}")
+        else:
+            self.notify(f"queued {t.name} (#{t.id}), position {admission.position} of {admission.queued}")
+        self.refresh_view(force=True)
+
+    def action_max_agents(self, delta: int) -> None:
+        self._change_max_agents(delta)
+
+    @work(thread=True, group="actions")
+    def _change_max_agents(self, delta: int) -> None:
+        try:
+            with self._config_lock:
+                value = load_config(self.home).max_agents + delta
+                cfg = ops.set_config(self.home, "max_agents", value)
+        except Exception as err:
+            self._done(describe_error(err), error=True)
+            return
+        self._done(f"max_agents = {cfg.max_agents}")
+
+    def _done(self, message: str, error: bool = False) -> None:
+        """From a worker thread: tell the user, and show the result at once."""
+        def finish() -> None:
+            self.notify(message, severity="error" if error else "information", timeout=8 if error else 4)
+            self.refresh_view(force=True)
+
+        self.call_from_thread(finish)
+
+
+def make_app(home: Home | str | os.PathLike[str], **kw: Any) -> Dashboard:
+    """The dashboard for one home; tests pass a fixed `clock` and `tz` for stable screenshots."""
+    return Dashboard(home if isinstance(home, Home) else Home(home), **kw)
+
+
+def run(home: Home) -> int:
+    make_app(home).run()
+    return 0

@@ -1,0 +1,181 @@
+"""The dashboard's dialogs and full screens: confirm cancel, delegate form, full-screen log, help."""
+
+from __future__ import annotations
+
+import os
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Button, Footer, Input, Label, Select, Static
+
+from kugetsu import ops, pm
+from kugetsu.config import format_duration, load_config
+from kugetsu.errors import KugetsuError
+from kugetsu.models import Task, TaskState
+from kugetsu.paths import Home
+from kugetsu.tui.view import task_title
+from kugetsu.tui.widgets import LogView
+
+SOURCE = "dashboard"
+
+
+def describe_error(err: BaseException) -> str:
+    """A failed action's message for a person: kugetsu's own errors already say what to do."""
+    return str(err) if isinstance(err, KugetsuError) else f"{type(err).__name__}: {err}"
+
+
+class ConfirmCancel(ModalScreen[bool]):
+    """`y` cancels the task, `n` or escape keeps it."""
+
+    BINDINGS = [Binding("y", "answer(True)", "yes, cancel it"), Binding("n,escape", "answer(False)", "no, keep it")]
+
+    def __init__(self, task: Task, kill_grace: float):
+        super().__init__()
+        self.target = task
+        self.kill_grace = kill_grace
+
+    def compose(self) -> ComposeResult:
+        t = self.target
+        if t.state is TaskState.RUNNING:
+            what = (f"It is running: its process group gets SIGTERM now, SIGKILL after"
+                    f" {format_duration(self.kill_grace)}, and its slot goes to the next task.")
+        else:
+            what = "It is queued: it leaves the queue and never starts."
+        with Vertical(id="dialog"):
+            yield Label(f"Cancel {t.name} (#{t.id})?", id="question")
+            yield Static(what, id="consequence")
+            with Horizontal(id="buttons"):
+                yield Button("Yes, cancel (y)", variant="error", id="yes")
+                yield Button("No (n)", variant="primary", id="no")
+
+    def action_answer(self, answer: bool) -> None:
+        self.dismiss(answer)
+
+    @on(Button.Pressed)
+    def _pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+
+class DelegateForm(ModalScreen["ops.Admission | None"]):
+    """Name, prompt, agent preset (and working directory). Submits through ops.delegate, the
+    CLI's own admission; its errors (bad name, unknown command, queue full) stay in the form."""
+
+    BINDINGS = [Binding("escape", "dismiss_form", "close")]
+
+    def __init__(self, home: Home, agents: list[str], default_agent: str, cwd: str):
+        super().__init__()
+        self.home = home
+        self.agents = agents
+        self.default_agent = default_agent
+        self.cwd = cwd
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="form"):
+            yield Label("Delegate a task", id="form-title")
+            with Horizontal(classes="field"):
+                yield Label("Name")
+                yield Input(placeholder="optional: task-<id>", id="name", compact=True)
+            with Horizontal(classes="field"):
+                yield Label("Prompt")
+                yield Input(placeholder="what the agent should do", id="prompt", compact=True)
+            with Horizontal(classes="field"):
+                yield Label("Agent")
+                yield Select([(a, a) for a in self.agents], value=self.default_agent, allow_blank=False,
+                             id="agent", compact=True)
+            with Horizontal(classes="field"):
+                yield Label("Directory")
+                yield Input(value=self.cwd, id="cwd", compact=True)
+            yield Static("", id="error")
+            with Horizontal(id="form-buttons"):
+                yield Button("Delegate", variant="primary", id="submit")
+                yield Button("Close", id="close")
+
+    def on_mount(self) -> None:
+        self.query_one("#name", Input).focus()
+
+    def action_dismiss_form(self) -> None:
+        self.dismiss(None)
+
+    @on(Button.Pressed, "#close")
+    def _close(self) -> None:
+        self.dismiss(None)
+
+    @on(Button.Pressed, "#submit")
+    @on(Input.Submitted)
+    def _submit(self) -> None:
+        name = self.query_one("#name", Input).value.strip()
+        prompt = self.query_one("#prompt", Input).value
+        cwd = os.path.abspath(os.path.expanduser(self.query_one("#cwd", Input).value.strip() or self.cwd))
+        req = pm.Request(cwd=cwd, name=name or None, prompt=prompt or None,
+                         agent=str(self.query_one("#agent", Select).value), source=SOURCE)
+        self.query_one("#error", Static).update("delegating…")
+        self._delegate(req)
+
+    @work(thread=True, exclusive=True, group="delegate")
+    def _delegate(self, req: pm.Request) -> None:
+        # A thread: admission takes the index lock and fsyncs; the UI must not wait on it.
+        try:
+            admission = ops.delegate(self.home, load_config(self.home), req)
+        except Exception as err:  # every failure is shown in the form, never a crash
+            self.app.call_from_thread(self._show_error, describe_error(err))
+        else:
+            self.app.call_from_thread(self.dismiss, admission)
+
+    def _show_error(self, message: str) -> None:
+        self.query_one("#error", Static).update(message)
+
+
+class LogScreen(Screen[None]):
+    """One task's output, full screen, following while it runs."""
+
+    BINDINGS = [Binding("escape,l", "app.pop_screen", "back")]
+
+    def __init__(self, home: Home, task: Task, poll: float):
+        super().__init__()
+        self.home = home
+        self.target = task
+        self.poll = poll
+
+    def compose(self) -> ComposeResult:
+        yield Static(task_title(self.target), id="log-title")
+        yield LogView(poll=self.poll, id="full-log")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one(LogView).follow(self.home.log(self.target.id))
+
+
+HELP = """\
+[b]kugetsu dashboard[/b]
+
+[b]Running[/b]   tasks holding a slot: start time, elapsed, pid
+[b]Queue[/b]     waiting tasks in start order (position 1 starts next)
+[b]Finished[/b]  the latest finished tasks, newest first
+[b]Output[/b]    the live tail of the selected task's log
+[b]Events[/b]    what just happened (events.jsonl)
+
+[b]tab[/b] / [b]shift+tab[/b]  move between tables    [b]↑ ↓[/b]  select a task
+[b]c[/b]  cancel the selected task (asks first; [b]y[/b] confirms)
+[b]d[/b]  delegate a new task (name, prompt, agent preset)
+[b]+[/b] / [b]-[/b]  raise / lower max_agents (as `kugetsu config set` does)
+[b]l[/b]  the selected task's log, full screen
+[b]r[/b]  refresh now (it also refreshes by itself, within a second)
+[b]q[/b]  quit (tasks keep running)
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,question_mark,q", "app.pop_screen", "close")]
+
+    def __init__(self, legend: Text):
+        super().__init__()
+        self.legend = legend
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="help"):
+            yield Static(HELP)
+            yield Static(Text("Colours: ") + self.legend)

@@ -1,0 +1,106 @@
+"""What the dashboard shows, as plain rows of text: pure functions of an Index, a Config and a
+clock, so the layout code stays small and the wording is testable without a terminal.
+
+Order and positions always come from pm (the scheduler's own order), never from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, tzinfo
+
+from kugetsu import pm
+from kugetsu.config import Config
+from kugetsu.models import Event, Index, Task
+from kugetsu.render import since, until
+
+FINISHED_SHOWN = 50
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str
+    style: str  # a state name, or "stopping"; the table colours the row by it
+    cells: tuple[str, ...]
+
+
+RUNNING_COLUMNS = (("id", "ID"), ("name", "NAME"), ("source", "SOURCE"), ("agent", "AGENT"),
+                   ("started", "STARTED"), ("elapsed", "ELAPSED"), ("pid", "PID"))
+QUEUE_COLUMNS = (("pos", "POS"), ("id", "ID"), ("name", "NAME"), ("priority", "PRIORITY"),
+                 ("source", "SOURCE"), ("waiting", "WAITING"), ("expires", "EXPIRES IN"))
+FINISHED_COLUMNS = (("id", "ID"), ("name", "NAME"), ("state", "STATE"), ("exit", "EXIT"),
+                    ("ended", "ENDED"), ("reason", "REASON"))
+EVENT_COLUMNS = (("time", "TIME"), ("type", "EVENT"), ("task", "TASK"), ("reason", "DETAIL"))
+
+
+def clock_time(t: datetime | None, now: datetime, tz: tzinfo | None) -> str:
+    """HH:MM:SS today, else the date too: a start time a person can place."""
+    if t is None:
+        return "-"
+    local, today = t.astimezone(tz), now.astimezone(tz)
+    return local.strftime("%H:%M:%S" if local.date() == today.date() else "%m-%d %H:%M")
+
+
+def task_style(task: Task) -> str:
+    return "stopping" if task.stop is not None and not task.state.final else task.state.value
+
+
+def running_rows(index: Index, now: datetime, tz: tzinfo | None) -> list[Row]:
+    return [
+        Row(str(t.id), task_style(t), (str(t.id), t.name, t.source, t.agent or "-", clock_time(t.started_at, now, tz),
+                                       since(t.started_at, now), str(t.pid) if t.pid else "starting"))
+        for t in index.active
+    ]
+
+
+def queue_rows(index: Index, cfg: Config, now: datetime) -> list[Row]:
+    positions = pm.positions(index, cfg, now)
+    return [
+        Row(str(t.id), t.state.value, (str(positions[t.id]), str(t.id), t.name, t.priority, t.source,
+                                       since(t.created_at, now), until(t.expires_at, now)))
+        for t in pm.start_order(index, cfg, now)
+    ]
+
+
+def finished_rows(index: Index, now: datetime) -> list[Row]:
+    return [
+        Row(str(t.id), t.state.value, (str(t.id), t.name, t.state.value, "-" if t.exit_code is None else str(t.exit_code),
+                                       since(t.finished_at, now) + " ago", t.reason or ""))
+        for t in reversed(index.finished[-FINISHED_SHOWN:])
+    ]
+
+
+def event_rows(events: list[Event], now: datetime, tz: tzinfo | None) -> list[Row]:
+    return [Row(str(e.seq), e.type, (clock_time(e.at, now, tz), e.type, _event_task(e), _event_detail(e))) for e in events]
+
+
+def _event_task(e: Event) -> str:
+    if e.task is None:
+        return "-"
+    return f"#{e.task} {e.name}" if e.name else f"#{e.task}"
+
+
+def _event_detail(e: Event) -> str:
+    if e.type == "config":
+        return f"{e.key} = {e.value}"
+    if e.type == "queued" and e.position is not None:
+        return f"position {e.position}"
+    if e.type == "started" and e.slot is not None:
+        return f"slot {e.slot}"
+    return e.reason or ""
+
+
+def summary(index: Index, cfg: Config, service_pid: int | None) -> str:
+    service = f"service running (pid {service_pid})" if service_pid else "service not running"
+    return (f"{len(index.active)}/{cfg.max_agents} running · {len(index.queued)} queued"
+            f" · max queue {cfg.max_queue} · {service}")
+
+
+def task_title(task: Task | None) -> str:
+    """The Output pane's title: whose output, and how that task stands."""
+    if task is None:
+        return "Output"
+    state = task_style(task)
+    if task.state.final and task.reason:
+        state = f"{state}: {task.reason}"
+    return f"Output · {task.name} (#{task.id}) · {state}"

@@ -1,0 +1,176 @@
+"""The dashboard's widgets: tables that update in place by row key, and a log tail."""
+
+from __future__ import annotations
+
+import codecs
+import os
+import re
+from pathlib import Path
+
+from rich.text import Text
+from textual.widgets import DataTable, Log
+
+from kugetsu.tui.view import Row
+
+STATES = ("queued", "running", "stopping", "succeeded", "failed", "cancelled", "expired", "lost",
+          "started", "config")
+
+
+class StateTable(DataTable):
+    """A DataTable whose rows are replaced by `sync`: only cells that changed are touched, so
+    the cursor, the scroll position and the rest of the screen stay put (no flicker).
+
+    Row colours come from app.tcss through component classes (`state--failed` ...), so the
+    palette lives with the rest of the styles.
+    """
+
+    COMPONENT_CLASSES = DataTable.COMPONENT_CLASSES | {f"state--{s}" for s in STATES}
+
+    def __init__(self, columns: tuple[tuple[str, str], ...], *, key_column: str | None = None, **kw: object):
+        super().__init__(cursor_type="row", zebra_stripes=False, **kw)  # type: ignore[arg-type]
+        self._columns = columns
+        self._key_column = key_column  # a column whose text is the row key: lets `sort` reorder by key
+        self._shown: dict[str, Row] = {}
+
+    def on_mount(self) -> None:
+        for key, label in self._columns:
+            self.add_column(label, key=key)
+
+    @property
+    def keys(self) -> list[str]:
+        return [str(row.key.value) for row in self.ordered_rows]
+
+    @property
+    def cursor_key(self) -> str | None:
+        if not self.row_count or not 0 <= self.cursor_row < self.row_count:
+            return None
+        return str(self.ordered_rows[self.cursor_row].key.value)
+
+    def select_key(self, key: str) -> bool:
+        """Put the cursor on `key`'s row, without scrolling away from what the user looks at."""
+        if key not in self._shown:
+            return False
+        index = self.get_row_index(key)
+        if index != self.cursor_row:
+            self.move_cursor(row=index, scroll=False)
+        return True
+
+    def sync(self, rows: list[Row]) -> None:
+        cursor = self.cursor_key
+        wanted = {r.key for r in rows}
+        for key in [k for k in self._shown if k not in wanted]:
+            self.remove_row(key)
+            del self._shown[key]
+        for row in rows:
+            old = self._shown.get(row.key)
+            if old is None:
+                self.add_row(*self._cells(row), key=row.key)
+            elif old != row:
+                for (col, _), new_text, old_text in zip(self._columns, row.cells, old.cells):
+                    if new_text != old_text or row.style != old.style:
+                        self.update_cell(row.key, col, self._cell(new_text, row.style), update_width=True)
+            self._shown[row.key] = row
+        order = [r.key for r in rows]
+        if self.keys != order:
+            self._reorder(order)
+        if cursor is not None:
+            self.select_key(cursor)
+
+    def _reorder(self, order: list[str]) -> None:
+        if self._key_column is None:  # no key in the cells: rebuild (rare: these tables only append)
+            rows = [self._shown[k] for k in order]
+            self.clear()
+            for row in rows:
+                self.add_row(*self._cells(row), key=row.key)
+            return
+        rank = {k: i for i, k in enumerate(order)}
+        self.sort(self._key_column, key=lambda cell: rank[str(cell)])
+
+    def legend(self, states: tuple[str, ...]) -> Text:
+        """The state names in their own colours, for the help screen."""
+        return Text("  ").join(self._cell(state, state) for state in states)
+
+    def _cells(self, row: Row) -> list[Text]:
+        return [self._cell(text, row.style) for text in row.cells]
+
+    def _cell(self, text: str, style: str) -> Text:
+        name = f"state--{style}"
+        rich_style = self.get_component_rich_style(name, partial=True) if name in self.COMPONENT_CLASSES else ""
+        return Text(text, style=rich_style, no_wrap=True, overflow="ellipsis")
+
+
+class TaskTable(StateTable):
+    """A table whose rows are tasks (keyed by id): its cursor selects the task the Output shows."""
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]|\r(?!\n)")
+TAIL_BYTES = 64 * 1024
+
+
+class LogView(Log):
+    """The live tail of one log file: the last 64 KiB at first, then whatever is appended.
+
+    Reads by offset, so a poll costs one stat when nothing changed; a file that shrinks or is
+    replaced (clean) is read again from its tail.
+    """
+
+    def __init__(self, *, poll: float = 1.0, **kw: object):
+        super().__init__(max_lines=5000, highlight=False, **kw)  # type: ignore[arg-type]
+        self.path: Path | None = None
+        self._poll = poll
+        self._placeholder = ""
+        self._reset()
+
+    def on_mount(self) -> None:
+        self.set_interval(self._poll, self.poll)
+
+    def _reset(self) -> None:
+        self._offset = 0
+        self._inode = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._empty = True
+
+    def follow(self, path: Path | None, placeholder: str = "(no output yet)") -> None:
+        self.path, self._placeholder = path, placeholder
+        self._reset()
+        self.clear()
+        self.poll()
+
+    def poll(self) -> None:
+        if self.path is None:
+            self._show_placeholder()
+            return
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            self._show_placeholder()
+            return
+        if st.st_ino != self._inode or st.st_size < self._offset:
+            self._reset()
+            self.clear()
+            self._inode = st.st_ino
+            self._offset = max(0, st.st_size - TAIL_BYTES)
+        if st.st_size == self._offset:
+            if self._empty:
+                self._show_placeholder()
+            return
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read(st.st_size - self._offset)
+        except OSError:
+            return
+        mid_file = self._offset > 0 and self._empty
+        self._offset += len(data)
+        if mid_file and b"\n" in data:  # started mid-file: drop the partial first line
+            data = data[data.find(b"\n") + 1 :]
+        text = _ANSI.sub("", self._decoder.decode(data))
+        if self._empty:
+            self.clear()
+            self._empty = False
+        self.write(text)
+
+    def _show_placeholder(self) -> None:
+        if self._empty and self.lines != [self._placeholder]:
+            self.clear()
+            self.write(self._placeholder)
