@@ -149,11 +149,13 @@ class Service:
 
     async def _job(self, job_id: str) -> None:
         self.jobs.pop(job_id, None)  # date jobs end after firing; let sync re-add if still due
-        self.tick()
+        self._safe_tick()
 
     def _safe_tick(self) -> None:
         try:
             self.tick()
+        except KugetsuError as err:  # e.g. index.json damaged by hand: say what, no traceback
+            log.error("%s\nThe next wake-up or reconcile retries.", err)
         except Exception:
             log.exception("tick failed; the next wake-up or reconcile retries")
 
