@@ -217,7 +217,7 @@ class Service:
                 continue
             try:
                 spawned = runner.spawn(self.home, task.id, task.name, task.command, cwd, env)
-            except OSError as err:
+            except (OSError, ValueError) as err:  # ValueError: an argv exec cannot take (NUL byte)
                 self._finish(txn, task, 127, f"could not start: {err}")
                 freed = True
                 continue
