@@ -290,7 +290,7 @@ def read_raw(home: Home) -> dict[str, Any]:
         return {}
     try:
         raw = msgspec.json.decode(data)
-    except msgspec.DecodeError as err:
+    except (msgspec.DecodeError, RecursionError) as err:  # RecursionError: absurdly deep nesting
         raise FileError(describe_decode_error(home.config, data, err) + _FIX) from None
     if not isinstance(raw, dict):
         raise FileError(f"{home.config}: must hold a JSON object {{...}}{_FIX}")
