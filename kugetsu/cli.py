@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv_command = command
     home = default_home()
     try:
+        _undo_dashdash(args)
         return COMMANDS[args.command][2](home, args)
     except KugetsuError as err:
         print(f"kugetsu: {err}", file=sys.stderr)
@@ -162,6 +163,22 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return OK
+
+
+_STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value")
+_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines")
+
+
+def _undo_dashdash(args: argparse.Namespace) -> None:
+    """argparse (CPython < 3.13) turns an option value of exactly "--" (`--prompt=--`) into
+    an empty list, which would reach the index as a list where a string belongs (and make
+    index.json unreadable). Give it back as the string it was, or refuse it."""
+    for key in _STRING_OPTIONS:
+        if getattr(args, key, None) == []:
+            setattr(args, key, "--")
+    for key in _OTHER_OPTIONS:
+        if getattr(args, key, None) == []:
+            raise UsageError(f"--{key.replace('_', '-')}: '--' is not a valid value")
 
 
 # ---- commands -----------------------------------------------------------------------------
