@@ -188,10 +188,17 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     cfg = load_config(home)
     prompt = args.prompt
     if args.prompt_file:
-        try:
-            prompt = sys.stdin.read() if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8").read()
+        try:  # bytes, decoded as they are: no newline translation, the prompt arrives verbatim
+            if args.prompt_file == "-":
+                data = sys.stdin.buffer.read()
+            else:
+                with open(args.prompt_file, "rb") as f:
+                    data = f.read()
+            prompt = data.decode("utf-8")
         except OSError as err:
             raise UsageError(f"cannot read --prompt-file: {err}") from None
+        except UnicodeDecodeError as err:
+            raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     if not args.argv_command and prompt is None and args.agent is None and args.name is None:
         raise UsageError("nothing to run: give --prompt TEXT (for the agent preset) or a command after --")
     if args.source.strip() == "" or len(args.source) > 64 or not args.source.isprintable():
