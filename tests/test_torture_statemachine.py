@@ -240,4 +240,4 @@ def test_state_machine(monkeypatch):
         ),
     )
     record("state_machine", seconds=round(time.monotonic() - t0, 1), **STATS)
-    assert STATS["steps"] >= size(200, 3000) and STATS["tasks"] >= 3 * STATS["examples"] and STATS["lost"] == 0
+    assert STATS["steps"] >= size(120, 1500) and STATS["tasks"] >= 3 * STATS["examples"] and STATS["lost"] == 0
