@@ -189,7 +189,7 @@ def run_level(argv: list[str], concurrency: int, repeat: int, cwd: str | None, t
         while not done.is_set():
             peak = max(peak, runs.tree_rss())
             loads.append(os.getloadavg()[0])
-            done.wait(0.1)
+            done.wait(0.05)
 
     results: list[tuple[float, int | None, bool]] = []
     results_lock = threading.Lock()
