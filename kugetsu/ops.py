@@ -135,6 +135,7 @@ def cancel(home: Home, cfg: Config, refs: list[str], everything: bool = False, r
 def set_priority(home: Home, cfg: Config, ref: str, level: str) -> tuple[Task, int | None]:
     """Change a queued task's priority; returns it with its new position."""
     with Store(home).transaction(now()) as txn:
+        cfg = load_config(home)  # again, under the lock: a concurrent `config set` may have changed it
         task = pm.find(txn.index, ref)
         txn.emit(pm.set_priority(txn.index, task, level, txn.now))
         settle(txn, cfg)
