@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv_command = command
     home = default_home()
     try:
+        _undo_dashdash(args)
         return COMMANDS[args.command][2](home, args)
     except KugetsuError as err:
         print(f"kugetsu: {err}", file=sys.stderr)
@@ -164,6 +165,22 @@ def main(argv: list[str] | None = None) -> int:
         return OK
 
 
+_STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value")
+_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines")
+
+
+def _undo_dashdash(args: argparse.Namespace) -> None:
+    """argparse (CPython < 3.13) turns an option value of exactly "--" (`--prompt=--`) into
+    an empty list, which would reach the index as a list where a string belongs (and make
+    index.json unreadable). Give it back as the string it was, or refuse it."""
+    for key in _STRING_OPTIONS:
+        if getattr(args, key, None) == []:
+            setattr(args, key, "--")
+    for key in _OTHER_OPTIONS:
+        if getattr(args, key, None) == []:
+            raise UsageError(f"--{key.replace('_', '-')}: '--' is not a valid value")
+
+
 # ---- commands -----------------------------------------------------------------------------
 
 
@@ -171,10 +188,17 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     cfg = load_config(home)
     prompt = args.prompt
     if args.prompt_file:
-        try:
-            prompt = sys.stdin.read() if args.prompt_file == "-" else open(args.prompt_file, encoding="utf-8").read()
+        try:  # bytes, decoded as they are: no newline translation, the prompt arrives verbatim
+            if args.prompt_file == "-":
+                data = sys.stdin.buffer.read()
+            else:
+                with open(args.prompt_file, "rb") as f:
+                    data = f.read()
+            prompt = data.decode("utf-8")
         except OSError as err:
             raise UsageError(f"cannot read --prompt-file: {err}") from None
+        except UnicodeDecodeError as err:
+            raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     if not args.argv_command and prompt is None and args.agent is None and args.name is None:
         raise UsageError("nothing to run: give --prompt TEXT (for the agent preset) or a command after --")
     if args.source.strip() == "" or len(args.source) > 64 or not args.source.isprintable():

@@ -17,6 +17,9 @@ _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 
 
+MAX_DURATION = 3650 * 86400  # ten years: deadlines past year 9999 cannot be represented
+
+
 def parse_duration(value: object, what: str = "duration") -> float:
     """`90s`, `15m`, `2h`, `1d` or plain seconds -> seconds (> 0)."""
     if isinstance(value, bool):
@@ -30,6 +33,8 @@ def parse_duration(value: object, what: str = "duration") -> float:
         seconds = float(m.group(1)) * _UNITS[m.group(2)]
     if not seconds > 0:
         raise ValueError(f"{what}: must be more than 0, got {value!r}")
+    if not seconds <= MAX_DURATION:  # also NaN and inf: a deadline must be a real date
+        raise ValueError(f"{what}: {value!r} is too long; at most {MAX_DURATION // 86400}d")
     return seconds
 
 
@@ -290,7 +295,7 @@ def read_raw(home: Home) -> dict[str, Any]:
         return {}
     try:
         raw = msgspec.json.decode(data)
-    except msgspec.DecodeError as err:
+    except (msgspec.DecodeError, RecursionError) as err:  # RecursionError: absurdly deep nesting
         raise FileError(describe_decode_error(home.config, data, err) + _FIX) from None
     if not isinstance(raw, dict):
         raise FileError(f"{home.config}: must hold a JSON object {{...}}{_FIX}")

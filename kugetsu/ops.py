@@ -63,6 +63,7 @@ def delegate(home: Home, cfg: Config, req: pm.Request) -> Admission:
     _check_worktree(cfg, req)
     store = Store(home)
     with store.transaction(now()) as txn:
+        cfg = load_config(home)  # again, under the lock: a concurrent `config set` may have changed it
         settle(txn, cfg)
         task, events = pm.admit(txn.index, cfg, txn.now, req)
         txn.emit(events)
@@ -116,6 +117,7 @@ def cancel(home: Home, cfg: Config, refs: list[str], everything: bool = False, r
     get SIGTERM to their group now, SIGKILL after kill_grace (the service sees to it)."""
     store = Store(home)
     with store.transaction(now()) as txn:
+        cfg = load_config(home)  # again, under the lock: a concurrent `config set` may have changed it
         tasks = list(txn.index.live()) if everything else [pm.find(txn.index, ref) for ref in refs]
         for task in tasks:
             txn.emit(pm.cancel(txn.index, task, txn.now, cfg.kill_grace_s, reason))
@@ -133,6 +135,7 @@ def cancel(home: Home, cfg: Config, refs: list[str], everything: bool = False, r
 def set_priority(home: Home, cfg: Config, ref: str, level: str) -> tuple[Task, int | None]:
     """Change a queued task's priority; returns it with its new position."""
     with Store(home).transaction(now()) as txn:
+        cfg = load_config(home)  # again, under the lock: a concurrent `config set` may have changed it
         task = pm.find(txn.index, ref)
         txn.emit(pm.set_priority(txn.index, task, level, txn.now))
         settle(txn, cfg)

@@ -198,6 +198,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     expire_after = req.expire_after if req.expire_after is not None else cfg.queue_timeout_s
     timeout = req.timeout if req.timeout is not None else cfg.run_timeout_s
     command = template if req.command else render_command(template, {"prompt": req.prompt or "", "name": name, "id": str(task_id)})
+    _check_argv(command, req.cwd)
     task = Task(
         id=task_id,
         name=name,
@@ -234,6 +235,29 @@ def set_priority(index: Index, task: Task, level: str, now: datetime) -> list[Ev
         return []
     task.priority = level  # type: ignore[assignment]
     return [_event("priority", task, now, value=level)]
+
+
+# Linux refuses a single argv element of 32 pages (MAX_ARG_STRLEN) or more at exec.
+MAX_ARG_BYTES = 128 * 1024 - 1
+
+
+def _check_argv(command: list[str], cwd: str) -> None:
+    """Refuse at admission an argv that exec could never take, rather than admit a task that
+    cannot start (a NUL byte in a prompt file made the service's spawn raise)."""
+    if "\0" in cwd:
+        raise UsageError("--cwd contains a NUL character")
+    for i, arg in enumerate(command):
+        if "\0" in arg:
+            raise UsageError(
+                f"argument {i} of the command (the prompt, if the preset puts it there) contains a NUL"
+                " character, which no program can receive in its arguments"
+            )
+        size = len(arg.encode("utf-8", "surrogateescape"))
+        if size > MAX_ARG_BYTES:
+            raise UsageError(
+                f"argument {i} of the command is {size} bytes; the system allows at most {MAX_ARG_BYTES} in one"
+                " argument: put a long prompt in a file and have the agent read it"
+            )
 
 
 # ---- transitions -----------------------------------------------------------------------

@@ -161,10 +161,12 @@ class Service:
 
     def tick(self) -> None:
         self._tick_pending = False
-        self._reload_config()
-        cfg = self.cfg
         signals: list[tuple[Task, signal.Signals]] = []
         with self.store.transaction(ops.now()) as txn:
+            # Under the index lock, which `config set` holds while it writes config.json:
+            # read before it, a lowering of max_agents committed meanwhile was overshot.
+            self._reload_config()
+            cfg = self.cfg
             index = txn.index
             for task in list(index.active):
                 if task.pid is not None and (task.id in self.exited or not runner.alive(task.pid, task.pid_start)):
@@ -217,7 +219,7 @@ class Service:
                 continue
             try:
                 spawned = runner.spawn(self.home, task.id, task.name, task.command, cwd, env)
-            except OSError as err:
+            except (OSError, ValueError) as err:  # ValueError: an argv exec cannot take (NUL byte)
                 self._finish(txn, task, 127, f"could not start: {err}")
                 freed = True
                 continue

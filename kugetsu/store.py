@@ -61,7 +61,7 @@ class Store:
             return Index(), b""
         try:
             index = _index_decoder.decode(data)
-        except msgspec.DecodeError as err:
+        except (msgspec.DecodeError, RecursionError) as err:  # RecursionError: absurdly deep nesting
             raise FileError(describe_decode_error(self.home.index, data, err) + _FIX) from None
         problem = check_index(index)
         if problem:
@@ -177,7 +177,7 @@ def _decode_lines(data: bytes) -> list[Event]:
     for line in data.splitlines():
         try:
             events.append(_event_decoder.decode(line))
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             continue  # a line torn by a crash mid-append; its event is still in the outbox
     return events
 

@@ -1,0 +1,260 @@
+"""Malformed input through the real CLI: config.json, index.json, task names, durations,
+prompts full of shell metacharacters, control characters and huge ones.
+
+Each input gives either a clear error (exit 2, a message naming what is wrong, no Python
+traceback, no file changed) or a verbatim pass-through to the agent's argv. The random
+cases are seeded (printed; KUGETSU_TORTURE_SEED replays); KUGETSU_TORTURE=long tries more."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import string
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+from kugetsu.config import parse_duration
+from kugetsu.models import valid_name
+from torture import LONG, record, size
+
+pytestmark = pytest.mark.torture
+
+SEED = int(os.environ.get("KUGETSU_TORTURE_SEED") or random.randrange(1 << 30))
+TRIED: dict[str, int] = {}
+
+
+def snapshot(kg) -> dict[str, bytes | None]:
+    h = kg.home
+    return {p.name: (p.read_bytes() if p.exists() else None) for p in (h.config, h.index, h.events)}
+
+
+def expect_clean_failure(kg, r, *, names: str, before: dict) -> None:
+    assert r.returncode == 2, f"exit {r.returncode}, want 2\n{r.stdout}\n{r.stderr}"
+    assert "Traceback" not in r.stderr and r.stderr.strip(), r.stderr
+    assert names in r.stderr, f"the message should name {names!r}: {r.stderr}"
+    assert snapshot(kg) == before, "a file changed although the command failed"
+
+
+def stop_service(kg, woke: bool) -> None:
+    """After a command that succeeded: if it autostarted the service, let it come up, then
+    stop it, so that it changes nothing behind the next case's back."""
+    from kugetsu.config import load_config
+
+    if woke and load_config(kg.home).autostart:
+        wait_for(lambda: kg.service_pid(), 15, "the autostarted service to come up")
+    kg.run("shutdown")
+    wait_for(lambda: kg.service_pid() is None, 15, "the service to stop")
+
+
+def no_traceback(r) -> None:
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _figures():
+    yield
+    if TRIED:
+        record("fuzz", seed=SEED, inputs=sum(TRIED.values()), **TRIED, tracebacks=0, changed_files_on_failure=0)
+
+
+@pytest.fixture
+def fz(kg):
+    kg.env.pop("PYTHONDONTWRITEBYTECODE", None)  # CLI calls as installed: faster
+    return kg
+
+
+# ---- config.json ---------------------------------------------------------------------------
+
+BAD_CONFIGS = [
+    b"", b"{", b"[]", b"null", b'"max_agents"', b"\xff\xfe\x00garbage", b"{'max_agents': 3}",
+    b'{"max_agents": 0}', b'{"max_agents": 65}', b'{"max_agents": "3"}', b'{"max_agents": true}',
+    b'{"max_agents": 2.5}', b'{"max_agent": 3}', b'{"queue_timeout": "soon"}', b'{"queue_timeout": -5}',
+    b'{"queue_timeout": "0s"}', b'{"kill_grace": [1]}', b'{"agents": {"x": {"command": []}}}',
+    b'{"agents": {"x": {"cmd": ["a"]}}}', b'{"default_agent": "nope"}', b'{"telegram": {"events": ["bogus"]}}',
+    b'{"telegram": {"tokn": "x"}}', b'{"max_queue": 1e400}', b'{"history_limit": -1}',
+    b'{"max_agents": 3,}', b"[" * 5000 + b"]" * 5000, b'{"\x00": 1}', b'{"autostart": "yes"}',
+]
+
+
+def mutate(data: bytes, rng: random.Random) -> bytes:
+    data = bytearray(data)
+    for _ in range(rng.randint(1, 3)):
+        op = rng.random()
+        if op < 0.3 and data:
+            del data[rng.randrange(len(data)):]  # truncate, as a torn write would
+        elif op < 0.7 and data:
+            data[rng.randrange(len(data))] = rng.choice(b'{}[]":,0123456789 \\\x00\xffabtnul-.')
+        else:
+            data.insert(rng.randrange(len(data) + 1), rng.choice(b'{}[]":,\n'))
+    return bytes(data)
+
+
+def test_bad_config_json_is_a_clear_error_and_changes_nothing(fz):
+    rng = random.Random(SEED)
+    fz.config(max_agents=2, autostart=False)
+    fz.ok("delegate", "seed", "--", "true")  # an index with one task
+    valid = json.dumps({"max_agents": 2, "max_queue": 10, "queue_timeout": "1h", "autostart": False}, indent=2).encode()
+    cases = list(BAD_CONFIGS) + [mutate(valid, rng) for _ in range(size(4, 200))]
+    failures = 0
+    for i, data in enumerate(cases):
+        # delegate reads the config like every command; config set edits it (every 3rd case:
+        # it often repairs the value and autostarts the service, which then must be stopped).
+        commands = [("delegate", "fz", "--", "true")]
+        if i % 3 == 0 or LONG:
+            commands.append(("config", "set", "max_agents", "3"))
+        for args in commands:
+            fz.home.config.write_bytes(data)
+            before = snapshot(fz)
+            r = fz.run(*args)
+            no_traceback(r)
+            if r.returncode == 0:
+                # A mutation that left the config valid, or `config set` repairing the bad
+                # value it sets ({"max_agents": 0}): fine. It may have started the service.
+                stop_service(fz, woke=args[0] != "capacity")
+                continue
+            failures += 1
+            expect_clean_failure(fz, r, names="config.json", before=before)  # index.json included
+    TRIED["config_json"] = len(cases)
+    assert failures >= len(BAD_CONFIGS)
+
+
+# ---- index.json ----------------------------------------------------------------------------
+
+
+def test_bad_index_json_is_a_clear_error_and_changes_nothing(fz):
+    rng = random.Random(SEED + 1)
+    fz.config(max_agents=1, autostart=False)
+    fz.ok("delegate", "a", "--", "true")
+    fz.ok("delegate", "b", "--", "true")
+    good = fz.home.index.read_bytes()
+    idx = json.loads(good)
+    t = idx["active"][0]
+
+    def variant(**change) -> bytes:
+        return json.dumps({**idx, **change}).encode()
+
+    cases = [
+        b"", b"{", b"[]", b"null", good[: len(good) // 2], good.replace(b'"next_id"', b'"next_idx"', 1) + b"x",
+        variant(next_id="3"), variant(next_id=1), variant(queued=[idx["queued"][0], idx["queued"][0]]),
+        variant(active=[{**t, "state": "queued"}]), variant(queued=[{**idx["queued"][0], "state": "succeeded"}]),
+        variant(active=[{**t, "created_at": "yesterday"}]), variant(active=[{**t, "created_at": "2024-01-01T00:00:00"}]),
+        variant(active=[{**t, "command": "rm -rf /"}]), variant(finished=[{"id": 9}]), b"\xff" * 64,
+    ]
+    must_fail = len(cases)
+    cases += [mutate(good, rng) for _ in range(size(4, 200))]
+    failures = 0
+    for i, data in enumerate(cases):
+        fz.home.index.write_bytes(data)
+        before = snapshot(fz)
+        commands = [("queue", "--json"), ("delegate", "fz", "--", "true")]
+        if i % 4 == 0:
+            commands += [("cancel", "b"), ("config", "set", "max_agents", "2")]
+        for args in commands:
+            r = fz.run(*args)
+            no_traceback(r)
+            if r.returncode != 2 and i >= must_fail:  # a harmless mutation (inside a string)
+                assert r.returncode in (0, 1), r.stderr
+                continue
+            failures += 1
+            expect_clean_failure(fz, r, names="index.json", before=before)
+        fz.home.index.write_bytes(good)
+    TRIED["index_json"] = len(cases)
+    assert failures >= must_fail * 2
+
+
+# ---- names and durations ---------------------------------------------------------------------
+
+
+def random_text(rng: random.Random, n: int) -> str:
+    pools = [string.ascii_letters + string.digits + "._-", string.printable, "\t\n\r\x01\x1b\x7f", "äé漢字🙂", "-"]
+    return "".join(rng.choice(rng.choice(pools)) for _ in range(n))
+
+
+def test_task_names_valid_or_clear_error(fz):
+    rng = random.Random(SEED + 2)
+    fz.config(max_agents=1, autostart=False, max_queue=1000)
+    names = ["", " ", "-x", "--bogus", "a" * 64, "a" * 65, "a b", "a;b", "$(id)", "../x", "x/y", ".hidden", "_x",
+             "ok.name-1_2", "é", "a\nb", "a\x00b"[:1] + "\x1b[31m", "task-1", "9"]
+    names += [random_text(rng, rng.randint(1, 70)) for _ in range(size(8, 300))]
+    seen: set[str] = set()
+    for name in names:
+        before = snapshot(fz)
+        r = fz.run("delegate", name, "--", "true")
+        no_traceback(r)
+        ok = valid_name(name) and name not in seen
+        if ok:
+            assert r.returncode == 0, (name, r.stderr)
+            raw = json.loads(fz.home.index.read_text())
+            assert name in [t["name"] for part in ("active", "queued") for t in raw[part]]
+            seen.add(name)
+        else:
+            expect_clean_failure(fz, r, names="" if name.startswith("-") else "name", before=before)
+    TRIED["names"] = len(names)
+
+
+def test_durations_valid_or_clear_error(fz):
+    rng = random.Random(SEED + 3)
+    fz.config(max_agents=1, autostart=False, max_queue=1000)
+    values = ["90s", "15m", "2h", "1d", "30", "0.5", " 5m ", "0", "0s", "-5", "5x", "1h30m", "", "inf", "nan",
+              "1e3", "5 m", "１０s", "99999999999999999999d", "5M", "m"]
+    values += ["".join(rng.choice("0123456789.smhd -xe") for _ in range(rng.randint(1, 8))) for _ in range(size(6, 200))]
+    for i, value in enumerate(values):
+        for flag in ("--expire-after", "--timeout")[i % 2 :][:1] if not LONG else ("--expire-after", "--timeout"):
+            before = snapshot(fz)
+            r = fz.run("delegate", f"d{i}{flag[2]}", flag, value, "--", "true")
+            no_traceback(r)
+            try:
+                ok = parse_duration(value) < float("inf")
+            except (ValueError, OverflowError):
+                ok = False
+            if ok:
+                assert r.returncode == 0, (flag, value, r.stderr)
+            else:
+                expect_clean_failure(fz, r, names=flag, before=before)
+    TRIED["durations"] = len(values) * (2 if LONG else 1)
+
+
+# ---- prompts -------------------------------------------------------------------------------
+
+
+def test_prompts_pass_verbatim_or_clear_error(fz, tmp_path: Path):
+    rng = random.Random(SEED + 4)
+    out = tmp_path / "got"
+    out.mkdir()
+    fz.config(max_agents=4, max_queue=1000, default_agent="rec", agents={
+        "rec": {"command": ["sh", "-c", 'printf %s "$1" > "$OUT/$KUGETSU_TASK_ID"', "rec", "{prompt}"],
+                "env": {"OUT": str(out)}},
+    })
+    prompts = [
+        "; rm -rf ~", "$(touch pwned)", "`touch pwned`", "a && b || c | d > e < f & g", "'single' \"double\" \\back",
+        "line1\nline2\r\n\ttab", "".join(chr(c) for c in range(1, 32)) + "\x7f", "{name} {id} {prompt} {}",
+        "-rf", "--help", "--", "😀 漢字 émoji", "%s %d %n", "*", "~", "$HOME ${PATH} $0 $1", " ", "",
+        "x" * 100_000, "é" * 60_000,
+    ]
+    prompts += [random_text(rng, rng.randint(1, 300)) for _ in range(size(6, 200))]
+    sent: dict[int, str] = {}
+    for i, prompt in enumerate(prompts):
+        if len(prompt) > 1000 or i % 2:  # big ones (and half the others) through --prompt-file
+            f = tmp_path / f"p{i}"
+            f.write_bytes(prompt.encode())
+            r = fz.run("delegate", f"p{i}", "--prompt-file", str(f), "--json")
+        else:
+            r = fz.run("delegate", f"p{i}", f"--prompt={prompt}", "--json")
+        no_traceback(r)
+        assert r.returncode == 0, (prompt[:50], r.stderr[:400])
+        sent[json.loads(r.stdout)["id"]] = prompt
+    # Too big for one argv element, or holding a NUL: refused at admission, nothing written.
+    for i, (bad, names) in enumerate([(b"x" * 140_000, "argument"), (b"a\x00b", "argument"), (b"\xff\xfe", "UTF-8")]):
+        f = tmp_path / f"bad{i}"
+        f.write_bytes(bad)
+        before = snapshot(fz)
+        expect_clean_failure(fz, fz.run("delegate", f"bad{i}", "--prompt-file", str(f)), names=names, before=before)
+    wait_for(lambda: len(list(out.iterdir())) == len(sent), 60, "every agent to record its argv")
+    for task_id, prompt in sent.items():
+        got = (out / str(task_id)).read_bytes()
+        assert got == prompt.encode(), f"task {task_id}: the prompt did not arrive verbatim"
+    assert not list(tmp_path.glob("**/pwned")) and not (Path.home() / "pwned").exists()
+    TRIED["prompts"] = len(prompts) + 3

@@ -1,0 +1,542 @@
+#!/usr/bin/env python3
+"""kugetsu benchmark, side by side with task-spooler (`tsp`) in the same run.
+
+    python tools/bench/run.py [--json] [--quick] [--rounds N]
+
+Every figure that has a peer is measured for both in the same run, interleaved, and the
+table gives the ratio kugetsu / peer (lower is better for times, higher for rates). The
+machine is assumed noisy: read the ratios, not the absolute numbers.
+
+What is measured (issue 2 budgets in brackets):
+  drain        100 trivial commands queued behind a blocker at one slot; from the
+               blocker's own end timestamp to the last task's own end timestamp
+               [kugetsu / tsp <= 1.0]
+  promotion    exit of one task to start of the next, from the tasks' timestamps
+               [p95 <= 50 ms]
+  admission    20 processes delegating 5 tasks each at once, tasks/s
+  CLI latency  delegate, queue --json, capacity --json at 10 / 1,000 / 10,000 tasks in the
+               index, beside a bare `python -c pass` [median <= 150 ms at 1,000]
+  footprint    index bytes per task; service RSS and CPU idle and while draining
+               [idle < 1% of one CPU, <= 60 MB RSS]
+
+kugetsu runs from this checkout (PYTHONPATH = repo root) with the current interpreter;
+each scenario has its own throw-away KUGETSU_HOME. task-spooler runs with a private
+TS_SOCKET and TMPDIR, and its server is killed afterwards: a user's own tsp queue is
+never touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import psutil  # noqa: E402
+
+from kugetsu.models import Index, Task, TaskState  # noqa: E402
+from kugetsu.paths import Home  # noqa: E402
+from kugetsu.store import encode_index  # noqa: E402
+
+PY = sys.executable
+# One line per event, appended by the task itself: "<s|e> <tag> <epoch seconds>".
+TASK_SCRIPT = 'echo "s $1 $(date +%s.%N)" >> "$0"; echo "e $1 $(date +%s.%N)" >> "$0"'
+BLOCKER_SCRIPT = 'read x < "$0"; echo "$(date +%s.%N)" > "$1"'
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+
+def pct(values: list[float], p: float) -> float:
+    """Nearest-rank percentile (p in 0..100)."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(round(p / 100 * len(s) + 0.5)) - 1))
+    return s[k]
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
+def read_stamps(path: Path) -> tuple[dict[str, float], dict[str, float]]:
+    starts: dict[str, float] = {}
+    ends: dict[str, float] = {}
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return starts, ends
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 3:
+            (starts if parts[0] == "s" else ends)[parts[1]] = float(parts[2])
+    return starts, ends
+
+
+def release(fifo: Path) -> None:
+    """Let the blocker end: it blocks reading the fifo."""
+    with open(fifo, "w") as f:
+        f.write("go\n")
+
+
+class Sampler:
+    """Samples a process's CPU time and RSS in a thread until stopped."""
+
+    def __init__(self, pid: int, every: float = 0.05):
+        self.proc = psutil.Process(pid)
+        self.every = every
+        self.peak_rss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _cpu(self) -> float:
+        t = self.proc.cpu_times()
+        return t.user + t.system
+
+    def __enter__(self) -> "Sampler":
+        self.cpu0, self.t0 = self._cpu(), time.monotonic()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak_rss = max(self.peak_rss, self.proc.memory_info().rss)
+            except psutil.Error:
+                return
+            self._stop.wait(self.every)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.cpu = self._cpu() - self.cpu0
+        self.wall = time.monotonic() - self.t0
+        self.peak_rss = max(self.peak_rss, self.proc.memory_info().rss)
+
+    @property
+    def cpu_share(self) -> float:
+        """CPU time / wall time: 1.0 = one core busy."""
+        return self.cpu / self.wall if self.wall else 0.0
+
+
+# ---- kugetsu side ------------------------------------------------------------------------
+
+
+class Kg:
+    def __init__(self, root: Path, **config: object):
+        self.root = root
+        self.home = Home(root / "home")
+        self.home.ensure()
+        self.home.config.write_text(json.dumps(config))
+        self.env = {**os.environ, "KUGETSU_HOME": str(self.home.root), "PYTHONPATH": str(REPO)}
+        # Measure kugetsu as installed: with its bytecode cache (see compile_package).
+        self.env.pop("PYTHONDONTWRITEBYTECODE", None)
+
+    def argv(self, *args: str) -> list[str]:
+        return [PY, "-m", "kugetsu", *args]
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        r = subprocess.run(self.argv(*args), env=self.env, capture_output=True, text=True, timeout=120)
+        if check and r.returncode != 0:
+            raise RuntimeError(f"kugetsu {' '.join(args)} -> {r.returncode}: {r.stderr.strip()}")
+        return r
+
+    def start_service(self) -> int:
+        self.run("serve", "--detach")
+        return self.service_pid()
+
+    def service_pid(self) -> int:
+        return int(self.home.service_pid.read_text())
+
+    def delegate(self, name: str, argv: list[str]) -> None:
+        self.run("delegate", name, "--", *argv)
+
+    def index(self) -> dict:
+        return json.loads(self.home.index.read_text())
+
+    def stop(self) -> None:
+        self.run("shutdown", check=False)
+        try:
+            os.kill(self.service_pid(), signal.SIGKILL)
+        except (FileNotFoundError, ValueError, ProcessLookupError):
+            pass
+
+
+# ---- task-spooler side -------------------------------------------------------------------
+
+
+class Tsp:
+    def __init__(self, root: Path):
+        self.dir = root / "tsp"
+        self.dir.mkdir()
+        self.env = {**os.environ, "TS_SOCKET": str(self.dir / "socket"), "TMPDIR": str(self.dir)}
+        self.env.pop("TS_MAXCONN", None)
+
+    def run(self, *args: str) -> str:
+        r = subprocess.run(["tsp", *args], env=self.env, capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"tsp {' '.join(args)} -> {r.returncode}: {r.stderr.strip()}")
+        return r.stdout
+
+    def server_pid(self) -> int:
+        sock = self.env["TS_SOCKET"]
+        for p in psutil.process_iter(["name", "pid"]):
+            try:
+                if p.info["name"] in ("tsp", "ts") and p.environ().get("TS_SOCKET") == sock:
+                    if any(c.laddr == sock for c in p.net_connections("unix")):
+                        return p.pid
+            except psutil.Error:
+                continue
+        raise RuntimeError("tsp server not found")
+
+    def stop(self) -> None:
+        subprocess.run(["tsp", "-K"], env=self.env, capture_output=True, timeout=30)
+
+
+# ---- scenarios ---------------------------------------------------------------------------
+
+
+def drain_kugetsu(n: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
+        root = Path(tmp)
+        kg = Kg(root, max_agents=1, max_queue=n + 10)
+        stamps, fifo, bend = root / "stamps", root / "fifo", root / "blocker_end"
+        os.mkfifo(fifo)
+        pid = kg.start_service()
+        try:
+            kg.delegate("blocker", ["sh", "-c", BLOCKER_SCRIPT, str(fifo), str(bend)])
+            # Admission is not what this scenario measures: delegate from 4 threads.
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda i: kg.delegate(f"t{i}", ["sh", "-c", TASK_SCRIPT, str(stamps), str(i)]), range(n)))
+            assert len(kg.index()["queued"]) == n, "tasks did not queue behind the blocker"
+            with Sampler(pid) as s:
+                release(fifo)
+                wait_until(lambda: len(read_stamps(stamps)[1]) == n, 120, "kugetsu drain")
+            wait_until(lambda: not kg.index()["active"] and not kg.index()["queued"], 30, "kugetsu index to settle")
+            bad = [t for t in kg.index()["finished"] if t["state"] != "succeeded"]
+            assert not bad, f"tasks did not succeed: {bad[:1]}"
+            return _drain_result(stamps, bend, n, s)
+        finally:
+            kg.stop()
+
+
+def drain_tsp(n: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
+        root = Path(tmp)
+        ts = Tsp(root)
+        stamps, fifo, bend = root / "stamps", root / "fifo", root / "blocker_end"
+        os.mkfifo(fifo)
+        try:
+            ts.run("-S", "1")
+            pid = ts.server_pid()
+            ts.run("sh", "-c", BLOCKER_SCRIPT, str(fifo), str(bend))
+            for i in range(n):
+                ts.run("sh", "-c", TASK_SCRIPT, str(stamps), str(i))
+            with Sampler(pid) as s:
+                release(fifo)
+                wait_until(lambda: len(read_stamps(stamps)[1]) == n, 120, "tsp drain")
+            return _drain_result(stamps, bend, n, s)
+        finally:
+            ts.stop()
+
+
+def _drain_result(stamps: Path, bend: Path, n: int, s: Sampler) -> dict:
+    starts, ends = read_stamps(stamps)
+    wait_until(lambda: bend.exists() and bend.read_text().strip(), 5, "blocker end stamp")
+    blocker_end = float(bend.read_text())
+    order = sorted(starts, key=starts.get)
+    gaps = [starts[order[0]] - blocker_end] + [starts[b] - ends[a] for a, b in zip(order, order[1:])]
+    return {
+        "drain_s": max(ends.values()) - blocker_end,
+        "gaps_ms": [g * 1000 for g in gaps],
+        "server_cpu_share": s.cpu_share,
+        "server_peak_rss": s.peak_rss,
+    }
+
+
+def admission_kugetsu(procs: int, each: int) -> float:
+    with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
+        root = Path(tmp)
+        kg = Kg(root, max_agents=1, max_queue=procs * each + 10)
+        fifo = root / "fifo"
+        os.mkfifo(fifo)
+        kg.start_service()
+        try:
+            kg.delegate("blocker", ["sh", "-c", BLOCKER_SCRIPT, str(fifo), str(root / "bend")])
+            script = " ".join(
+                f"{PY} -m kugetsu delegate -- true >/dev/null || exit 1;" for _ in range(each)
+            )
+            t0 = time.monotonic()
+            ps = [subprocess.Popen(["sh", "-c", script], env=kg.env) for _ in range(procs)]
+            codes = [p.wait() for p in ps]
+            wall = time.monotonic() - t0
+            assert codes == [0] * procs, f"delegates failed: {codes}"
+            idx = kg.index()
+            ids = [t["id"] for t in idx["queued"]]
+            assert len(ids) == len(set(ids)) == procs * each, "admission lost or duplicated tasks"
+            release(fifo)
+            return procs * each / wall
+        finally:
+            kg.stop()
+
+
+def admission_tsp(procs: int, each: int) -> float:
+    with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
+        root = Path(tmp)
+        ts = Tsp(root)
+        fifo = root / "fifo"
+        os.mkfifo(fifo)
+        try:
+            ts.run("-S", "1")
+            ts.run("sh", "-c", BLOCKER_SCRIPT, str(fifo), str(root / "bend"))
+            script = " ".join("tsp true >/dev/null || exit 1;" for _ in range(each))
+            t0 = time.monotonic()
+            ps = [subprocess.Popen(["sh", "-c", script], env=ts.env) for _ in range(procs)]
+            codes = [p.wait() for p in ps]
+            wall = time.monotonic() - t0
+            assert codes == [0] * procs, f"tsp enqueues failed: {codes}"
+            queued = [l for l in ts.run("-l").splitlines()[1:] if " queued " in l]
+            assert len(queued) == procs * each, f"tsp queued {len(queued)}"
+            release(fifo)
+            return procs * each / wall
+        finally:
+            ts.stop()
+
+
+def build_index(home: Home, n: int, holder: psutil.Process) -> None:
+    """An index with n tasks: one running (a real process), up to history_limit (500)
+    finished, the rest queued. Written directly, as kugetsu itself encodes it."""
+    now = datetime.now(timezone.utc)
+    tasks: list[Task] = []
+    for i in range(1, n + 1):
+        tasks.append(Task(
+            id=i, name=f"issue-{i}", command=["opencode", "run", f"Fix issue {i}: the login form rejects valid e-mail addresses"],
+            cwd="/home/user/project", created_at=now - timedelta(seconds=n - i), agent="opencode", source="pm",
+            expires_at=now + timedelta(hours=24), log=str(home.log(i)),
+            prompt=f"Fix issue {i}: the login form rejects valid e-mail addresses",
+        ))
+    finished_n = min(500, max(0, n - 1) // 2)
+    index = Index(next_id=n + 1)
+    for t in tasks[:finished_n]:
+        t.state, t.started_at, t.finished_at, t.exit_code, t.pid = TaskState.SUCCEEDED, now, now, 0, 4242
+        index.finished.append(t)
+    run = tasks[finished_n]
+    run.state, run.started_at, run.slot = TaskState.RUNNING, now, 1
+    run.pid, run.pid_start = holder.pid, int(open(f"/proc/{holder.pid}/stat").read().rsplit(")", 1)[1].split()[19])
+    index.active.append(run)
+    index.queued = tasks[finished_n + 1 :]
+    home.ensure()
+    home.index.write_bytes(encode_index(index))
+
+
+def timed(argv: list[str], env: dict, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        r = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        out.append((time.perf_counter() - t0) * 1000)
+        if r.returncode != 0:
+            raise RuntimeError(f"{argv[3:]} -> {r.returncode}: {r.stderr.decode().strip()}")
+    return out
+
+
+def cli_latency(sizes: list[int], reps: int) -> dict:
+    """No service (autostart off): the figure is the CLI's own cost, as a delegator feels it."""
+    results: dict = {}
+    holder = subprocess.Popen(["sleep", "3600"])
+    try:
+        for n in sizes:
+            with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
+                kg = Kg(Path(tmp), max_agents=1, max_queue=n + 10 * reps + 10, autostart=False)
+                build_index(kg.home, n, psutil.Process(holder.pid))
+                size = kg.home.index.stat().st_size
+                r_n = max(5, reps // 2) if n >= 10000 else reps
+                bare, dele, queue, cap = [], [], [], []
+                for _ in range(r_n):  # interleaved, so noise hits all four alike
+                    bare += timed([PY, "-c", "pass"], kg.env, 1)
+                    dele += timed(kg.argv("delegate", "--", "true"), kg.env, 1)
+                    queue += timed(kg.argv("queue", "--json"), kg.env, 1)
+                    cap += timed(kg.argv("capacity", "--json"), kg.env, 1)
+                results[n] = {"bytes_per_task": size / n, "python": bare, "delegate": dele, "queue": queue, "capacity": cap}
+    finally:
+        holder.kill()
+        holder.wait()
+    return results
+
+
+def idle_footprint(seconds: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
+        root = Path(tmp)
+        kg = Kg(root, max_agents=3)
+        kg.delegate("warm", ["true"])  # autostarts the service, which runs one task
+        wait_until(lambda: kg.home.service_pid.exists() and not kg.index()["active"], 20, "service idle")
+        ts = Tsp(root)
+        ts.run("true")
+        ts.run("-w")
+        try:
+            kpid, tpid = kg.service_pid(), ts.server_pid()
+            time.sleep(1.0)
+            with Sampler(kpid, every=0.5) as ks, Sampler(tpid, every=0.5) as tsamp:
+                time.sleep(seconds)
+            return {"kugetsu": (ks.cpu_share, ks.peak_rss), "tsp": (tsamp.cpu_share, tsamp.peak_rss)}
+        finally:
+            kg.stop()
+            ts.stop()
+
+
+# ---- the table ---------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    model = platform.processor() or ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    tsp_version = ""
+    if shutil.which("tsp"):
+        out = subprocess.run(["tsp", "-V"], capture_output=True, text=True)
+        tsp_version = (out.stdout or out.stderr).strip().splitlines()[0].split(" - ")[0]
+    return {
+        "nproc": os.cpu_count(), "cpu": model, "python": platform.python_version(),
+        "kernel": platform.release(), "mem_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "load_avg": os.getloadavg(), "tsp": tsp_version,
+    }
+
+
+def compile_package() -> None:
+    """Write kugetsu's .pyc files, as `pip install` does. Without them (e.g. with
+    PYTHONDONTWRITEBYTECODE=1 in the environment, as on our CI machines) every CLI call
+    recompiles the whole package from source, which adds ~50 ms a call."""
+    import compileall
+
+    compileall.compile_dir(str(REPO / "kugetsu"), quiet=1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    ap.add_argument("--quick", action="store_true", help="fewer tasks and repetitions (a smoke run, noisier)")
+    ap.add_argument("--rounds", type=int, help="drain rounds per side (default 3, quick 1)")
+    args = ap.parse_args()
+    have_tsp = shutil.which("tsp") is not None
+    n_drain = 30 if args.quick else 100
+    rounds = args.rounds or (1 if args.quick else 3)
+    reps = 6 if args.quick else 20
+    sizes = [10, 1000] if args.quick else [10, 1000, 10000]
+    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    compile_package()
+
+    res: dict = {"machine": machine(), "drain_tasks": n_drain, "rounds": rounds}
+    kd, td = [], []
+    for r in range(rounds):  # interleaved: kugetsu, tsp, kugetsu, tsp, ...
+        log(f"drain round {r + 1}/{rounds}: kugetsu")
+        kd.append(drain_kugetsu(n_drain))
+        if have_tsp:
+            log(f"drain round {r + 1}/{rounds}: tsp")
+            td.append(drain_tsp(n_drain))
+    log("admission")
+    ka = [admission_kugetsu(20, 5) for _ in range(1)]
+    ta = [admission_tsp(20, 5) for _ in range(1)] if have_tsp else []
+    log("CLI latency (" + ", ".join(map(str, sizes)) + " tasks)")
+    cli = cli_latency(sizes, reps)
+    log("idle footprint")
+    idle = idle_footprint(5 if args.quick else 15) if have_tsp else None
+
+    rows: list[tuple[str, float | None, float | None, str, str]] = []  # name, kugetsu, peer, unit, budget
+
+    def drain_fig(runs: list[dict]) -> float:
+        return statistics.median(d["drain_s"] for d in runs) if runs else float("nan")
+
+    def gaps(runs: list[dict]) -> list[float]:
+        return [g for d in runs for g in d["gaps_ms"][1:]]  # task-to-task promotions
+
+    k_drain, t_drain = drain_fig(kd), drain_fig(td)
+    rows.append((f"drain {n_drain} tasks, 1 slot (median of {rounds})", k_drain * 1000, t_drain * 1000 if td else None, "ms", "ratio <= 1.0"))
+    rows.append(("  per task", k_drain * 1000 / n_drain, t_drain * 1000 / n_drain if td else None, "ms", ""))
+    kg_gaps, ts_gaps = gaps(kd), gaps(td)
+    rows.append(("promotion p50", pct(kg_gaps, 50), pct(ts_gaps, 50) if td else None, "ms", ""))
+    rows.append(("promotion p95", pct(kg_gaps, 95), pct(ts_gaps, 95) if td else None, "ms", "p95 <= 50 ms"))
+    rows.append(("promotion max", max(kg_gaps), max(ts_gaps) if td else None, "ms", ""))
+    rows.append(("first start after blocker ends (median)", statistics.median(d["gaps_ms"][0] for d in kd),
+                 statistics.median(d["gaps_ms"][0] for d in td) if td else None, "ms", ""))
+    rows.append(("admission, 20 procs x 5 (tasks/s)", statistics.median(ka), statistics.median(ta) if ta else None, "/s", "higher is better"))
+    for n in sizes:
+        c = cli[n]
+        py = statistics.median(c["python"])
+        for cmd in ("delegate", "queue", "capacity"):
+            label = f"{cmd}{' --json' if cmd != 'delegate' else ''} @ {n:,} tasks"
+            budget = "median <= 150 ms" if n == 1000 else ""
+            rows.append((f"{label} median", statistics.median(c[cmd]), py, "ms", budget))
+            rows.append((f"{label} p95", pct(c[cmd], 95), pct(c["python"], 95), "ms", ""))
+    for n in sizes:
+        rows.append((f"index bytes per task @ {n:,}", cli[n]["bytes_per_task"], None, "B", ""))
+    if idle:
+        rows.append(("service CPU idle (% of one core)", idle["kugetsu"][0] * 100, idle["tsp"][0] * 100, "%", "< 1%"))
+        rows.append(("service RSS idle", idle["kugetsu"][1] / 2**20, idle["tsp"][1] / 2**20, "MB", "<= 60 MB"))
+    rows.append(("service CPU while draining (% of one core)", statistics.median(d["server_cpu_share"] for d in kd) * 100,
+                 statistics.median(d["server_cpu_share"] for d in td) * 100 if td else None, "%", ""))
+    rows.append(("service peak RSS while draining", max(d["server_peak_rss"] for d in kd) / 2**20,
+                 max(d["server_peak_rss"] for d in td) / 2**20 if td else None, "MB", ""))
+
+    verdicts = {
+        "drain_ratio_le_1": (k_drain / t_drain <= 1.0) if td else None,
+        "promotion_p95_le_50ms": pct(kg_gaps, 95) <= 50,
+        "cli_median_le_150ms_at_1000": all(statistics.median(cli[1000][c]) <= 150 for c in ("delegate", "queue", "capacity")),
+        "idle_cpu_lt_1pct": idle["kugetsu"][0] < 0.01 if idle else None,
+        "idle_rss_le_60mb": idle["kugetsu"][1] <= 60 * 2**20 if idle else None,
+    }
+    res["rows"] = [
+        {"metric": m, "kugetsu": k, "peer": p, "ratio": (k / p if p else None), "unit": u, "budget": b}
+        for m, k, p, u, b in rows
+    ]
+    res["budgets"] = verdicts
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    m = res["machine"]
+    print(f"machine: {m['nproc']} cores, {m['cpu']}, {m['mem_gb']} GB, Linux {m['kernel']}, Python {m['python']},"
+          f" {m['tsp'] or 'tsp not installed'}; load avg at start {m['load_avg'][0]:.2f}")
+    print("peer: task-spooler (tsp) for drain, promotion, admission and the service rows;"
+          " a bare `python -c pass` for CLI latency\n")
+    header = ("metric", "kugetsu", "peer", "ratio", "budget")
+    table = [header]
+    for r in res["rows"]:
+        fmt = (lambda v: "-" if v is None else (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"))
+        table.append((r["metric"], f"{fmt(r['kugetsu'])} {r['unit']}", "-" if r["peer"] is None else f"{fmt(r['peer'])} {r['unit']}",
+                      "-" if r["ratio"] is None else f"{r['ratio']:.2f}", r["budget"]))
+    widths = [max(len(row[i]) for row in table) for i in range(5)]
+    for i, row in enumerate(table):
+        print("  ".join(c.ljust(w) if j == 0 or j == 4 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    print("\nissue-2 budgets: " + ", ".join(f"{k}: {'met' if v else 'MISSED' if v is not None else 'n/a'}" for k, v in verdicts.items()))
+    if not have_tsp:
+        print("note: task-spooler (tsp) is not installed: peer figures skipped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
