@@ -20,7 +20,14 @@ from kugetsu.paths import Home
 
 # TERM/INT/HUP are trapped (not ignored: an ignored signal would stay ignored in the agent)
 # so that the wrapper survives the group's SIGTERM long enough to record the agent's status.
-WRAPPER = 's=$1; shift; trap : TERM INT HUP; "$@"; echo $? > "$s"'
+# A warm wrapper (`$2` = warm) is started ahead of its turn and waits for one line on its
+# stdin, a pipe from the service: promotion is then one write, not a process start-up. If
+# the pipe closes instead (task cancelled, service gone), it exits without running anything.
+WRAPPER = (
+    's=$1; w=$2; shift 2; '
+    'if [ "$w" = warm ]; then read -r go || exit 0; exec </dev/null; fi; '
+    'trap : TERM INT HUP; "$@"; echo $? > "$s"'
+)
 
 
 def marker(home: Home, task_id: int) -> str:
@@ -32,18 +39,23 @@ class Spawned(msgspec.Struct):
     pid: int
     start: int | None
     popen: Any  # subprocess.Popen: the spawner reaps it to learn how the wrapper ended
+    gate: int | None = None  # a warm wrapper's pipe: write a line to start it, close to drop it
 
 
-def spawn(home: Home, task_id: int, name: str, argv: list[str], cwd: str, env: dict[str, str]) -> Spawned:
+def spawn(
+    home: Home, task_id: int, name: str, argv: list[str], cwd: str, env: dict[str, str], warm: bool = False
+) -> Spawned:
+    """Start the task's wrapper: running at once, or (warm) waiting for `release`."""
     import subprocess  # only the service spawns; the CLI never pays for this import
 
     log = home.log(task_id)
     exit_file = home.exit_file(task_id)
     exit_file.unlink(missing_ok=True)
+    gate_r, gate_w = os.pipe() if warm else (None, None)  # not inheritable: only this wrapper gets it
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         popen = subprocess.Popen(
-            ["/bin/sh", "-c", WRAPPER, marker(home, task_id), str(exit_file), *argv],
+            ["/bin/sh", "-c", WRAPPER, marker(home, task_id), str(exit_file), "warm" if warm else "now", *argv],
             cwd=cwd,
             env={
                 **os.environ,
@@ -52,14 +64,46 @@ def spawn(home: Home, task_id: int, name: str, argv: list[str], cwd: str, env: d
                 "KUGETSU_TASK_NAME": name,
                 "KUGETSU_HOME": str(home.root),
             },
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL if gate_r is None else gate_r,
             stdout=fd,
             stderr=fd,
             start_new_session=True,
         )
+    except BaseException:
+        if gate_w is not None:
+            os.close(gate_w)
+        raise
     finally:
         os.close(fd)
-    return Spawned(popen.pid, process_start(popen.pid), popen)
+        if gate_r is not None:
+            os.close(gate_r)
+    return Spawned(popen.pid, process_start(popen.pid), popen, gate_w)
+
+
+def release(spawned: Spawned) -> None:
+    """Let a warm wrapper run its agent now."""
+    assert spawned.gate is not None
+    try:
+        os.write(spawned.gate, b"go\n")
+    finally:
+        os.close(spawned.gate)
+        spawned.gate = None
+
+
+def drop(spawned: Spawned) -> None:
+    """A warm wrapper that will not run: closing its pipe makes it exit without running anything."""
+    if spawned.gate is not None:
+        os.close(spawned.gate)
+        spawned.gate = None
+
+
+def has_children(pid: int) -> bool:
+    """Has the process a child (for a wrapper: is its agent running)?"""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
+            return bool(f.read().strip())
+    except OSError:
+        return False
 
 
 def read_exit(home: Home, task_id: int) -> int | None:

@@ -43,14 +43,18 @@ class Service:
         self.store = Store(home)
         self.cfg: Config = Config()
         self.children: dict[int, Any] = {}  # pid -> Popen of the wrappers this service spawned
+        self.warm: dict[int, runner.Spawned] = {}  # task id -> its wrapper, started ahead, waiting
+        self.dropped: list[Any] = []  # Popen of warm wrappers let go, to reap once they exit
         self.watches: dict[int, int] = {}  # task id -> pidfd
         self.exited: set[int] = set()  # task ids whose pidfd fired
-        self.jobs: dict[str, datetime] = {}
+        self.jobs: dict[str, datetime] = {}  # the policies' wake-ups (rate limit, guard re-check)
+        self._deadline: datetime | None = None  # when the deadline job is set to fire
         self.listeners: list[Callable[[list[Event]], None]] = []  # told of each transaction's events
         self.telegram: Any = None
         self.index = Index()
         self._tick_pending = False
         self._first_tick = True
+        self._config_stamp: object = ...  # what config.json looked like when last read (... = never)
         self._stopping: asyncio.Event | None = None
         self._disk_check = True  # worktrees.max_disk: look at start, then whenever one is kept
 
@@ -83,6 +87,8 @@ class Service:
         finally:
             await self._stop_extensions()
             self.scheduler.shutdown(wait=False)
+            for warm in self.warm.values():  # they exit without running anything
+                runner.drop(warm)
             for fd in self.watches.values():
                 self.loop.remove_reader(fd)
                 os.close(fd)
@@ -148,7 +154,8 @@ class Service:
             self.loop.call_soon(self._safe_tick)
 
     async def _job(self, job_id: str) -> None:
-        self.jobs.pop(job_id, None)  # date jobs end after firing; let sync re-add if still due
+        if job_id == "deadline":
+            self._deadline = None  # it has fired: the tick sets the next one
         self._safe_tick()
 
     def _safe_tick(self) -> None:
@@ -168,6 +175,8 @@ class Service:
             self._reload_config()
             cfg = self.cfg
             index = txn.index
+            if self._first_tick:
+                self._adopt_released(txn)
             for task in list(index.active):
                 if task.pid is not None and (task.id in self.exited or not runner.alive(task.pid, task.pid_start)):
                     code, reason = self._exit_status(task)
@@ -181,11 +190,13 @@ class Service:
             self.index = index
             events = txn.events
         self.exited.clear()
+        self.dropped = [p for p in self.dropped if p.poll() is None]
         self._first_tick = False
         for task, sig in signals:
             runner.kill_group(task.pid, task.pid_start, sig)
         self._sync_watches()
         self._sync_jobs()
+        self._sync_warm()
         if self._disk_check and self.cfg.worktrees.max_disk is not None:
             self._disk_check = False
             # Off the loop: measuring worktrees walks their files.
@@ -195,8 +206,17 @@ class Service:
                 listener(events)
 
     def _reload_config(self) -> None:
+        """Re-read config.json when it changed (it is replaced by rename: a new inode)."""
+        try:
+            st = os.stat(self.home.config)
+            stamp: object = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            stamp = None
+        if stamp == self._config_stamp:
+            return
         try:
             self.cfg = load_config(self.home)
+            self._config_stamp = stamp
         except KugetsuError as err:
             log.error("%s\nKeeping the last valid config.", err)
 
@@ -218,7 +238,7 @@ class Service:
                 freed = True
                 continue
             try:
-                spawned = runner.spawn(self.home, task.id, task.name, task.command, cwd, env)
+                spawned = self._start_process(task, cwd, env)
             except (OSError, ValueError) as err:  # ValueError: an argv exec cannot take (NUL byte)
                 self._finish(txn, task, 127, f"could not start: {err}")
                 freed = True
@@ -228,6 +248,59 @@ class Service:
             if spawned.start is None:  # it exited before we could look at it
                 self.exited.add(task.id)
         return freed
+
+    def _start_process(self, task: Task, cwd: str, env: dict[str, str]) -> runner.Spawned:
+        """The task's warm wrapper if it has one (a promotion is then one write to a pipe),
+        else a new process."""
+        warm = self.warm.pop(task.id, None)
+        if warm is not None:
+            if runner.alive(warm.pid, warm.start):
+                runner.release(warm)
+                return warm
+            self._drop(warm)
+        return runner.spawn(self.home, task.id, task.name, task.command, cwd, env)
+
+    def _sync_warm(self) -> None:
+        """Keep the wrapper of the task at position 1 started and waiting, while every slot is
+        busy (with a free slot, tasks start at once anyway). Who starts is still decided by
+        pm in the tick; this only prepares the likely one. Worktree tasks are not warmed:
+        their working directory only exists once they start."""
+        nxt = None
+        if self.index.queued and pm.free_slots(self.index, self.cfg) == 0:
+            first = pm.start_order(self.index, self.cfg, ops.now())[0]
+            nxt = None if first.repo else first
+        for task_id in [i for i in self.warm if nxt is None or i != nxt.id]:
+            self._drop(self.warm.pop(task_id))
+        if nxt is not None and nxt.id not in self.warm:
+            try:
+                self.warm[nxt.id] = runner.spawn(
+                    self.home, nxt.id, nxt.name, nxt.command, nxt.cwd, nxt.env, warm=True
+                )
+            except (OSError, ValueError):
+                pass  # it gets a normal start, and its error, when its turn comes
+
+    def _drop(self, spawned: runner.Spawned) -> None:
+        runner.drop(spawned)
+        self.dropped.append(spawned.popen)
+
+    def _adopt_released(self, txn: Any) -> None:
+        """After a crash between starting a queued task's wrapper and committing it: a wrapper
+        that runs its agent (a warm one that was never released has no child, and exits when
+        it sees its pipe closed) or that recorded an exit status gets its task back."""
+        for task in list(txn.index.queued):
+            if not self.home.log(task.id).exists():
+                continue  # no wrapper was ever started for it
+            found = runner.find_wrapper(self.home, task.id)
+            code = runner.read_exit(self.home, task.id)
+            if not (found and runner.has_children(found[0])) and code is None:
+                continue
+            txn.emit(pm.start(txn.index, task, txn.now))
+            task.log = str(self.home.log(task.id))
+            if found:
+                task.pid, task.pid_start = found
+                log.info("re-adopted %s (#%d), pid %d, started before a crash", task.name, task.id, found[0])
+            else:
+                self._finish(txn, task, code)
 
     def _workplace(self, task: Task) -> tuple[str, dict[str, str]]:
         """Where and with what environment the agent runs: a worktree task gets its worktree
@@ -323,29 +396,27 @@ class Service:
         self.request_tick()
 
     def _sync_jobs(self) -> None:
-        want: dict[str, datetime] = {}
-        for task in self.index.queued:
-            if task.expires_at is not None:
-                want[f"expire-{task.id}"] = task.expires_at
+        """Everything that happens at a time (queue expiry, run timeouts, SIGKILL after the
+        grace, rate limits, resource-guard re-checks) wakes the service through one
+        APScheduler job, at the earliest of those moments; pm then decides what is due. The
+        job moves only when something falls due earlier: a promotion, which makes the
+        earliest expiry later, costs the scheduler nothing, and a job that fires early finds
+        nothing due and sets the next one."""
+        times = [t.expires_at for t in self.index.queued if t.expires_at is not None]
         for task in self.index.active:
             if task.kill_at is not None:
-                want[f"kill-{task.id}"] = task.kill_at
+                times.append(task.kill_at)
             elif task.timeout and task.started_at and task.stop is None:
-                want[f"timeout-{task.id}"] = task.started_at + timedelta(seconds=task.timeout)
-        want.update(self._policy_jobs())
-        for job_id in [j for j in self.jobs if j not in want]:
-            del self.jobs[job_id]
-            try:
-                self.scheduler.remove_job(job_id)
-            except Exception:  # JobLookupError: it already ran
-                pass
-        for job_id, when in want.items():
-            if self.jobs.get(job_id) != when:
-                self.jobs[job_id] = when
-                self.scheduler.add_job(
-                    self._job, "date", run_date=when, id=job_id, args=[job_id],
-                    replace_existing=True, misfire_grace_time=None,
-                )
+                times.append(task.started_at + timedelta(seconds=task.timeout))
+        self.jobs = self._policy_jobs()
+        times += self.jobs.values()
+        due = min(times, default=None)
+        if due is not None and (self._deadline is None or due < self._deadline):
+            self._deadline = due
+            self.scheduler.add_job(
+                self._job, "date", run_date=due, id="deadline", args=["deadline"],
+                replace_existing=True, misfire_grace_time=None,
+            )
 
     def _policy_jobs(self) -> dict[str, datetime]:
         """Wake-ups the scheduling policies need: when a rate limit that holds a task runs

@@ -51,6 +51,8 @@ class Txn:
 class Store:
     def __init__(self, home: Home):
         self.home = home
+        self._ensured = False
+        self._appended = 0  # the last event seq this Store appended itself (no need to re-check it)
 
     # ---- reading (no lock) ---------------------------------------------------------
 
@@ -91,7 +93,9 @@ class Store:
         """Lock, load, let the caller change `txn.index`, commit. An exception commits nothing."""
         if getattr(_held, "depth", 0):
             raise RuntimeError("nested kugetsu transaction (it would deadlock on index.lock)")
-        self.home.ensure()
+        if not self._ensured:
+            self.home.ensure()
+            self._ensured = True
         lock_fd = os.open(self.home.lock, os.O_RDWR | os.O_CREAT, 0o600)
         _held.depth = 1
         try:
@@ -121,10 +125,11 @@ class Store:
             atomic_write(self.home.index, data)
         if txn.events:
             _append_events(self.home.events, txn.events)
+            self._appended = txn.events[-1].seq
 
     def _recover_outbox(self, index: Index) -> None:
-        if not index.outbox:
-            return
+        if not index.outbox or index.outbox[-1].seq <= self._appended:
+            return  # nothing, or this very Store appended it (the service's hot path)
         last = _last_seq(self.home.events)
         missing = [e for e in index.outbox if e.seq > last]
         if missing:

@@ -155,7 +155,7 @@ def test_outbox_recovers_events_lost_between_rename_and_append(tmp_path):
     # Simulate a crash after the index rename, before the events append: drop the last line.
     lines = home.events.read_bytes().splitlines(keepends=True)
     home.events.write_bytes(b"".join(lines[:-1]) + b'{"seq":2,"ty')  # and a torn line
-    _admit(store, "c")
+    _admit(Store(home), "c")  # the next process after the crash
     seqs = [e.seq for e in store.read_events()]
     assert seqs == [1, 2, 3]
 

@@ -1,0 +1,97 @@
+"""The warm wrapper (position 1's wrapper started ahead, waiting on a pipe) and the
+adoption of a wrapper that a crash left unrecorded: real service, real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from conftest import agent_wrappers, wait_for
+
+from kugetsu import runner
+
+
+def _warm_for(kg, task_id):
+    """pids of this home's wrappers of task `task_id`."""
+    marker = runner.marker(kg.home, task_id).encode()
+    return [p for p in agent_wrappers(kg.home) if open(f"/proc/{p}/cmdline", "rb").read().split(b"\0")[3] == marker]
+
+
+def test_position_one_waits_warm_and_never_runs_before_its_turn(kg):
+    kg.config(max_agents=1)
+    gate = kg.rec / "go"
+    kg.delegate("blocker", 0, gate=gate)
+    kg.delegate("next", 0)
+    wait_for(lambda: _warm_for(kg, 2), what="a warm wrapper for position 1")
+    assert kg.times("next") == {}  # started ahead, but its agent has not run
+    assert kg.task("next")["state"] == "queued"
+    gate.touch()
+    t = kg.wait_state("next", "succeeded")
+    assert t["pid"] is not None and set(kg.times("next")) == {"start", "end"}
+    assert kg.times("next")["start"] >= kg.times("blocker")["end"]
+
+
+def test_cancelled_warm_task_leaves_no_process(kg):
+    kg.config(max_agents=1)
+    kg.delegate("blocker", 30)
+    kg.delegate("next", 0)
+    warm = wait_for(lambda: _warm_for(kg, 2), what="a warm wrapper")
+    kg.ok("cancel", "next")
+    wait_for(lambda: not _warm_for(kg, 2), timeout=5, what="the warm wrapper to exit")
+    assert kg.times("next") == {} and not kg.home.exit_file(2).exists()
+    assert kg.task("next")["state"] == "cancelled"
+    assert warm[0] not in agent_wrappers(kg.home)
+
+
+def test_warm_wrapper_of_a_killed_service_exits_and_the_task_runs_once(kg):
+    kg.config(max_agents=1)
+    gate = kg.rec / "go"
+    kg.delegate("blocker", 0, gate=gate)
+    kg.delegate("next", 0)
+    wait_for(lambda: _warm_for(kg, 2), what="a warm wrapper")
+    os.kill(kg.service_pid(), signal.SIGKILL)
+    wait_for(lambda: not _warm_for(kg, 2), timeout=5, what="the orphaned warm wrapper to exit")
+    assert kg.times("next") == {}
+    gate.touch()
+    kg.ok("queue")  # brings the service back
+    kg.wait_state("next", "succeeded")
+    assert (kg.rec / "next").read_text().count("start") == 1
+
+
+def test_a_wrapper_started_but_not_recorded_is_adopted_not_run_twice(kg):
+    """A crash between starting a queued task's wrapper and committing: the restarted
+    service finds the wrapper running its agent and gives it the task."""
+    kg.config(max_agents=1, autostart=False)
+    kg.delegate("lost-write", 1.0)
+    assert kg.task("lost-write")["state"] == "running"  # the CLI gave it the slot; no service yet
+    index = kg.index()
+    task = index["active"][0]
+    # What a service that died right after spawning would leave: a wrapper, and no pid recorded.
+    spawned = runner.spawn(kg.home, task["id"], task["name"], task["command"], task["cwd"], {})
+    wait_for(lambda: kg.times("lost-write"), what="the agent to start")
+    kg.ok("serve", "--detach")
+    t = kg.wait_state("lost-write", "succeeded")
+    assert t["pid"] == spawned.pid
+    assert (kg.rec / "lost-write").read_text().count("start") == 1
+    spawned.popen.wait()
+
+
+def test_a_queued_task_whose_wrapper_ran_is_adopted(kg):
+    """The same crash when the index still says queued (the service had not committed the
+    start): the wrapper's agent is adopted, not started a second time."""
+    kg.config(max_agents=1, autostart=False, max_queue=5)
+    kg.delegate("holder", 0)  # takes the slot in the index; its process never starts (no service)
+    kg.delegate("second", 1.0)
+    queued = kg.index()["queued"][0]
+    assert queued["name"] == "second"
+    holder = kg.index()["active"][0]
+    # The dead service had finished `holder` and started `second` but committed neither.
+    h = runner.spawn(kg.home, holder["id"], holder["name"], holder["command"], holder["cwd"], {})
+    h.popen.wait()
+    s = runner.spawn(kg.home, queued["id"], queued["name"], queued["command"], queued["cwd"], {})
+    wait_for(lambda: kg.times("second"), what="second's agent to start")
+    kg.ok("serve", "--detach")
+    t = kg.wait_state("second", "succeeded")
+    assert t["pid"] == s.pid and (kg.rec / "second").read_text().count("start") == 1
+    assert kg.task("holder")["state"] == "succeeded"
+    s.popen.wait()
