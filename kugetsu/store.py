@@ -53,14 +53,19 @@ class Store:
         self.home = home
         self._ensured = False
         self._appended = 0  # the last event seq this Store appended itself (no need to re-check it)
+        # The index this Store last committed, with its bytes: a long-lived writer (the
+        # service) skips decoding a file that is byte for byte what it wrote.
+        self._committed: tuple[bytes, Index] | None = None
 
     # ---- reading (no lock) ---------------------------------------------------------
 
-    def _load(self) -> tuple[Index, bytes]:
+    def _load(self, reuse: tuple[bytes, Index] | None = None) -> tuple[Index, bytes]:
         try:
             data = self.home.index.read_bytes()
         except FileNotFoundError:
             return Index(), b""
+        if reuse is not None and reuse[0] == data:
+            return reuse[1], data
         try:
             index = _index_decoder.decode(data)
         except (msgspec.DecodeError, RecursionError) as err:  # RecursionError: absurdly deep nesting
@@ -100,16 +105,20 @@ class Store:
         _held.depth = 1
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            index, before = self._load()
+            # Taken out while the transaction runs: a failed one may leave the object half
+            # changed, and it must never be reused.
+            reuse, self._committed = self._committed, None
+            index, before = self._load(reuse)
             self._recover_outbox(index)
             txn = Txn(index, now)
             yield txn
-            self._commit(txn, before)
+            self._committed = (self._commit(txn, before), txn.index)
         finally:
             _held.depth = 0
             os.close(lock_fd)  # releases the lock
 
-    def _commit(self, txn: Txn, before: bytes) -> None:
+    def _commit(self, txn: Txn, before: bytes) -> bytes:
+        """Write what the transaction changed; returns the index's bytes as now on disk."""
         index = txn.index
         for event in txn.events:
             event.seq = index.next_seq
@@ -126,6 +135,7 @@ class Store:
         if txn.events:
             _append_events(self.home.events, txn.events)
             self._appended = txn.events[-1].seq
+        return data
 
     def _recover_outbox(self, index: Index) -> None:
         if not index.outbox or index.outbox[-1].seq <= self._appended:

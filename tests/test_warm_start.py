@@ -6,15 +6,15 @@ from __future__ import annotations
 import os
 import signal
 
-from conftest import agent_wrappers, wait_for
+from conftest import agent_wrappers, wait_for  # noqa: F401
 
 from kugetsu import runner
 
 
 def _warm_for(kg, task_id):
-    """pids of this home's wrappers of task `task_id`."""
-    marker = runner.marker(kg.home, task_id).encode()
-    return [p for p in agent_wrappers(kg.home) if open(f"/proc/{p}/cmdline", "rb").read().split(b"\0")[3] == marker]
+    """pids of this home's living wrappers of task `task_id`."""
+    found = runner.find_wrapper(kg.home, task_id)
+    return [found[0]] if found else []
 
 
 def test_position_one_waits_warm_and_never_runs_before_its_turn(kg):
