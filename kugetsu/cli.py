@@ -281,7 +281,7 @@ def cmd_cancel(home: Home, args: argparse.Namespace) -> int:
     if not args.tasks and not args.all:
         raise UsageError("name the tasks to cancel (id or name), or use --all")
     cfg = load_config(home)
-    tasks = ops.cancel(home, cfg, args.tasks, everything=args.all, reason="cancelled by " + _who())
+    tasks = ops.cancel(home, cfg, args.tasks, everything=args.all, reason="cancelled by cli")
     running = [t for t in tasks if t.state is TaskState.RUNNING]
     if running:  # report the final state: wait for the processes to go (SIGKILL after kill_grace)
         _wait_final(home, [t.id for t in running], cfg.kill_grace_s + 5)
@@ -296,10 +296,6 @@ def cmd_cancel(home: Home, args: argparse.Namespace) -> int:
     for t in out if not args.json else []:
         print(f"{t.state.value} {t.name} (#{t.id})" + ("" if t.state.final else " (still stopping)"))
     return OK
-
-
-def _who() -> str:
-    return "cli"
 
 
 def cmd_logs(home: Home, args: argparse.Namespace) -> int:
