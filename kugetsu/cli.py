@@ -280,11 +280,10 @@ def cmd_status(home: Home, args: argparse.Namespace) -> int:
 def cmd_cancel(home: Home, args: argparse.Namespace) -> int:
     if not args.tasks and not args.all:
         raise UsageError("name the tasks to cancel (id or name), or use --all")
-    cfg = load_config(home)
-    tasks = ops.cancel(home, cfg, args.tasks, everything=args.all, reason="cancelled by cli")
+    tasks = ops.cancel(home, args.tasks, everything=args.all, reason="cancelled by cli")
     running = [t for t in tasks if t.state is TaskState.RUNNING]
     if running:  # report the final state: wait for the processes to go (SIGKILL after kill_grace)
-        _wait_final(home, [t.id for t in running], cfg.kill_grace_s + 5)
+        _wait_final(home, [t.id for t in running], load_config(home).kill_grace_s + 5)
     from kugetsu.store import Store
 
     final = {t.id: t for t in Store(home).read().all_tasks()}
@@ -401,8 +400,7 @@ def _index_stamp(home: Home) -> tuple[int, int]:
 
 
 def cmd_priority(home: Home, args: argparse.Namespace) -> int:
-    cfg = load_config(home)
-    task, position = ops.set_priority(home, cfg, args.task, args.level)
+    task, position = ops.set_priority(home, args.task, args.level)
     if args.json:
         print(to_json(ops.task_json(task, position)))
     elif position is None:  # it started as part of the change

@@ -80,7 +80,7 @@ def run_demo() -> int:
             if not cancelled and time.monotonic() - started >= CANCEL[1]:
                 cancelled = True
                 say(f"$ kugetsu cancel {CANCEL[0]}")
-                ops.cancel(home, cfg, [CANCEL[0]], reason="cancelled by the demo")
+                ops.cancel(home, [CANCEL[0]], reason="cancelled by the demo")
             if cancelled and not index.live():
                 break
             if time.monotonic() - started > 40:

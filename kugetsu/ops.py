@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
@@ -24,6 +26,15 @@ from kugetsu.store import Store, Txn
 
 def now() -> datetime:
     return datetime.now(timezone.utc)
+
+
+@contextmanager
+def _locked(home: Home) -> Iterator[tuple[Txn, Config]]:
+    """A transaction, with the config as it is under the index lock: `config set` writes it
+    under that lock, so a config read before taking it may already be stale (a lowered
+    max_agents overshot by one start)."""
+    with Store(home).transaction(now()) as txn:
+        yield txn, load_config(home)
 
 
 def settle(txn: Txn, cfg: Config) -> None:
@@ -61,9 +72,7 @@ class Admission(msgspec.Struct):
 def delegate(home: Home, cfg: Config, req: pm.Request) -> Admission:
     _check_runnable(cfg, req)
     _check_worktree(cfg, req)
-    store = Store(home)
-    with store.transaction(now()) as txn:
-        cfg = load_config(home)  # again, under the lock: a concurrent `config set` may have changed it
+    with _locked(home) as (txn, cfg):
         settle(txn, cfg)
         task, events = pm.admit(txn.index, cfg, txn.now, req)
         txn.emit(events)
@@ -112,12 +121,10 @@ def _check_worktree(cfg: Config, req: pm.Request) -> None:
 # ---- cancel ------------------------------------------------------------------------------
 
 
-def cancel(home: Home, cfg: Config, refs: list[str], everything: bool = False, reason: str = "cancelled") -> list[Task]:
+def cancel(home: Home, refs: list[str], everything: bool = False, reason: str = "cancelled") -> list[Task]:
     """Cancel tasks by id or name (or every live one). Queued ones end at once; running ones
     get SIGTERM to their group now, SIGKILL after kill_grace (the service sees to it)."""
-    store = Store(home)
-    with store.transaction(now()) as txn:
-        cfg = load_config(home)  # again, under the lock: a concurrent `config set` may have changed it
+    with _locked(home) as (txn, cfg):
         tasks = list(txn.index.live()) if everything else [pm.find(txn.index, ref) for ref in refs]
         for task in tasks:
             txn.emit(pm.cancel(txn.index, task, txn.now, cfg.kill_grace_s, reason))
@@ -132,10 +139,9 @@ def cancel(home: Home, cfg: Config, refs: list[str], everything: bool = False, r
 # ---- priority ----------------------------------------------------------------------------
 
 
-def set_priority(home: Home, cfg: Config, ref: str, level: str) -> tuple[Task, int | None]:
+def set_priority(home: Home, ref: str, level: str) -> tuple[Task, int | None]:
     """Change a queued task's priority; returns it with its new position."""
-    with Store(home).transaction(now()) as txn:
-        cfg = load_config(home)  # again, under the lock: a concurrent `config set` may have changed it
+    with _locked(home) as (txn, cfg):
         task = pm.find(txn.index, ref)
         txn.emit(pm.set_priority(txn.index, task, level, txn.now))
         settle(txn, cfg)

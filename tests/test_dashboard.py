@@ -180,14 +180,12 @@ async def test_selecting_a_task_shows_its_log_and_follows_it(tmp_path):
 
 
 async def test_changes_from_another_process_show_within_a_second(tmp_path):
-    from kugetsu.config import load_config
-
     home = live_home(tmp_path)
     app = app_for(home)
     async with app.run_test() as pilot:
         table = app.query_one("#queue", TaskTable)
         await focus_task(pilot, "queue", 9)
-        ops.cancel(home, load_config(home), ["7"], reason="cancelled by cli")  # as the CLI would
+        ops.cancel(home, ["7"], reason="cancelled by cli")  # as the CLI would
         await until(pilot, lambda: "7" not in table.keys, timeout=1.5, what="the cancel to show")
         assert table.cursor_key == "9"  # the cursor stays on its task
 

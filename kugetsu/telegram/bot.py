@@ -150,8 +150,7 @@ async def cmd_status(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None
 
 
 def _cancel(home: Home, refs: list[str], chat_id: int) -> str:
-    cfg = load_config(home)
-    tasks = ops.cancel(home, cfg, refs, reason=f"cancelled by telegram:{chat_id}")
+    tasks = ops.cancel(home, refs, reason=f"cancelled by telegram:{chat_id}")
     lines = []
     for t in tasks:
         if t.state is TaskState.RUNNING:

@@ -249,8 +249,7 @@ class Dashboard(App[None]):
         # A thread: the transaction locks and fsyncs. A running task's cancel returns right
         # after its SIGTERM; the row shows it stopping until the service records the end.
         try:
-            cfg = load_config(self.home)
-            (task,) = ops.cancel(self.home, cfg, [str(task_id)], reason=f"cancelled by {SOURCE}")
+            (task,) = ops.cancel(self.home, [str(task_id)], reason=f"cancelled by {SOURCE}")
         except Exception as err:
             self._done(describe_error(err), error=True)
             return
