@@ -1,6 +1,3 @@
-from conftest import wait_for
-
-
 def test_delegate_runs_and_records(kg):
     assert kg.delegate("one", 0.1).startswith("started one (#1), slot 1/3")
     t = kg.wait_state("one", "succeeded")

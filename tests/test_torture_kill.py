@@ -7,7 +7,6 @@ KUGETSU_TORTURE_SEED to replay one. KUGETSU_TORTURE=long runs ~10x more steps.""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -62,7 +61,6 @@ def test_kill9_cli_and_service_at_random_moments(kg):
             else:
                 batch.append((launch("config", "set", "max_agents", str(rng.randint(1, 3))), "config", "", rng.random() < 0.25))
         service_kill = rng.random() < 0.15
-        deadline = time.monotonic() + 0.25
         kills = sorted((time.monotonic() + rng.uniform(0.03, 0.2), i) for i, b in enumerate(batch) if b[3])
         svc_at = time.monotonic() + rng.uniform(0.05, 0.25) if service_kill else None
         while kills or svc_at:
