@@ -121,7 +121,7 @@ def _check_worktree(cfg: Config, req: pm.Request) -> None:
 # ---- cancel ------------------------------------------------------------------------------
 
 
-def cancel(home: Home, refs: list[str], everything: bool = False, reason: str = "cancelled") -> list[Task]:
+def cancel(home: Home, refs: list[str], *, everything: bool = False, reason: str = "cancelled") -> list[Task]:
     """Cancel tasks by id or name (or every live one). Queued ones end at once; running ones
     get SIGTERM to their group now, SIGKILL after kill_grace (the service sees to it)."""
     with _locked(home) as (txn, cfg):
@@ -384,6 +384,25 @@ def start_service(home: Home) -> int | None:
     finally:
         os.close(lock)  # the child's copy keeps the lock
     return proc.pid
+
+
+def service_holds_lock(home: Home) -> bool:
+    """Does a service, starting, running or still stopping, hold the service lock? A
+    stopping service removes service.pid before it lets go of the lock (never the other
+    way round: it must not delete a successor's pid file), so "stopped" means this is False."""
+    import fcntl
+
+    try:
+        fd = os.open(home.service_lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def service_pid(home: Home) -> int | None:

@@ -99,7 +99,7 @@ class KugetsuMachine(RuleBasedStateMachine):
         name = live[pick % len(live)]
         self.model[name]["cancelled"] = True
         try:
-            ops.cancel(self.home, self.cfg, [name])
+            ops.cancel(self.home, [name])
         except KugetsuError as err:  # it ended between the read and the cancel
             assert err.code == 1 and "already" in str(err), err
         STATS["cancels"] += 1
@@ -151,7 +151,7 @@ class KugetsuMachine(RuleBasedStateMachine):
             STATS["kills"] += 1
         elif pid:
             ops.send(self.home, b"shutdown")
-            wait_for(lambda: ops.service_pid(self.home) is None, 15, "the service to stop")
+            wait_for(lambda: not ops.service_holds_lock(self.home), 15, "the service to stop")
         new = _start_service(self.home)
         assert new != pid
         STATS["restarts"] += 1
