@@ -491,7 +491,7 @@ def cmd_shutdown(home: Home, args: argparse.Namespace) -> int:
         return OK
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        if ops.service_pid(home) is None:
+        if not ops.service_holds_lock(home):  # not just its pid file gone: wholly stopped
             print(f"kugetsu service stopped (pid {pid}); running agents keep running")
             return OK
         time.sleep(0.05)

@@ -46,7 +46,9 @@ def stop_service(kg, woke: bool) -> None:
     if woke and load_config(kg.home).autostart:
         wait_for(lambda: kg.service_pid(), 15, "the autostarted service to come up")
     kg.run("shutdown")
-    wait_for(lambda: kg.service_pid() is None, 15, "the service to stop")
+    from kugetsu import ops
+
+    wait_for(lambda: not ops.service_holds_lock(kg.home), 15, "the service to stop")
 
 
 def no_traceback(r) -> None:
