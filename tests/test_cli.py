@@ -13,6 +13,8 @@ import time
 import pytest
 from conftest import agent_wrappers, wait_for
 
+from kugetsu import ops
+
 
 def overlap(kg, names):
     """The most agents that were running at once, from their own start/end stamps."""
@@ -185,8 +187,10 @@ def test_shutdown_keeps_agents_and_restart_readopts(kg):
     kg.delegate("a", 1.5)
     kg.delegate("b", 0)
     wait_for(lambda: kg.times("a"), what="a to start")
+    assert ops.service_holds_lock(kg.home)
     assert "stopped" in kg.ok("shutdown")
     assert not kg.home.service_pid.exists()
+    assert not ops.service_holds_lock(kg.home)  # wholly stopped: a start now takes the lock
     wait_for(lambda: "end" in kg.times("a"), what="a to finish on its own")
     assert kg.task("a")["state"] == "running"  # nobody has looked yet
     kg.ok("serve", "--detach")
