@@ -248,13 +248,15 @@ def test_prompts_pass_verbatim_or_clear_error(fz, tmp_path: Path):
         no_traceback(r)
         assert r.returncode == 0, (prompt[:50], r.stderr[:400])
         sent[json.loads(r.stdout)["id"]] = prompt
+    wait_for(lambda: len(list(out.iterdir())) == len(sent), 60, "every agent to record its argv")
+    # The service still commits the last finishes; "nothing written" is only checkable after.
+    wait_for(lambda: not (i := fz.index())["active"] and not i["queued"], 30, "every task to finish")
     # Too big for one argv element, or holding a NUL: refused at admission, nothing written.
     for i, (bad, names) in enumerate([(b"x" * 140_000, "argument"), (b"a\x00b", "argument"), (b"\xff\xfe", "UTF-8")]):
         f = tmp_path / f"bad{i}"
         f.write_bytes(bad)
         before = snapshot(fz)
         expect_clean_failure(fz, fz.run("delegate", f"bad{i}", "--prompt-file", str(f)), names=names, before=before)
-    wait_for(lambda: len(list(out.iterdir())) == len(sent), 60, "every agent to record its argv")
     for task_id, prompt in sent.items():
         got = (out / str(task_id)).read_bytes()
         assert got == prompt.encode(), f"task {task_id}: the prompt did not arrive verbatim"
