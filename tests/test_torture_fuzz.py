@@ -51,6 +51,15 @@ def stop_service(kg, woke: bool) -> None:
     wait_for(lambda: not ops.service_holds_lock(kg.home), 15, "the service to stop")
 
 
+def settled(kg) -> bool:
+    """No task left to finish, and the events of the last transaction appended (the
+    service appends them just after it renames the index into place)."""
+    index = kg.index()
+    lines = kg.home.events.read_bytes().splitlines() if kg.home.events.exists() else []
+    appended = json.loads(lines[-1])["seq"] if lines else 0
+    return not index["active"] and not index["queued"] and appended == index["next_seq"] - 1
+
+
 def no_traceback(r) -> None:
     assert "Traceback" not in r.stderr + r.stdout, r.stderr
 
@@ -250,7 +259,7 @@ def test_prompts_pass_verbatim_or_clear_error(fz, tmp_path: Path):
         sent[json.loads(r.stdout)["id"]] = prompt
     wait_for(lambda: len(list(out.iterdir())) == len(sent), 60, "every agent to record its argv")
     # The service still commits the last finishes; "nothing written" is only checkable after.
-    wait_for(lambda: not (i := fz.index())["active"] and not i["queued"], 30, "every task to finish")
+    wait_for(lambda: settled(fz), 30, "every task to finish and its events to be appended")
     # Too big for one argv element, or holding a NUL: refused at admission, nothing written.
     for i, (bad, names) in enumerate([(b"x" * 140_000, "argument"), (b"a\x00b", "argument"), (b"\xff\xfe", "UTF-8")]):
         f = tmp_path / f"bad{i}"
