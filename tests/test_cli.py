@@ -165,18 +165,23 @@ def test_twenty_concurrent_delegators(kg):
 
 def test_service_kill_9_loses_nothing(kg):
     kg.config(max_agents=2)
-    kg.delegate("quick", 0.5, 7)  # ends while the service is dead: its real exit code must survive
-    kg.delegate("slow", 3)  # still running when the service comes back: re-adopted
+    quick_go, slow_go = kg.rec / "quick-go", kg.rec / "slow-go"  # gates: no timing assumptions
+    kg.delegate("quick", 0, 7, gate=quick_go)  # ends while the service is dead: its real exit code must survive
+    kg.delegate("slow", 0, gate=slow_go)  # still running when the service comes back: re-adopted
     kg.delegate("queued", 0)
     wait_for(lambda: kg.times("quick") and kg.times("slow"), what="agents to start")
     pid = wait_for(kg.service_pid, what="service pid")
     os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not ops.service_holds_lock(kg.home), what="the service to be dead")
+    quick_go.touch()
     wait_for(lambda: "end" in kg.times("quick"), what="quick to end while the service is down")
     assert kg.task("quick")["state"] == "running"  # nobody recorded its end yet...
     kg.ok("queue")  # ...and any CLI command brings the service back
     wait_for(lambda: kg.service_pid() not in (None, pid), what="a new service")
     assert kg.wait_state("quick", "failed")["exit_code"] == 7
-    assert kg.wait_state("slow", "succeeded", timeout=10)["exit_code"] == 0
+    assert kg.task("slow")["state"] == "running"
+    slow_go.touch()
+    assert kg.wait_state("slow", "succeeded")["exit_code"] == 0
     assert kg.wait_state("queued", "succeeded")["exit_code"] == 0
     assert kg.service_pid() != pid
     assert kg.times("queued")["start"] >= kg.times("quick")["end"]
@@ -184,13 +189,15 @@ def test_service_kill_9_loses_nothing(kg):
 
 def test_shutdown_keeps_agents_and_restart_readopts(kg):
     kg.config(max_agents=1)
-    kg.delegate("a", 1.5)
+    go = kg.rec / "go"
+    kg.delegate("a", 0, gate=go)
     kg.delegate("b", 0)
     wait_for(lambda: kg.times("a"), what="a to start")
     assert ops.service_holds_lock(kg.home)
     assert "stopped" in kg.ok("shutdown")
     assert not kg.home.service_pid.exists()
     assert not ops.service_holds_lock(kg.home)  # wholly stopped: a start now takes the lock
+    go.touch()
     wait_for(lambda: "end" in kg.times("a"), what="a to finish on its own")
     assert kg.task("a")["state"] == "running"  # nobody has looked yet
     kg.ok("serve", "--detach")
@@ -202,6 +209,20 @@ def test_one_service_per_home(kg):
     kg.ok("serve", "--detach")
     r = kg.run("serve")
     assert r.returncode == 1 and "already running" in r.stderr
+
+
+def test_a_probe_of_the_service_lock_does_not_stop_a_start(kg):
+    """`service_holds_lock` (shutdown's wait, the tests) holds the lock shared for an
+    instant; a CLI starting the service at that instant must not take it for a service."""
+    import fcntl
+    import threading
+
+    kg.home.ensure()
+    probe = os.open(kg.home.service_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(probe, fcntl.LOCK_SH)
+    threading.Timer(0.004, os.close, [probe]).start()  # a slow probe: 4 ms
+    assert ops.start_service(kg.home) is not None
+    wait_for(kg.service_pid, what="the service to come up")
 
 
 def test_queued_task_expires_within_a_second(kg):
