@@ -363,9 +363,7 @@ def start_service(home: Home) -> int | None:
     home.ensure()
     lock = os.open(home.service_lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _take(lock):
             return None
         log = os.open(home.service_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
@@ -384,6 +382,23 @@ def start_service(home: Home) -> int | None:
     finally:
         os.close(lock)  # the child's copy keeps the lock
     return proc.pid
+
+
+def _take(lock: int) -> bool:
+    """Take the service lock if no service holds it. A `service_holds_lock` probe holds it
+    shared for microseconds: a few quick retries tell that apart from a service, which
+    holds it for good. Only reached when the service did not answer, so the wait is rare."""
+    import fcntl
+    import time
+
+    for attempt in range(5):
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if attempt < 4:
+                time.sleep(0.005)
+    return False
 
 
 def service_holds_lock(home: Home) -> bool:
