@@ -24,7 +24,7 @@ from kugetsu import ops, pm, runner, worktree
 from kugetsu.config import Config, load_config
 from kugetsu.errors import KugetsuError
 from kugetsu.models import Event, Index, Task
-from kugetsu.paths import Home
+from kugetsu.paths import Home, atomic_write
 from kugetsu.store import Store
 
 log = logging.getLogger("kugetsu.service")
@@ -77,9 +77,10 @@ class Service:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self._stopping.set)
         try:
+            # Before the first tick: an agent that tick starts must never be seen running
+            # while `kugetsu queue` says the service is not.
+            atomic_write(self.home.service_pid, f"{os.getpid()}\n".encode())
             self.tick()
-            self.home.service_pid.write_text(f"{os.getpid()}\n")
-            self.home.service_pid.chmod(0o600)
             log.info("kugetsu service up (pid %d, home %s, max_agents %d)", os.getpid(), self.home.root, self.cfg.max_agents)
             await self._start_extensions()
             await self._stopping.wait()

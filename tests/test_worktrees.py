@@ -148,7 +148,7 @@ def test_kill_9_of_the_service_mid_run_leaves_nothing_stale(kg, repo, tmp_path):
     go = tmp_path / "go"
     assert delegate(kg, repo, "long", gated(go, 'echo w > w.txt; git add w.txt; git commit -qm w')).returncode == 0
     wait_for(lambda: Path(f"{go}.ready").exists(), 15, "the agent to run")
-    old = kg.service_pid()
+    old = wait_for(kg.service_pid, what="the service pid")
     os.kill(old, signal.SIGKILL)
     wait_for(lambda: not Path(f"/proc/{old}").exists() or b") Z" in Path(f"/proc/{old}/stat").read_bytes(), 5)
     # The next delegation brings the service back (autostart); it re-adopts `long` and starts `after`.
@@ -161,6 +161,7 @@ def test_kill_9_of_the_service_mid_run_leaves_nothing_stale(kg, repo, tmp_path):
     # A crash of the agent too: its worktree stays registered, and the next start must not trip on it.
     assert delegate(kg, repo, "crash", gated(go.with_name("go2"))).returncode == 0
     wait_for(lambda: Path(f"{go.with_name('go2')}.ready").exists(), 15, "the second agent to run")
+    wait_for(lambda: kg.index()["active"][0]["pid"], what="the service to commit its pid")
     pid = kg.service_pid()
     os.kill(pid, signal.SIGKILL)
     for wrapper in agent_wrappers(kg.home):
