@@ -19,6 +19,11 @@ sys.path.insert(0, str(REPO))
 
 from kugetsu.paths import Home  # noqa: E402
 
+# Everything the tests talk to is on 127.0.0.1 (the fake Bot API server): never through a
+# proxy that a CI machine may set for the package registries.
+for _var in ("NO_PROXY", "no_proxy"):
+    os.environ[_var] = ",".join(filter(None, ["127.0.0.1,localhost", os.environ.get(_var)]))
+
 
 def wait_for(condition: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> object:
     """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
