@@ -35,6 +35,7 @@ class Failure:
     count: int  # how many calls still fail; -1: until cleared
     methods: set[str] | None
     retry_after: int | None = None
+    description: str | None = None
 
 
 @dataclass
@@ -69,9 +70,9 @@ class FakeBotAPI:
     # ---- what a test does --------------------------------------------------------------
 
     def fail(self, status: int = 500, count: int = -1, methods: set[str] | None = None,
-             retry_after: int | None = None) -> None:
+             retry_after: int | None = None, description: str | None = None) -> None:
         with self.cond:
-            self.failures.append(Failure(status, count, methods, retry_after))
+            self.failures.append(Failure(status, count, methods, retry_after, description))
 
     def recover(self) -> None:
         with self.cond:
@@ -152,6 +153,8 @@ class FakeBotAPI:
             if failure.retry_after is not None:
                 body["description"] = f"Too Many Requests: retry after {failure.retry_after}"
                 body["parameters"] = {"retry_after": failure.retry_after}
+            if failure.description is not None:
+                body["description"] = failure.description
             return failure.status, body
         result = getattr(self, f"api_{method}", None)
         if result is None:

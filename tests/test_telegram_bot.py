@@ -57,6 +57,18 @@ def test_queue_lists_running_and_queued_and_refuses_strangers(kg, api):
     assert len(api.with_text(ME, "Unknown command")) == 1
 
 
+def test_an_empty_allow_list_answers_nobody_and_the_log_says_how_to_fix_it(kg, api):
+    setup(kg, api, telegram={"allowed_chat_ids": []})
+    bot_up(kg, api)
+    kg.delegate("secret-task", 30)
+    api.message(STRANGER, "/queue")
+    refusal = reply(api, STRANGER, "private")
+    assert "secret-task" not in refusal
+    log = wait_for(lambda: (t := kg.home.service_log.read_text()) and "refused chat 999" in t and t, 10, "the refusal log")
+    assert "allowed_chat_ids is empty: the bot answers nobody" in log  # type: ignore[operator]
+    assert "kugetsu config set telegram.allowed_chat_ids '[999]'" in log  # type: ignore[operator]
+
+
 def test_cancel_buttons_and_delegate(kg, api, tmp_path):
     setup(kg, api, max_agents=1, default_agent="say",
           agents={"say": {"command": ["sh", "-c", "echo {prompt}; sleep 30"]}},

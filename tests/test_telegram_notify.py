@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
 
-from conftest import wait_for
+from conftest import agent_wrappers, wait_for
 from fakebot import TOKEN
 from test_telegram_bot import ME, api, bot_up, reply, setup  # noqa: F401  (api is a fixture)
 
@@ -69,9 +70,11 @@ def test_restart_between_events_loses_and_repeats_nothing(kg, api):
     bot_up(kg, api)
     kg.delegate("a", 0.1)
     reply(api, ME, "<b>a</b> (#1) succeeded")
-    kg.delegate("b", 1.5)
+    go = kg.rec / "go"
+    kg.delegate("b", 0, gate=go)
     reply(api, ME, "started <b>b</b>")
     kg.ok("shutdown")
+    go.touch()
     wait_for(lambda: "end" in kg.times("b"), 10, "b to end while the service is down")
     kg.delegate("c", 0)  # autostarts the service again
     reply(api, ME, "<b>c</b> (#3) succeeded")
@@ -84,3 +87,34 @@ def test_restart_between_events_loses_and_repeats_nothing(kg, api):
     kg.delegate("d", 0)
     reply(api, 222, "<b>d</b> (#4) succeeded")
     assert [t for t in api.texts(222) if "<b>d</b>" not in t] == []
+
+
+def test_html_telegram_cannot_parse_is_sent_again_as_plain_text(kg, api):
+    setup(kg, api)
+    bot_up(kg, api)
+    api.fail(400, count=1, methods={"sendMessage"},
+             description="Bad Request: can't parse entities: unsupported start tag at byte offset 9")
+    kg.delegate("odd", 0)
+    plain = reply(api, ME, "started odd")  # the refused HTML message, again without markup
+    assert "<b>" not in plain
+    sent = [c for c in api.sent(ME) if "started odd" in c.params["text"]]
+    assert len(sent) == 1 and "parse_mode" not in sent[0].params
+    reply(api, ME, "<b>odd</b> (#1) succeeded")  # and the next one is HTML again
+    assert "can't parse" not in kg.home.service_log.read_text()  # not an error: handled
+
+
+def test_an_agent_that_vanished_while_the_service_was_down_is_reported_lost(kg, api):
+    setup(kg, api)
+    bot_up(kg, api)
+    go = kg.rec / "go"
+    kg.delegate("doomed", 0, gate=go)
+    reply(api, ME, "started <b>doomed</b>")
+    wait_for(lambda: kg.index()["active"][0]["pid"], what="its pid to be committed")
+    os.kill(kg.service_pid(), signal.SIGKILL)
+    for wrapper in agent_wrappers(kg.home):  # the agent dies too, before anyone records how
+        os.killpg(wrapper, signal.SIGKILL)
+    wait_for(lambda: not agent_wrappers(kg.home), 5, "the agent to die")
+    kg.ok("queue")  # brings the service back
+    lost = reply(api, ME, "<b>doomed</b> (#1) lost")
+    assert "vanished" in lost
+    assert once(api, "<b>doomed</b> (#1) lost") and once(api, "started <b>doomed</b>")
