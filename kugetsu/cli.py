@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kugetsu import ops, pm
+from kugetsu import ops, pm, runner
 from kugetsu.config import format_duration, get_value, load_config, parse_duration, parse_value
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
 from kugetsu.models import PRIORITIES, Task, TaskState
@@ -467,7 +467,8 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
 
 def cmd_serve(home: Home, args: argparse.Namespace) -> int:
     if args.detach:
-        if ops.start_service(home) is None:
+        child = ops.start_service(home)
+        if child is None:
             pid = ops.service_pid(home)
             print(f"kugetsu service already running{f' (pid {pid})' if pid else ''}")
             return OK
@@ -477,11 +478,24 @@ def cmd_serve(home: Home, args: argparse.Namespace) -> int:
             if pid:
                 print(f"kugetsu service started (pid {pid}), log: {home.service_log}")
                 return OK
+            if runner.process_start(child) is None:  # it exited: say why now, not in 10 s
+                raise KugetsuError(f"the service stopped at once; the end of {home.service_log}:\n"
+                                   + _last_lines(home.service_log))
             time.sleep(0.05)
         raise KugetsuError(f"the service did not come up within 10s; see {home.service_log}")
     from kugetsu.service import serve
 
     return serve(home)
+
+
+def _last_lines(path: os.PathLike[str], count: int = 4) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = f.read().decode(errors="replace").splitlines()[-count:]
+    except OSError:
+        return "  (no log)"
+    return "\n".join(f"  {line}" for line in lines)
 
 
 def cmd_shutdown(home: Home, args: argparse.Namespace) -> int:

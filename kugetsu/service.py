@@ -77,10 +77,9 @@ class Service:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self._stopping.set)
         try:
-            # Before the first tick: an agent that tick starts must never be seen running
-            # while `kugetsu queue` says the service is not.
-            atomic_write(self.home.service_pid, f"{os.getpid()}\n".encode())
             self.tick()
+            # After the first tick, which raises on a damaged index: the pid file says "up".
+            atomic_write(self.home.service_pid, f"{os.getpid()}\n".encode())
             log.info("kugetsu service up (pid %d, home %s, max_agents %d)", os.getpid(), self.home.root, self.cfg.max_agents)
             await self._start_extensions()
             await self._stopping.wait()

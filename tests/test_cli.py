@@ -211,6 +211,16 @@ def test_one_service_per_home(kg):
     assert r.returncode == 1 and "already running" in r.stderr
 
 
+def test_serve_detach_reports_a_service_that_cannot_start_at_once(kg):
+    kg.home.ensure()
+    kg.home.index.write_text('{"version": 1, "next_id": "two"}')
+    t0 = time.monotonic()
+    r = kg.run("serve", "--detach")
+    assert r.returncode == 1 and time.monotonic() - t0 < 5  # not the 10 s wait for a pid file
+    assert "the service stopped at once" in r.stderr and "index.json: key 'next_id'" in r.stderr
+    assert not kg.home.service_pid.exists()
+
+
 def test_a_probe_of_the_service_lock_does_not_stop_a_start(kg):
     """`service_holds_lock` (shutdown's wait, the tests) holds the lock shared for an
     instant; a CLI starting the service at that instant must not take it for a service."""
