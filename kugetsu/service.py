@@ -77,9 +77,11 @@ class Service:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self._stopping.set)
         try:
-            self.tick()
-            # After the first tick, which raises on a damaged index: the pid file says "up".
+            # A damaged index stops the service here, before its pid file says it is up;
+            # the pid file comes before the first tick, which may already start agents.
+            self.store.read()
             atomic_write(self.home.service_pid, f"{os.getpid()}\n".encode())
+            self.tick()
             log.info("kugetsu service up (pid %d, home %s, max_agents %d)", os.getpid(), self.home.root, self.cfg.max_agents)
             await self._start_extensions()
             await self._stopping.wait()
