@@ -241,9 +241,10 @@ def test_queued_task_expires_within_a_second(kg):
     kg.config(max_agents=1)
     kg.delegate("blocker", 30)
     kg.delegate("late", 0, 0, "--expire-after", "2s")
-    created = time.time()
-    t = kg.wait_state("late", "expired", timeout=5)
-    assert time.time() - created < 2 + 1.0
+    t = kg.wait_state("late", "expired")
+    # By the service's own clock (the test's polling would add its own delays on a slow machine).
+    late = _ts(t["finished_at"]) - _ts(t["expires_at"])
+    assert 0 <= late < 1.0, f"expired {late:.2f}s after its deadline"
     assert t["reason"] == "expired after 2s in the queue" and t["position"] is None
     events = [json.loads(line) for line in kg.home.events.read_text().splitlines()]
     assert [e for e in events if e["type"] == "expired"][0]["name"] == "late"
@@ -255,13 +256,20 @@ def test_cancel_running_kills_grandchildren_and_hands_the_slot_on(kg):
     kg.ok("delegate", "tree", "--", "sh", "-c", f'sleep 60 & echo $! > {pidfile}; wait')
     kg.delegate("next", 0)
     gc = int(wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), what="grandchild"))
-    t0 = time.time()
     out = kg.ok("cancel", "tree")
     assert "cancelled tree (#1)" in out
-    wait_for(lambda: kg.times("next"), timeout=1.0, what="next to start")
-    assert kg.times("next")["start"] - t0 < 1.0
-    wait_for(lambda: _gone(gc), timeout=2, what="the grandchild to be killed")
-    assert kg.task("tree")["state"] == "cancelled"
+    wait_for(lambda: kg.times("next"), what="next to start")
+    tree = kg.task("tree")
+    assert tree["state"] == "cancelled"
+    handed_on = kg.times("next")["start"] - _ts(tree["finished_at"])
+    assert handed_on < 1.0, f"next started {handed_on:.2f}s after tree ended"
+    wait_for(lambda: _gone(gc), timeout=5, what="the grandchild to be killed")
+
+
+def _ts(rfc3339: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
 
 
 def _gone(pid):
