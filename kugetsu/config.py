@@ -172,6 +172,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     default_agent: str = "opencode"
     agents: dict[str, AgentPreset] = {}
     history_limit: Annotated[int, msgspec.Meta(ge=0)] = 500
+    events_max_size: str | int = "16MiB"
     autostart: bool = True
     telegram: TelegramConfig = msgspec.field(default_factory=TelegramConfig)
     worktrees: WorktreesConfig = msgspec.field(default_factory=WorktreesConfig)
@@ -189,6 +190,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
             value = getattr(self, key)
             if value is not None:
                 parse_duration(value, key)
+        parse_size(self.events_max_size, "events_max_size")
         # User presets extend (and may override) the built-in ones.
         self.agents = msgspec.convert({**DEFAULT_AGENTS, **msgspec.to_builtins(self.agents)}, dict[str, AgentPreset])
         if self.default_agent not in self.agents:
@@ -210,6 +212,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         return parse_duration(self.kill_grace)
 
     @property
+    def events_max_bytes(self) -> int:
+        return parse_size(self.events_max_size)
+
+    @property
     def min_start_interval_s(self) -> float | None:
         v = self.min_start_interval_per_source
         return None if v is None else parse_duration(v)
@@ -224,6 +230,7 @@ KEY_HELP: dict[str, str] = {
     "default_agent": "preset used when no command is given",
     "agents": "presets {name: {command: [argv with {prompt} {name} {id}], env: {}}}; extend the built-ins",
     "history_limit": "finished tasks kept in index.json; older ones move to history.jsonl",
+    "events_max_size": "events.jsonl beyond this becomes events.jsonl.1 (the older one is dropped)",
     "autostart": "the CLI starts the service when needed",
     "telegram": "the Telegram bot: token, allowed_chat_ids, allowed_user_ids, notify_chat_ids, api_base_url, events,"
     " allow_delegate, delegate_cwd (docs/telegram.md)",

@@ -19,6 +19,7 @@ class Home:
         self.index = self.root / "index.json"
         self.lock = self.root / "index.lock"
         self.events = self.root / "events.jsonl"
+        self.events_old = self.root / "events.jsonl.1"  # the previous events.jsonl, once it grew past events_max_size
         self.history = self.root / "history.jsonl"
         self.logs = self.root / "logs"
         self.service_pid = self.root / "service.pid"

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kugetsu import ops, pm, runner, worktree
-from kugetsu.config import Config, load_config
+from kugetsu.config import Config, format_size, load_config
 from kugetsu.errors import KugetsuError
 from kugetsu.models import Event, Index, Task
 from kugetsu.paths import Home, atomic_write
@@ -206,6 +206,14 @@ class Service:
         if events:
             for listener in self.listeners:
                 listener(events)
+            self._rotate_events()
+
+    def _rotate_events(self) -> None:
+        """Keep events.jsonl bounded: only the service rotates it, after a tick that grew it
+        (one stat when there is nothing to do, and after the release of the next agent)."""
+        size = self.store.rotate_events(self.cfg.events_max_bytes)
+        if size is not None:
+            log.info("events.jsonl reached %s: it is events.jsonl.1 now, and a new one begins", format_size(size))
 
     def _reload_config(self) -> None:
         """Re-read config.json when it changed (it is replaced by rename: a new inode)."""

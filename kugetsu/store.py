@@ -80,22 +80,45 @@ class Store:
         return self._load()[0]
 
     def read_events(self, after: int = 0) -> list[Event]:
-        """Events with seq > after, oldest first."""
-        try:
-            data = self.home.events.read_bytes()
-        except FileNotFoundError:
-            return []
-        return [e for e in _decode_lines(data) if e.seq > after]
+        """Events with seq > after, oldest first (events.jsonl.1, then events.jsonl)."""
+        parts = []
+        for path in (self.home.events_old, self.home.events):
+            try:
+                parts.append(path.read_bytes())
+            except FileNotFoundError:
+                pass
+        return [e for e in _decode_lines(b"\n".join(parts)) if e.seq > after]  # "\n": a torn last line stays apart
 
     def tail_events(self, count: int) -> list[Event]:
-        """The last `count` events, cheaply: reads only the end of the file."""
-        return _decode_lines(_tail(self.home.events, max(4096, count * 400)))[-count:] if count else []
+        """The last `count` events, cheaply: reads only the end of the file (and of the
+        rotated one, when the current file is still short)."""
+        if not count:
+            return []
+        size = max(4096, count * 400)
+        events = _decode_lines(_tail(self.home.events, size))
+        if len(events) < count:
+            first = events[0].seq if events else None
+            events = [e for e in _decode_lines(_tail(self.home.events_old, size)) if first is None or e.seq < first] + events
+        return events[-count:]
 
     # ---- writing -------------------------------------------------------------------
 
     @contextmanager
     def transaction(self, now: datetime) -> Iterator[Txn]:
         """Lock, load, let the caller change `txn.index`, commit. An exception commits nothing."""
+        with self._locked():
+            # Taken out while the transaction runs: a failed one may leave the object half
+            # changed, and it must never be reused.
+            reuse, self._committed = self._committed, None
+            index, before = self._load(reuse)
+            self._recover_outbox(index)
+            txn = Txn(index, now)
+            yield txn
+            self._committed = (self._commit(txn, before), txn.index)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The exclusive kernel lock on index.lock (released by the kernel if we die)."""
         if getattr(_held, "depth", 0):
             raise RuntimeError("nested kugetsu transaction (it would deadlock on index.lock)")
         if not self._ensured:
@@ -105,14 +128,7 @@ class Store:
         _held.depth = 1
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            # Taken out while the transaction runs: a failed one may leave the object half
-            # changed, and it must never be reused.
-            reuse, self._committed = self._committed, None
-            index, before = self._load(reuse)
-            self._recover_outbox(index)
-            txn = Txn(index, now)
-            yield txn
-            self._committed = (self._commit(txn, before), txn.index)
+            yield
         finally:
             _held.depth = 0
             os.close(lock_fd)  # releases the lock
@@ -137,10 +153,27 @@ class Store:
             self._appended = txn.events[-1].seq
         return data
 
+    def rotate_events(self, limit: int) -> int | None:
+        """Once events.jsonl is past `limit` bytes, it becomes events.jsonl.1 (replacing the
+        older one) and the next event starts a new file: disk use stays under about twice
+        the limit. Under the index lock, which every append holds, so no line is cut in two.
+        Returns the size of the file rotated, or None."""
+        try:
+            if os.stat(self.home.events).st_size <= limit:
+                return None  # the common case, without the lock
+        except FileNotFoundError:
+            return None
+        with self._locked():
+            size = os.stat(self.home.events).st_size
+            if size <= limit:
+                return None
+            os.replace(self.home.events, self.home.events_old)
+        return size
+
     def _recover_outbox(self, index: Index) -> None:
         if not index.outbox or index.outbox[-1].seq <= self._appended:
             return  # nothing, or this very Store appended it (the service's hot path)
-        last = _last_seq(self.home.events)
+        last = _last_seq(self.home)
         missing = [e for e in index.outbox if e.seq > last]
         if missing:
             _append_events(self.home.events, missing)
@@ -197,6 +230,11 @@ def _decode_lines(data: bytes) -> list[Event]:
     return events
 
 
-def _last_seq(path: os.PathLike[str]) -> int:
-    events = _decode_lines(_tail(path, 4096))
-    return events[-1].seq if events else 0
+def _last_seq(home: Home) -> int:
+    """The seq of the last appended event; in events.jsonl.1 when a rotation has just
+    started a new, still empty events.jsonl."""
+    for path in (home.events, home.events_old):
+        events = _decode_lines(_tail(path, 4096))
+        if events:
+            return events[-1].seq
+    return 0

@@ -160,6 +160,30 @@ def test_outbox_recovers_events_lost_between_rename_and_append(tmp_path):
     assert seqs == [1, 2, 3]
 
 
+def test_events_rotate_past_the_limit_and_readers_see_both_files(tmp_path):
+    home = Home(tmp_path / "h")
+    store = Store(home)
+    for n in "abc":
+        _admit(store, n)
+    assert store.rotate_events(10**6) is None and not home.events_old.exists()  # under the limit
+    size = home.events.stat().st_size
+    assert store.rotate_events(100) == size
+    assert not home.events.exists() and home.events_old.stat().st_size == size
+    assert stat.S_IMODE(home.events_old.stat().st_mode) == 0o600
+    _admit(store, "d")
+    assert [e.seq for e in store.read_events()] == [1, 2, 3, 4]
+    assert [e.seq for e in store.tail_events(3)] == [2, 3, 4]  # across the two files
+    assert [e.seq for e in store.tail_events(1)] == [4]
+
+
+def test_outbox_recovery_right_after_a_rotation_repeats_nothing(tmp_path):
+    home = Home(tmp_path / "h")
+    _admit(Store(home), "a")
+    Store(home).rotate_events(1)  # events.jsonl is now events.jsonl.1, and there is no new one
+    _admit(Store(home), "b")  # another process: it must find seq 1 in the rotated file
+    assert [e.seq for e in Store(home).read_events()] == [1, 2]
+
+
 def test_history_moves_out_beyond_the_limit(tmp_path):
     home = Home(tmp_path / "h")
     home.ensure()

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
-
-import pytest
 from datetime import datetime, timedelta, timezone
 
+import pytest
 from conftest import wait_for
 from fakebot import TOKEN
 from test_telegram_bot import ME, api, setup  # noqa: F401  (api is a fixture)
@@ -14,6 +14,7 @@ from test_telegram_bot import ME, api, setup  # noqa: F401  (api is a fixture)
 from kugetsu.config import Config, TelegramConfig
 from kugetsu.errors import KugetsuError, UsageError
 from kugetsu.models import Index, Task, TaskState
+from kugetsu.paths import Home
 from kugetsu.telegram import redact, text
 from kugetsu.telegram.bot import allowed
 from kugetsu.telegram.check import check
@@ -101,12 +102,37 @@ def test_redact():
     assert SECRET not in redact(f"The token `{SECRET}` was rejected", TOKEN)
 
 
+def _event(seq: int) -> bytes:
+    return b'{"seq":%d,"type":"started","at":"2026-01-01T00:00:00+00:00"}\n' % seq
+
+
 def test_event_tail_reads_each_complete_line_once(tmp_path):
-    path = tmp_path / "events.jsonl"
-    path.write_bytes(b'{"seq":1,"type":"started","at":"2026-01-01T00:00:00+00:00"}\n{"seq":2,"type":"succ')
-    tail = EventTail(path)
+    home = Home(tmp_path)
+    home.events.write_bytes(_event(1) + b'{"seq":2,"type":"succ')
+    tail = EventTail(home)
     assert [e.seq for e in tail.after(0)] == [1]
-    with open(path, "ab") as f:
+    with open(home.events, "ab") as f:
         f.write(b'eeded","at":"2026-01-01T00:00:01+00:00"}\n')
     assert [e.seq for e in tail.after(1)] == [2]
     assert tail.after(0) == []
+
+
+def test_event_tail_follows_a_rotation_without_losing_or_repeating_a_line(tmp_path):
+    home = Home(tmp_path)
+    home.events.write_bytes(_event(1) + _event(2))
+    tail = EventTail(home)
+    assert [e.seq for e in tail.after(0)] == [1, 2]
+    with open(home.events, "ab") as f:
+        f.write(_event(3))  # appended, then rotated before the tail looked again
+    os.replace(home.events, home.events_old)
+    assert [e.seq for e in tail.after(2)] == [3]  # the rest of the old file; no new one yet
+    home.events.write_bytes(_event(4))
+    assert [e.seq for e in tail.after(3)] == [4]
+    with open(home.events, "ab") as f:
+        f.write(_event(5))
+    os.replace(home.events, home.events_old)
+    home.events.write_bytes(_event(6))
+    assert [e.seq for e in tail.after(4)] == [5, 6]
+    # A new tail (a restarted service) whose cursor lies in the rotated file reads it first.
+    assert [e.seq for e in EventTail(home).after(4)] == [5, 6]
+    assert [e.seq for e in EventTail(home).after(5)] == [6]

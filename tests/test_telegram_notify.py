@@ -123,3 +123,21 @@ def test_an_agent_that_vanished_while_the_service_was_down_is_reported_lost(kg, 
     lost = reply(api, ME, "<b>doomed</b> (#1) lost")
     assert "vanished" in lost
     assert once(api, "<b>doomed</b> (#1) lost") and once(api, "started <b>doomed</b>")
+
+
+def test_notifications_and_the_feed_survive_the_rotation_of_events_jsonl(kg, api):
+    setup(kg, api, max_agents=1, events_max_size="1KiB")  # a rotation every few events
+    bot_up(kg, api)
+    names = [f"r{i}" for i in range(6)]
+    for name in names:
+        kg.delegate(name, 0)
+    for i, name in enumerate(names, start=1):
+        reply(api, ME, f"<b>{name}</b> (#{i}) succeeded")
+    for name in names:
+        assert once(api, f"started <b>{name}</b>"), name
+    assert kg.home.events_old.exists() and "events.jsonl reached" in kg.home.service_log.read_text()
+    current = kg.home.events.read_text() if kg.home.events.exists() else ""  # none until the next event
+    assert len(current) + kg.home.events_old.stat().st_size < 4 * 1024
+    tail = [json.loads(line)["seq"] for line in current.splitlines()]
+    old = [json.loads(line)["seq"] for line in kg.home.events_old.read_text().splitlines()]
+    assert old + tail == list(range(old[0], old[0] + len(old) + len(tail)))  # contiguous, nothing repeated

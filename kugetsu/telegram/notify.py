@@ -77,27 +77,19 @@ class Cursors:
 
 class EventTail:
     """Reads events.jsonl from where the last read stopped, so a long history is scanned
-    once per feed, not on every new event."""
+    once per feed, not on every new event. Follows the service's rotation of the file: what
+    was not read yet of the old one (now events.jsonl.1) comes first."""
 
     _decoder = msgspec.json.Decoder(Event)
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, home: Home):
+        self.path, self.old = home.events, home.events_old
+        self.inode: int | None = None  # of the file being followed
         self.offset = 0
 
     def after(self, seq: int) -> list[Event]:
-        try:
-            with open(self.path, "rb") as f:
-                if f.seek(0, os.SEEK_END) < self.offset:
-                    self.offset = 0  # replaced by a shorter file: read it all again
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        data = data[: data.rfind(b"\n") + 1]  # a line still being written is read next time
-        self.offset += len(data)
         events = []
-        for line in data.splitlines():
+        for line in self._read(seq).splitlines():
             try:
                 event = self._decoder.decode(line)
             except msgspec.DecodeError:
@@ -105,6 +97,53 @@ class EventTail:
             if event.seq > seq:
                 events.append(event)
         return events
+
+    def _read(self, seq: int) -> bytes:
+        current = _inode(self.path)
+        data = b""
+        if self.inode is None:
+            if self.old.exists() and _first_seq(self.path) > seq + 1:
+                data = self.old.read_bytes() + b"\n"  # a first read whose cursor lies in the rotated file
+        elif current != self.inode:
+            data = self._chunk(self.old, self.inode)  # the rest of the file we followed
+            self.offset = 0
+        self.inode = current
+        if current is not None:
+            data += self._chunk(self.path, current)
+        return data
+
+    def _chunk(self, path: Path, inode: int) -> bytes:
+        """The complete lines of `path` from the offset, if it is still the file `inode`."""
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_ino != inode:
+                    return b""  # replaced meanwhile: the next read picks it up
+                if f.seek(0, os.SEEK_END) < self.offset:
+                    self.offset = 0  # replaced by a shorter file (by hand): read it all again
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return b""
+        data = data[: data.rfind(b"\n") + 1]  # a line still being written is read next time
+        self.offset += len(data)
+        return data
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _first_seq(path: Path) -> float:
+    """The seq of the file's first event; infinity for a missing or empty file."""
+    try:
+        with open(path, "rb") as f:
+            line = f.readline()
+        return EventTail._decoder.decode(line).seq
+    except (FileNotFoundError, msgspec.DecodeError):
+        return float("inf")
 
 
 def cursor_path(home: Home) -> Path:
@@ -142,7 +181,7 @@ class Notifier:
         for chat in chats - set(self.feeds):
             self.wakes[chat] = asyncio.Event()
             self.wakes[chat].set()
-            self.tails[chat] = EventTail(self.home.events)
+            self.tails[chat] = EventTail(self.home)
             self.feeds[chat] = asyncio.create_task(self._feed(chat), name=f"telegram-notify-{chat}")
 
     def wake(self) -> None:
