@@ -20,6 +20,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kugetsu import ops, pm, runner, worktree
 from kugetsu.config import Config, format_size, load_config
 from kugetsu.errors import KugetsuError
@@ -45,6 +47,8 @@ class Service:
         self.children: dict[int, Any] = {}  # pid -> Popen of the wrappers this service spawned
         self.warm: dict[int, runner.Spawned] = {}  # task id -> its wrapper, started ahead, waiting
         self.dropped: list[Any] = []  # Popen of warm wrappers let go, to reap once they exit
+        self.preparing: dict[int, asyncio.Future[Task]] = {}  # task id -> its worktree being created
+        self._git: Any = None  # one worker thread for git: creations never hold the lock or the loop
         self.watches: dict[int, int] = {}  # task id -> pidfd
         self.exited: set[int] = set()  # task ids whose pidfd fired
         self.jobs: dict[str, datetime] = {}  # the policies' wake-ups (rate limit, guard re-check)
@@ -89,6 +93,8 @@ class Service:
         finally:
             await self._stop_extensions()
             self.scheduler.shutdown(wait=False)
+            if self._git is not None:  # a worktree half-made is recovered by the next service
+                self._git.shutdown(wait=False, cancel_futures=True)
             for warm in self.warm.values():  # they exit without running anything
                 runner.drop(warm)
             for fd in self.watches.values():
@@ -193,6 +199,8 @@ class Service:
             events = txn.events
         self.exited.clear()
         self.dropped = [p for p in self.dropped if p.poll() is None]
+        if self.preparing:
+            self._drop_unwanted_worktrees()
         self._first_tick = False
         for task, sig in signals:
             runner.kill_group(task.pid, task.pid_start, sig)
@@ -242,11 +250,13 @@ class Service:
             if self._first_tick and self._adopt_unrecorded(txn, task):
                 continue
             try:
-                cwd, env = self._workplace(task)
-            except worktree.WorktreeError as err:
+                if not self._worktree_ready(task):
+                    continue  # being created off the lock; the tick after it is done starts the agent
+            except Exception as err:  # WorktreeError, or whatever git or the disk raised
                 self._finish(txn, task, 1, f"could not create its worktree: {err}")
                 freed = True
                 continue
+            cwd, env = self._workplace(task)
             try:
                 spawned = self._start_process(task, cwd, env)
             except (OSError, ValueError) as err:  # ValueError: an argv exec cannot take (NUL byte)
@@ -312,13 +322,61 @@ class Service:
             else:
                 self._finish(txn, task, code)
 
+    def _worktree_ready(self, task: Task) -> bool:
+        """A worktree task's worktree is created when it starts (a long queue costs no disk),
+        in a worker thread: a slow checkout must hold neither the index lock (every CLI
+        command waits on it) nor the loop. True once it exists (its fields are then on the
+        task); False while it is being made; raises what creating it raised."""
+        if not task.repo or task.worktree_state is not None:
+            return True
+        future = self.preparing.get(task.id)
+        if future is None:
+            draft = msgspec.structs.replace(task)  # the thread fills in a copy, never the index
+
+            def create() -> Task:
+                worktree.create(self.home, draft)
+                return draft
+
+            future = self.loop.run_in_executor(self._git_worker(), create)
+            future.add_done_callback(lambda _: self.request_tick())
+            self.preparing[task.id] = future
+        if not future.done():
+            return False
+        del self.preparing[task.id]
+        if future.cancelled():  # only when the service stops; the next one recovers or retries
+            return False
+        made = future.result()
+        task.worktree, task.base_commit, task.worktree_state = made.worktree, made.base_commit, made.worktree_state
+        return True
+
+    def _drop_unwanted_worktrees(self) -> None:
+        """A task cancelled (or timed out) while its worktree was being made: remove it."""
+        live = {t.id for t in self.index.active}
+        for task_id, future in list(self.preparing.items()):
+            if future.done() and task_id not in live:
+                del self.preparing[task_id]
+                if not future.cancelled() and future.exception() is None:
+                    self.loop.run_in_executor(self._git_worker(), self._remove_unwanted, future.result())
+
+    def _remove_unwanted(self, made: Task) -> None:
+        assert made.worktree
+        try:
+            worktree.remove(made.repo, Path(made.worktree), made.branch)
+            log.info("removed the worktree made for %s (#%d): the task ended before it started", made.name, made.id)
+        except Exception as err:
+            log.warning("could not remove the worktree %s made for %s (#%d): %s", made.worktree, made.name, made.id, err)
+
+    def _git_worker(self) -> Any:
+        if self._git is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._git = ThreadPoolExecutor(1, thread_name_prefix="kugetsu-git")
+        return self._git
+
     def _workplace(self, task: Task) -> tuple[str, dict[str, str]]:
-        """Where and with what environment the agent runs: a worktree task gets its worktree
-        created now, at start, so that a long queue costs no disk."""
+        """Where and with what environment the agent runs."""
         if not task.repo:
             return task.cwd, task.env
-        if task.worktree_state is None:
-            worktree.create(self.home, task)
         assert task.worktree and task.branch
         env = {**task.env, "KUGETSU_WORKTREE": task.worktree, "KUGETSU_BRANCH": task.branch}
         return worktree.agent_cwd(task, Path(task.worktree)), env

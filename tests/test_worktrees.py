@@ -264,3 +264,27 @@ def test_a_worktree_created_before_a_crash_is_reused_not_recreated(kg, repo):
     t = kg.wait_state("orphaned", "succeeded")
     assert (kg.rec / "orphaned").read_text() == "from before the crash\n"
     assert t["worktree"] == str(path) and t["worktree_state"] == "kept"
+
+
+def test_a_slow_checkout_holds_no_other_command_and_a_cancel_during_it_leaves_nothing(kg, repo, tmp_path):
+    """The worktree is made in a worker thread of the service: while git is busy (here a
+    post-checkout hook that waits for a file), the index lock is free for everyone else."""
+    started, go = tmp_path / "checkout.started", tmp_path / "checkout.go"
+    hook = repo / ".git" / "hooks" / "post-checkout"
+    hook.write_text(f'#!/bin/sh\ntouch "{started}"\nwhile [ ! -e "{go}" ]; do sleep 0.05; done\n')
+    hook.chmod(0o755)
+    assert delegate(kg, repo, "slow", ["true"]).returncode == 0
+    wait_for(started.exists, 15, "git to be inside the checkout")
+    r = kg.run("delegate", "other", "--", "true", timeout=10)  # would wait for the checkout under the lock
+    assert r.returncode == 0, r.stderr
+    assert kg.wait_state("other", "succeeded")
+    slow = kg.task("slow")
+    assert slow["state"] == "running" and slow["pid"] is None and slow["worktree_state"] is None
+    assert "cancelled slow" in kg.ok("cancel", "slow")
+    go.touch()  # git finishes the worktree nobody wants any more
+    wait_for(lambda: "kugetsu/slow" not in branches(repo) and len(registered(repo)) == 1, 15,
+             "the unwanted worktree and its branch to be removed")
+    assert kg.task("slow")["state"] == "cancelled"
+    assert not list((kg.home.root / "worktrees").glob("*/slow"))
+    assert delegate(kg, repo, "after", ["sh", "-c", "echo after > f.txt"]).returncode == 0
+    assert "work kept on branch kugetsu/after" in kg.wait_state("after", "succeeded")["reason"]
