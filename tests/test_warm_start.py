@@ -62,7 +62,8 @@ def test_a_wrapper_started_but_not_recorded_is_adopted_not_run_twice(kg):
     """A crash between starting a queued task's wrapper and committing: the restarted
     service finds the wrapper running its agent and gives it the task."""
     kg.config(max_agents=1, autostart=False)
-    kg.delegate("lost-write", 1.0)
+    go = kg.rec / "go"  # the agent runs until the restarted service has adopted it
+    kg.delegate("lost-write", 0, gate=go)
     assert kg.task("lost-write")["state"] == "running"  # the CLI gave it the slot; no service yet
     index = kg.index()
     task = index["active"][0]
@@ -70,6 +71,8 @@ def test_a_wrapper_started_but_not_recorded_is_adopted_not_run_twice(kg):
     spawned = runner.spawn(kg.home, task["id"], task["name"], task["command"], task["cwd"], {})
     wait_for(lambda: kg.times("lost-write"), what="the agent to start")
     kg.ok("serve", "--detach")
+    wait_for(lambda: kg.task("lost-write")["pid"] == spawned.pid, what="the service to adopt the wrapper")
+    go.touch()
     t = kg.wait_state("lost-write", "succeeded")
     assert t["pid"] == spawned.pid
     assert (kg.rec / "lost-write").read_text().count("start") == 1
@@ -81,7 +84,8 @@ def test_a_queued_task_whose_wrapper_ran_is_adopted(kg):
     start): the wrapper's agent is adopted, not started a second time."""
     kg.config(max_agents=1, autostart=False, max_queue=5)
     kg.delegate("holder", 0)  # takes the slot in the index; its process never starts (no service)
-    kg.delegate("second", 1.0)
+    go = kg.rec / "go"  # the agent runs until the restarted service has adopted it
+    kg.delegate("second", 0, gate=go)
     queued = kg.index()["queued"][0]
     assert queued["name"] == "second"
     holder = kg.index()["active"][0]
@@ -91,6 +95,8 @@ def test_a_queued_task_whose_wrapper_ran_is_adopted(kg):
     s = runner.spawn(kg.home, queued["id"], queued["name"], queued["command"], queued["cwd"], {})
     wait_for(lambda: kg.times("second"), what="second's agent to start")
     kg.ok("serve", "--detach")
+    wait_for(lambda: kg.task("second")["pid"] == s.pid, what="the service to adopt the wrapper")
+    go.touch()
     t = kg.wait_state("second", "succeeded")
     assert t["pid"] == s.pid and (kg.rec / "second").read_text().count("start") == 1
     assert kg.task("holder")["state"] == "succeeded"
