@@ -126,6 +126,7 @@ def test_event_tail_follows_a_rotation_without_losing_or_repeating_a_line(tmp_pa
         f.write(_event(3))  # appended, then rotated before the tail looked again
     os.replace(home.events, home.events_old)
     assert [e.seq for e in tail.after(2)] == [3]  # the rest of the old file; no new one yet
+    assert tail.after(3) == []
     home.events.write_bytes(_event(4))
     assert [e.seq for e in tail.after(3)] == [4]
     with open(home.events, "ab") as f:

@@ -84,7 +84,8 @@ class EventTail:
 
     def __init__(self, home: Home):
         self.path, self.old = home.events, home.events_old
-        self.inode: int | None = None  # of the file being followed
+        self.started = False
+        self.inode: int | None = None  # of the file being followed (None: there is none yet)
         self.offset = 0
 
     def after(self, seq: int) -> list[Event]:
@@ -101,11 +102,13 @@ class EventTail:
     def _read(self, seq: int) -> bytes:
         current = _inode(self.path)
         data = b""
-        if self.inode is None:
+        if not self.started:
+            self.started = True
             if self.old.exists() and _first_seq(self.path) > seq + 1:
-                data = self.old.read_bytes() + b"\n"  # a first read whose cursor lies in the rotated file
-        elif current != self.inode:
-            data = self._chunk(self.old, self.inode)  # the rest of the file we followed
+                data = self.old.read_bytes() + b"\n"  # the cursor lies in the rotated file
+        elif current != self.inode:  # rotated (or the file appeared)
+            if self.inode is not None:
+                data = self._chunk(self.old, self.inode)  # the rest of the file we followed
             self.offset = 0
         self.inode = current
         if current is not None:
