@@ -63,10 +63,13 @@ def check_home(home: Home, max_agents: int | None = None) -> dict:
 
 
 def events(home: Home) -> list[dict]:
-    try:
-        lines = home.events.read_text().splitlines()
-    except FileNotFoundError:
-        return []
+    """The events kept: events.jsonl.1 (after a rotation), then events.jsonl."""
+    lines = []
+    for path in (home.events_old, home.events):
+        try:
+            lines += path.read_text().splitlines()
+        except FileNotFoundError:
+            pass
     out = []
     for line in lines:
         try:
@@ -77,7 +80,7 @@ def events(home: Home) -> list[dict]:
 
 
 def check_events(home: Home) -> list[dict]:
-    """events.jsonl: sequence numbers strictly increasing, none repeated."""
+    """events.jsonl (and events.jsonl.1): sequence numbers strictly increasing, none repeated."""
     evs = events(home)
     seqs = [e["seq"] for e in evs]
     assert seqs == sorted(set(seqs)), "events.jsonl has repeated or out-of-order seq numbers"
