@@ -17,12 +17,19 @@ def _warm_for(kg, task_id):
     return [found[0]] if found else []
 
 
-def test_position_one_waits_warm_and_never_runs_before_its_turn(kg):
+def _next_waits_warm_behind_a_gated_blocker(kg):
+    """One slot, held by `blocker` until the returned gate file exists; `next` (#2) is at
+    position 1 and its wrapper is started and waiting."""
     kg.config(max_agents=1)
     gate = kg.rec / "go"
     kg.delegate("blocker", 0, gate=gate)
     kg.delegate("next", 0)
     wait_for(lambda: _warm_for(kg, 2), what="a warm wrapper for position 1")
+    return gate
+
+
+def test_position_one_waits_warm_and_never_runs_before_its_turn(kg):
+    gate = _next_waits_warm_behind_a_gated_blocker(kg)
     assert kg.times("next") == {}  # started ahead, but its agent has not run
     assert kg.task("next")["state"] == "queued"
     gate.touch()
@@ -44,11 +51,7 @@ def test_cancelled_warm_task_leaves_no_process(kg):
 
 
 def test_warm_wrapper_of_a_killed_service_exits_and_the_task_runs_once(kg):
-    kg.config(max_agents=1)
-    gate = kg.rec / "go"
-    kg.delegate("blocker", 0, gate=gate)
-    kg.delegate("next", 0)
-    wait_for(lambda: _warm_for(kg, 2), what="a warm wrapper")
+    gate = _next_waits_warm_behind_a_gated_blocker(kg)
     os.kill(kg.service_pid(), signal.SIGKILL)
     wait_for(lambda: not _warm_for(kg, 2), timeout=5, what="the orphaned warm wrapper to exit")
     assert kg.times("next") == {}
