@@ -13,7 +13,7 @@ from kugetsu import ops, pm, runner
 from kugetsu.config import format_duration, get_value, load_config, parse_duration, parse_value
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
 from kugetsu.models import PRIORITIES, Task, TaskState
-from kugetsu.paths import Home, default_home
+from kugetsu.paths import Home, default_home, read_tail
 from kugetsu.render import to_json
 
 
@@ -489,13 +489,8 @@ def cmd_serve(home: Home, args: argparse.Namespace) -> int:
 
 
 def _last_lines(path: os.PathLike[str], count: int = 4) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
-            lines = f.read().decode(errors="replace").splitlines()[-count:]
-    except OSError:
-        return "  (no log)"
-    return "\n".join(f"  {line}" for line in lines)
+    lines = read_tail(path, 4096).decode(errors="replace").splitlines()[-count:]
+    return "\n".join(f"  {line}" for line in lines) or "  (no log)"
 
 
 def cmd_shutdown(home: Home, args: argparse.Namespace) -> int:

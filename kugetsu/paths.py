@@ -78,3 +78,17 @@ def atomic_write(path: Path, data: bytes) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def read_tail(path: os.PathLike[str], size: int) -> bytes:
+    """The last `size` bytes of a file, from its first whole line; b"" if there is no file."""
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            f.seek(max(0, end - size))
+            data = f.read()
+    except FileNotFoundError:
+        return b""
+    if len(data) >= size:  # drop the partial first line
+        data = data[data.find(b"\n") + 1 :]
+    return data

@@ -23,7 +23,7 @@ import msgspec
 from kugetsu.config import describe_decode_error
 from kugetsu.errors import FileError
 from kugetsu.models import Event, Index, Task, check_index
-from kugetsu.paths import Home, atomic_write
+from kugetsu.paths import Home, atomic_write, read_tail
 
 _index_decoder = msgspec.json.Decoder(Index)
 _event_decoder = msgspec.json.Decoder(Event)
@@ -95,10 +95,10 @@ class Store:
         if not count:
             return []
         size = max(4096, count * 400)
-        events = _decode_lines(_tail(self.home.events, size))
+        events = _decode_lines(read_tail(self.home.events, size))
         if len(events) < count:
             first = events[0].seq if events else None
-            events = [e for e in _decode_lines(_tail(self.home.events_old, size)) if first is None or e.seq < first] + events
+            events = [e for e in _decode_lines(read_tail(self.home.events_old, size)) if first is None or e.seq < first] + events
         return events[-count:]
 
     # ---- writing -------------------------------------------------------------------
@@ -207,19 +207,6 @@ def _append_events(path: os.PathLike[str], events: list[Event]) -> None:
         os.close(fd)
 
 
-def _tail(path: os.PathLike[str], size: int) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            end = f.seek(0, os.SEEK_END)
-            f.seek(max(0, end - size))
-            data = f.read()
-    except FileNotFoundError:
-        return b""
-    if len(data) >= size:  # drop the partial first line
-        data = data[data.find(b"\n") + 1 :]
-    return data
-
-
 def _decode_lines(data: bytes) -> list[Event]:
     events = []
     for line in data.splitlines():
@@ -234,7 +221,7 @@ def _last_seq(home: Home) -> int:
     """The seq of the last appended event; in events.jsonl.1 when a rotation has just
     started a new, still empty events.jsonl."""
     for path in (home.events, home.events_old):
-        events = _decode_lines(_tail(path, 4096))
+        events = _decode_lines(read_tail(path, 4096))
         if events:
             return events[-1].seq
     return 0
