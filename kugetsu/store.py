@@ -87,7 +87,7 @@ class Store:
                 parts.append(path.read_bytes())
             except FileNotFoundError:
                 pass
-        return [e for e in _decode_lines(b"\n".join(parts)) if e.seq > after]  # "\n": a torn last line stays apart
+        return [e for e in decode_events(b"\n".join(parts)) if e.seq > after]  # "\n": a torn last line stays apart
 
     def tail_events(self, count: int) -> list[Event]:
         """The last `count` events, cheaply: reads only the end of the file (and of the
@@ -95,10 +95,10 @@ class Store:
         if not count:
             return []
         size = max(4096, count * 400)
-        events = _decode_lines(read_tail(self.home.events, size))
+        events = decode_events(read_tail(self.home.events, size))
         if len(events) < count:
             first = events[0].seq if events else None
-            events = [e for e in _decode_lines(read_tail(self.home.events_old, size)) if first is None or e.seq < first] + events
+            events = [e for e in decode_events(read_tail(self.home.events_old, size)) if first is None or e.seq < first] + events
         return events[-count:]
 
     # ---- writing -------------------------------------------------------------------
@@ -207,7 +207,8 @@ def _append_events(path: os.PathLike[str], events: list[Event]) -> None:
         os.close(fd)
 
 
-def _decode_lines(data: bytes) -> list[Event]:
+def decode_events(data: bytes) -> list[Event]:
+    """The events of events.jsonl lines; a line torn by a crash is skipped."""
     events = []
     for line in data.splitlines():
         try:
@@ -221,7 +222,7 @@ def _last_seq(home: Home) -> int:
     """The seq of the last appended event; in events.jsonl.1 when a rotation has just
     started a new, still empty events.jsonl."""
     for path in (home.events, home.events_old):
-        events = _decode_lines(read_tail(path, 4096))
+        events = decode_events(read_tail(path, 4096))
         if events:
             return events[-1].seq
     return 0

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-import msgspec
 from telegram import Bot, LinkPreviewOptions
 from telegram.constants import ParseMode
 from telegram.error import BadRequest, Forbidden, InvalidToken, RetryAfter, TelegramError
@@ -29,7 +28,7 @@ from kugetsu.config import Config
 from kugetsu.models import Event, Task
 from kugetsu.ops import now
 from kugetsu.paths import Home, atomic_write
-from kugetsu.store import Store
+from kugetsu.store import Store, decode_events
 from kugetsu.telegram import text
 
 log = logging.getLogger("kugetsu.telegram")
@@ -80,8 +79,6 @@ class EventTail:
     once per feed, not on every new event. Follows the service's rotation of the file: what
     was not read yet of the old one (now events.jsonl.1) comes first."""
 
-    _decoder = msgspec.json.Decoder(Event)
-
     def __init__(self, home: Home):
         self.path, self.old = home.events, home.events_old
         self.started = False
@@ -89,15 +86,7 @@ class EventTail:
         self.offset = 0
 
     def after(self, seq: int) -> list[Event]:
-        events = []
-        for line in self._read(seq).splitlines():
-            try:
-                event = self._decoder.decode(line)
-            except msgspec.DecodeError:
-                continue  # torn by a crash; the store re-appends its event from the outbox
-            if event.seq > seq:
-                events.append(event)
-        return events
+        return [e for e in decode_events(self._read(seq)) if e.seq > seq]
 
     def _read(self, seq: int) -> bytes:
         current = _inode(self.path)
@@ -143,10 +132,10 @@ def _first_seq(path: Path) -> float:
     """The seq of the file's first event; infinity for a missing or empty file."""
     try:
         with open(path, "rb") as f:
-            line = f.readline()
-        return EventTail._decoder.decode(line).seq
-    except (FileNotFoundError, msgspec.DecodeError):
+            first = decode_events(f.readline())
+    except FileNotFoundError:
         return float("inf")
+    return first[0].seq if first else float("inf")
 
 
 def cursor_path(home: Home) -> Path:
