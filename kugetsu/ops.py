@@ -356,7 +356,6 @@ def start_service(home: Home) -> int | None:
     The service lock is taken here and its descriptor handed to the child, so it is held
     without a gap from this decision until the service exits: two CLIs that find no service
     at the same moment cannot start two."""
-    import fcntl
     import subprocess
     import sys
 
