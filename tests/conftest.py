@@ -93,6 +93,12 @@ class Kugetsu:
             return {}
         return {k: float(v) for k, v in (line.split() for line in lines if line.strip())}
 
+    def events(self, kind: str | None = None) -> list[dict]:
+        """The events in events.jsonl(.1), oldest first; only those of type `kind` if given."""
+        from torture import events
+
+        return [e for e in events(self.home) if kind is None or e["type"] == kind]
+
     def index(self) -> dict:
         return json.loads(self.home.index.read_text())
 

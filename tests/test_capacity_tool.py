@@ -119,5 +119,5 @@ def test_apply_writes_max_agents_through_config_set(kg):
     assert out["applied"] == {"config": str(kg.home.config), "max_agents": 1}
     assert json.loads(kg.home.config.read_text()) == {"autostart": False, "max_agents": 1}
     assert kg.ok("config", "get", "max_agents").strip() == "1"
-    events = [json.loads(line) for line in kg.home.events.read_text().splitlines()]
+    events = kg.events()
     assert events[-1]["type"] == "config" and events[-1]["key"] == "max_agents" and events[-1]["value"] == 1

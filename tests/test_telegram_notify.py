@@ -112,7 +112,7 @@ def test_an_agent_that_vanished_while_the_service_was_down_is_reported_lost(kg, 
     reply(api, ME, "started <b>doomed</b>")
     wait_for(lambda: kg.index()["active"][0]["pid"], what="its pid to be committed")
     # Delivered and recorded as such: a kill -9 between the two would send it again (at least once).
-    started = next(e["seq"] for e in map(json.loads, kg.home.events.read_text().splitlines()) if e["type"] == "started")
+    started = kg.events("started")[0]["seq"]
     cursor = kg.home.root / "telegram-cursor.json"
     wait_for(lambda: cursor.exists() and json.loads(cursor.read_text()).get(str(ME), 0) >= started, 10, "the cursor")
     os.kill(kg.service_pid(), signal.SIGKILL)

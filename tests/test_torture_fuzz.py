@@ -55,8 +55,8 @@ def settled(kg) -> bool:
     """No task left to finish, and the events of the last transaction appended (the
     service appends them just after it renames the index into place)."""
     index = kg.index()
-    lines = kg.home.events.read_bytes().splitlines() if kg.home.events.exists() else []
-    appended = json.loads(lines[-1])["seq"] if lines else 0
+    events = kg.events()
+    appended = events[-1]["seq"] if events else 0
     return not index["active"] and not index["queued"] and appended == index["next_seq"] - 1
 
 

@@ -3,7 +3,6 @@ real agent processes (docs/worktrees.md)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -49,11 +48,6 @@ def branches(repo: Path) -> list[str]:
 def registered(repo: Path) -> list[str]:
     return [line.split(" ", 1)[1] for line in git(repo, "worktree", "list", "--porcelain").splitlines()
             if line.startswith("worktree ")]
-
-
-def events(kg, kind: str) -> list[dict]:
-    lines = kg.home.events.read_text().splitlines() if kg.home.events.exists() else []
-    return [e for e in map(json.loads, lines) if e["type"] == kind]
 
 
 def test_parallel_tasks_each_see_only_their_own_change(kg, repo, tmp_path):
@@ -104,7 +98,7 @@ def test_task_with_a_commit_keeps_its_branch(kg, repo):
     assert t["reason"] == "work kept on branch kugetsu/issue-16 (1 commit, 2 files changed)"
     assert git(repo, "log", "-1", "--format=%s", "kugetsu/issue-16") == "agent work"
     assert git(repo, "rev-parse", "kugetsu/issue-16~1") == t["base"] == git(repo, "rev-parse", "main")
-    final = events(kg, "succeeded")[-1]
+    final = kg.events("succeeded")[-1]
     assert final["branch"] == "kugetsu/issue-16" and final["reason"] == t["reason"]
     assert "kugetsu/issue-16" in kg.ok("queue", "--all")
     # The next task of that name would collide with the kept branch: refused up front.
@@ -201,7 +195,7 @@ def test_prune_spares_live_tasks_and_unmerged_work(kg, repo, tmp_path):
     go.touch()
     t = kg.wait_state("live", "succeeded")
     assert t["worktree_state"] == "kept" and "1 file changed, uncommitted" in t["reason"]
-    assert [e["name"] for e in events(kg, "worktree")] == ["merged", "unmerged"]
+    assert [e["name"] for e in kg.events("worktree")] == ["merged", "unmerged"]
 
 
 def test_config_preset_keep_and_max_disk(kg, repo):
@@ -215,8 +209,8 @@ def test_config_preset_keep_and_max_disk(kg, repo):
     t = kg.wait_state("p1", "succeeded")
     assert "work kept on branch kugetsu/p1" in t["reason"]
     # Over max_disk: the finished task's worktree goes, its branch (the work) stays.
-    wait_for(lambda: events(kg, "worktree"), 10, "the max_disk prune")
-    assert "max_disk" in events(kg, "worktree")[0]["reason"]
+    wait_for(lambda: kg.events("worktree"), 10, "the max_disk prune")
+    assert "max_disk" in kg.events("worktree")[0]["reason"]
     assert kg.task("p1")["worktree_state"] == "pruned" and not os.path.exists(t["worktree"])
     assert git(repo, "show", "kugetsu/p1:out.txt") == "kugetsu/p1"
     r = kg.run("delegate", "p2", "--agent", "coder", "--no-worktree", "--cwd", str(repo))
