@@ -71,15 +71,23 @@ def test_a_wrapper_started_but_not_recorded_is_adopted_not_run_twice(kg):
     index = kg.index()
     task = index["active"][0]
     # What a service that died right after spawning would leave: a wrapper, and no pid recorded.
-    spawned = runner.spawn(kg.home, task["id"], task["name"], task["command"], task["cwd"], {})
-    wait_for(lambda: kg.times("lost-write"), what="the agent to start")
-    kg.ok("serve", "--detach")
-    wait_for(lambda: kg.task("lost-write")["pid"] == spawned.pid, what="the service to adopt the wrapper")
-    go.touch()
-    t = kg.wait_state("lost-write", "succeeded")
+    spawned, t = _unrecorded_wrapper_then_a_service(kg, task, go)
     assert t["pid"] == spawned.pid
     assert (kg.rec / "lost-write").read_text().count("start") == 1
+
+
+def _unrecorded_wrapper_then_a_service(kg, task: dict, go):
+    """Start `task`'s wrapper by hand (as a service that died before recording it would
+    have), start a service, and let the agent end once the service has adopted it.
+    Returns the wrapper and the task as it finished."""
+    spawned = runner.spawn(kg.home, task["id"], task["name"], task["command"], task["cwd"], {})
+    wait_for(lambda: kg.times(task["name"]), what=f"{task['name']}'s agent to start")
+    kg.ok("serve", "--detach")
+    wait_for(lambda: kg.task(task["name"])["pid"] == spawned.pid, what="the service to adopt the wrapper")
+    go.touch()
+    finished = kg.wait_state(task["name"], "succeeded")
     spawned.popen.wait()
+    return spawned, finished
 
 
 def test_a_queued_task_whose_wrapper_ran_is_adopted(kg):
@@ -95,12 +103,6 @@ def test_a_queued_task_whose_wrapper_ran_is_adopted(kg):
     # The dead service had finished `holder` and started `second` but committed neither.
     h = runner.spawn(kg.home, holder["id"], holder["name"], holder["command"], holder["cwd"], {})
     h.popen.wait()
-    s = runner.spawn(kg.home, queued["id"], queued["name"], queued["command"], queued["cwd"], {})
-    wait_for(lambda: kg.times("second"), what="second's agent to start")
-    kg.ok("serve", "--detach")
-    wait_for(lambda: kg.task("second")["pid"] == s.pid, what="the service to adopt the wrapper")
-    go.touch()
-    t = kg.wait_state("second", "succeeded")
+    s, t = _unrecorded_wrapper_then_a_service(kg, queued, go)
     assert t["pid"] == s.pid and (kg.rec / "second").read_text().count("start") == 1
     assert kg.task("holder")["state"] == "succeeded"
-    s.popen.wait()
