@@ -44,6 +44,29 @@ def next_to_start(index: Index, cfg: Config, now: datetime, resources: Resources
     return board.pick()
 
 
+class Successor(msgspec.Struct, frozen=True):
+    task: Task
+    until: datetime | None  # its queue deadline: from then on it expires instead of starting
+
+
+def successor(index: Index, cfg: Config) -> Successor | None:
+    """The queued task that the next slot to free goes to, whichever running task frees it,
+    as long as the index, the config and `until` hold: what plan_starts will pick in the
+    transaction that records the exit. The service lets it go the moment an agent exits,
+    ahead of that transaction. None wherever the answer could depend on which task ends, on
+    the clock or on the machine (source, group and rate limits, fair, the resource guard),
+    or when one exit frees no slot (more running than max_agents after a lowering)."""
+    if (
+        not index.queued
+        or len(index.active) != cfg.max_agents
+        or cfg.resource_guard.enabled
+        or not simple_order(index, cfg)
+    ):
+        return None
+    first = min(index.queued, key=lambda t: task_key(cfg, t))
+    return Successor(first, first.expires_at)
+
+
 def start_order(index: Index, cfg: Config, now: datetime) -> list[Task]:
     """Queued tasks in the order they will really start if nothing new arrives: the same
     selection as plan_starts, played forward on a copy (policy.Board.drain)."""

@@ -38,9 +38,10 @@ def encode_index(index: Index) -> bytes:
 class Txn:
     """What a transaction sees and collects: the index, and the events and archived tasks to write."""
 
-    def __init__(self, index: Index, now: datetime):
+    def __init__(self, index: Index, now: datetime, unchanged: bool = False):
         self.index = index
         self.now = now
+        self.unchanged = unchanged  # the index is the one this Store last committed, untouched since
         self.events: list[Event] = []
         self.archive: list[Task] = []
 
@@ -112,7 +113,7 @@ class Store:
             reuse, self._committed = self._committed, None
             index, before = self._load(reuse)
             self._recover_outbox(index)
-            txn = Txn(index, now)
+            txn = Txn(index, now, unchanged=reuse is not None and index is reuse[1])
             yield txn
             self._committed = (self._commit(txn, before), txn.index)
 

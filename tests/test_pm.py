@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -245,3 +246,15 @@ def test_positions_predict_the_real_start_order(n, max_agents):
             pm.start(index, task, T0)
             actual.append(task.id)
     assert actual == predicted
+
+
+def test_successor_only_where_one_exit_frees_a_slot_whichever_it_is():
+    index, cfg = Index(), Config(max_agents=2)
+    admit_all(index, cfg, ["a", "b", "c", "d"])
+    settle(index, cfg)
+    assert pm.successor(index, cfg).task.name == "c"
+    assert pm.successor(index, Config(max_agents=1)) is None  # over capacity: an exit frees nothing
+    assert pm.successor(index, Config(max_agents=3)) is None  # a free slot: starts happen at once
+    assert pm.successor(index, Config(max_agents=2, strategy="fair")) is None
+    guarded = msgspec.convert({"max_agents": 2, "resource_guard": {"max_load_per_cpu": 2}}, Config)
+    assert pm.successor(index, guarded) is None  # the machine's load decides, not the index

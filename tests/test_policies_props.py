@@ -139,3 +139,31 @@ def test_fair_never_starves_a_source(raw, first, later, gap):
                 assert waited[source] <= n_sources - 1, f"{source} passed over {waited[source]} times"
 
     drain(cfg, index, now, on_pick)
+
+
+@settings(max_examples=150, deadline=None)
+@given(config_st, st.booleans(), st.lists(task_st, max_size=8), st.lists(task_st, max_size=16), st.integers(0, 6), st.data())
+def test_successor_is_what_the_next_free_slot_starts(raw, simple, first, later, gap, data):
+    """pm.successor is a promise the service acts on before its transaction: whichever
+    running task ends, at any moment before `until`, the transaction that records the end
+    starts that task first. Queue deadlines are random, so expiry is part of the bargain."""
+    if simple:
+        raw |= {"strategy": data.draw(st.sampled_from(["fifo", "priority"])), "max_active_per_source": None,
+                "min_start_interval_per_source": None}
+        first, later = ([(s, p, None) for s, p, _ in batch] for batch in (first, later))
+    cfg, index, now = build(raw, first, later, gap)
+    for task in index.queued:
+        task.expires_at = data.draw(st.none() | st.integers(1, 30).map(lambda s: now + timedelta(seconds=s)))
+    succ = pm.successor(index, cfg)
+    if simple and index.queued and len(index.active) == cfg.max_agents:
+        assert succ is not None  # the common case of a busy queue does get its fast start
+    if succ is None:
+        return
+    assert succ.until == succ.task.expires_at
+    last = (succ.until - now) - timedelta(microseconds=1) if succ.until else timedelta(hours=1)
+    for ending in range(len(index.active)):
+        for at in (now, now + last):
+            after = msgspec.json.decode(msgspec.json.encode(index), type=Index)
+            pm.finish(after, after.active[ending], at, 0)
+            pm.expire_due(after, at)
+            assert [t.id for t in pm.plan_starts(after, cfg, at)][:1] == [succ.task.id]

@@ -3,12 +3,17 @@ adoption of a wrapper that a crash left unrecorded: real service, real processes
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import os
 import signal
+import time
 
 from conftest import agent_wrappers, wait_for  # noqa: F401
 
-from kugetsu import runner
+from kugetsu import ops, runner
+from kugetsu.service import Service
 
 
 def _warm_for(kg, task_id):
@@ -106,3 +111,49 @@ def test_a_queued_task_whose_wrapper_ran_is_adopted(kg):
     s, t = _unrecorded_wrapper_then_a_service(kg, queued, go)
     assert t["pid"] == s.pid and (kg.rec / "second").read_text().count("start") == 1
     assert kg.task("holder")["state"] == "succeeded"
+
+
+async def _until(condition, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+    return value
+
+
+async def test_a_task_let_go_early_but_not_started_by_pm_is_recorded_not_run_twice(kg, monkeypatch, caplog):
+    """At an agent's exit the service lets pm.successor's warm wrapper go before its
+    transaction. Should that transaction not start the task (a broken promise, forced here
+    by skipping the exit's settle), the agent already running is recorded as the task's
+    run: it is never started a second time. The service runs in this process."""
+    kg.config(max_agents=1, autostart=False)
+    gate = kg.rec / "go"
+    await asyncio.to_thread(kg.delegate, "blocker", 0, gate=gate)
+    await asyncio.to_thread(kg.delegate, "next", 0)
+    svc = Service(kg.home)
+    serving = asyncio.create_task(svc.main())
+    try:
+        await _until(lambda: svc.successor and 2 in svc.warm, what="blocker running and next warm")
+        assert svc.successor.task.name == "next"
+        warm_pid = svc.warm[2].pid
+        real_settle, skipped = ops.settle, []
+
+        def settle_but_not_at_the_exit(txn, cfg):
+            if svc.exited and not skipped:
+                skipped.append(txn.now)
+                return
+            real_settle(txn, cfg)
+
+        monkeypatch.setattr(ops, "settle", settle_but_not_at_the_exit)
+        caplog.set_level(logging.ERROR, logger="kugetsu.service")
+        gate.touch()
+        index = lambda: json.loads(kg.home.index.read_text())  # noqa: E731
+        done = await _until(lambda: [t for t in index()["finished"] if t["name"] == "next"], what="next to finish")
+    finally:
+        svc.stop()
+        await serving
+    assert skipped, "the exit's transaction did not run"
+    assert done[0]["state"] == "succeeded" and done[0]["pid"] == warm_pid
+    assert (kg.rec / "next").read_text().count("start") == 1
+    assert [e["task"] for e in kg.events("started")].count(2) == 1
+    assert "let go early but not picked" in caplog.text
