@@ -3,6 +3,7 @@ real agent processes that record their own start and end times, the real service
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -35,6 +36,16 @@ def wait_for(condition: Callable[[], object], timeout: float = 10.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+async def wait_for_async(condition: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> object:
+    """wait_for, for a test whose event loop must keep running meanwhile (an in-process service)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
+    return value
 
 
 class Kugetsu:

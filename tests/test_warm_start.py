@@ -4,13 +4,11 @@ adoption of a wrapper that a crash left unrecorded: real service, real processes
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
-import time
 
-from conftest import agent_wrappers, wait_for  # noqa: F401
+from conftest import agent_wrappers, wait_for, wait_for_async  # noqa: F401
 
 from kugetsu import ops, runner
 from kugetsu.service import Service
@@ -113,14 +111,6 @@ def test_a_queued_task_whose_wrapper_ran_is_adopted(kg):
     assert kg.task("holder")["state"] == "succeeded"
 
 
-async def _until(condition, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-    return value
-
-
 async def test_a_task_let_go_early_but_not_started_by_pm_is_recorded_not_run_twice(kg, monkeypatch, caplog):
     """At an agent's exit the service lets pm.successor's warm wrapper go before its
     transaction. Should that transaction not start the task (a broken promise, forced here
@@ -133,7 +123,7 @@ async def test_a_task_let_go_early_but_not_started_by_pm_is_recorded_not_run_twi
     svc = Service(kg.home)
     serving = asyncio.create_task(svc.main())
     try:
-        await _until(lambda: svc.successor and 2 in svc.warm, what="blocker running and next warm")
+        await wait_for_async(lambda: svc.successor and 2 in svc.warm, what="blocker running and next warm")
         assert svc.successor.task.name == "next"
         warm_pid = svc.warm[2].pid
         real_settle, skipped = ops.settle, []
@@ -147,8 +137,7 @@ async def test_a_task_let_go_early_but_not_started_by_pm_is_recorded_not_run_twi
         monkeypatch.setattr(ops, "settle", settle_but_not_at_the_exit)
         caplog.set_level(logging.ERROR, logger="kugetsu.service")
         gate.touch()
-        index = lambda: json.loads(kg.home.index.read_text())  # noqa: E731
-        done = await _until(lambda: [t for t in index()["finished"] if t["name"] == "next"], what="next to finish")
+        done = await wait_for_async(lambda: [t for t in kg.index()["finished"] if t["name"] == "next"], what="next to finish")
     finally:
         svc.stop()
         await serving
