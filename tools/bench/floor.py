@@ -4,8 +4,8 @@
     python tools/bench/floor.py [--rounds N]
 
 The same 100-task drain as run.py, but with no kugetsu at all: a small asyncio loop
-pre-starts every task's wrapper (kugetsu's own `runner.WRAPPER`, waiting on its pipe),
-watches each with a pidfd and, at each exit, writes to the next one's pipe. No index, no
+pre-starts every task's wrapper (kugetsu's own `runner.spawn`, warm: waiting on its pipe),
+watches each with a pidfd and, at each exit, lets the next one go (`runner.release`). No index, no
 transaction, no spawn during the drain: what is left is the design itself (an `sh`
 wrapper that outlives the service, a pidfd, a Python loop). Variant `+ commit` also
 writes 100 KB (index.json with 100 queued tasks) after each release the way the store
@@ -22,7 +22,6 @@ import asyncio
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,8 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run  # noqa: E402  (the same task script, stamps and tsp side as the main benchmark)
 
-from kugetsu.paths import atomic_write  # noqa: E402
-from kugetsu.runner import WRAPPER  # noqa: E402
+from kugetsu import runner  # noqa: E402
+from kugetsu.paths import Home, atomic_write  # noqa: E402
 
 N = 100
 
@@ -46,20 +45,14 @@ def drain_floor(commit: bool) -> dict:
         root = Path(tmp)
         stamps, bend, fifo = root / "stamps", root / "blocker_end", root / "fifo"
         os.mkfifo(fifo)
+        home = Home(root / "home")
+        home.ensure()
 
-        def warm(argv: list[str], tag: str) -> tuple[subprocess.Popen, int]:
-            r, w = os.pipe()
-            exit_file = root / f"{tag}.exit"
-            exit_file.touch(0o600)
-            log = os.open(root / f"{tag}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            p = subprocess.Popen(["/bin/sh", "-c", WRAPPER, f"floor#{tag}", str(exit_file), "warm", *argv],
-                                 stdin=r, stdout=log, stderr=log, start_new_session=True)
-            os.close(r)
-            os.close(log)
-            return p, w
+        def warm(task_id: int, argv: list[str]) -> runner.Spawned:
+            return runner.spawn(home, task_id, f"t{task_id}", argv, tmp, {}, warm=True)
 
-        chain = [warm(["sh", "-c", run.BLOCKER_SCRIPT, str(fifo), str(bend)], "blocker")]
-        chain += [warm(["sh", "-c", run.TASK_SCRIPT, str(stamps), str(i)], str(i)) for i in range(N)]
+        chain = [warm(0, ["sh", "-c", run.BLOCKER_SCRIPT, str(fifo), str(bend)])]
+        chain += [warm(i + 1, ["sh", "-c", run.TASK_SCRIPT, str(stamps), str(i)]) for i in range(N)]
         record = os.urandom(50_000).hex().encode()  # 100 KB: index.json with 100 queued tasks
 
         async def main() -> None:
@@ -67,11 +60,9 @@ def drain_floor(commit: bool) -> dict:
             done = asyncio.Event()
 
             def start(k: int) -> None:
-                proc, gate = chain[k]
-                fd = os.pidfd_open(proc.pid)
+                fd = os.pidfd_open(chain[k].pid)
                 loop.add_reader(fd, ended, k, fd)
-                os.write(gate, b"go\n")
-                os.close(gate)
+                runner.release(chain[k])
 
             def ended(k: int, fd: int) -> None:
                 loop.remove_reader(fd)
@@ -80,7 +71,7 @@ def drain_floor(commit: bool) -> dict:
                     start(k + 1)
                 else:
                     done.set()
-                chain[k][0].wait()
+                chain[k].popen.wait()
                 if commit:
                     atomic_write(root / "index.json", record)
 
