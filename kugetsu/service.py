@@ -27,12 +27,13 @@ from kugetsu.config import Config, format_size, load_config
 from kugetsu.errors import KugetsuError
 from kugetsu.models import Event, Index, Task
 from kugetsu.paths import Home, atomic_write
-from kugetsu.store import Store
+from kugetsu.store import Store, Txn
 
 log = logging.getLogger("kugetsu.service")
 
 RECONCILE_EVERY = 5.0  # seconds: a safety net; exits and deadlines do not wait for it
 GUARD_RECHECK = 2.0  # seconds between resource readings while the guard holds queued tasks
+COMMIT_DELAY = 0.02  # seconds an exit's transaction stays open for the exits that follow (_hold)
 
 
 class AlreadyRunning(KugetsuError):
@@ -60,6 +61,8 @@ class Service:
         self.index = Index()
         self._tick_pending = False
         self._first_tick = True
+        self.held: Txn | None = None  # a transaction kept open for a burst of exits (_hold)
+        self._flush_handle: asyncio.TimerHandle | None = None
         self._config_stamp: object = ...  # what config.json looked like when last read (... = never)
         self._stopping: asyncio.Event | None = None
         self._disk_check = True  # worktrees.max_disk: look at start, then whenever one is kept
@@ -93,6 +96,7 @@ class Service:
             await self._stopping.wait()
             log.info("kugetsu service stopping; running agents keep running")
         finally:
+            self._flush()
             await self._stop_extensions()
             self.scheduler.shutdown(wait=False)
             if self._git is not None:  # a worktree half-made is recovered by the next service
@@ -172,18 +176,22 @@ class Service:
             self._deadline = None  # it has fired: the tick sets the next one
         self._safe_tick()
 
-    def _safe_tick(self) -> None:
+    def _safe_tick(self, hold: bool = False) -> None:
         try:
-            self.tick()
+            self.tick(hold)
         except KugetsuError as err:  # e.g. index.json damaged by hand: say what, no traceback
             log.error("%s\nThe next wake-up or reconcile retries.", err)
         except Exception:
             log.exception("tick failed; the next wake-up or reconcile retries")
 
-    def tick(self) -> None:
+    def tick(self, hold: bool = False) -> None:
+        """One transaction that brings the world in line with the index. `hold` (after an
+        agent's exit): keep the transaction open, lock and all, for COMMIT_DELAY, so that
+        the exits that follow in a burst share its commit (`_hold`)."""
         self._tick_pending = False
         signals: list[tuple[Task, signal.Signals]] = []
-        with self.store.transaction(ops.now()) as txn:
+        txn = self._begin()
+        try:
             # Under the index lock, which `config set` holds while it writes config.json:
             # read before it, a lowering of max_agents committed meanwhile was overshot.
             config_changed = self._reload_config()
@@ -205,8 +213,18 @@ class Service:
                     break
             if self._released is not None:
                 self._record_released(txn)
-            self.index = index
-            events = txn.events
+            if hold:
+                self._hold(txn)
+            else:
+                self._cancel_flush()
+                self.store.commit(txn)
+        except BaseException:
+            self.store.abort()
+            # What this transaction (and a held one, the ticks before it) did is in the
+            # processes, not in the index: the next tick adopts it as after a crash.
+            self._first_tick = True
+            raise
+        self.index = txn.index
         self._released = None
         self.successor = pm.successor(self.index, self.cfg)
         self.exited.clear()
@@ -219,6 +237,51 @@ class Service:
         self._sync_watches()
         self._sync_jobs()
         self._sync_warm()
+        if not hold:
+            self._committed(txn.events)
+
+    # ---- held transactions: one commit for a burst of exits ---------------------------
+
+    def _begin(self) -> Txn:
+        """The held transaction, if there is one, else a new one."""
+        txn, self.held = self.held, None
+        if txn is None:
+            return self.store.begin(ops.now())
+        txn.now = ops.now()  # the same transaction, a moment later
+        return txn
+
+    def _hold(self, txn: Txn) -> None:
+        """Keep `txn` open until COMMIT_DELAY after the exit that opened it. Promotions do not
+        wait for it (the next agent is let go before any bookkeeping); what waits is the
+        commit, which is most of the service's work per task: with agents that end every few
+        ms, one commit per burst instead of one per exit. Meanwhile the lock is held (a CLI
+        command waits at most COMMIT_DELAY), so the index stays this service's own."""
+        txn.unchanged = True
+        self.held = txn
+        if self._flush_handle is None:
+            self._flush_handle = self.loop.call_later(COMMIT_DELAY, self._flush)
+
+    def _flush(self) -> None:
+        """Commit the held transaction."""
+        self._cancel_flush()
+        txn, self.held = self.held, None
+        if txn is None:
+            return
+        try:
+            self.store.commit(txn)
+        except Exception:
+            self._first_tick = True  # as in tick: adopt what the processes did
+            log.exception("commit failed; the next wake-up or reconcile retries")
+            return
+        self._committed(txn.events)
+
+    def _cancel_flush(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+
+    def _committed(self, events: list[Event]) -> None:
+        """After a commit: what reads the index from disk, and the listeners, see it now."""
         if self._disk_check and self.cfg.worktrees.max_disk is not None:
             self._disk_check = False
             # Off the loop: measuring worktrees walks their files.
@@ -515,7 +578,7 @@ class Service:
             self.loop.remove_reader(fd)
             os.close(fd)
         self.exited.add(task_id)
-        self._safe_tick()  # at once, not a loop iteration later: the next task waits on it
+        self._safe_tick(hold=True)  # at once, not a loop iteration later: the next task waits on it
 
     def _sync_jobs(self) -> None:
         """Everything that happens at a time (queue expiry, run timeouts, SIGKILL after the

@@ -38,10 +38,11 @@ def encode_index(index: Index) -> bytes:
 class Txn:
     """What a transaction sees and collects: the index, and the events and archived tasks to write."""
 
-    def __init__(self, index: Index, now: datetime, unchanged: bool = False):
+    def __init__(self, index: Index, now: datetime, unchanged: bool = False, before: bytes = b""):
         self.index = index
         self.now = now
         self.unchanged = unchanged  # the index is the one this Store last committed, untouched since
+        self.before = before  # the index's bytes as loaded: an unchanged index is not rewritten
         self.events: list[Event] = []
         self.archive: list[Task] = []
 
@@ -57,6 +58,7 @@ class Store:
         # The index this Store last committed, with its bytes: a long-lived writer (the
         # service) skips decoding a file that is byte for byte what it wrote.
         self._committed: tuple[bytes, Index] | None = None
+        self._lock_fd: int | None = None  # index.lock, open and locked while a transaction runs
 
     # ---- reading (no lock) ---------------------------------------------------------
 
@@ -107,32 +109,70 @@ class Store:
     @contextmanager
     def transaction(self, now: datetime) -> Iterator[Txn]:
         """Lock, load, let the caller change `txn.index`, commit. An exception commits nothing."""
-        with self._locked():
+        txn = self.begin(now)
+        try:
+            yield txn
+        except BaseException:
+            self.abort()
+            raise
+        self.commit(txn)
+
+    def begin(self, now: datetime) -> Txn:
+        """Lock and load: a transaction that `commit` or `abort` ends. Between the two the lock
+        is held, so a long-lived writer may make several changes in one transaction (the
+        service does, for exits that come in a burst)."""
+        self._lock()
+        try:
             # Taken out while the transaction runs: a failed one may leave the object half
             # changed, and it must never be reused.
             reuse, self._committed = self._committed, None
             index, before = self._load(reuse)
             self._recover_outbox(index)
-            txn = Txn(index, now, unchanged=reuse is not None and index is reuse[1])
-            yield txn
-            self._committed = (self._commit(txn, before), txn.index)
+        except BaseException:
+            self._unlock()
+            raise
+        return Txn(index, now, unchanged=reuse is not None and index is reuse[1], before=before)
+
+    def commit(self, txn: Txn) -> None:
+        """Write what the transaction changed, and let go of the lock."""
+        try:
+            self._committed = (self._commit(txn, txn.before), txn.index)
+        finally:
+            self._unlock()
+
+    def abort(self) -> None:
+        """Let go of the lock, writing nothing."""
+        self._unlock()
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
+        self._lock()
+        try:
+            yield
+        finally:
+            self._unlock()
+
+    def _lock(self) -> None:
         """The exclusive kernel lock on index.lock (released by the kernel if we die)."""
         if getattr(_held, "depth", 0):
             raise RuntimeError("nested kugetsu transaction (it would deadlock on index.lock)")
         if not self._ensured:
             self.home.ensure()
             self._ensured = True
-        lock_fd = os.open(self.home.lock, os.O_RDWR | os.O_CREAT, 0o600)
-        _held.depth = 1
+        fd = os.open(self.home.lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            _held.depth = 0
-            os.close(lock_fd)  # releases the lock
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+        _held.depth = 1
+
+    def _unlock(self) -> None:
+        _held.depth = 0
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
     def _commit(self, txn: Txn, before: bytes) -> bytes:
         """Write what the transaction changed; returns the index's bytes as now on disk."""
