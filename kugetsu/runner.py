@@ -186,9 +186,15 @@ def open_pidfd(pid: int | None, start: int | None) -> int | None:
 
 
 def find_wrapper(home: Home, task_id: int) -> tuple[int, int] | None:
-    """(pid, start) of a living wrapper of this task, found by its marker. Used once, at
-    service start, for a task whose spawn was not recorded because its spawner died."""
-    want = marker(home, task_id).encode()
+    """(pid, start) of a living wrapper of this task, found by its marker. Used at service
+    start, for a task whose spawn was not recorded because its spawner died."""
+    return find_wrappers(home).get(task_id)
+
+
+def find_wrappers(home: Home) -> dict[int, tuple[int, int]]:
+    """task id -> (pid, start) of this home's living wrappers: one pass over /proc."""
+    prefix = marker(home, 0)[:-1].encode()  # "kugetsu[<home key>]#"
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -196,8 +202,8 @@ def find_wrapper(home: Home, task_id: int) -> tuple[int, int] | None:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if len(argv) > 3 and argv[3] == want:
+        if len(argv) > 3 and argv[3].startswith(prefix) and argv[3][len(prefix):].isdigit():
             start = process_start(int(entry.name))
             if start is not None:
-                return int(entry.name), start
-    return None
+                found[int(argv[3][len(prefix):])] = (int(entry.name), start)
+    return found

@@ -33,6 +33,7 @@ log = logging.getLogger("kugetsu.service")
 
 RECONCILE_EVERY = 5.0  # seconds: a safety net; exits and deadlines do not wait for it
 GUARD_RECHECK = 2.0  # seconds between resource readings while the guard holds queued tasks
+WARM_AHEAD = 100  # queued tasks whose wrapper waits, started ahead (_sync_warm)
 COMMIT_DELAY = 0.02  # seconds an exit's transaction stays open for the exits that follow (_hold)
 
 
@@ -391,20 +392,25 @@ class Service:
         return runner.spawn(self.home, task.id, task.name, task.command, cwd, env)
 
     def _sync_warm(self) -> None:
-        """Keep the wrapper of the task at position 1 started and waiting, while every slot is
-        busy (with a free slot, tasks start at once anyway). Who starts is still decided by
-        pm in the tick; this only prepares the likely one. Worktree tasks are not warmed:
-        their working directory only exists once they start."""
-        nxt = None
+        """Keep the wrappers of the first WARM_AHEAD queued tasks in start order started and
+        waiting, while every slot is busy (with a free slot, tasks start at once anyway): a
+        promotion is then one write to a pipe, and no process is started while agents end
+        in quick succession (task-spooler's waiting clients do the same). Who starts is still
+        decided by pm in the tick; this only prepares the likely ones. Worktree tasks are not
+        warmed: their working directory only exists once they start."""
+        want: list[Task] = []
         if self.index.queued and pm.free_slots(self.index, self.cfg) == 0:
-            first = pm.start_order(self.index, self.cfg, ops.now())[0]
-            nxt = None if first.repo else first
-        for task_id in [i for i in self.warm if nxt is None or i != nxt.id]:
+            order = pm.start_order(self.index, self.cfg, ops.now())[:WARM_AHEAD]
+            want = [t for t in order if not t.repo]
+        wanted = {t.id for t in want}
+        for task_id in [i for i in self.warm if i not in wanted]:
             self._drop(self.warm.pop(task_id))
-        if nxt is not None and nxt.id not in self.warm:
+        for task in want:
+            if task.id in self.warm:
+                continue
             try:
-                self.warm[nxt.id] = runner.spawn(
-                    self.home, nxt.id, nxt.name, nxt.command, nxt.cwd, nxt.env, warm=True
+                self.warm[task.id] = runner.spawn(
+                    self.home, task.id, task.name, task.command, task.cwd, task.env, warm=True
                 )
             except (OSError, ValueError):
                 pass  # it gets a normal start, and its error, when its turn comes
@@ -417,10 +423,13 @@ class Service:
         """After a crash between starting a queued task's wrapper and committing it: a wrapper
         that runs its agent (a warm one that was never released has no child, and exits when
         it sees its pipe closed) or that recorded an exit status gets its task back."""
+        wrappers = None
         for task in list(txn.index.queued):
             if not self.home.log(task.id).exists():
                 continue  # no wrapper was ever started for it
-            found = runner.find_wrapper(self.home, task.id)
+            if wrappers is None:
+                wrappers = runner.find_wrappers(self.home)  # one look at /proc for the lot
+            found = wrappers.get(task.id)
             code = runner.read_exit(self.home, task.id)
             if not (found and runner.has_children(found[0])) and code is None:
                 continue

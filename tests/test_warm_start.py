@@ -10,7 +10,7 @@ import signal
 
 from conftest import agent_wrappers, wait_for, wait_for_async  # noqa: F401
 
-from kugetsu import ops, runner
+from kugetsu import ops, runner, service
 from kugetsu.service import Service
 
 
@@ -39,6 +39,43 @@ def test_position_one_waits_warm_and_never_runs_before_its_turn(kg):
     t = kg.wait_state("next", "succeeded")
     assert t["pid"] is not None and set(kg.times("next")) == {"start", "end"}
     assert kg.times("next")["start"] >= kg.times("blocker")["end"]
+
+
+def test_every_queued_task_waits_warm_and_they_run_in_order_once_each(kg):
+    gate = _next_waits_warm_behind_a_gated_blocker(kg)
+    kg.delegate("third", 0)
+    kg.delegate("fourth", 0)
+    wait_for(lambda: set(runner.find_wrappers(kg.home)) == {1, 2, 3, 4}, what="wrappers for the whole queue")
+    assert all(kg.times(n) == {} for n in ("next", "third", "fourth"))  # started ahead, none has run
+    gate.touch()
+    for name in ("next", "third", "fourth"):
+        kg.wait_state(name, "succeeded")
+    starts = [kg.times(n)["start"] for n in ("blocker", "next", "third", "fourth")]
+    ends = [kg.times(n)["end"] for n in ("blocker", "next", "third", "fourth")]
+    assert starts == sorted(starts) and all(s >= e for s, e in zip(starts[1:], ends))  # one at a time, FIFO
+    assert all((kg.rec / n).read_text().count("start") == 1 for n in ("next", "third", "fourth"))
+
+
+async def test_only_the_first_warm_ahead_tasks_wait_warm(kg, monkeypatch):
+    kg.config(max_agents=1, autostart=False)
+    gate = kg.rec / "go"
+    await asyncio.to_thread(kg.delegate, "blocker", 0, gate=gate)
+    for name in ("a", "b", "c", "d"):
+        await asyncio.to_thread(kg.delegate, name, 0)
+    monkeypatch.setattr(service, "WARM_AHEAD", 2)
+    svc = Service(kg.home)
+    serving = asyncio.create_task(svc.main())
+    try:
+        await wait_for_async(lambda: set(svc.warm) == {2, 3}, what="a and b warm")
+        await asyncio.to_thread(kg.ok, "cancel", "a")  # c moves up: it is warmed, a's wrapper goes
+        await wait_for_async(lambda: set(svc.warm) == {3, 4}, what="b and c warm")
+        await wait_for_async(lambda: set(runner.find_wrappers(kg.home)) == {1, 3, 4}, what="a's wrapper to exit")
+        gate.touch()
+        await wait_for_async(lambda: len(kg.index()["finished"]) == 5, what="the queue to drain")
+    finally:
+        svc.stop()
+        await serving
+    assert kg.times("a") == {} and all(kg.times(n) for n in ("b", "c", "d"))
 
 
 def test_cancelled_warm_task_leaves_no_process(kg):
