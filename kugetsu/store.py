@@ -154,7 +154,7 @@ class Store:
 
     def _lock(self) -> None:
         """The exclusive kernel lock on index.lock (released by the kernel if we die)."""
-        if getattr(_held, "depth", 0):
+        if getattr(_held, "depth", 0) or self._lock_fd is not None:  # this thread, or this Store (one writer)
             raise RuntimeError("nested kugetsu transaction (it would deadlock on index.lock)")
         if not self._ensured:
             self.home.ensure()
