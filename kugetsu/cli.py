@@ -307,10 +307,13 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     try:
         f = open(path, "rb")
     except FileNotFoundError:
-        if not args.follow:
-            print(f"(no output yet: {task.name} is {task.state.value})", file=sys.stderr)
-            return OK
         f = None
+    # A queued task's wrapper waits with its log already made: empty reads as "nothing yet".
+    if not args.follow and (f is None or os.fstat(f.fileno()).st_size == 0):
+        if f is not None:
+            f.close()
+        print(f"(no output yet: {task.name} is {task.state.value})", file=sys.stderr)
+        return OK
     if f is not None and args.lines is not None:
         out.write(b"".join(f.read().splitlines(keepends=True)[-args.lines :]) if args.lines else b"")
     elif f is not None:

@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import agent_wrappers, wait_for
 
-from kugetsu import ops
+from kugetsu import ops, runner
 
 
 def overlap(kg, names):
@@ -360,6 +360,16 @@ def test_logs_wait_status_and_exit_codes(kg):
             "expires_at", "exit_code", "pid", "log", "reason"} <= set(s)
     assert s["created_at"].endswith("Z") and s["log"].endswith("logs/2.log")
     assert re.search(r"^state +failed$", kg.ok("status", "bad"), re.M)
+
+
+def test_logs_of_a_task_waiting_warm_says_there_is_no_output_yet(kg):
+    kg.config(max_agents=1)
+    kg.delegate("blocker", 30)
+    kg.delegate("next", 0)
+    wait_for(lambda: runner.find_wrapper(kg.home, 2), what="next's wrapper to wait")
+    assert kg.home.log(2).exists()  # made with its wrapper, empty
+    r = kg.run("logs", "next")
+    assert r.returncode == 0 and r.stdout == "" and "(no output yet: next is queued)" in r.stderr
 
 
 def test_clean_never_reuses_ids(kg):
