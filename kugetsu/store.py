@@ -136,7 +136,7 @@ class Store:
     def commit(self, txn: Txn) -> None:
         """Write what the transaction changed, and let go of the lock."""
         try:
-            self._committed = (self._commit(txn, txn.before), txn.index)
+            self._committed = (self._commit(txn), txn.index)
         finally:
             self._unlock()
 
@@ -174,7 +174,7 @@ class Store:
         if fd is not None:
             os.close(fd)  # releases the lock
 
-    def _commit(self, txn: Txn, before: bytes) -> bytes:
+    def _commit(self, txn: Txn) -> bytes:
         """Write what the transaction changed; returns the index's bytes as now on disk."""
         index = txn.index
         for event in txn.events:
@@ -187,7 +187,7 @@ class Store:
             # last line of an id), it never loses one.
             _append(self.home.history, b"".join(_encoder.encode(t) + b"\n" for t in txn.archive), sync=True)
         data = encode_index(index)
-        if data != before:
+        if data != txn.before:
             atomic_write(self.home.index, data)
         if txn.events:
             _append_events(self.home.events, txn.events)
