@@ -36,3 +36,9 @@ class NotFound(KugetsuError):
     """No such task (exit 1)."""
 
     code = FAILURE
+
+
+class DiskFull(KugetsuError):
+    """The disk (or the user's quota) is full: the change was not written (exit 1)."""
+
+    code = FAILURE

@@ -60,6 +60,13 @@ def default_home() -> Home:
     return Home(os.environ.get("KUGETSU_HOME") or Path.home() / ".kugetsu")
 
 
+def open_file(path: os.PathLike[str] | str, flags: int, mode: int = 0o600) -> int:
+    """os.open for a file inside KUGETSU_HOME: never through a symlink (O_NOFOLLOW: a link
+    planted there fails with ELOOP instead of redirecting kugetsu's write), never inherited
+    by an agent (O_CLOEXEC), created private (0600)."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Replace `path` with `data` so that a crash leaves the old or the new file, never a torn one:
     temp file in the same directory, fsync, rename, fsync of the directory."""
