@@ -71,14 +71,18 @@ def atomic_write(path: Path, data: bytes) -> None:
     """Replace `path` with `data` so that a crash leaves the old or the new file, never a torn one:
     temp file in the same directory, fsync, rename, fsync of the directory."""
     tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temp file behind
+        raise
     os.replace(tmp, path)
     dfd = os.open(path.parent, os.O_RDONLY)
     try:

@@ -11,21 +11,33 @@ transaction appends them. So events.jsonl needs no fsync of its own and loses no
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timezone
 
 import msgspec
 
 from kugetsu.config import describe_decode_error
-from kugetsu.errors import FileError
-from kugetsu.models import Event, Index, Task, check_index
-from kugetsu.paths import Home, atomic_write, read_tail
+from kugetsu.errors import DiskFull, FileError
+from kugetsu.models import INDEX_VERSION, Event, Index, Task, check_index
+from kugetsu.paths import Home, atomic_write, open_file, read_tail
 
-_index_decoder = msgspec.json.Decoder(Index)
+
+class _IndexFile(Index, forbid_unknown_fields=True):
+    """index.json as it must be on disk: a JSON object that merely decodes (`{"max_agents": 2}`,
+    a config file put in the wrong place) is not an index, and is refused rather than taken
+    for an empty queue."""
+
+    version: int
+    next_id: int
+
+
+_index_decoder = msgspec.json.Decoder(_IndexFile)
 _event_decoder = msgspec.json.Decoder(Event)
 _encoder = msgspec.json.Encoder()
 _held = threading.local()
@@ -64,16 +76,18 @@ class Store:
 
     def _load(self, reuse: tuple[bytes, Index] | None = None) -> tuple[Index, bytes]:
         try:
-            data = self.home.index.read_bytes()
+            fd = open_file(self.home.index, os.O_RDONLY)
         except FileNotFoundError:
             return Index(), b""
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
         if reuse is not None and reuse[0] == data:
             return reuse[1], data
         try:
             index = _index_decoder.decode(data)
         except (msgspec.DecodeError, RecursionError) as err:  # RecursionError: absurdly deep nesting
-            raise FileError(describe_decode_error(self.home.index, data, err) + _FIX) from None
-        problem = check_index(index)
+            raise FileError(_describe_index_error(self.home, data, err) + _FIX) from None
+        problem = check_index(index) if index.version == INDEX_VERSION else f"unknown version {index.version}"
         if problem:
             raise FileError(f"{self.home.index}: {problem}{_FIX}")
         return index, data
@@ -107,7 +121,7 @@ class Store:
     # ---- writing -------------------------------------------------------------------
 
     @contextmanager
-    def transaction(self, now: datetime) -> Iterator[Txn]:
+    def transaction(self, now: datetime | None = None) -> Iterator[Txn]:
         """Lock, load, let the caller change `txn.index`, commit. An exception commits nothing."""
         txn = self.begin(now)
         try:
@@ -117,26 +131,40 @@ class Store:
             raise
         self.commit(txn)
 
-    def begin(self, now: datetime) -> Txn:
+    def begin(self, now: datetime | None = None) -> Txn:
         """Lock and load: a transaction that `commit` or `abort` ends. Between the two the lock
         is held, so a long-lived writer may make several changes in one transaction (the
-        service does, for exits that come in a burst)."""
+        service does, for exits that come in a burst).
+
+        `now` is read here, after the lock is taken: read before, a writer that waited for
+        the lock would stamp its events earlier than those of the writer before it."""
         self._lock()
         try:
             # Taken out while the transaction runs: a failed one may leave the object half
             # changed, and it must never be reused.
             reuse, self._committed = self._committed, None
             index, before = self._load(reuse)
+            unchanged = reuse is not None and index is reuse[1]
+            if not unchanged:
+                _keep_counters_ahead(self.home, index, before)
             self._recover_outbox(index)
         except BaseException:
             self._unlock()
             raise
-        return Txn(index, now, unchanged=reuse is not None and index is reuse[1], before=before)
+        return Txn(index, now or datetime.now(timezone.utc), unchanged=unchanged, before=before)
 
     def commit(self, txn: Txn) -> None:
-        """Write what the transaction changed, and let go of the lock."""
+        """Write what the transaction changed, and let go of the lock. A disk that is full
+        raises DiskFull, and the index on disk is the one before the transaction."""
         try:
             self._committed = (self._commit(txn), txn.index)
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFull(
+                    f"disk full: could not write {self.home.index.name} in {self.home.root}; nothing was"
+                    " written. Free some space there and try again."
+                ) from None
+            raise
         finally:
             self._unlock()
 
@@ -159,7 +187,7 @@ class Store:
         if not self._ensured:
             self.home.ensure()
             self._ensured = True
-        fd = os.open(self.home.lock, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = open_file(self.home.lock, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except BaseException:
@@ -190,8 +218,11 @@ class Store:
         if data != txn.before:
             atomic_write(self.home.index, data)
         if txn.events:
-            _append_events(self.home.events, txn.events)
-            self._appended = txn.events[-1].seq
+            try:
+                _append_events(self.home.events, txn.events)
+                self._appended = txn.events[-1].seq
+            except OSError:
+                pass  # committed all the same: the outbox holds them, the next transaction appends them
         return data
 
     def rotate_events(self, limit: int) -> int | None:
@@ -226,8 +257,67 @@ _FIX = (
 )
 
 
+def _describe_index_error(home: Home, data: bytes, err: Exception) -> str:
+    text = str(err)
+    if re.match(r"Object (contains unknown|missing required) field `[^`]*`$", text):  # top level only
+        return f"{home.index}: not a kugetsu index ({text[0].lower()}{text[1:]})"
+    return describe_decode_error(home.index, data, err)
+
+
+def _keep_counters_ahead(home: Home, index: Index, data: bytes) -> None:
+    """Ids and event seqs never go back, even when index.json was moved away, replaced by an
+    older copy or restored from a backup: a new task must never take an old task's id, and
+    with it its log and exit file (it would be "finished" before it ran). Cheap checks on
+    every index a writer loads afresh; the full look through logs/, events and history only
+    when one of them shows the index is behind."""
+    behind = not data or _last_seq(home) >= index.next_seq
+    if not behind:
+        behind = any(
+            os.path.lexists(p) for p in (home.log(index.next_id), home.exit_file(index.next_id))
+        )
+    if not behind:
+        return
+    top_id, top_seq = _high_water(home)
+    index.next_id = max(index.next_id, top_id + 1)
+    index.next_seq = max(index.next_seq, top_seq + 1)
+
+
+_LOG_NAME = re.compile(r"^(\d+)\.[a-z]+$")
+
+
+def _high_water(home: Home) -> tuple[int, int]:
+    """The highest task id and event seq anything in the home still shows."""
+    top_id = top_seq = 0
+    try:
+        names = os.listdir(home.logs)
+    except OSError:
+        names = []
+    for name in names:
+        m = _LOG_NAME.match(name)
+        if m:
+            top_id = max(top_id, int(m.group(1)))
+    for path in (home.events_old, home.events):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        for event in decode_events(data):
+            top_seq = max(top_seq, event.seq)
+            if event.task is not None:
+                top_id = max(top_id, event.task)
+    try:
+        with open(home.history, "rb") as f:
+            for line in f:
+                m = re.match(rb'\{"id":(\d+)', line)
+                if m:
+                    top_id = max(top_id, int(m.group(1)))
+    except OSError:
+        pass
+    return top_id, top_seq
+
+
 def _append(path: os.PathLike[str], data: bytes, sync: bool = False) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    fd = open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         os.write(fd, data)
         if sync:
@@ -238,7 +328,7 @@ def _append(path: os.PathLike[str], data: bytes, sync: bool = False) -> None:
 
 def _append_events(path: os.PathLike[str], events: list[Event]) -> None:
     data = b"".join(_encoder.encode(e) + b"\n" for e in events)
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    fd = open_file(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
     try:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
