@@ -77,6 +77,14 @@ class Task(msgspec.Struct, kw_only=True):
     # SIGKILL follows the SIGTERM it was sent.
     stop: TaskState | None = None
     kill_at: Time | None = None
+    # In the agent's environment and everything it starts: how kugetsu finds the processes
+    # the task owns, also those that left its process group (runner.new_token).
+    token: str | None = None
+    # Set when the agent has ended (exit_code then holds its status) while processes it
+    # started still run: the task keeps its slot until they are gone (SIGTERM, SIGKILL at
+    # kill_at). `leftovers` counts the processes found and ended.
+    ended_at: Time | None = None
+    leftovers: int = 0
     # Worktree isolation (docs/worktrees.md). `repo` set = the task runs in its own worktree.
     # `base` is what it branches from: a commit pinned at admission, or the --base REF as given
     # (resolved when it starts); `base_commit` is the commit the worktree was really created at.

@@ -33,7 +33,7 @@ def _locked(home: Home) -> Iterator[tuple[Txn, Config]]:
     """A transaction, with the config as it is under the index lock: `config set` writes it
     under that lock, so a config read before taking it may already be stale (a lowered
     max_agents overshot by one start)."""
-    with Store(home).transaction(now()) as txn:
+    with Store(home).transaction() as txn:
         yield txn, load_config(home)
 
 
@@ -72,6 +72,7 @@ class Admission(msgspec.Struct):
 def delegate(home: Home, cfg: Config, req: pm.Request) -> Admission:
     _check_runnable(cfg, req)
     _check_worktree(cfg, req)
+    req.token = runner.new_token()
     with _locked(home) as (txn, cfg):
         settle(txn, cfg)
         task, events = pm.admit(txn.index, cfg, txn.now, req)
@@ -156,7 +157,7 @@ def set_priority(home: Home, ref: str, level: str) -> tuple[Task, int | None]:
 def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Config:
     """Validate, write atomically and apply at once (raising max_agents starts queued tasks)."""
     store = Store(home)
-    with store.transaction(now()) as txn:  # the index lock also orders config writes
+    with store.transaction() as txn:  # the index lock also orders config writes
         raw = with_value(read_raw(home), key, value, remove=remove)
         cfg = validate(raw, f"cannot set {key}: {home.config}", hint="\nNothing was changed.")
         save_raw(home, raw)
@@ -175,7 +176,7 @@ def _shown(key: str, value: Any) -> Any:
 
 def clean(home: Home, older_than: float | None) -> list[Task]:
     """Drop finished tasks from the index, with their log files. Ids are never reused."""
-    with Store(home).transaction(now()) as txn:
+    with Store(home).transaction() as txn:
         gone = pm.clean(txn.index, txn.now, older_than)
     for task in gone:
         home.log(task.id).unlink(missing_ok=True)
@@ -210,7 +211,7 @@ def prune_worktrees(home: Home, older_than: float | None = None, force: bool = F
         out.append(_prune_one(home, entry, force))
     events = [_worktree_event(p.entry, p.note, t) for p in out if p.removed]
     if events:
-        with Store(home).transaction(now()) as txn:
+        with Store(home).transaction() as txn:
             gone = {str(p.entry.path) for p in out if p.removed}
             for task in txn.index.all_tasks():
                 if task.worktree in gone and task.state.final and task.worktree_state in ("kept", "active"):
@@ -281,7 +282,7 @@ def enforce_max_disk(home: Home, cfg: Config) -> list[Pruned]:
             f"worktrees use {format_size(total)}, over max_disk {cfg.worktrees.max_disk}; the rest belong to running"
             " tasks or hold uncommitted changes (`kugetsu worktrees` lists them)")))
     if events:
-        with Store(home).transaction(now()) as txn:
+        with Store(home).transaction() as txn:
             gone = {str(p.entry.path) for p in out if p.removed}
             for task in txn.index.all_tasks():
                 if task.worktree in gone and task.state.final:
@@ -298,13 +299,16 @@ def read(home: Home) -> tuple[Config, Index]:
     return load_config(home), Store(home).read()
 
 
+_PRIVATE_FIELDS = frozenset(("id", "name", "state", "env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers"))
+
+
 def task_json(task: Task, position: int | None) -> dict[str, Any]:
     """The public task object of DESIGN section 5."""
     import msgspec
 
     out = msgspec.to_builtins(task)
     out = {k: out[k] for k in ("id", "name", "state")} | {"position": position} | {
-        k: v for k, v in out.items() if k not in ("id", "name", "state", "env", "pid_start", "stop", "kill_at")
+        k: v for k, v in out.items() if k not in _PRIVATE_FIELDS
     }
     return out
 

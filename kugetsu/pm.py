@@ -153,6 +153,7 @@ class Request(msgspec.Struct, kw_only=True):
     worktree: bool | None = None
     base: str | None = None
     repo: str | None = None
+    token: str | None = None  # the task's process token (runner.new_token); ops makes it
 
 
 _PLACEHOLDER = re.compile(r"\{(prompt|name|id)\}")
@@ -236,6 +237,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         prompt=req.prompt,
         timeout=timeout,
         env=env,
+        token=req.token,
         repo=req.repo,
         base=req.base if req.repo else None,
         branch=f"kugetsu/{name}" if req.repo else None,
@@ -300,6 +302,34 @@ def start(index: Index, task: Task, now: datetime) -> list[Event]:
     return [_event("started", task, now, slot=task.slot)]
 
 
+def record_spawn(index: Index, task: Task, at: datetime) -> None:
+    """The task's agent was let go at `at`, which may be later than the decision to start it
+    (a CLI's transaction decides, the service spawns): started_at, run timeouts and the
+    source's rate limit count from the real start."""
+    task.started_at = at
+    mark = index.last_start.get(task.source)
+    if mark is not None and mark.at < at:
+        mark.at = at
+
+
+def agent_ended(task: Task, now: datetime, exit_code: int | None, reason: str | None, grace: float) -> None:
+    """The agent has ended but processes it started are still there: the task keeps its slot
+    while they go (SIGTERM now, SIGKILL at kill_at; a task already being stopped keeps its
+    own kill_at). `finish` follows once none is left."""
+    task.ended_at = now
+    task.exit_code = exit_code
+    if reason and task.stop is None:
+        task.reason = reason
+    if task.kill_at is None:
+        task.kill_at = now + timedelta(seconds=grace)
+
+
+def leftovers_note(count: int) -> str | None:
+    if not count:
+        return None
+    return f"ended {count} leftover process{'' if count == 1 else 'es'}"
+
+
 _REMEMBERED_SOURCES = 256
 
 
@@ -317,8 +347,10 @@ def _forget_sources(index: Index) -> None:
 
 def finish(index: Index, task: Task, now: datetime, exit_code: int | None, reason: str | None = None) -> list[Event]:
     """running -> final. A stop that was asked for (cancel, timeout) decides the state;
-    else the exit code does; no exit code at all means the task is lost."""
+    else the exit code does; no exit code at all means the task is lost. Processes the
+    agent left behind and kugetsu ended (task.leftovers) are named in the reason."""
     index.active.remove(task)
+    task.ended_at = None
     if task.stop is not None:
         state = task.stop
     elif exit_code is None:
@@ -329,6 +361,9 @@ def finish(index: Index, task: Task, now: datetime, exit_code: int | None, reaso
     else:
         state = TaskState.FAILED
         task.reason = reason or describe_exit(exit_code)
+    note = leftovers_note(task.leftovers)
+    if note:
+        task.reason = f"{task.reason}; {note}" if task.reason else note
     return [_close(index, task, state, now, exit_code)]
 
 

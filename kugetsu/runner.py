@@ -9,30 +9,56 @@ about a millisecond, where a Python supervisor per task would cost 15+ ms.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from kugetsu.paths import Home
+from kugetsu.paths import Home, open_file
 
+# The agent's argv reaches the wrapper in its environment (KUGETSU_ARG_<i>, readable in /proc
+# only by the same user), not on its command line: `ps` shows every local user the command
+# line of each waiting wrapper, and a queued task's prompt must not be there. The wrapper
+# builds "$@" from them (eval only ever sees the variables' names, never their values, so
+# a prompt full of quotes, `;` or `$()` is passed verbatim) and unsets them before the agent
+# runs.
 # TERM/INT/HUP are trapped (not ignored: an ignored signal would stay ignored in the agent)
 # so that the wrapper survives the group's SIGTERM long enough to record the agent's status.
 # A warm wrapper (`$2` = warm) is started ahead of its turn and waits for one line on its
 # stdin, a pipe from the service: promotion is then one write, not a process start-up. If
 # the pipe closes instead (task cancelled, service gone), it exits without running anything.
+# The status is written over the blanks the exit file was created with (`1<>` opens it
+# without truncating): the space is allocated when the task starts, so an agent's end is
+# recorded even on a disk that filled up while it ran.
 WRAPPER = (
-    's=$1; w=$2; shift 2; '
+    's=$1; w=$2; n=$3; set --; '
     'if [ "$w" = warm ]; then read -r go || exit 0; exec </dev/null; fi; '
-    'trap : TERM INT HUP; "$@"; echo $? > "$s"'
+    'i=0; while [ $i -lt $n ]; do eval "set -- \\"\\$@\\" \\"\\$KUGETSU_ARG_$i\\"; unset KUGETSU_ARG_$i"; i=$((i+1)); done; '
+    'trap : TERM INT HUP; "$@"; echo $? 1<> "$s"'
 )
+EXIT_BLANK = b" " * 15 + b"\n"  # what an exit file holds until its wrapper writes a status
+TOKEN_VAR = "KUGETSU_TASK_TOKEN"
+_TOKEN_B = TOKEN_VAR.encode() + b"="
+# Never handed to an agent: the bot's token, and the service's own plumbing.
+_PRIVATE_VARS = ("KUGETSU_TELEGRAM_TOKEN", "KUGETSU_SERVICE_LOCK_FD")
 
 
 def marker(home: Home, task_id: int) -> str:
-    """The wrapper's $0: names the task in `ps` and lets a restarted service find it."""
+    """The wrapper's $0: names the task in `ps`. Only a label: a restarted service takes a
+    process for a task's only when it is the same user's and carries the task's token."""
     return f"kugetsu[{home.key}]#{task_id}"
+
+
+def new_token() -> str:
+    """A task's token: put in its agent's environment, inherited by everything the agent
+    starts, readable in /proc only by the same user. It is how kugetsu finds the processes a
+    task started, also those that left its process group, and how a restarted service tells
+    its wrappers from a forged marker."""
+    return os.urandom(16).hex()
 
 
 class Spawned(msgspec.Struct):
@@ -43,30 +69,51 @@ class Spawned(msgspec.Struct):
     exit_file: Path | None = None
 
 
+def agent_env(home: Home, task_id: int, name: str, token: str | None, env: dict[str, str]) -> dict[str, str]:
+    """The environment an agent runs with: the service's own, less its secrets, plus the
+    preset's variables and the task's identity."""
+    base = {k: v for k, v in os.environ.items() if k not in _PRIVATE_VARS and not k.startswith("KUGETSU_ARG_")}
+    out = {**base, **env, "KUGETSU_TASK_ID": str(task_id), "KUGETSU_TASK_NAME": name, "KUGETSU_HOME": str(home.root)}
+    if token:
+        out[TOKEN_VAR] = token
+    return out
+
+
 def spawn(
-    home: Home, task_id: int, name: str, argv: list[str], cwd: str, env: dict[str, str], warm: bool = False
+    home: Home, task_id: int, name: str, argv: list[str], cwd: str, env: dict[str, str],
+    warm: bool = False, token: str | None = None,
 ) -> Spawned:
     """Start the task's wrapper: running at once, or (warm) waiting for `release`."""
     import subprocess  # only the service spawns; the CLI never pays for this import
 
     log = home.log(task_id)
     exit_file = home.exit_file(task_id)
-    # Empty, which reads as "no status yet": created here, so that the wrapper only rewrites
-    # it when its agent ends (creating a file there would cost ~50 us on every promotion).
-    os.close(os.open(exit_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+    # Blanks, which read as "no status yet": created (and their space allocated) here, so that
+    # the wrapper only writes over them when its agent ends, full disk or not.
+    fd = open_file(exit_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.write(fd, EXIT_BLANK)
+    except BaseException:
+        os.close(fd)
+        exit_file.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    full_env = agent_env(home, task_id, name, token, env)
+    full_env.update((f"KUGETSU_ARG_{i}", arg) for i, arg in enumerate(argv))
     gate_r, gate_w = os.pipe() if warm else (None, None)  # not inheritable: only this wrapper gets it
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        fd = open_file(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    except BaseException:
+        exit_file.unlink(missing_ok=True)
+        for end in (gate_r, gate_w):
+            if end is not None:
+                os.close(end)
+        raise
     try:
         popen = subprocess.Popen(
-            ["/bin/sh", "-c", WRAPPER, marker(home, task_id), str(exit_file), "warm" if warm else "now", *argv],
+            ["/bin/sh", "-c", WRAPPER, marker(home, task_id), str(exit_file), "warm" if warm else "now", str(len(argv))],
             cwd=cwd,
-            env={
-                **os.environ,
-                **env,
-                "KUGETSU_TASK_ID": str(task_id),
-                "KUGETSU_TASK_NAME": name,
-                "KUGETSU_HOME": str(home.root),
-            },
+            env=full_env,
             stdin=subprocess.DEVNULL if gate_r is None else gate_r,
             stdout=fd,
             stderr=fd,
@@ -114,15 +161,31 @@ def has_children(pid: int) -> bool:
 
 
 def read_exit(home: Home, task_id: int) -> int | None:
-    """The agent's exit status as its wrapper recorded it, or None."""
+    """The agent's exit status as its wrapper recorded it, or None (no file, or blanks)."""
     try:
-        text = home.exit_file(task_id).read_text().strip()
-        return int(text)
-    except (FileNotFoundError, ValueError):
+        fd = open_file(home.exit_file(task_id), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        words = os.read(fd, 64).split()
+    finally:
+        os.close(fd)
+    try:
+        return int(words[0]) if words else None
+    except ValueError:
         return None
 
 
-# ---- identity: a pid is never trusted without its start time -----------------------------
+def exit_time(home: Home, task_id: int) -> datetime | None:
+    """When the wrapper wrote the agent's exit status (the exit file's mtime)."""
+    try:
+        st = os.stat(home.exit_file(task_id), follow_symlinks=False)
+    except OSError:
+        return None
+    return datetime.fromtimestamp(st.st_mtime, timezone.utc)
+
+
+# ---- identity: a pid is never trusted without its start time and uid ----------------------
 
 
 def process_start(pid: int) -> int | None:
@@ -131,10 +194,8 @@ def process_start(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
     except OSError:
-        return _psutil_start(pid)
+        return None
     # The command name (field 2) may hold spaces and ')': split after its last ')'.
     fields = stat[stat.rfind(b")") + 2 :].split()
     if fields[0] in (b"Z", b"X"):  # zombie or dead: it has exited
@@ -142,21 +203,58 @@ def process_start(pid: int) -> int | None:
     return int(fields[19])
 
 
-def _psutil_start(pid: int) -> int | None:
-    import psutil
-
+def is_zombie(pid: int) -> bool:
     try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return int(proc.create_time() * 100)
-    except psutil.Error:
-        return None
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 :][:1] == b"Z"
 
 
 def alive(pid: int | None, start: int | None) -> bool:
     """Is `pid` still the very process that was started at `start`?"""
     return pid is not None and start is not None and process_start(pid) == start
+
+
+def owned(pid: int, token: str | None) -> bool:
+    """Is the process this user's, and does it carry `token` in its environment? What a
+    marker in `ps` only claims, this proves: another user can neither read a token nor put
+    one in a process of ours."""
+    if not token:
+        return False
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return False
+        return token_of(pid) == token
+    except OSError:
+        return False
+
+
+def token_of(pid: int) -> str | None:
+    """The task token in the process's environment (None: none, gone, or not ours to read)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return None
+    env = b"\0" + env  # every variable now starts after a NUL
+    at = env.find(b"\0" + _TOKEN_B)
+    if at < 0:
+        return None
+    value = env[at + 1 + len(_TOKEN_B) :].split(b"\0", 1)[0]
+    return value.decode("ascii", "replace") or None
+
+
+def signal_pid(pid: int, start: int | None, sig: signal.Signals) -> bool:
+    """Signal one process, only if it is still the one seen at `start`."""
+    if not alive(pid, start):
+        return False
+    try:
+        os.kill(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 def kill_group(pid: int | None, start: int | None, sig: signal.Signals) -> bool:
@@ -169,6 +267,20 @@ def kill_group(pid: int | None, start: int | None, sig: signal.Signals) -> bool:
         return True
     except ProcessLookupError:
         return False
+    except PermissionError:  # not ours after all (never the case for a pid we verified)
+        return False
+
+
+def group_alive(pgid: int) -> bool:
+    """Is any process left in the process group? (The group's leader must be reaped first:
+    a zombie still counts.) A group id is not reused while the group has a member."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # somebody is there; not ours to signal, but the group is not empty
 
 
 def open_pidfd(pid: int | None, start: int | None) -> int | None:
@@ -185,14 +297,71 @@ def open_pidfd(pid: int | None, start: int | None) -> int | None:
     return fd
 
 
-def find_wrapper(home: Home, task_id: int) -> tuple[int, int] | None:
-    """(pid, start) of a living wrapper of this task, found by its marker. Used at service
+# ---- the processes a task started -------------------------------------------------------------
+
+
+def become_subreaper() -> bool:
+    """Make the calling process (the service) the reaper of its descendants' orphans: what
+    an agent leaves running when it exits, or starts with setsid or a double fork, becomes
+    the service's child instead of init's, so the service sees it at once (own_children)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_CHILD_SUBREAPER = 36
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def own_children() -> list[int]:
+    """pids of the calling process's children (of all its threads)."""
+    out: list[int] = []
+    try:
+        threads = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in threads:
+        try:
+            with open(f"/proc/self/task/{tid}/children", "rb") as f:
+                out += [int(p) for p in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def scan_token(token: str) -> dict[int, int]:
+    """pid -> start of every living process of this user that carries `token`: one pass over
+    /proc (for a worker thread; the service's loop never scans /proc)."""
+    uid = os.getuid()
+    found = {}
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            if entry.stat().st_uid != uid:
+                continue
+        except OSError:
+            continue
+        pid = int(entry.name)
+        if token_of(pid) == token:
+            start = process_start(pid)
+            if start is not None:
+                found[pid] = start
+    return found
+
+
+def find_wrapper(home: Home, task_id: int, token: str | None) -> tuple[int, int] | None:
+    """(pid, start) of a living wrapper of this task that is truly ours. Used at service
     start, for a task whose spawn was not recorded because its spawner died."""
-    return find_wrappers(home).get(task_id)
+    return find_wrappers(home, {task_id: token}).get(task_id)
 
 
-def find_wrappers(home: Home) -> dict[int, tuple[int, int]]:
-    """task id -> (pid, start) of this home's living wrappers: one pass over /proc."""
+def find_wrappers(home: Home, tokens: dict[int, str | None]) -> dict[int, tuple[int, int]]:
+    """task id -> (pid, start) of this home's living wrappers, for the tasks in `tokens`:
+    one pass over /proc. The marker on the command line only finds candidates; a candidate
+    counts only if it is this user's and carries its task's token."""
     prefix = marker(home, 0)[:-1].encode()  # "kugetsu[<home key>]#"
     found = {}
     for entry in Path("/proc").iterdir():
@@ -203,7 +372,10 @@ def find_wrappers(home: Home) -> dict[int, tuple[int, int]]:
         except OSError:
             continue
         if len(argv) > 3 and argv[3].startswith(prefix) and argv[3][len(prefix):].isdigit():
-            start = process_start(int(entry.name))
+            task_id, pid = int(argv[3][len(prefix):]), int(entry.name)
+            if task_id not in tokens or not owned(pid, tokens[task_id]):
+                continue
+            start = process_start(pid)
             if start is not None:
-                found[int(argv[3][len(prefix):])] = (int(entry.name), start)
+                found[task_id] = (pid, start)
     return found

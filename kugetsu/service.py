@@ -10,6 +10,7 @@ Unix datagram socket after each transaction. What to do is always decided by pm.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import logging
 import os
@@ -24,8 +25,8 @@ import msgspec
 
 from kugetsu import ops, pm, runner, worktree
 from kugetsu.config import Config, format_size, load_config
-from kugetsu.errors import KugetsuError
-from kugetsu.models import Event, Index, Task
+from kugetsu.errors import DiskFull, KugetsuError
+from kugetsu.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home, atomic_write
 from kugetsu.store import Store, Txn
 
@@ -37,8 +38,29 @@ WARM_AHEAD = 100  # queued tasks whose wrapper waits, started ahead (_sync_warm)
 COMMIT_DELAY = 0.02  # seconds an exit's transaction stays open for the exits that follow (_hold)
 
 
+_FINAL = frozenset(s.value for s in TaskState if s.final)
+RETRY_FIRST, RETRY_MAX = 0.1, 5.0  # seconds: backoff while transactions fail (a full disk)
+
+
 class AlreadyRunning(KugetsuError):
     pass
+
+
+class LetGo(msgspec.Struct):
+    """An agent this service let go, not yet in a committed index."""
+
+    pid: int
+    start: int | None
+    at: datetime  # when it was let go: its started_at
+
+
+class Ending(msgspec.Struct):
+    """A task whose agent has ended while processes it started still run."""
+
+    scan: Any = None  # asyncio.Future[dict[int, int]]: a look through /proc for its token
+    watches: dict[int, int] = {}  # pid -> pidfd of the leftovers signalled
+    seen: set[int] = set()  # every leftover pid found so far
+    killed: bool = False  # SIGKILL sent (the grace is over)
 
 
 class Service:
@@ -47,6 +69,16 @@ class Service:
         self.store = Store(home)
         self.cfg: Config = Config()
         self.children: dict[int, Any] = {}  # pid -> Popen of the wrappers this service spawned
+        # Agents let go (spawned, or a warm wrapper released) that no committed index records
+        # yet: should the commit fail (a full disk), the next transaction records them from
+        # here, and never starts them a second time. Cleared by every commit that succeeds.
+        self.let_go: dict[int, LetGo] = {}
+        self.returncodes: dict[int, int] = {}  # pid -> how a reaped wrapper ended, until committed
+        self.endings: dict[int, Ending] = {}  # task id -> its leftover processes being ended
+        self.failing: str | None = None  # why the last transaction failed, while it does
+        self._retry: asyncio.TimerHandle | None = None
+        self._retry_delay = RETRY_FIRST
+        self._zombies: set[int] = set()  # orphans seen dead at the last look, reaped at the next
         self.warm: dict[int, runner.Spawned] = {}  # task id -> its wrapper, started ahead, waiting
         self.successor: pm.Successor | None = None  # pm's pick for the next slot to free
         self._released: int | None = None  # the successor, let go at an exit, until pm records it
@@ -76,6 +108,8 @@ class Service:
     async def main(self) -> int:
         self.home.ensure()
         lock_fd = self._lock()
+        if not runner.become_subreaper():
+            log.warning("cannot become the child subreaper: processes that agents leave behind are found by a /proc scan only")
         self.loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         sock = self._bind()
@@ -180,10 +214,37 @@ class Service:
     def _safe_tick(self, hold: bool = False) -> None:
         try:
             self.tick(hold)
-        except KugetsuError as err:  # e.g. index.json damaged by hand: say what, no traceback
-            log.error("%s\nThe next wake-up or reconcile retries.", err)
-        except Exception:
-            log.exception("tick failed; the next wake-up or reconcile retries")
+        except Exception as err:
+            self._failed(err)
+
+    def _failed(self, err: Exception) -> None:
+        """A transaction failed (a full disk, a damaged index.json, EIO): nothing it decided
+        is on disk, what it let go is in `let_go`. Say so once, not on every retry, and try
+        again with backoff; running agents are not affected."""
+        what = str(err) if isinstance(err, KugetsuError) else f"{type(err).__name__}: {err}"
+        if what != self.failing:
+            if isinstance(err, KugetsuError):  # e.g. index.json damaged by hand: say what, no traceback
+                log.error("%s\nRetrying with backoff; running agents are not affected.", err)
+            else:
+                log.exception("tick failed; retrying with backoff; running agents are not affected")
+        self.failing = what
+        if self._retry is None:
+            self._retry = self.loop.call_later(self._retry_delay, self._retry_tick)
+            self._retry_delay = min(self._retry_delay * 2, RETRY_MAX)
+
+    def _retry_tick(self) -> None:
+        self._retry = None
+        self._safe_tick()
+
+    def _commit_succeeded(self) -> None:
+        """The index on disk now records everything let go and every exit reaped so far."""
+        self.let_go.clear()
+        self.returncodes.clear()
+        if self.failing is not None:
+            log.info("the index is written again (after: %s)", self.failing)
+            self.failing = None
+            self._retry_delay = RETRY_FIRST
+            self.request_tick()  # start what waited for a commit that works
 
     def tick(self, hold: bool = False) -> None:
         """One transaction that brings the world in line with the index. `hold` (after an
@@ -196,21 +257,29 @@ class Service:
             # Under the index lock, which `config set` holds while it writes config.json:
             # read before it, a lowering of max_agents committed meanwhile was overshot.
             config_changed = self._reload_config()
-            if self.exited and txn.unchanged and not config_changed:
+            if self.let_go:  # only after a failed commit; then nothing is released early
+                self._record_let_go(txn)
+            if self.exited and txn.unchanged and not config_changed and self.failing is None:
                 self._release_successor(txn)
             cfg = self.cfg
             index = txn.index
+            # Exits before the adoption of starts: a start recovered after a crash comes after
+            # the exit that freed its slot, in the slots and in the events.
+            for task in list(index.active):
+                if task.ended_at is None and task.pid is not None and (
+                    task.id in self.exited or not runner.alive(task.pid, task.pid_start)
+                ):
+                    self._agent_exited(txn, task)
+            if self.endings or any(t.ended_at is not None for t in index.active):
+                self._tend_endings(txn)
             if self._first_tick:
                 self._adopt_released(txn)
-            for task in list(index.active):
-                if task.pid is not None and (task.id in self.exited or not runner.alive(task.pid, task.pid_start)):
-                    code, reason = self._exit_status(task)
-                    self._finish(txn, task, code, reason)
             signals += [(t, signal.SIGTERM) for t in pm.timeouts_due(index, txn.now, cfg.kill_grace_s)]
-            signals += [(t, signal.SIGKILL) for t in pm.kills_due(index, txn.now)]
+            signals += [(t, signal.SIGKILL) for t in pm.kills_due(index, txn.now) if t.ended_at is None]
             while True:
                 ops.settle(txn, cfg)
-                if not self._spawn_pending(txn):
+                # While commits fail, nothing new is let go: what starts is committed first.
+                if self.failing is not None or not self._spawn_pending(txn):
                     break
             if self._released is not None:
                 self._record_released(txn)
@@ -219,11 +288,9 @@ class Service:
             else:
                 self._cancel_flush()
                 self.store.commit(txn)
+                self._commit_succeeded()
         except BaseException:
             self.store.abort()
-            # What this transaction (and a held one, the ticks before it) did is in the
-            # processes, not in the index: the next tick adopts it as after a crash.
-            self._first_tick = True
             raise
         self.index = txn.index
         self._released = None
@@ -241,13 +308,144 @@ class Service:
         if not hold:
             self._committed(txn.events)
 
+    # ---- what a task's agent leaves behind -----------------------------------------------
+
+    def _agent_exited(self, txn: Txn, task: Task) -> None:
+        """The task's wrapper is gone. It is final at once when nothing it started is left
+        (the common case, checked in microseconds: its process group is empty, and no orphan
+        carrying its token was handed to this service, the subreaper); else it keeps its slot
+        while the leftovers are found and ended (_tend_endings)."""
+        spawned_here = task.pid in self.children or task.pid in self.returncodes
+        code, reason = self._exit_status(task)
+        if spawned_here and not self._leftovers_possible(task):
+            self._finish(txn, task, code, reason)
+            return
+        pm.agent_ended(task, txn.now, code, reason, self.cfg.kill_grace_s)
+        log.info("%s (#%d) ended (%s); ending what it left running", task.name, task.id, code)
+
+    def _leftovers_possible(self, task: Task) -> bool:
+        if task.pid is not None and runner.group_alive(task.pid):
+            return True
+        return bool(task.token) and task.token in self._orphan_tokens()
+
+    def _orphan_tokens(self) -> set[str]:
+        """The task tokens of this service's children that it did not spawn itself: orphans
+        of agents, handed to it as the subreaper. Orphans that have exited are reaped here
+        (at the second look, so that a child another thread waits for is never taken)."""
+        known = set(self.children) | {w.pid for w in self.warm.values()} | {p.pid for p in self.dropped}
+        tokens = set()
+        zombies = set()
+        for pid in runner.own_children():
+            if pid in known:
+                continue
+            if runner.is_zombie(pid):
+                zombies.add(pid)
+                continue
+            token = runner.token_of(pid)
+            if token:
+                tokens.add(token)
+        for pid in zombies & self._zombies:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        self._zombies = zombies
+        return tokens
+
+    def _tend_endings(self, txn: Txn) -> None:
+        """Tasks whose agent has ended while processes it started still run: look for them
+        (a /proc scan by the task's token, in a worker thread), SIGTERM them, SIGKILL them
+        once the grace is over, and finish the task when a look finds none."""
+        live = {t.id: t for t in txn.index.active if t.ended_at is not None}
+        for task_id in [i for i in self.endings if i not in live]:
+            self._close_ending(self.endings.pop(task_id))
+        for task in live.values():
+            ending = self.endings.setdefault(task.id, Ending())
+            if not task.token:  # a task from before tokens: nothing to look for
+                ending.scan = None
+                self._finish_ending(txn, task)
+                continue
+            if ending.scan is None:
+                if not ending.watches or (task.kill_at is not None and txn.now >= task.kill_at and not ending.killed):
+                    self._scan(task, ending)
+                continue
+            if not ending.scan.done():
+                continue
+            scan, ending.scan = ending.scan, None
+            found: dict[int, int] = {} if scan.cancelled() or scan.exception() else scan.result()
+            if not found:
+                self._finish_ending(txn, task)
+                continue
+            ending.seen.update(found)
+            task.leftovers = len(ending.seen)
+            kill = task.kill_at is not None and txn.now >= task.kill_at
+            ending.killed = ending.killed or kill
+            self._close_ending(ending)
+            for pid, start in found.items():
+                runner.signal_pid(pid, start, signal.SIGKILL if kill else signal.SIGTERM)
+                fd = runner.open_pidfd(pid, start)
+                if fd is not None:
+                    ending.watches[pid] = fd
+                    self.loop.add_reader(fd, self._on_leftover_exit, task.id, pid)
+            if not ending.watches:  # all gone already: look again
+                self.request_tick()
+
+    def _scan(self, task: Task, ending: Ending) -> None:
+        assert task.token
+        ending.scan = self.loop.run_in_executor(None, runner.scan_token, task.token)
+        ending.scan.add_done_callback(lambda _: self.request_tick())
+
+    def _on_leftover_exit(self, task_id: int, pid: int) -> None:
+        ending = self.endings.get(task_id)
+        fd = ending.watches.pop(pid, None) if ending else None
+        if fd is not None:
+            self.loop.remove_reader(fd)
+            os.close(fd)
+        if ending is not None and not ending.watches:
+            self.request_tick()  # all that was signalled is gone: look again
+
+    def _close_ending(self, ending: Ending) -> None:
+        for fd in ending.watches.values():
+            self.loop.remove_reader(fd)
+            os.close(fd)
+        ending.watches = {}
+
+    def _finish_ending(self, txn: Txn, task: Task) -> None:
+        ending = self.endings.pop(task.id, None)
+        if ending is not None:
+            self._close_ending(ending)
+        if task.leftovers:
+            log.info("%s (#%d): ended %d leftover processes", task.name, task.id, task.leftovers)
+        self._finish(txn, task, task.exit_code, task.reason if task.exit_code else None)
+
+    # ---- starts let go before a commit that failed ---------------------------------------
+
+    def _record_let_go(self, txn: Txn) -> None:
+        """Record what this service let go since its last successful commit: a task it started
+        runs, whether or not the commit that said so reached the disk, and it is never
+        started a second time."""
+        tasks = {t.id: t for t in txn.index.all_tasks()}
+        for task_id, go in self.let_go.items():
+            task = tasks.get(task_id)
+            if task is None or task.state.final:
+                # Decided against while the commit failed (cancelled, or the index replaced):
+                # it must not run on untracked.
+                log.warning("task #%d was let go but is no longer queued or running; stopping it", task_id)
+                runner.kill_group(go.pid, go.start, signal.SIGKILL)
+                continue
+            if task.state is TaskState.QUEUED:
+                txn.emit(pm.start(txn.index, task, txn.now))
+            if task.pid is None:
+                task.pid, task.pid_start, task.log = go.pid, go.start, str(self.home.log(task.id))
+                pm.record_spawn(txn.index, task, go.at)
+
     # ---- held transactions: one commit for a burst of exits ---------------------------
 
     def _begin(self) -> Txn:
         """The held transaction, if there is one, else a new one."""
         txn, self.held = self.held, None
         if txn is None:
-            return self.store.begin(ops.now())
+            return self.store.begin()
         txn.now = ops.now()  # the same transaction, a moment later
         return txn
 
@@ -270,10 +468,10 @@ class Service:
             return
         try:
             self.store.commit(txn)
-        except Exception:
-            self._first_tick = True  # as in tick: adopt what the processes did
-            log.exception("commit failed; the next wake-up or reconcile retries")
+        except Exception as err:
+            self._failed(err)  # what it let go is in let_go; exits are seen again
             return
+        self._commit_succeeded()
         self._committed(txn.events)
 
     def _cancel_flush(self) -> None:
@@ -329,11 +527,21 @@ class Service:
         warm = self.warm.get(succ.task.id)
         if warm is None or warm.gate is None:
             return
+        # Only a slot that is truly free: each task that ended left nothing running (else it
+        # keeps its slot while that is ended, and the tick decides).
+        ended = [t for t in txn.index.active if t.id in self.exited]
+        for task in ended:
+            if task.pid not in self.children or task.ended_at is not None:
+                return
+            self._reap(task)
+            if self._leftovers_possible(task):
+                return
         try:
             runner.release(warm)
         except OSError:  # the wrapper is gone: the tick starts the task afresh
             return
         self._released = succ.task.id
+        self.let_go[succ.task.id] = LetGo(warm.pid, warm.start, ops.now())
 
     def _record_released(self, txn: Any) -> None:
         """pm.successor promises that the transaction starts the task let go early. Should
@@ -344,7 +552,7 @@ class Service:
         if task is None or warm is None:
             return
         log.error("%s (#%d) was let go early but not picked to start; recording it as running", task.name, task.id)
-        self._record_start(txn, task, warm.pid, warm.start)
+        self._record_start(txn, task, warm.pid, warm.start, self.let_go[task.id].at)
         self.children[warm.pid] = warm.popen
 
     def _spawn_pending(self, txn: Any) -> bool:
@@ -366,14 +574,27 @@ class Service:
                 freed = True
                 continue
             cwd, env = self._workplace(task)
+            if task.token is None:  # admitted by a kugetsu from before tokens
+                task.token = runner.new_token()
             try:
                 spawned = self._start_process(task, cwd, env)
-            except (OSError, ValueError) as err:  # ValueError: an argv exec cannot take (NUL byte)
+            except OSError as err:
+                if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                    # Its exit file cannot be allocated: it must not start. The whole
+                    # transaction fails, and is retried with backoff.
+                    raise DiskFull(f"disk full: cannot start {task.name} (#{task.id}): {err.strerror}") from None
                 self._finish(txn, task, 127, f"could not start: {err}")
                 freed = True
                 continue
+            except ValueError as err:  # an argv exec cannot take (NUL byte)
+                self._finish(txn, task, 127, f"could not start: {err}")
+                freed = True
+                continue
+            at = self.let_go[task.id].at if task.id == self._released else ops.now()
+            self.let_go[task.id] = LetGo(spawned.pid, spawned.start, at)
             self.children[spawned.pid] = spawned.popen
             task.pid, task.pid_start, task.log = spawned.pid, spawned.start, str(self.home.log(task.id))
+            pm.record_spawn(txn.index, task, at)
             if spawned.start is None:  # it exited before we could look at it
                 self.exited.add(task.id)
         return freed
@@ -389,7 +610,7 @@ class Service:
                 runner.release(warm)
                 return warm
             self._drop(warm)
-        return runner.spawn(self.home, task.id, task.name, task.command, cwd, env)
+        return runner.spawn(self.home, task.id, task.name, task.command, cwd, env, token=task.token)
 
     def _sync_warm(self) -> None:
         """Keep the wrappers of the first WARM_AHEAD queued tasks in start order started and
@@ -401,7 +622,7 @@ class Service:
         want: list[Task] = []
         if self.index.queued and pm.free_slots(self.index, self.cfg) == 0:
             order = pm.start_order(self.index, self.cfg, ops.now())[:WARM_AHEAD]
-            want = [t for t in order if not t.repo]
+            want = [t for t in order if not t.repo and t.token]
         wanted = {t.id for t in want}
         for task_id in [i for i in self.warm if i not in wanted]:
             self._drop(self.warm.pop(task_id))
@@ -410,7 +631,7 @@ class Service:
                 continue
             try:
                 self.warm[task.id] = runner.spawn(
-                    self.home, task.id, task.name, task.command, task.cwd, task.env, warm=True
+                    self.home, task.id, task.name, task.command, task.cwd, task.env, warm=True, token=task.token
                 )
             except (OSError, ValueError):
                 pass  # it gets a normal start, and its error, when its turn comes
@@ -419,31 +640,40 @@ class Service:
         runner.drop(spawned)
         self.dropped.append(spawned.popen)
 
-    def _adopt_released(self, txn: Any) -> None:
+    def _adopt_released(self, txn: Txn) -> None:
         """After a crash between starting a queued task's wrapper and committing it: a wrapper
-        that runs its agent (a warm one that was never released has no child, and exits when
-        it sees its pipe closed) or that recorded an exit status gets its task back."""
-        wrappers = None
-        for task in list(txn.index.queued):
-            if not self.home.log(task.id).exists():
-                continue  # no wrapper was ever started for it
-            if wrappers is None:
-                wrappers = runner.find_wrappers(self.home)  # one look at /proc for the lot
+        of ours (same user, the task's token) that runs its agent (a warm one that was never
+        released has no child, and exits when it sees its pipe closed) or that recorded an
+        exit status gets its task back. Runs after the exits of this transaction are
+        recorded: the start comes after the exit that freed its slot."""
+        candidates = {t.id: t.token for t in txn.index.queued if self.home.log(t.id).exists()}
+        if not candidates:
+            return  # no wrapper was ever started for a queued task
+        wrappers = runner.find_wrappers(self.home, candidates)  # one look at /proc for the lot
+        # Its start is unknown: at the latest exit recorded here (the slot it took), if that
+        # was before its own end.
+        ends = [t for e in txn.events if e.task is not None and e.state in _FINAL
+                if (t := runner.exit_time(self.home, e.task)) is not None]
+        for task in [t for t in list(txn.index.queued) if t.id in candidates]:
             found = wrappers.get(task.id)
             code = runner.read_exit(self.home, task.id)
             if not (found and runner.has_children(found[0])) and code is None:
                 continue
-            self._record_start(txn, task, *(found or (None, None)))
+            end = runner.exit_time(self.home, task.id) if code is not None else None
+            before = [t for t in ends if end is None or t <= end]
+            at = max(before) if before else (end or txn.now)
+            self._record_start(txn, task, *(found or (None, None)), at)
             if found:
                 log.info("re-adopted %s (#%d), pid %d, started before a crash", task.name, task.id, found[0])
             else:
                 self._finish(txn, task, code)
 
-    def _record_start(self, txn: Any, task: Task, pid: int | None, start: int | None) -> None:
+    def _record_start(self, txn: Txn, task: Task, pid: int | None, start: int | None, at: datetime) -> None:
         """A queued task whose wrapper already runs its agent: record it as started."""
         txn.emit(pm.start(txn.index, task, txn.now))
         task.log = str(self.home.log(task.id))
         task.pid, task.pid_start = pid, start
+        pm.record_spawn(txn.index, task, min(at, txn.now))
 
     def _worktree_ready(self, task: Task) -> bool:
         """A worktree task's worktree is created when it starts (a long queue costs no disk),
@@ -521,35 +751,43 @@ class Service:
                 event.reason, event.branch, event.worktree = task.reason, task.branch, task.worktree
         txn.emit(events)
 
-    def _adopt_unrecorded(self, txn: Any, task: Task) -> bool:
-        """After a crash between spawn and commit: find the wrapper the index does not know."""
+    def _adopt_unrecorded(self, txn: Txn, task: Task) -> bool:
+        """After a crash between spawn and commit: find the wrapper the index does not know
+        (ours: same user, the task's token; running its agent, not merely waiting warm)."""
         worktree.recover(self.home, task)  # a worktree created just before the crash
-        found = runner.find_wrapper(self.home, task.id)
-        if found:
+        found = runner.find_wrapper(self.home, task.id, task.token)
+        if found and runner.has_children(found[0]):
             task.pid, task.pid_start, task.log = found[0], found[1], str(self.home.log(task.id))
             log.info("re-adopted %s (#%d), pid %d, started before a crash", task.name, task.id, found[0])
             return True
-        code = runner.read_exit(self.home, task.id)
+        code = runner.read_exit(self.home, task.id) if found is None else None
         if code is not None:
             task.log = str(self.home.log(task.id))
             self._finish(txn, task, code)
             return True
         return False
 
-    def _exit_status(self, task: Task) -> tuple[int | None, str | None]:
+    def _reap(self, task: Task) -> None:
+        """Reap the task's wrapper, if this service spawned it; how it ended is kept until the
+        index records the task's end (should that commit fail, the next one needs it)."""
         popen = self.children.pop(task.pid, None)  # type: ignore[arg-type]
-        returncode = None
-        if popen is not None:
-            try:
-                # It has exited: this only reaps it (poll: wait(timeout) costs a sleep loop).
-                returncode = popen.poll()
-                if returncode is None:
-                    returncode = popen.wait(timeout=5)
-            except Exception:
-                log.warning("wrapper of %s (#%d) did not reap; continuing", task.name, task.id)
+        if popen is None:
+            return
+        try:
+            # It has exited: this only reaps it (poll: wait(timeout) costs a sleep loop).
+            returncode = popen.poll()
+            if returncode is None:
+                returncode = popen.wait(timeout=5)
+            self.returncodes[popen.pid] = returncode
+        except Exception:
+            log.warning("wrapper of %s (#%d) did not reap; continuing", task.name, task.id)
+
+    def _exit_status(self, task: Task) -> tuple[int | None, str | None]:
+        self._reap(task)
         code = runner.read_exit(self.home, task.id)
         if code is not None:
             return code, None
+        returncode = self.returncodes.get(task.pid)  # type: ignore[arg-type]
         if returncode is not None and returncode < 0:
             name = signal.Signals(-returncode).name
             return 128 - returncode, f"killed by {name}"

@@ -113,6 +113,18 @@ class Kugetsu:
     def index(self) -> dict:
         return json.loads(self.home.index.read_text())
 
+    def wrappers(self) -> dict[int, tuple[int, int]]:
+        """task id -> (pid, start) of this home's living wrappers that are truly its tasks'
+        (runner.find_wrappers, with the tokens from the index)."""
+        from kugetsu import runner
+
+        try:
+            index = self.index()
+        except FileNotFoundError:
+            return {}
+        tokens = {t["id"]: t.get("token") for k in ("active", "queued", "finished") for t in index[k]}
+        return runner.find_wrappers(self.home, tokens)
+
     def task(self, ref: str) -> dict:
         return self.json("status", ref)  # type: ignore[return-value]
 

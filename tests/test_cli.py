@@ -366,7 +366,7 @@ def test_logs_of_a_task_waiting_warm_says_there_is_no_output_yet(kg):
     kg.config(max_agents=1)
     kg.delegate("blocker", 30)
     kg.delegate("next", 0)
-    wait_for(lambda: runner.find_wrapper(kg.home, 2), what="next's wrapper to wait")
+    wait_for(lambda: kg.wrappers().get(2), what="next's wrapper to wait")
     assert kg.home.log(2).exists()  # made with its wrapper, empty
     r = kg.run("logs", "next")
     assert r.returncode == 0 and r.stdout == "" and "(no output yet: next is queued)" in r.stderr

@@ -16,7 +16,7 @@ from kugetsu.service import Service
 
 def _warm_for(kg, task_id):
     """pids of this home's living wrappers of task `task_id`."""
-    found = runner.find_wrapper(kg.home, task_id)
+    found = kg.wrappers().get(task_id)
     return [found[0]] if found else []
 
 
@@ -45,7 +45,7 @@ def test_every_queued_task_waits_warm_and_they_run_in_order_once_each(kg):
     gate = _next_waits_warm_behind_a_gated_blocker(kg)
     kg.delegate("third", 0)
     kg.delegate("fourth", 0)
-    wait_for(lambda: set(runner.find_wrappers(kg.home)) == {1, 2, 3, 4}, what="wrappers for the whole queue")
+    wait_for(lambda: set(kg.wrappers()) == {1, 2, 3, 4}, what="wrappers for the whole queue")
     assert all(kg.times(n) == {} for n in ("next", "third", "fourth"))  # started ahead, none has run
     gate.touch()
     for name in ("next", "third", "fourth"):
@@ -69,7 +69,7 @@ async def test_only_the_first_warm_ahead_tasks_wait_warm(kg, monkeypatch):
         await wait_for_async(lambda: set(svc.warm) == {2, 3}, what="a and b warm")
         await asyncio.to_thread(kg.ok, "cancel", "a")  # c moves up: it is warmed, a's wrapper goes
         await wait_for_async(lambda: set(svc.warm) == {3, 4}, what="b and c warm")
-        await wait_for_async(lambda: set(runner.find_wrappers(kg.home)) == {1, 3, 4}, what="a's wrapper to exit")
+        await wait_for_async(lambda: set(kg.wrappers()) == {1, 3, 4}, what="a's wrapper to exit")
         gate.touch()
         await wait_for_async(lambda: len(kg.index()["finished"]) == 5, what="the queue to drain")
     finally:
@@ -120,7 +120,7 @@ def _unrecorded_wrapper_then_a_service(kg, task: dict, go):
     """Start `task`'s wrapper by hand (as a service that died before recording it would
     have), start a service, and let the agent end once the service has adopted it.
     Returns the wrapper and the task as it finished."""
-    spawned = runner.spawn(kg.home, task["id"], task["name"], task["command"], task["cwd"], {})
+    spawned = runner.spawn(kg.home, task["id"], task["name"], task["command"], task["cwd"], {}, token=task["token"])
     wait_for(lambda: kg.times(task["name"]), what=f"{task['name']}'s agent to start")
     kg.ok("serve", "--detach")
     wait_for(lambda: kg.task(task["name"])["pid"] == spawned.pid, what="the service to adopt the wrapper")
@@ -141,7 +141,7 @@ def test_a_queued_task_whose_wrapper_ran_is_adopted(kg):
     assert queued["name"] == "second"
     holder = kg.index()["active"][0]
     # The dead service had finished `holder` and started `second` but committed neither.
-    h = runner.spawn(kg.home, holder["id"], holder["name"], holder["command"], holder["cwd"], {})
+    h = runner.spawn(kg.home, holder["id"], holder["name"], holder["command"], holder["cwd"], {}, token=holder["token"])
     h.popen.wait()
     s, t = _unrecorded_wrapper_then_a_service(kg, queued, go)
     assert t["pid"] == s.pid and (kg.rec / "second").read_text().count("start") == 1
