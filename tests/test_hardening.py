@@ -1,0 +1,285 @@
+"""The guarantees at the edges real machines hit (DESIGN section 8), through the real CLI,
+service and agents: a full disk, an index moved away, processes that escape their group,
+another local user forging a marker, times that must not lie."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import Kugetsu, wait_for
+
+from kugetsu import runner
+
+IS_ROOT = os.geteuid() == 0
+
+
+def _gone(pid: int) -> bool:
+    return runner.process_start(pid) is None
+
+
+def _pids(path: Path) -> list[int]:
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+# ---- 3. a task owns every process it starts ---------------------------------------------
+
+
+def test_cancel_ends_a_grandchild_that_ignores_sigterm_before_the_slot_is_handed_on(kg):
+    kg.config(max_agents=1, kill_grace="1s")
+    pids = kg.rec / "pids"
+    # The grandchild ignores SIGTERM (and so does its sleep: an ignored signal is inherited).
+    script = f'sh -c \'trap "" TERM; echo $$ >> {pids}; sleep 60\' & wait'
+    kg.ok("delegate", "stubborn", "--", "sh", "-c", script)
+    kg.delegate("next", 0)
+    wait_for(lambda: _pids(pids), what="the grandchild to start")
+    grandchild = _pids(pids)[0]
+    kg.ok("cancel", "stubborn")
+    task = kg.wait_state("stubborn", "cancelled")
+    assert _gone(grandchild), "the task is final while a process it started still runs"
+    assert "leftover process" in task["reason"]
+    nxt = kg.wait_state("next", "succeeded")
+    assert kg.times("next")["start"] >= _ts(task["finished_at"]) - 0.01
+    assert nxt["started_at"] >= task["finished_at"]
+
+
+@pytest.mark.parametrize("escape", ["setsid sleep 300 &", "(setsid sh -c 'sleep 300' &);"])
+def test_cancel_ends_processes_that_left_the_group(kg, escape):
+    kg.config(max_agents=1, kill_grace="1s")
+    script = f"{escape} echo $! > {kg.rec / 'bg'}; sleep 60"
+    kg.ok("delegate", "escaper", "--", "sh", "-c", script)
+    wait_for(lambda: runner.scan_token(_token(kg, "escaper")).__len__() >= 3, what="the escaped sleep to run")
+    escaped = set(runner.scan_token(_token(kg, "escaper")))
+    kg.ok("cancel", "escaper")
+    task = kg.wait_state("escaper", "cancelled")
+    assert all(_gone(p) for p in escaped), "a process that left the group survived cancel"
+    assert "leftover process" in task["reason"]
+
+
+def test_what_an_agent_leaves_running_is_ended_and_said(kg):
+    kg.config(max_agents=1, kill_grace="1s")
+    kg.ok("delegate", "leaver", "--", "sh", "-c", f"setsid sleep 300 & echo $! > {kg.rec / 'bg'}; exit 0")
+    kg.delegate("after", 0)
+    task = kg.wait_state("leaver", "succeeded", "failed")
+    left = _pids(kg.rec / "bg")[0]
+    assert task["state"] == "succeeded"
+    assert _gone(left)
+    assert "ended 1 leftover process" in task["reason"]
+    done = [e for e in kg.events("succeeded") if e["name"] == "leaver"]
+    assert "ended 1 leftover process" in done[0]["reason"]
+    kg.wait_state("after", "succeeded")
+    assert kg.times("after")["start"] >= _ts(task["finished_at"]) - 0.01
+
+
+def test_a_killed_wrapper_does_not_free_the_slot_while_its_agent_runs(kg):
+    kg.config(max_agents=1, kill_grace="1s")
+    kg.ok("delegate", "orphaned", "--", *kg.agent("orphaned", 60))
+    kg.delegate("after", 0)
+    wrapper = kg.wait_state("orphaned", "running")["pid"]
+    wait_for(lambda: kg.times("orphaned"), what="the agent to start")
+    agent = runner.scan_token(_token(kg, "orphaned"))
+    os.kill(wrapper, signal.SIGKILL)  # what `kill -9 <shown pid>` did
+    task = kg.wait_state("orphaned", "failed", "lost")
+    assert all(_gone(p) for p in agent), "the agent ran on untracked after its wrapper died"
+    kg.wait_state("after", "succeeded")
+    assert kg.times("after")["start"] >= _ts(task["finished_at"]) - 0.01
+
+
+# ---- 4. adoption trusts nothing forgeable -----------------------------------------------
+
+
+@pytest.mark.skipif(not IS_ROOT or not shutil.which("setpriv"), reason="needs root and setpriv to act as another user")
+def test_another_user_cannot_take_over_a_queued_task_with_a_forged_marker(kg, tmp_path):
+    kg.config(max_agents=1, autostart=False)
+    gate = kg.rec / "go"
+    kg.ok("serve", "--detach")
+    kg.delegate("blocker", 0, gate=gate)
+    kg.delegate("victim", 0)
+    wait_for(lambda: 2 in kg.wrappers(), what="victim's wrapper to wait warm")
+    os.kill(kg.service_pid(), signal.SIGKILL)
+    wait_for(lambda: 2 not in kg.wrappers(), what="the warm wrapper to exit with its service")
+    forged = subprocess.Popen(
+        ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+         "setsid", "sh", "-c", "sleep 40; true", runner.marker(kg.home, 2)],
+        cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: runner.has_children(forged.pid) or _child_of_setsid(forged.pid), what="the forgery to run")
+        kg.ok("serve", "--detach")
+        victim = kg.task("victim")
+        assert victim["state"] == "queued", f"adopted a forged process: {victim}"
+        assert len(kg.json("queue")["active"]) == 1
+        gate.touch()
+        done = kg.wait_state("victim", "succeeded")
+        assert done["pid"] != forged.pid and kg.times("victim")["start"]
+        r = kg.run("cancel", "victim")
+        assert "Traceback" not in r.stderr
+    finally:
+        subprocess.run(["pkill", "-9", "-u", "65534", "-f", runner.marker(kg.home, 2)], check=False)
+        forged.kill()
+
+
+def _child_of_setsid(pid: int) -> bool:
+    return any(runner.has_children(c) for c in _children(pid))
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+# ---- 2. ids and statuses are never reused -----------------------------------------------
+
+
+def test_ids_and_seqs_never_go_back_when_the_index_is_moved_away(kg):
+    kg.config(max_agents=2)
+    kg.delegate("one", 0)
+    kg.delegate("two", 0, 7)
+    kg.wait_state("one", "succeeded")
+    kg.wait_state("two", "failed")
+    seqs_before = [e["seq"] for e in kg.events()]
+    kg.ok("shutdown")
+    kg.home.index.rename(kg.home.root / "index.json.bak")
+    gate = kg.rec / "go"
+    out = json.loads(kg.ok("delegate", "three", "--json", "--", *kg.agent("three", 0, 0, gate)))
+    assert out["id"] > 2 and out["state"] in ("running", "queued")
+    time.sleep(0.3)  # a wrong "recovery" would have finished it at once
+    assert kg.task("three")["state"] == "running"
+    gate.touch()
+    done = kg.wait_state("three", "succeeded")
+    assert done["id"] == out["id"] and kg.times("three")["start"]
+    assert b"start" not in Path(done["log"]).read_bytes()  # its own log: the agent prints nothing
+    seqs = [e["seq"] for e in kg.events()]
+    assert len(seqs) == len(set(seqs)), "event seqs were reused"
+    assert min(seqs[len(seqs_before):]) > max(seqs_before)
+
+
+def test_a_json_that_is_not_an_index_is_refused_and_left_alone(kg):
+    kg.home.root.mkdir(mode=0o700)
+    for text in ('{"max_agents": 2}\n', "{}\n", "[]\n"):
+        kg.home.index.write_text(text)
+        r = kg.run("delegate", "x", "--", "true")
+        assert r.returncode == 2, r
+        assert str(kg.home.index) in r.stderr and "Traceback" not in r.stderr
+        assert kg.home.index.read_text() == text
+
+
+# ---- 7. times that do not lie --------------------------------------------------------------
+
+
+def test_started_at_is_when_the_process_started_not_when_the_cli_decided(kg):
+    kg.config(max_agents=1, autostart=False)
+    decided = json.loads(kg.ok("delegate", "late", "--json", "--", *kg.agent("late", 0)))
+    assert decided["state"] == "running"  # the CLI gave it the slot; no service runs yet
+    time.sleep(1.0)
+    kg.ok("serve", "--detach")
+    done = kg.wait_state("late", "succeeded")
+    assert _ts(done["started_at"]) >= _ts(decided["started_at"]) + 0.9
+    assert _ts(done["started_at"]) <= kg.times("late")["start"] + 0.001
+
+
+def test_event_times_never_go_back_against_their_order(kg):
+    kg.config(max_agents=2, max_queue=100)
+    kg.ok("serve", "--detach")
+    procs = [subprocess.Popen([sys.executable, "-m", "kugetsu", "delegate", f"c{i}", "--", "true"],
+                              env=kg.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(20)]
+    for p in procs:
+        assert p.wait(60) == 0
+    wait_for(lambda: len(kg.index()["finished"]) == 20, what="all to finish")
+    events = kg.events()
+    ats = [_ts(e["at"]) for e in events]
+    assert ats == sorted(ats), "an event's time is before the one committed ahead of it"
+    for t in kg.index()["finished"]:
+        assert t["started_at"] <= t["finished_at"]
+
+
+# ---- 1. a full disk -----------------------------------------------------------------------
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                       capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.mark.torture
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to mount a small tmpfs")
+def test_a_full_disk_runs_nothing_twice_and_loses_no_exit(tmp_path):
+    mnt = tmp_path / "small"
+    if not _mount_tmpfs(mnt, "2m"):
+        pytest.skip("mount -t tmpfs is not permitted here")
+    kg = Kugetsu(mnt / "home")
+    kg.rec = tmp_path / "rec"  # the agents' own records live off the small disk
+    kg.rec.mkdir()
+    filler = mnt / "filler"
+    try:
+        kg.config(max_agents=2, kill_grace="1s")
+        kg.ok("serve", "--detach")
+        gates = {n: kg.rec / f"go-{n}" for n in "ABCDEF"}
+        for n, code in zip("ABCDEF", (0, 3, 0, 5, 0, 0)):
+            kg.delegate(n, 0, code, gate=gates[n])
+        wait_for(lambda: kg.times("A") and kg.times("B"), what="A and B to run")
+        # Fill the disk, then let the running agents end while nothing can be written.
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+            except OSError:
+                pass
+        gates["A"].touch()
+        gates["B"].touch()
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            for n in "CDEF":
+                assert len(_starts(kg, n)) <= 1, f"{n} started twice while the disk was full"
+            time.sleep(0.05)
+        r = kg.run("delegate", "G", "--", "true")
+        assert r.returncode == 1 and "disk full" in r.stderr and "Traceback" not in r.stderr, r
+        r = kg.run("config", "set", "max_agents", "3")
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r
+        filler.unlink()
+        for n in "CDEF":
+            wait_for(lambda: _starts(kg, n), timeout=20, what=f"{n} to start once space is back")
+            gates[n].touch()
+        final = {n: kg.wait_state(n, "succeeded", "failed", "lost", "cancelled", timeout=20) for n in "ABCDEF"}
+        assert {n: t["state"] for n, t in final.items()} == {
+            "A": "succeeded", "B": "failed", "C": "succeeded", "D": "failed", "E": "succeeded", "F": "succeeded"}
+        assert final["B"]["exit_code"] == 3 and final["D"]["exit_code"] == 5
+        for n in "ABCDEF":
+            assert len(_starts(kg, n)) == 1, f"{n} ran {len(_starts(kg, n))} times"
+        assert not list(kg.home.root.glob(".*.tmp")), "a temp file was left behind"
+        assert "G" not in {t["name"] for t in kg.index()["finished"] + kg.index()["queued"] + kg.index()["active"]}
+        log = kg.home.service_log.read_text()
+        assert log.count("disk full") <= 3, "the service logged the full disk on every retry"
+    finally:
+        filler.unlink(missing_ok=True)
+        kg.cleanup()
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _starts(kg: Kugetsu, name: str) -> list[str]:
+    try:
+        return [line for line in (kg.rec / name).read_text().splitlines() if line.startswith("start")]
+    except FileNotFoundError:
+        return []
+
+
+def _token(kg: Kugetsu, name: str) -> str:
+    return next(t["token"] for k in ("active", "queued", "finished") for t in kg.index()[k] if t["name"] == name)
+
+
+def _ts(text: str | float) -> float:
+    from datetime import datetime
+
+    return text if isinstance(text, float) else datetime.fromisoformat(text).timestamp()
