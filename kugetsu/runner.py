@@ -25,7 +25,7 @@ from kugetsu.paths import Home, open_file
 # line of each waiting wrapper, and a queued task's prompt must not be there. The wrapper
 # builds "$@" from them (eval only ever sees the variables' names, never their values, so
 # a prompt full of quotes, `;` or `$()` is passed verbatim) and unsets them before the agent
-# runs.
+# runs; a warm one does so while it waits, so that a promotion costs none of it.
 # TERM/INT/HUP are trapped (not ignored: an ignored signal would stay ignored in the agent)
 # so that the wrapper survives the group's SIGTERM long enough to record the agent's status.
 # A warm wrapper (`$2` = warm) is started ahead of its turn and waits for one line on its
@@ -36,8 +36,8 @@ from kugetsu.paths import Home, open_file
 # recorded even on a disk that filled up while it ran.
 WRAPPER = (
     's=$1; w=$2; n=$3; set --; '
-    'if [ "$w" = warm ]; then read -r go || exit 0; exec </dev/null; fi; '
     'i=0; while [ $i -lt $n ]; do eval "set -- \\"\\$@\\" \\"\\$KUGETSU_ARG_$i\\"; unset KUGETSU_ARG_$i"; i=$((i+1)); done; '
+    'if [ "$w" = warm ]; then read -r go || exit 0; exec </dev/null; fi; '
     'trap : TERM INT HUP; "$@"; echo $? 1<> "$s"'
 )
 EXIT_BLANK = b" " * 15 + b"\n"  # what an exit file holds until its wrapper writes a status

@@ -96,6 +96,7 @@ def test_a_killed_wrapper_does_not_free_the_slot_while_its_agent_runs(kg):
 # ---- 4. adoption trusts nothing forgeable -----------------------------------------------
 
 
+@pytest.mark.torture
 @pytest.mark.skipif(not IS_ROOT or not shutil.which("setpriv"), reason="needs root and setpriv to act as another user")
 def test_another_user_cannot_take_over_a_queued_task_with_a_forged_marker(kg, tmp_path):
     kg.config(max_agents=1, autostart=False)
@@ -283,3 +284,30 @@ def _ts(text: str | float) -> float:
     from datetime import datetime
 
     return text if isinstance(text, float) else datetime.fromisoformat(text).timestamp()
+
+
+# ---- 8. secrets: prompts on no command line, the bot token in no agent ---------------------
+
+
+def test_queued_prompts_are_on_no_command_line_and_agents_get_no_secret(kg):
+    kg.config(max_agents=1, telegram={"api_base_url": "http://127.0.0.1:9/bot"})
+    kg.env["KUGETSU_TELEGRAM_TOKEN"] = "123456:SECRET-bot-token"
+    gate = kg.rec / "go"
+    kg.delegate("blocker", 0, gate=gate)
+    secret = "PROMPT-SECRET-do-not-show"
+    env_dump = kg.rec / "env"
+    kg.ok("delegate", "waiting", "--", "sh", "-c", f'env > "$1"; echo "$2" > {kg.rec / "arg"}', "sh", str(env_dump), secret)
+    wait_for(lambda: 2 in kg.wrappers(), what="the queued task's wrapper to wait warm")
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            assert secret.encode() not in cmdline, f"a queued task's prompt is on pid {entry.name}'s command line"
+    gate.touch()
+    kg.wait_state("waiting", "succeeded")
+    assert (kg.rec / "arg").read_text().strip() == secret  # it still reaches the agent verbatim
+    env = env_dump.read_text()
+    assert "SECRET-bot-token" not in env, "an agent inherited the bot token"
+    assert "KUGETSU_ARG_" not in env and "KUGETSU_TASK_TOKEN=" in env

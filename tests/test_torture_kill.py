@@ -18,7 +18,7 @@ import time
 import pytest
 
 from conftest import agent_wrappers, wait_for
-from torture import check_events, check_home, record, size
+from torture import check_events, check_home, check_replay, record, size
 
 pytestmark = pytest.mark.torture
 
@@ -129,6 +129,7 @@ def test_kill9_cli_and_service_at_random_moments(kg):
             if t["state"] == "succeeded":
                 unaccounted.append(name)  # succeeded without its agent having run
     evs = check_events(kg.home)
+    check_replay(evs, 3)  # max_agents varies 1-3 here; a recovered start comes after the exit that freed its slot
     transitions = raw["next_seq"] - 1  # every event committed; the files keep the latest ones
     assert evs and evs[-1]["seq"] == transitions, "the last committed events are missing from events.jsonl"
     assert kg.home.events_old.exists(), "events.jsonl was never rotated"

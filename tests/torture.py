@@ -84,4 +84,28 @@ def check_events(home: Home) -> list[dict]:
     evs = events(home)
     seqs = [e["seq"] for e in evs]
     assert seqs == sorted(set(seqs)), "events.jsonl has repeated or out-of-order seq numbers"
+    ats = [e["at"] for e in evs]
+    assert ats == sorted(ats) or _same_offsets(ats), "an event's time goes back against its seq"
     return evs
+
+
+def check_replay(evs: list[dict], max_agents: int) -> int:
+    """Replaying the events never shows more than max_agents running (a start recorded after
+    a crash comes after the exit that freed its slot). Returns the most seen at once."""
+    running: set[int] = set()
+    most = 0
+    for e in evs:
+        if e["type"] == "started":
+            running.add(e["task"])
+        elif e.get("task") in running and e["type"] in ("succeeded", "failed", "cancelled", "lost"):
+            running.discard(e["task"])
+        most = max(most, len(running))
+        assert len(running) <= max_agents, f"events show {len(running)} running at seq {e['seq']} (max {max_agents})"
+    return most
+
+
+def _same_offsets(ats: list[str]) -> bool:
+    from datetime import datetime
+
+    times = [datetime.fromisoformat(a) for a in ats]
+    return times == sorted(times)
