@@ -97,7 +97,7 @@ def _json_only(p: argparse.ArgumentParser) -> None:
 
 def _config_args(cf: argparse.ArgumentParser) -> None:
     csub = cf.add_subparsers(dest="action", metavar="ACTION", required=True)
-    show = csub.add_parser("show", help="the effective config (token masked)")
+    show = csub.add_parser("show", help="the effective config (secrets masked)")
     show.add_argument("--json", action="store_true")
     csub.add_parser("get", help="one value").add_argument("key")
     cs = csub.add_parser("set", help="validate, write, apply at once")
@@ -448,14 +448,11 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
     if args.action in ("set", "unset"):
         value = None if args.action == "unset" else parse_value(args.value)
         cfg = ops.set_config(home, args.key, value, remove=args.action == "unset")
-        shown = get_value(cfg, args.key)
-        print(f"{args.key} = {to_json('***' if args.key.endswith('token') and shown else shown)}")
+        print(f"{args.key} = {to_json(C.mask_secrets(get_value(cfg, args.key), args.key))}")
         return OK
     cfg = load_config(home)
     if args.action == "get":
-        value = get_value(cfg, args.key)
-        if args.key.endswith("token") and value:
-            value = "***"
+        value = C.mask_secrets(get_value(cfg, args.key), args.key)
         print(value if isinstance(value, str) else to_json(value))
         return OK
     shown = C.masked(cfg)

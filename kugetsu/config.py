@@ -381,9 +381,24 @@ def with_value(raw: dict[str, Any], key: str, value: object, *, remove: bool = F
     return new
 
 
+# A key holding a secret: the bot token, and what people name their secrets in a preset's
+# `env` (GITHUB_TOKEN, OPENAI_API_KEY, ...), which the config shows and events record too.
+_SECRET_KEY = re.compile(r"(token|secret|password|passwd|api_?key)$", re.IGNORECASE)
+MASK = "***"
+
+
+def mask_secrets(value: Any, key: str = "") -> Any:
+    """`value` (the value of config key `key`, dotted or not) as it may be shown or written to
+    events: every secret in it, at any depth, replaced by "***"."""
+    if _SECRET_KEY.search(key) and value not in (None, "", [], {}):
+        return MASK
+    if isinstance(value, dict):
+        return {k: mask_secrets(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [mask_secrets(v) for v in value]
+    return value
+
+
 def masked(cfg: Config) -> dict[str, Any]:
-    """The effective config for display: the token never shown."""
-    out = msgspec.to_builtins(cfg)
-    if out["telegram"].get("token"):
-        out["telegram"]["token"] = "***"
-    return out
+    """The effective config for display: no secret shown."""
+    return mask_secrets(msgspec.to_builtins(cfg))

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from kugetsu import pm, runner
-from kugetsu.config import Config, format_size, load_config, read_raw, save_raw, validate, with_value
+from kugetsu.config import Config, format_size, load_config, mask_secrets, read_raw, save_raw, validate, with_value
 from kugetsu.errors import UsageError
 from kugetsu.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home
@@ -160,14 +160,10 @@ def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Con
         raw = with_value(read_raw(home), key, value, remove=remove)
         cfg = validate(raw, f"cannot set {key}: {home.config}", hint="\nNothing was changed.")
         save_raw(home, raw)
-        txn.emit([Event(type="config", at=txn.now, key=key, value=None if remove else _shown(key, value))])
+        txn.emit([Event(type="config", at=txn.now, key=key, value=None if remove else mask_secrets(value, key))])
         settle(txn, cfg)
     wake(home, cfg)
     return cfg
-
-
-def _shown(key: str, value: Any) -> Any:
-    return "***" if key.endswith("token") else value
 
 
 # ---- clean -------------------------------------------------------------------------------
