@@ -100,9 +100,13 @@ def _config_args(cf: argparse.ArgumentParser) -> None:
     show = csub.add_parser("show", help="the effective config (secrets masked)")
     show.add_argument("--json", action="store_true")
     csub.add_parser("get", help="one value").add_argument("key")
-    cs = csub.add_parser("set", help="validate, write, apply at once")
+    cs = csub.add_parser("set", help="validate, write, apply at once",
+                         description="Validate, write and apply at once. VALUE - reads the value from standard input"
+                         " (one line), so a secret never appears on a command line, where any local user can read"
+                         " it: printf '%s' \"$TOKEN\" | kugetsu config set telegram.token -")
     cs.add_argument("key")
-    cs.add_argument("value", help="JSON (5, true, null, [1,2]) or a plain string")
+    cs.add_argument("value", help="JSON (5, true, null, [1,2]) or a plain string; - reads it from standard input"
+                    " (one line; on a terminal it is not echoed)")
     csub.add_parser("unset", help="back to the default").add_argument("key")
     csub.add_parser("path", help="where config.json is")
     csub.add_parser("check", help="validate config.json and index.json")
@@ -446,7 +450,7 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
               f" {home.index} ({len(index.all_tasks())} tasks)")
         return OK
     if args.action in ("set", "unset"):
-        value = None if args.action == "unset" else parse_value(args.value)
+        value = None if args.action == "unset" else parse_value(_stdin_value(args.key) if args.value == "-" else args.value)
         cfg = ops.set_config(home, args.key, value, remove=args.action == "unset")
         print(f"{args.key} = {to_json(C.mask_secrets(get_value(cfg, args.key), args.key))}")
         return OK
@@ -463,6 +467,45 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
         text = value if isinstance(value, str) else to_json(value).replace("\n", "\n  ")
         print(f"{key} = {text}" + (f"    # {C.KEY_HELP[key]}" if key in C.KEY_HELP and "\n" not in str(text) else ""))
     return OK
+
+
+def _stdin_value(key: str) -> str:
+    """`config set KEY -`: the value from standard input, one line, its newline stripped.
+    A secret given this way is on no command line (any local user can read argv in /proc)."""
+    example = f"printf '%s' \"$VALUE\" | kugetsu config set {key} -"
+    try:
+        if sys.stdin is None:
+            raise UsageError(f"config set {key} -: there is no standard input to read the value from; {example}")
+        if sys.stdin.isatty():  # pasted: not echoed, so it stays off the screen too
+            line, rest = _read_unechoed(f"value for {key} (not echoed, then Enter): "), ""
+        else:
+            line = sys.stdin.readline()
+            rest = sys.stdin.read()
+    except UnicodeDecodeError as err:
+        raise UsageError(f"config set {key} -: standard input is not UTF-8 text ({err.reason})") from None
+    value = line.removesuffix("\n").removesuffix("\r")
+    if rest.strip():
+        raise UsageError(f"config set {key} -: expected one line on standard input, got more; nothing was changed")
+    if not value:
+        raise UsageError(f"config set {key} -: standard input was empty; give the value there, e.g. {example}")
+    return value
+
+
+def _read_unechoed(prompt: str) -> str:
+    """One line from the terminal on stdin, echo off (getpass would want a controlling tty)."""
+    import termios
+
+    fd = sys.stdin.fileno()
+    before = termios.tcgetattr(fd)
+    quiet = termios.tcgetattr(fd)
+    quiet[3] &= ~termios.ECHO
+    print(prompt, end="", file=sys.stderr, flush=True)
+    termios.tcsetattr(fd, termios.TCSAFLUSH, quiet)
+    try:
+        return sys.stdin.readline()
+    finally:
+        termios.tcsetattr(fd, termios.TCSAFLUSH, before)
+        print(file=sys.stderr)
 
 
 def cmd_serve(home: Home, args: argparse.Namespace) -> int:
