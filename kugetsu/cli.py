@@ -25,7 +25,7 @@ def _duration(text: str) -> float:
 
 
 def _positive_int(text: str) -> int:
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # "²".isdigit() is true, and int() refuses it
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
     return int(text)
 

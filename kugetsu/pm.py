@@ -118,7 +118,9 @@ def lowest_free_slot(index: Index) -> int:
 def find(index: Index, ref: str) -> Task:
     """TASK is an id or a name: a live task of that name, else the latest finished one."""
     ref = ref.strip().lstrip("#")
-    if ref.isdigit():
+    # Only ASCII digits are an id: str.isdigit() is also true of "²" (which int() refuses)
+    # and of "٣" (which int() reads as 3): anything else is a name.
+    if ref.isascii() and ref.isdigit():
         for task in index.all_tasks():
             if task.id == int(ref):
                 return task

@@ -68,3 +68,16 @@ def test_config_set_dash_on_a_terminal_does_not_echo_the_value(kg):
     assert proc.returncode == 0 and out.decode().strip() == 'telegram.token = "***"'
     assert SECRET.encode() not in seen
     assert json.loads(kg.home.config.read_text())["telegram"]["token"] == SECRET
+
+
+def test_unicode_digits_are_names_not_ids(kg):
+    kg.config(max_agents=1)
+    for name in ("one", "two", "three"):
+        kg.delegate(name, 30)
+    for args in (("status", "²"), ("status", "#²"), ("cancel", "٣"), ("cancel", "³")):
+        r = kg.run(*args)
+        assert r.returncode == 1 and "no task" in r.stderr and "Traceback" not in r.stderr, r
+    assert kg.task("3")["state"] == "queued"  # "٣" (Arabic-Indic three) is not task #3
+    r = kg.run("logs", "one", "--lines", "²")
+    assert r.returncode == 2 and "expected a whole number" in r.stderr, r
+    assert kg.json("status", "#3")["name"] == "three"

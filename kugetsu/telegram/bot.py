@@ -172,7 +172,7 @@ async def on_button(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
     query = update.callback_query
     assert query is not None
     action, _, ref = (query.data or "").partition(":")
-    if action != "cancel" or not ref.isdigit():
+    if action != "cancel" or not (ref.isascii() and ref.isdigit()):  # ours are ASCII ids; a client may send anything
         await query.answer()
         return
     home = _env(context).home
