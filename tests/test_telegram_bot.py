@@ -135,3 +135,19 @@ def test_unicode_digits_get_a_clear_answer_not_something_went_wrong(kg, api):
     assert not api.with_text(ME, "Something went wrong")
     assert "Traceback" not in kg.home.service_log.read_text()
 
+
+GROUP = -100500
+
+
+def test_a_refused_member_of_an_allowed_group_is_told_to_be_added_as_a_user(kg, api):
+    setup(kg, api, telegram={"allowed_chat_ids": [ME, GROUP], "allowed_user_ids": [ME]})
+    bot_up(kg, api)
+    api.message(GROUP, "/queue", user_id=ME)
+    reply(api, GROUP, "running")
+    api.message(GROUP, "/queue", user_id=STRANGER)
+    reply(api, GROUP, "private")
+    log = wait_for(lambda: (t := kg.home.service_log.read_text()) and f"refused chat {GROUP}" in t and t, 10, "the log")
+    line = next(x for x in log.splitlines() if f"refused chat {GROUP}" in x)  # type: ignore[union-attr]
+    assert "telegram.allowed_user_ids does not list user 999" in line, line
+    assert f"kugetsu config set telegram.allowed_user_ids '[{ME}, {STRANGER}]'" in line, line
+    assert "allowed_chat_ids" not in line, line  # the group is allowed already: no advice to add it
