@@ -13,7 +13,7 @@ from kugetsu import ops, pm, runner
 from kugetsu.config import format_duration, get_value, load_config, parse_duration, parse_value
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
 from kugetsu.models import PRIORITIES, Task, TaskState
-from kugetsu.paths import Home, default_home, read_tail
+from kugetsu.paths import Home, default_home, nofollow, read_tail
 from kugetsu.render import to_json
 
 
@@ -167,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return OK
+    except OSError as err:  # the last resort: one line that says what and where, never a traceback
+        from kugetsu.paths import explain
+
+        error = explain(home, err)
+        print(f"kugetsu: {error}", file=sys.stderr)
+        return error.code
 
 
 _STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value")
@@ -309,7 +315,7 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     path = home.log(task.id)
     out = sys.stdout.buffer
     try:
-        f = open(path, "rb")
+        f = open(path, "rb", opener=nofollow)
     except FileNotFoundError:
         f = None
     # A queued task's wrapper waits with its log already made: empty reads as "nothing yet".
@@ -326,7 +332,7 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     while args.follow:
         task = pm.find(store.read(), str(task.id))
         if f is None and path.exists():
-            f = open(path, "rb")
+            f = open(path, "rb", opener=nofollow)
         if f is not None:
             chunk = f.read()
             if chunk:
@@ -509,6 +515,7 @@ def _read_unechoed(prompt: str) -> str:
 
 
 def cmd_serve(home: Home, args: argparse.Namespace) -> int:
+    ops.check_wakeable(home)  # the service binds its socket there: say so now, not in its log
     if args.detach:
         child = ops.start_service(home)
         if child is None:
@@ -537,6 +544,7 @@ def _last_lines(path: os.PathLike[str], count: int = 4) -> str:
 
 
 def cmd_shutdown(home: Home, args: argparse.Namespace) -> int:
+    ops.check_wakeable(home)  # else "no service is running" would hide why it cannot be told
     pid = ops.service_pid(home)
     if not ops.send(home, b"shutdown") or pid is None:
         print("no kugetsu service is running")

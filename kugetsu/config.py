@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -9,7 +10,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kugetsu.errors import FileError, UsageError
-from kugetsu.paths import Home, atomic_write
+from kugetsu.paths import Home, atomic_write, read_file
 
 # ---- durations ------------------------------------------------------------------------
 
@@ -297,9 +298,15 @@ _FIX = "\nNothing was changed. Fix the file (`kugetsu config check` re-checks it
 def read_raw(home: Home) -> dict[str, Any]:
     """The file's own content ({} when there is none): what `config set` edits."""
     try:
-        data = home.config.read_bytes()
+        data = read_file(home.config)
     except FileNotFoundError:
         return {}
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # O_NOFOLLOW: kugetsu never follows a link in its home
+            raise FileError(f"{home.config} is a symbolic link; kugetsu never follows a link inside its home"
+                            " (another user may have planted it): put the file itself there"
+                            " (or remove it to use the defaults)") from None
+        raise
     try:
         raw = msgspec.json.decode(data)
     except (msgspec.DecodeError, RecursionError) as err:  # RecursionError: absurdly deep nesting

@@ -81,3 +81,191 @@ def test_unicode_digits_are_names_not_ids(kg):
     r = kg.run("logs", "one", "--lines", "²")
     assert r.returncode == 2 and "expected a whole number" in r.stderr, r
     assert kg.json("status", "#3")["name"] == "three"
+
+
+# ---- the service's socket in a runtime dir that is not ours (deep homes) -------------------
+
+import os  # noqa: E402
+import socket  # noqa: E402
+import stat  # noqa: E402
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from conftest import Kugetsu  # noqa: E402
+
+from kugetsu.paths import Home  # noqa: E402
+
+NOBODY = 65534
+
+
+def no_traceback(r: subprocess.CompletedProcess[str]) -> bool:
+    return "Traceback" not in r.stderr and "Error:" not in r.stderr.replace("kugetsu:", "")
+
+
+@pytest.fixture
+def deep(tmp_path):
+    """A home too deep for a socket path (> 100 bytes): its socket goes to the runtime dir,
+    here <tmp>/t/runtime-<uid> (platformdirs' fallback, via TMPDIR), never the machine's own."""
+    (tmp_path / ("d" * 110)).mkdir()
+    k = Kugetsu(tmp_path / ("d" * 110) / "home")
+    k.env.pop("XDG_RUNTIME_DIR", None)
+    k.env["TMPDIR"] = str(tmp_path / "t")
+    (tmp_path / "t").mkdir()
+    k.runtime = tmp_path / "t" / f"runtime-{os.geteuid()}"  # type: ignore[attr-defined]
+    yield k
+    k.cleanup()
+
+
+def _refused(k: Kugetsu, *needles: str) -> None:
+    for args in (("delegate", "x", "--", "true"), ("config", "set", "max_agents", "2"), ("serve", "--detach"),
+                 ("shutdown",)):
+        r = k.run(*args)
+        assert r.returncode == 2 and no_traceback(r), (args, r)
+        assert all(n in r.stderr for n in needles) and "XDG_RUNTIME_DIR" in r.stderr, (args, r.stderr)
+        assert "shorter KUGETSU_HOME" in r.stderr
+    assert not k.home.index.exists() and not k.home.config.exists()  # refused before writing anything
+
+
+def test_a_runtime_dir_made_by_another_user_is_refused_before_anything_is_written(deep):
+    deep.runtime.mkdir(mode=0o700)
+    os.chown(deep.runtime, NOBODY, NOBODY)  # pre-created by someone else
+    _refused(deep, str(deep.runtime), str(NOBODY))
+
+
+def test_a_runtime_dir_others_can_write_or_a_planted_link_is_refused(deep, tmp_path):
+    deep.runtime.mkdir()
+    deep.runtime.chmod(0o777)
+    _refused(deep, str(deep.runtime), "writable by other users")
+    deep.runtime.chmod(0o700)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o777)
+    (deep.runtime / "kugetsu").symlink_to(elsewhere)
+    _refused(deep, str(deep.runtime / "kugetsu"), "symbolic link")
+    assert list(elsewhere.iterdir()) == []
+    (deep.runtime / "kugetsu").unlink()
+    (deep.runtime / "kugetsu").mkdir()
+    os.chown(deep.runtime / "kugetsu", NOBODY, NOBODY)
+    _refused(deep, str(deep.runtime / "kugetsu"), str(NOBODY))
+
+
+def test_a_deep_home_gets_a_private_socket_dir_and_works(deep):
+    r = deep.run("delegate", "ok", "--", "true")
+    assert r.returncode == 0 and r.stderr == "", r  # no warning about the runtime dir either
+    deep.wait_state("ok", "succeeded")
+    sockets = deep.runtime / "kugetsu"
+    for d in (deep.runtime, sockets):
+        st = os.lstat(d)
+        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+    assert stat.S_ISSOCK(os.lstat(sockets / f"{deep.home.key}.sock").st_mode)
+
+
+def test_a_committed_change_stands_when_the_service_cannot_be_woken(kg):
+    kg.config(autostart=False)
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not the service's datagram socket
+    squatter.bind(str(kg.home.socket))
+    try:
+        r = kg.run("delegate", "kept", "--", "true")
+        assert r.returncode == 0 and "started kept (#1)" in r.stdout, r
+        assert "warning: could not reach the service" in r.stderr and str(kg.home.socket) in r.stderr, r
+        assert no_traceback(r)
+        assert [t["name"] for t in kg.index()["active"]] == ["kept"]
+        # With autostart, a new service takes the socket's place and runs what was committed.
+        r = kg.run("config", "set", "autostart", "true")
+        assert r.returncode == 0 and "warning" not in r.stderr, r
+        kg.wait_state("kept", "succeeded")
+    finally:
+        squatter.close()
+
+
+# ---- a home that cannot be created -------------------------------------------------------------
+
+
+def at(tmp_path: Path, home: Path) -> Kugetsu:
+    """The CLI against a home that may not be creatable (Kugetsu() makes files next to its own)."""
+    (tmp_path / "ok").mkdir(exist_ok=True)
+    k = Kugetsu(tmp_path / "ok" / "home")
+    k.home = Home(home)
+    k.env["KUGETSU_HOME"] = str(home)
+    return k
+
+
+def _home_refused(k: Kugetsu, *needles: str, commands=(("delegate", "--", "true"), ("config", "set", "max_agents", "2"),
+                                                          ("queue",), ("status", "1"))) -> None:
+    for args in commands:
+        r = k.run(*args)
+        assert r.returncode == 2 and no_traceback(r), (args, r)
+        assert all(n in r.stderr for n in needles) and "KUGETSU_HOME" in r.stderr, (args, r.stderr)
+
+
+def test_a_home_that_cannot_be_created_gets_a_clear_error(tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    for home in (tmp_path / "afile", tmp_path / "afile" / "home"):
+        _home_refused(at(tmp_path, home), str(tmp_path / "afile"), "not a directory")
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_home_on_a_read_only_file_system_gets_a_clear_error(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mount.stderr.strip()}")
+    try:
+        _home_refused(at(tmp_path, ro / "home"), str(ro / "home"), "Read-only file system",
+                      commands=(("delegate", "--", "true"), ("config", "set", "max_agents", "2")))
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+# ---- symlinks inside the home ---------------------------------------------------------------
+
+
+def test_a_symlinked_logs_dir_keeps_its_mode_and_is_refused(kg, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    kg.home.root.mkdir(mode=0o700)
+    kg.home.logs.symlink_to(shared)
+    for args in (("delegate", "x", "--", "true"), ("config", "set", "max_agents", "2")):
+        r = kg.run(*args)
+        assert r.returncode == 2 and no_traceback(r), r
+        assert f"{kg.home.logs} (the home's logs directory) is a symbolic link" in r.stderr, r.stderr
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777 and list(shared.iterdir()) == []
+    assert not kg.home.index.exists()
+
+
+def test_a_home_of_another_user_is_refused(kg):
+    kg.home.root.mkdir(mode=0o700)
+    os.chown(kg.home.root, NOBODY, NOBODY)
+    r = kg.run("delegate", "x", "--", "true")
+    assert r.returncode == 2 and f"belongs to uid {NOBODY}" in r.stderr and no_traceback(r), r
+    assert not kg.home.index.exists()
+
+
+def test_planted_temp_file_links_are_removed_never_written_through(kg, tmp_path):
+    outside = tmp_path / "victim"
+    outside.write_text("precious")
+    kg.home.root.mkdir(mode=0o700)
+    for name in (".index.json.tmp", ".config.json.tmp"):
+        (kg.home.root / name).symlink_to(outside)
+    kg.ok("delegate", "secret-task", "--prompt", "top secret prompt", "--", "true")
+    kg.ok("config", "set", "max_agents", "4")
+    assert outside.read_text() == "precious"
+    assert kg.index()["next_id"] == 2 and json.loads(kg.home.config.read_text()) == {"max_agents": 4}
+    assert not any(p.name.endswith(".tmp") for p in kg.home.root.iterdir())
+
+
+def test_links_planted_for_files_kugetsu_reads_are_not_followed(kg, tmp_path):
+    outside = tmp_path / "victim"
+    outside.write_text("SECRET of another file\n")
+    kg.delegate("t1", 0)
+    kg.wait_state("t1", "succeeded")
+    kg.home.log(1).unlink()
+    kg.home.log(1).symlink_to(outside)
+    r = kg.run("logs", "t1")
+    assert r.returncode == 2 and "SECRET" not in r.stdout and "symbolic link" in r.stderr and no_traceback(r), r
+    kg.home.config.symlink_to(outside)
+    r = kg.run("config", "show")
+    assert r.returncode == 2 and "SECRET" not in r.stdout + r.stderr and "symbolic link" in r.stderr, r
+    assert outside.read_text() == "SECRET of another file\n"
