@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kugetsu.errors import FileError, UsageError
-from kugetsu.paths import Home, atomic_write, read_file
+from kugetsu.paths import DISK_FULL, Home, atomic_write, disk_full, read_file
 
 # ---- durations ------------------------------------------------------------------------
 
@@ -329,7 +329,12 @@ def load_config(home: Home) -> Config:
 
 def save_raw(home: Home, raw: dict[str, Any]) -> None:
     home.ensure()
-    atomic_write(home.config, json.dumps(raw, indent=2, ensure_ascii=False).encode() + b"\n")
+    try:
+        atomic_write(home.config, json.dumps(raw, indent=2, ensure_ascii=False).encode() + b"\n")
+    except OSError as err:
+        if err.errno in DISK_FULL:  # atomic_write removed its temp file: config.json is as it was
+            raise disk_full(home, f"writing {home.config}") from None
+        raise
 
 
 # ---- dotted keys -----------------------------------------------------------------------

@@ -111,7 +111,7 @@ def explain(home: Home, err: OSError) -> KugetsuError:
     path and the system's reason (exit 1)."""
     name = err.filename
     if err.errno in DISK_FULL:
-        return disk_full(home, f"writing {name}" if name else "writing")
+        return disk_full(home, f"writing {os.fsdecode(name)}" if name else "a write failed")
     inside = name is not None and (Path(os.fsdecode(name)) == home.root or home.root in Path(os.fsdecode(name)).parents)
     if err.errno == errno.ELOOP and inside:
         return UsageError(f"{name} is a symbolic link; kugetsu never follows a link inside its home that it did not"
@@ -200,11 +200,13 @@ def atomic_write(path: Path, data: bytes) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         try:
             tmp.unlink()
         except OSError:
             pass
+        if isinstance(err, OSError) and err.filename is None:
+            err.filename = str(path)  # os.write's errors name no file: say which one it was
         raise
     dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:

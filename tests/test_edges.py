@@ -269,3 +269,47 @@ def test_links_planted_for_files_kugetsu_reads_are_not_followed(kg, tmp_path):
     r = kg.run("config", "show")
     assert r.returncode == 2 and "SECRET" not in r.stdout + r.stderr and "symbolic link" in r.stderr, r
     assert outside.read_text() == "SECRET of another file\n"
+
+
+# ---- a full disk ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def _fill(mnt: Path) -> None:
+    with open(mnt / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as err:
+            assert err.errno == 28  # ENOSPC
+
+
+def test_a_full_disk_is_one_clear_line_exit_1_and_leaves_nothing(small_tmpfs, tmp_path):
+    k = at(tmp_path, small_tmpfs / "home")
+    k.ok("config", "set", "max_agents", "2")
+    k.ok("config", "set", "autostart", "false")
+    config, index = k.home.config.read_bytes(), k.home.index.read_bytes()
+    _fill(small_tmpfs)
+    for args, what in ((("config", "set", "max_agents", "5"), "config.json"),
+                       (("delegate", "x", "--prompt", "p" * 5000, "--", "true"), "index.json")):
+        r = k.run(*args)
+        assert r.returncode == 1 and no_traceback(r), r
+        line = r.stderr.strip()
+        assert line.startswith("kugetsu: disk full: ") and what in line and "\n" not in line, line
+        assert line.endswith(f"nothing was written. Free some space in {k.home.root} and try again."), line
+        assert not [p for p in k.home.root.rglob("*") if p.name.endswith(".tmp")]
+    assert k.home.config.read_bytes() == config and k.home.index.read_bytes() == index
+    assert k.ok("config", "get", "max_agents").strip() == "2"
