@@ -229,7 +229,7 @@ KEY_HELP: dict[str, str] = {
     "run_timeout": "a running task is cancelled after this (per task: --timeout; null: never)",
     "kill_grace": "SIGTERM -> SIGKILL delay",
     "default_agent": "preset used when no command is given",
-    "agents": "presets {name: {command: [argv with {prompt} {name} {id}], env: {}}}; extend the built-ins",
+    "agents": "presets {name: {command: [argv with {prompt} {prompt_file} {name} {id}], env: {}}}; extend the built-ins",
     "history_limit": "finished tasks kept in index.json; older ones move to history.jsonl",
     "events_max_size": "events.jsonl beyond this becomes events.jsonl.1 (the older one is dropped)",
     "autostart": "the CLI starts the service when needed",

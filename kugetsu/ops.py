@@ -12,6 +12,7 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -20,7 +21,7 @@ from kugetsu import pm, runner
 from kugetsu.config import Config, format_size, load_config, mask_secrets, read_raw, save_raw, validate, with_value
 from kugetsu.errors import KugetsuError, UsageError
 from kugetsu.models import Event, Index, Task, TaskState
-from kugetsu.paths import Home, open_file, read_file
+from kugetsu.paths import Home, open_file, read_file, write_new
 from kugetsu.store import Store, Txn
 
 
@@ -73,16 +74,35 @@ class Admission(msgspec.Struct):
 def delegate(home: Home, cfg: Config, req: pm.Request) -> Admission:
     _check_runnable(cfg, req)
     _check_worktree(cfg, req)
-    with _locked(home) as (txn, cfg):
-        settle(txn, cfg)
-        task, events = pm.admit(txn.index, cfg, txn.now, req)
-        txn.emit(events)
-        settle(txn, cfg)
-        position = pm.positions(txn.index, cfg, txn.now).get(task.id)
-        why = pm.waiting_for(txn.index, cfg, txn.now, measure(cfg)).get(task.id) if position else None
-        admission = Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
+    written: Path | None = None
+    try:
+        with _locked(home) as (txn, cfg):
+            settle(txn, cfg)
+            if pm.wants_prompt_file(cfg, req):
+                req.prompt_path = str(home.prompt_file(txn.index.next_id))  # the id admit gives it
+            task, events = pm.admit(txn.index, cfg, txn.now, req)
+            if req.prompt_path is not None:
+                # Before the commit that makes the task startable; removed below if it fails.
+                written = Path(req.prompt_path)
+                _write_prompt(written, req.prompt or "")
+            txn.emit(events)
+            settle(txn, cfg)
+            position = pm.positions(txn.index, cfg, txn.now).get(task.id)
+            why = pm.waiting_for(txn.index, cfg, txn.now, measure(cfg)).get(task.id) if position else None
+            admission = Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
+    except BaseException:
+        if written is not None:  # no task owns it: a failed command leaves nothing behind
+            written.unlink(missing_ok=True)
+        raise
     wake(home, cfg)
     return admission
+
+
+def _write_prompt(path: Path, prompt: str) -> None:
+    """The prompt as a private file (0600, never through a link): not on the agent's command
+    line, where any local user can read it. fsync'd: the committed task must find it after a
+    crash. A file already there is a crash's leftover or planted (ids are never reused)."""
+    write_new(path, prompt.encode())
 
 
 def _check_runnable(cfg: Config, req: pm.Request) -> None:
@@ -176,8 +196,8 @@ def clean(home: Home, older_than: float | None) -> list[Task]:
     with Store(home).transaction(now()) as txn:
         gone = pm.clean(txn.index, txn.now, older_than)
     for task in gone:
-        home.log(task.id).unlink(missing_ok=True)
-        home.exit_file(task.id).unlink(missing_ok=True)
+        for path in (home.log(task.id), home.exit_file(task.id), home.prompt_file(task.id)):
+            path.unlink(missing_ok=True)
     return gone
 
 

@@ -72,6 +72,10 @@ class Home:
     def log(self, task_id: int) -> Path:
         return self.logs / f"{task_id}.log"
 
+    def prompt_file(self, task_id: int) -> Path:
+        """The prompt of a preset with {prompt_file}: 0600, so it is not in the agent's argv."""
+        return self.logs / f"{task_id}.prompt"
+
     def exit_file(self, task_id: int) -> Path:
         """Written by the task's wrapper with the agent's exit status; outlives the service."""
         return self.logs / f"{task_id}.exit"
@@ -180,18 +184,17 @@ def open_file(path: os.PathLike[str] | str, flags: int, mode: int = 0o600) -> in
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so that a crash leaves the old or the new file, never a torn one:
-    temp file in the same directory, fsync, rename, fsync of the directory. The temp file is
-    made afresh (O_EXCL, O_NOFOLLOW: a link planted under its name is removed, never written
-    through), and on any failure (a full disk too) it is removed and the error raised."""
-    tmp = path.with_name(f".{path.name}.tmp")
+def write_new(path: Path, data: bytes, name: object = None) -> None:
+    """Create `path` afresh with `data`, fsync'd, 0600: a stale file of that name is removed
+    first (a planted link too: unlink removes the link, never its target), then the file is
+    made with O_EXCL|O_NOFOLLOW. On any failure (a full disk too) it is removed again and the
+    error raised, naming `name` (default `path`) when the system named no file."""
     try:
-        tmp.unlink()  # a stale one, from a crash (or a planted link: unlink removes the link itself)
+        path.unlink()
     except FileNotFoundError:
         pass
-    fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
+        fd = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             view = memoryview(data)
             while view:
@@ -199,14 +202,30 @@ def atomic_write(path: Path, data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+    except BaseException as err:
+        _discard(path, err, name or path)
+        raise
+
+
+def _discard(path: Path, err: BaseException, name: object) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+    if isinstance(err, OSError) and err.filename is None:
+        err.filename = str(name)  # os.write's errors name no file: say which one it was
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a crash leaves the old or the new file, never a torn one:
+    temp file in the same directory (made afresh by write_new, never through a planted link),
+    fsync, rename, fsync of the directory. On any failure the temp file is removed."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write_new(tmp, data, name=path)
+    try:
         os.replace(tmp, path)
     except BaseException as err:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        if isinstance(err, OSError) and err.filename is None:
-            err.filename = str(path)  # os.write's errors name no file: say which one it was
+        _discard(tmp, err, path)
         raise
     dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:

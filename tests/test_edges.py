@@ -301,15 +301,70 @@ def test_a_full_disk_is_one_clear_line_exit_1_and_leaves_nothing(small_tmpfs, tm
     k = at(tmp_path, small_tmpfs / "home")
     k.ok("config", "set", "max_agents", "2")
     k.ok("config", "set", "autostart", "false")
+    k.ok("config", "set", "agents.filer", json.dumps({"command": ["cat", "{prompt_file}"]}))
     config, index = k.home.config.read_bytes(), k.home.index.read_bytes()
     _fill(small_tmpfs)
     for args, what in ((("config", "set", "max_agents", "5"), "config.json"),
-                       (("delegate", "x", "--prompt", "p" * 5000, "--", "true"), "index.json")):
+                       (("delegate", "x", "--prompt", "p" * 5000, "--", "true"), "index.json"),
+                       (("delegate", "y", "--agent", "filer", "--prompt", "p"), ".prompt"),
+                       (("delegate", "z", "--agent", "filer", "--prompt", "p"), "index.json")):
+        if args[1] == "z":  # room for the prompt file (one page), none for the index: the commit fails
+            with open(small_tmpfs / "filler", "r+b") as f:
+                f.truncate(f.seek(0, os.SEEK_END) - 4096)
         r = k.run(*args)
         assert r.returncode == 1 and no_traceback(r), r
         line = r.stderr.strip()
         assert line.startswith("kugetsu: disk full: ") and what in line and "\n" not in line, line
         assert line.endswith(f"nothing was written. Free some space in {k.home.root} and try again."), line
-        assert not [p for p in k.home.root.rglob("*") if p.name.endswith(".tmp")]
+        assert not [p for p in k.home.root.rglob("*") if p.name.endswith((".tmp", ".prompt"))]
     assert k.home.config.read_bytes() == config and k.home.index.read_bytes() == index
     assert k.ok("config", "get", "max_agents").strip() == "2"
+
+
+# ---- {prompt_file}: the prompt in a 0600 file, not in the agent's argv ------------------------
+
+PROMPT = "Fix it's \"quoted\" $(rm -rf /) `id` {name} MARKER-7f3c\nsecond line\n\n"
+
+
+def _cmdlines() -> list[bytes]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                out.append((entry / "cmdline").read_bytes())
+            except OSError:
+                pass
+    return out
+
+
+def test_prompt_file_gives_the_agent_the_exact_prompt_in_a_private_file(kg, tmp_path):
+    gate = tmp_path / "gate"
+    work = tmp_path / "work"
+    work.mkdir()
+    agent = ["sh", "-c", 'cat "$1" > out; while [ ! -e "$2" ]; do sleep 0.05; done', "sh", "{prompt_file}", str(gate)]
+    kg.ok("config", "set", "agents.filer", json.dumps({"command": agent}))
+    kg.ok("config", "check")
+    r = kg.run("delegate", "needs", "--agent", "filer")  # like {prompt}: no prompt, no task
+    assert r.returncode == 2 and "needs a prompt" in r.stderr, r
+    kg.ok("delegate", "t1", "--agent", "filer", "--cwd", str(work), "--prompt-file", "-", input=PROMPT)
+    from conftest import wait_for
+
+    wait_for(lambda: (work / "out").exists() and (work / "out").read_text() == PROMPT, 15, "the agent to read it")
+    assert not [c for c in _cmdlines() if b"MARKER-7f3c" in c]  # on no process's command line
+    prompt_file = kg.home.prompt_file(1)
+    assert kg.task("t1")["command"][-2] == str(prompt_file)
+    st = os.lstat(prompt_file)
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    assert prompt_file.read_text() == PROMPT
+    gate.touch()
+    kg.wait_state("t1", "succeeded")
+    kg.ok("clean")
+    assert not prompt_file.exists() and not kg.home.log(1).exists()
+
+
+def test_a_failed_delegate_leaves_no_prompt_file(kg, tmp_path):
+    kg.config(max_agents=1, max_queue=0, agents={"filer": {"command": ["sh", "-c", "sleep 30", "sh", "{prompt_file}"]}})
+    kg.ok("delegate", "busy", "--agent", "filer", "--prompt", "first")
+    r = kg.run("delegate", "full", "--agent", "filer", "--prompt", "second")
+    assert r.returncode == 3, r
+    assert sorted(p.name for p in kg.home.logs.glob("*.prompt")) == ["1.prompt"]
