@@ -246,13 +246,13 @@ def test_a_home_of_another_user_is_refused(kg):
 def test_planted_temp_file_links_are_removed_never_written_through(kg, tmp_path):
     outside = tmp_path / "victim"
     outside.write_text("precious")
-    kg.home.root.mkdir(mode=0o700)
+    kg.config(autostart=False)  # no service: its own writes would have temp files of their own
     for name in (".index.json.tmp", ".config.json.tmp"):
         (kg.home.root / name).symlink_to(outside)
     kg.ok("delegate", "secret-task", "--prompt", "top secret prompt", "--", "true")
     kg.ok("config", "set", "max_agents", "4")
     assert outside.read_text() == "precious"
-    assert kg.index()["next_id"] == 2 and json.loads(kg.home.config.read_text()) == {"max_agents": 4}
+    assert kg.index()["next_id"] == 2 and json.loads(kg.home.config.read_text()) == {"autostart": False, "max_agents": 4}
     assert not any(p.name.endswith(".tmp") for p in kg.home.root.iterdir())
 
 
