@@ -4,7 +4,19 @@ a runtime dir or home that is not ours, symlinks planted in the home, a full dis
 from __future__ import annotations
 
 import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
+import pytest
+from conftest import Kugetsu, wait_for
+
+from kugetsu.paths import Home
 
 SECRET = "123456:AAEsecretSECRETsecret"
 
@@ -39,12 +51,6 @@ def test_config_set_dash_reads_the_value_from_stdin(kg):
 
 
 def test_config_set_dash_on_a_terminal_does_not_echo_the_value(kg):
-    import os
-    import subprocess
-    import sys
-
-    from conftest import wait_for
-
     master, slave = os.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "kugetsu", "config", "set", "telegram.token", "-"],
                             env=kg.env, stdin=slave, stdout=subprocess.PIPE, stderr=slave)
@@ -85,16 +91,8 @@ def test_unicode_digits_are_names_not_ids(kg):
 
 # ---- the service's socket in a runtime dir that is not ours (deep homes) -------------------
 
-import os  # noqa: E402
-import socket  # noqa: E402
-import stat  # noqa: E402
-import subprocess  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-import pytest  # noqa: E402
-from conftest import Kugetsu  # noqa: E402
 
-from kugetsu.paths import Home  # noqa: E402
 
 NOBODY = 65534
 
@@ -205,17 +203,23 @@ def test_a_home_that_cannot_be_created_gets_a_clear_error(tmp_path):
     assert (tmp_path / "afile").read_text() == "mine"
 
 
-def test_a_home_on_a_read_only_file_system_gets_a_clear_error(tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True, text=True)
-    if mount.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mount.stderr.strip()}")
+@contextmanager
+def tmpfs(mnt: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs at `mnt` (root only: the test is skipped, saying why, elsewhere)."""
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
     try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_a_home_on_a_read_only_file_system_gets_a_clear_error(tmp_path):
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
         _home_refused(at(tmp_path, ro / "home"), str(ro / "home"), "Read-only file system",
                       commands=(("delegate", "--", "true"), ("config", "set", "max_agents", "2")))
-    finally:
-        subprocess.run(["umount", str(ro)], check=True)
 
 
 # ---- symlinks inside the home ---------------------------------------------------------------
@@ -276,15 +280,8 @@ def test_links_planted_for_files_kugetsu_reads_are_not_followed(kg, tmp_path):
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "small", "size=1m,mode=0700") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def _fill(mnt: Path) -> None:
@@ -347,8 +344,6 @@ def test_prompt_file_gives_the_agent_the_exact_prompt_in_a_private_file(kg, tmp_
     r = kg.run("delegate", "needs", "--agent", "filer")  # like {prompt}: no prompt, no task
     assert r.returncode == 2 and "needs a prompt" in r.stderr, r
     kg.ok("delegate", "t1", "--agent", "filer", "--cwd", str(work), "--prompt-file", "-", input=PROMPT)
-    from conftest import wait_for
-
     wait_for(lambda: (work / "out").exists() and (work / "out").read_text() == PROMPT, 15, "the agent to read it")
     assert not [c for c in _cmdlines() if b"MARKER-7f3c" in c]  # on no process's command line
     prompt_file = kg.home.prompt_file(1)
