@@ -13,7 +13,7 @@ from kugetsu import ops, pm, runner
 from kugetsu.config import format_duration, get_value, load_config, parse_duration, parse_value
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
 from kugetsu.models import PRIORITIES, Task, TaskState
-from kugetsu.paths import Home, default_home, read_tail
+from kugetsu.paths import Home, default_home, nofollow, read_tail
 from kugetsu.render import to_json
 
 
@@ -25,7 +25,7 @@ def _duration(text: str) -> float:
 
 
 def _positive_int(text: str) -> int:
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # "²".isdigit() is true, and int() refuses it
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
     return int(text)
 
@@ -97,12 +97,16 @@ def _json_only(p: argparse.ArgumentParser) -> None:
 
 def _config_args(cf: argparse.ArgumentParser) -> None:
     csub = cf.add_subparsers(dest="action", metavar="ACTION", required=True)
-    show = csub.add_parser("show", help="the effective config (token masked)")
+    show = csub.add_parser("show", help="the effective config (secrets masked)")
     show.add_argument("--json", action="store_true")
     csub.add_parser("get", help="one value").add_argument("key")
-    cs = csub.add_parser("set", help="validate, write, apply at once")
+    cs = csub.add_parser("set", help="validate, write, apply at once",
+                         description="Validate, write and apply at once. VALUE - reads the value from standard input"
+                         " (one line), so a secret never appears on a command line, where any local user can read"
+                         " it: printf '%s' \"$TOKEN\" | kugetsu config set telegram.token -")
     cs.add_argument("key")
-    cs.add_argument("value", help="JSON (5, true, null, [1,2]) or a plain string")
+    cs.add_argument("value", help="JSON (5, true, null, [1,2]) or a plain string; - reads it from standard input"
+                    " (one line; on a terminal it is not echoed)")
     csub.add_parser("unset", help="back to the default").add_argument("key")
     csub.add_parser("path", help="where config.json is")
     csub.add_parser("check", help="validate config.json and index.json")
@@ -163,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return OK
+    except OSError as err:  # the last resort: one line that says what and where, never a traceback
+        from kugetsu.paths import explain
+
+        error = explain(home, err)
+        print(f"kugetsu: {error}", file=sys.stderr)
+        return error.code
 
 
 _STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value")
@@ -305,7 +315,7 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     path = home.log(task.id)
     out = sys.stdout.buffer
     try:
-        f = open(path, "rb")
+        f = open(path, "rb", opener=nofollow)
     except FileNotFoundError:
         f = None
     # A queued task's wrapper waits with its log already made: empty reads as "nothing yet".
@@ -322,7 +332,7 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     while args.follow:
         task = pm.find(store.read(), str(task.id))
         if f is None and path.exists():
-            f = open(path, "rb")
+            f = open(path, "rb", opener=nofollow)
         if f is not None:
             chunk = f.read()
             if chunk:
@@ -446,16 +456,13 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
               f" {home.index} ({len(index.all_tasks())} tasks)")
         return OK
     if args.action in ("set", "unset"):
-        value = None if args.action == "unset" else parse_value(args.value)
+        value = None if args.action == "unset" else parse_value(_stdin_value(args.key) if args.value == "-" else args.value)
         cfg = ops.set_config(home, args.key, value, remove=args.action == "unset")
-        shown = get_value(cfg, args.key)
-        print(f"{args.key} = {to_json('***' if args.key.endswith('token') and shown else shown)}")
+        print(f"{args.key} = {to_json(C.mask_secrets(get_value(cfg, args.key), args.key))}")
         return OK
     cfg = load_config(home)
     if args.action == "get":
-        value = get_value(cfg, args.key)
-        if args.key.endswith("token") and value:
-            value = "***"
+        value = C.mask_secrets(get_value(cfg, args.key), args.key)
         print(value if isinstance(value, str) else to_json(value))
         return OK
     shown = C.masked(cfg)
@@ -468,7 +475,47 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
     return OK
 
 
+def _stdin_value(key: str) -> str:
+    """`config set KEY -`: the value from standard input, one line, its newline stripped.
+    A secret given this way is on no command line (any local user can read argv in /proc)."""
+    example = f"printf '%s' \"$VALUE\" | kugetsu config set {key} -"
+    try:
+        if sys.stdin is None:
+            raise UsageError(f"config set {key} -: there is no standard input to read the value from; {example}")
+        if sys.stdin.isatty():  # pasted: not echoed, so it stays off the screen too
+            line, rest = _read_unechoed(f"value for {key} (not echoed, then Enter): "), ""
+        else:
+            line = sys.stdin.readline()
+            rest = sys.stdin.read()
+    except UnicodeDecodeError as err:
+        raise UsageError(f"config set {key} -: standard input is not UTF-8 text ({err.reason})") from None
+    value = line.removesuffix("\n").removesuffix("\r")
+    if rest.strip():
+        raise UsageError(f"config set {key} -: expected one line on standard input, got more; nothing was changed")
+    if not value:
+        raise UsageError(f"config set {key} -: standard input was empty; give the value there, e.g. {example}")
+    return value
+
+
+def _read_unechoed(prompt: str) -> str:
+    """One line from the terminal on stdin, echo off (getpass would want a controlling tty)."""
+    import termios
+
+    fd = sys.stdin.fileno()
+    before = termios.tcgetattr(fd)
+    quiet = termios.tcgetattr(fd)
+    quiet[3] &= ~termios.ECHO
+    print(prompt, end="", file=sys.stderr, flush=True)
+    termios.tcsetattr(fd, termios.TCSAFLUSH, quiet)
+    try:
+        return sys.stdin.readline()
+    finally:
+        termios.tcsetattr(fd, termios.TCSAFLUSH, before)
+        print(file=sys.stderr)
+
+
 def cmd_serve(home: Home, args: argparse.Namespace) -> int:
+    ops.check_wakeable(home)  # the service binds its socket there: say so now, not in its log
     if args.detach:
         child = ops.start_service(home)
         if child is None:
@@ -497,6 +544,7 @@ def _last_lines(path: os.PathLike[str], count: int = 4) -> str:
 
 
 def cmd_shutdown(home: Home, args: argparse.Namespace) -> int:
+    ops.check_wakeable(home)  # else "no service is running" would hide why it cannot be told
     pid = ops.service_pid(home)
     if not ops.send(home, b"shutdown") or pid is None:
         print("no kugetsu service is running")

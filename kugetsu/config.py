@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -9,7 +10,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kugetsu.errors import FileError, UsageError
-from kugetsu.paths import Home, atomic_write
+from kugetsu.paths import DISK_FULL, Home, atomic_write, disk_full, read_file
 
 # ---- durations ------------------------------------------------------------------------
 
@@ -228,7 +229,7 @@ KEY_HELP: dict[str, str] = {
     "run_timeout": "a running task is cancelled after this (per task: --timeout; null: never)",
     "kill_grace": "SIGTERM -> SIGKILL delay",
     "default_agent": "preset used when no command is given",
-    "agents": "presets {name: {command: [argv with {prompt} {name} {id}], env: {}}}; extend the built-ins",
+    "agents": "presets {name: {command: [argv with {prompt} {prompt_file} {name} {id}], env: {}}}; extend the built-ins",
     "history_limit": "finished tasks kept in index.json; older ones move to history.jsonl",
     "events_max_size": "events.jsonl beyond this becomes events.jsonl.1 (the older one is dropped)",
     "autostart": "the CLI starts the service when needed",
@@ -297,9 +298,15 @@ _FIX = "\nNothing was changed. Fix the file (`kugetsu config check` re-checks it
 def read_raw(home: Home) -> dict[str, Any]:
     """The file's own content ({} when there is none): what `config set` edits."""
     try:
-        data = home.config.read_bytes()
+        data = read_file(home.config)
     except FileNotFoundError:
         return {}
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # O_NOFOLLOW: kugetsu never follows a link in its home
+            raise FileError(f"{home.config} is a symbolic link; kugetsu never follows a link inside its home"
+                            " (another user may have planted it): put the file itself there"
+                            " (or remove it to use the defaults)") from None
+        raise
     try:
         raw = msgspec.json.decode(data)
     except (msgspec.DecodeError, RecursionError) as err:  # RecursionError: absurdly deep nesting
@@ -322,7 +329,12 @@ def load_config(home: Home) -> Config:
 
 def save_raw(home: Home, raw: dict[str, Any]) -> None:
     home.ensure()
-    atomic_write(home.config, json.dumps(raw, indent=2, ensure_ascii=False).encode() + b"\n")
+    try:
+        atomic_write(home.config, json.dumps(raw, indent=2, ensure_ascii=False).encode() + b"\n")
+    except OSError as err:
+        if err.errno in DISK_FULL:  # atomic_write removed its temp file: config.json is as it was
+            raise disk_full(home, f"writing {home.config}") from None
+        raise
 
 
 # ---- dotted keys -----------------------------------------------------------------------
@@ -381,9 +393,24 @@ def with_value(raw: dict[str, Any], key: str, value: object, *, remove: bool = F
     return new
 
 
+# A key holding a secret: the bot token, and what people name their secrets in a preset's
+# `env` (GITHUB_TOKEN, OPENAI_API_KEY, ...), which the config shows and events record too.
+_SECRET_KEY = re.compile(r"(token|secret|password|passwd|api_?key)$", re.IGNORECASE)
+MASK = "***"
+
+
+def mask_secrets(value: Any, key: str = "") -> Any:
+    """`value` (the value of config key `key`, dotted or not) as it may be shown or written to
+    events: every secret in it, at any depth, replaced by "***"."""
+    if _SECRET_KEY.search(key) and value not in (None, "", [], {}):
+        return MASK
+    if isinstance(value, dict):
+        return {k: mask_secrets(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [mask_secrets(v) for v in value]
+    return value
+
+
 def masked(cfg: Config) -> dict[str, Any]:
-    """The effective config for display: the token never shown."""
-    out = msgspec.to_builtins(cfg)
-    if out["telegram"].get("token"):
-        out["telegram"]["token"] = "***"
-    return out
+    """The effective config for display: no secret shown."""
+    return mask_secrets(msgspec.to_builtins(cfg))

@@ -12,15 +12,16 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from kugetsu import pm, runner
-from kugetsu.config import Config, format_size, load_config, read_raw, save_raw, validate, with_value
-from kugetsu.errors import UsageError
+from kugetsu.config import Config, format_size, load_config, mask_secrets, read_raw, save_raw, validate, with_value
+from kugetsu.errors import KugetsuError, UsageError
 from kugetsu.models import Event, Index, Task, TaskState
-from kugetsu.paths import Home
+from kugetsu.paths import Home, open_file, read_file, write_new
 from kugetsu.store import Store, Txn
 
 
@@ -33,6 +34,7 @@ def _locked(home: Home) -> Iterator[tuple[Txn, Config]]:
     """A transaction, with the config as it is under the index lock: `config set` writes it
     under that lock, so a config read before taking it may already be stale (a lowered
     max_agents overshot by one start)."""
+    check_wakeable(home)  # every transaction here ends with a wake
     with Store(home).transaction() as txn:
         yield txn, load_config(home)
 
@@ -73,16 +75,35 @@ def delegate(home: Home, cfg: Config, req: pm.Request) -> Admission:
     _check_runnable(cfg, req)
     _check_worktree(cfg, req)
     req.token = runner.new_token()
-    with _locked(home) as (txn, cfg):
-        settle(txn, cfg)
-        task, events = pm.admit(txn.index, cfg, txn.now, req)
-        txn.emit(events)
-        settle(txn, cfg)
-        position = pm.positions(txn.index, cfg, txn.now).get(task.id)
-        why = pm.waiting_for(txn.index, cfg, txn.now, measure(cfg)).get(task.id) if position else None
-        admission = Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
+    written: Path | None = None
+    try:
+        with _locked(home) as (txn, cfg):
+            settle(txn, cfg)
+            if pm.wants_prompt_file(cfg, req):
+                req.prompt_path = str(home.prompt_file(txn.index.next_id))  # the id admit gives it
+            task, events = pm.admit(txn.index, cfg, txn.now, req)
+            if req.prompt_path is not None:
+                # Before the commit that makes the task startable; removed below if it fails.
+                written = Path(req.prompt_path)
+                _write_prompt(written, req.prompt or "")
+            txn.emit(events)
+            settle(txn, cfg)
+            position = pm.positions(txn.index, cfg, txn.now).get(task.id)
+            why = pm.waiting_for(txn.index, cfg, txn.now, measure(cfg)).get(task.id) if position else None
+            admission = Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
+    except BaseException:
+        if written is not None:  # no task owns it: a failed command leaves nothing behind
+            written.unlink(missing_ok=True)
+        raise
     wake(home, cfg)
     return admission
+
+
+def _write_prompt(path: Path, prompt: str) -> None:
+    """The prompt as a private file (0600, never through a link): not on the agent's command
+    line, where any local user can read it. fsync'd: the committed task must find it after a
+    crash. A file already there is a crash's leftover or planted (ids are never reused)."""
+    write_new(path, prompt.encode())
 
 
 def _check_runnable(cfg: Config, req: pm.Request) -> None:
@@ -156,19 +177,16 @@ def set_priority(home: Home, ref: str, level: str) -> tuple[Task, int | None]:
 
 def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Config:
     """Validate, write atomically and apply at once (raising max_agents starts queued tasks)."""
+    check_wakeable(home)
     store = Store(home)
     with store.transaction() as txn:  # the index lock also orders config writes
         raw = with_value(read_raw(home), key, value, remove=remove)
         cfg = validate(raw, f"cannot set {key}: {home.config}", hint="\nNothing was changed.")
         save_raw(home, raw)
-        txn.emit([Event(type="config", at=txn.now, key=key, value=None if remove else _shown(key, value))])
+        txn.emit([Event(type="config", at=txn.now, key=key, value=None if remove else mask_secrets(value, key))])
         settle(txn, cfg)
     wake(home, cfg)
     return cfg
-
-
-def _shown(key: str, value: Any) -> Any:
-    return "***" if key.endswith("token") else value
 
 
 # ---- clean -------------------------------------------------------------------------------
@@ -179,8 +197,8 @@ def clean(home: Home, older_than: float | None) -> list[Task]:
     with Store(home).transaction() as txn:
         gone = pm.clean(txn.index, txn.now, older_than)
     for task in gone:
-        home.log(task.id).unlink(missing_ok=True)
-        home.exit_file(task.id).unlink(missing_ok=True)
+        for path in (home.log(task.id), home.exit_file(task.id), home.prompt_file(task.id)):
+            path.unlink(missing_ok=True)
     return gone
 
 
@@ -318,36 +336,83 @@ def task_json(task: Task, position: int | None) -> dict[str, Any]:
 
 def wake(home: Home, cfg: Config | None = None, message: bytes = b"wake") -> bool:
     """Tell the service the index changed. Starts it if it is not running and autostart is
-    on. Returns whether a service got the message (or is coming up)."""
-    if send(home, message):
+    on. Returns whether a service got the message (or is coming up).
+
+    Called after a commit: the change stands whatever happens here, so a failure is a
+    warning on stderr, never an error that would make the caller report a committed
+    change as failed."""
+    sent = _send(home, message)
+    if sent is True:
         return True
+    if isinstance(sent, KugetsuError):  # no socket directory we can use: a service could not bind either
+        _warn_unwoken(sent)
+        return False
     if cfg is not None and cfg.autostart:
-        start_service(home)
-        return True
+        try:
+            # A new service replaces whatever sits at the socket's path (it holds the lock).
+            if start_service(home) is not None or sent is False:
+                return True
+        except (KugetsuError, OSError) as err:
+            _warn_unwoken(err)
+            return False
+    if sent is not False:  # a socket is there, and it refused the message
+        _warn_unwoken(sent)
     return False
+
+
+def check_wakeable(home: Home) -> None:
+    """Before a command writes: the service's socket must have a directory of ours (UsageError,
+    exit 2, with what to do), so that a refusal comes before the change, not after it."""
+    home.socket  # noqa: B018  (the property checks the runtime dir of a deep home)
 
 
 def ensure_service(home: Home, cfg: Config, index: Index) -> None:
     """For read-only commands: if there is live work and no service (it crashed), bring it back."""
     if index.live():
+        check_wakeable(home)
         wake(home, cfg)
 
 
 def send(home: Home, message: bytes) -> bool:
+    """One datagram to the service; False if none got it. Never raises: a socket that cannot
+    be used is a warning on stderr (and False)."""
+    sent = _send(home, message)
+    if isinstance(sent, Exception):
+        _warn_unwoken(sent)
+        return False
+    return sent
+
+
+def _send(home: Home, message: bytes) -> bool | Exception:
+    """True: sent; False: no service listens; else what went wrong."""
     import socket  # only here: 10+ ms of import the read-only commands skip
 
+    try:
+        path = str(home.socket)
+    except KugetsuError as err:
+        return err
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
-        sock.sendto(message, str(home.socket))
+        sock.sendto(message, path)
         return True
     except OSError as err:
         if err.errno in (errno.ENOENT, errno.ECONNREFUSED):
             return False
         if err.errno == errno.EAGAIN:  # its queue is full of wake-ups already
             return True
-        raise
+        if err.filename is None:
+            err.filename = path
+        return err
     finally:
         sock.close()
+
+
+def _warn_unwoken(err: BaseException) -> None:
+    import sys
+
+    what = f"{err.filename}: {err.strerror}" if isinstance(err, OSError) and err.filename else str(err)
+    print(f"kugetsu: warning: could not reach the service: {what}. What was done stands; the service"
+          " acts on it once it is reachable (`kugetsu serve --detach` starts it)", file=sys.stderr)
 
 
 LOCK_FD_ENV = "KUGETSU_SERVICE_LOCK_FD"
@@ -364,11 +429,11 @@ def start_service(home: Home) -> int | None:
     import sys
 
     home.ensure()
-    lock = os.open(home.service_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    lock = open_file(home.service_lock, os.O_RDWR | os.O_CREAT)
     try:
         if not _take(lock):
             return None
-        log = os.open(home.service_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = open_file(home.service_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kugetsu", "serve"],
@@ -411,7 +476,7 @@ def service_holds_lock(home: Home) -> bool:
     import fcntl
 
     try:
-        fd = os.open(home.service_lock, os.O_RDONLY)
+        fd = open_file(home.service_lock, os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:
@@ -425,7 +490,7 @@ def service_holds_lock(home: Home) -> bool:
 
 def service_pid(home: Home) -> int | None:
     try:
-        pid = int(home.service_pid.read_text().strip())
+        pid = int(read_file(home.service_pid).strip())
     except (FileNotFoundError, ValueError):
         return None
     return pid if runner.process_start(pid) is not None else None

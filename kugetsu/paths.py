@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 from pathlib import Path
+
+from kugetsu.errors import DiskFull, KugetsuError, UsageError
 
 # sun_path is 108 bytes on Linux and 104 on macOS; keep a margin.
 _MAX_SOCKET_PATH = 100
@@ -25,6 +29,7 @@ class Home:
         self.service_pid = self.root / "service.pid"
         self.service_lock = self.root / "service.lock"
         self.service_log = self.root / "service.log"
+        self._runtime_socket: Path | None = None  # a deep home's socket, once its dir is checked
 
     @property
     def key(self) -> str:
@@ -33,27 +38,139 @@ class Home:
 
     @property
     def socket(self) -> Path:
-        """The wake-up socket: in the home when the path is short enough, else in the runtime dir."""
+        """The wake-up socket: in the home when the path is short enough, else in the user's
+        runtime dir, which must be ours alone (UsageError, exit 2, saying what to do)."""
         path = self.root / "kugetsu.sock"
         if len(os.fsencode(path)) <= _MAX_SOCKET_PATH:
             return path
+        if self._runtime_socket is None:
+            self._runtime_socket = self._runtime_dir() / f"{self.key}.sock"
+        return self._runtime_socket
+
+    def _runtime_dir(self) -> Path:
+        """<runtime dir>/kugetsu, made private if missing. Another user who owns (or can write)
+        it could take the socket's name, or read the wake-ups; so it is checked, not trusted."""
+        import warnings
+
         import platformdirs  # only for deep homes: it costs ~30 ms to import
 
-        return Path(platformdirs.user_runtime_dir("kugetsu", ensure_exists=False)) / f"{self.key}.sock"
+        fix = (
+            "set XDG_RUNTIME_DIR to a directory of yours with mode 0700, or use a shorter KUGETSU_HOME"
+            f" (the socket lives in the home when its path is at most {_MAX_SOCKET_PATH} bytes)"
+        )
+        try:
+            with warnings.catch_warnings():  # its fallback notice is noise: the checks below are ours
+                warnings.simplefilter("ignore")
+                base = Path(platformdirs.user_runtime_dir(ensure_exists=False))
+        except PermissionError as err:  # platformdirs >= 4.4 refuses a foreign /tmp/runtime-<uid>
+            problem = str(err).split(";")[0]  # its own advice follows; ours is more complete
+            raise UsageError(f"cannot place the service's socket for {self.root}: {problem}; {fix}") from None
+        for d in (base, base / "kugetsu"):
+            private_dir(d, "the service's socket directory", fix, strict=True)
+        return base / "kugetsu"
 
     def log(self, task_id: int) -> Path:
         return self.logs / f"{task_id}.log"
+
+    def prompt_file(self, task_id: int) -> Path:
+        """The prompt of a preset with {prompt_file}: 0600, so it is not in the agent's argv."""
+        return self.logs / f"{task_id}.prompt"
 
     def exit_file(self, task_id: int) -> Path:
         """Written by the task's wrapper with the agent's exit status; outlives the service."""
         return self.logs / f"{task_id}.exit"
 
     def ensure(self) -> None:
-        """Create the home and logs directories, private to the user (0700)."""
-        for d in (self.root, self.logs):
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if d.stat().st_mode & 0o077:
-                d.chmod(0o700)
+        """Create the home and logs directories, private to the user (0700). One that is a
+        symlink or another user's is refused (UsageError, exit 2), never followed or chmodded."""
+        try:
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            pass  # a file where a directory belongs: private_dir names it
+        except OSError as err:
+            raise UsageError(_cannot_create(self.root, err)) from None
+        private_dir(self.root, "KUGETSU_HOME", _HOME_FIX)
+        private_dir(self.logs, "the home's logs directory", f"remove it (kugetsu makes a new one), or {_HOME_FIX}")
+
+
+_HOME_FIX = "set KUGETSU_HOME to a directory of yours that kugetsu may create or use (default ~/.kugetsu)"
+
+
+def _cannot_create(root: Path, err: OSError) -> str:
+    where = f" ({err.filename})" if err.filename and str(err.filename) != str(root) else ""
+    return f"cannot create {root} (KUGETSU_HOME): {err.strerror}{where}; {_HOME_FIX}"
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(home: Home, what: object) -> DiskFull:
+    """The error for a write that found the disk (or the quota) full; `what`: what was written."""
+    return DiskFull(f"disk full: {what}; nothing was written. Free some space in {home.root} and try again.")
+
+
+def explain(home: Home, err: OSError) -> KugetsuError:
+    """An OSError that reached the command line, as one line that says what to do: a full
+    disk (exit 1), a symlink or an unusable directory inside the home (exit 2), else the
+    path and the system's reason (exit 1)."""
+    name = err.filename
+    if err.errno in DISK_FULL:
+        return disk_full(home, f"writing {os.fsdecode(name)}" if name else "a write failed")
+    inside = name is not None and (Path(os.fsdecode(name)) == home.root or home.root in Path(os.fsdecode(name)).parents)
+    if err.errno == errno.ELOOP and inside:
+        return UsageError(f"{name} is a symbolic link; kugetsu never follows a link inside its home that it did not"
+                          " make (another user may have planted it): remove it, and try again")
+    if inside and err.errno in (errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS):
+        if err.errno == errno.ENOTDIR:
+            why = f"{_file_in_the_way(Path(os.fsdecode(name)))} is not a directory; move it away, or"
+        else:
+            why = f"{name}: {err.strerror};"
+        return UsageError(f"cannot use {home.root} (KUGETSU_HOME): {why} {_HOME_FIX}")
+    return KugetsuError(f"{name}: {err.strerror}" if name else str(err.strerror or err))
+
+
+def private_dir(path: Path, what: str, fix: str, *, strict: bool = False) -> None:
+    """Make `path` a directory of ours alone: created 0700 if missing; refused (UsageError,
+    exit 2: the path and `what` it is, what is wrong, then `fix`) if it is a symlink, not a
+    directory, another user's, or (`strict`) writable by others, who may have put things in
+    it already. Never follows a link: the checks and the chmod are on a descriptor opened
+    O_NOFOLLOW."""
+    where = f"{path} ({what})"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except NotADirectoryError:
+        raise UsageError(f"cannot create {where}: {_file_in_the_way(path)} is not a directory;"
+                         f" move it away, or {fix}") from None
+    except OSError as err:
+        raise UsageError(f"cannot create {where}: {err.strerror}; {fix}") from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno == errno.ELOOP or os.path.islink(path):
+            raise UsageError(f"{where} is a symbolic link; kugetsu never follows a link it did not make"
+                             f" (another user may have planted it); {fix}") from None
+        if err.errno == errno.ENOTDIR:
+            raise UsageError(f"{where}: {_file_in_the_way(path)} is not a directory; move it away, or {fix}") from None
+        raise UsageError(f"cannot use {where}: {err.strerror}; {fix}") from None
+    try:
+        st = os.fstat(fd)
+        uid = os.geteuid()
+        if st.st_uid != uid:
+            raise UsageError(f"{where} belongs to uid {st.st_uid}, not to you (uid {uid}); {fix}")
+        mode = stat.S_IMODE(st.st_mode)
+        if strict and mode & 0o022:
+            raise UsageError(f"{where} is writable by other users (mode {mode:04o}); {fix}")
+        if mode & 0o077:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def _file_in_the_way(path: Path) -> Path:
+    """The first part of `path` that exists and is not a directory."""
+    return next((p for p in (*reversed(path.parents), path) if os.path.lexists(p) and not p.is_dir()), path)
 
 
 def default_home() -> Home:
@@ -67,12 +184,17 @@ def open_file(path: os.PathLike[str] | str, flags: int, mode: int = 0o600) -> in
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so that a crash leaves the old or the new file, never a torn one:
-    temp file in the same directory, fsync, rename, fsync of the directory."""
-    tmp = path.with_name(f".{path.name}.tmp")
+def write_new(path: Path, data: bytes, name: object = None) -> None:
+    """Create `path` afresh with `data`, fsync'd, 0600: a stale file of that name is removed
+    first (a planted link too: unlink removes the link, never its target), then the file is
+    made with O_EXCL|O_NOFOLLOW. On any failure (a full disk too) it is removed again and the
+    error raised, naming `name` (default `path`) when the system named no file."""
     try:
-        fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    try:
+        fd = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             view = memoryview(data)
             while view:
@@ -80,21 +202,53 @@ def atomic_write(path: Path, data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temp file behind
+    except BaseException as err:
+        _discard(path, err, name or path)
         raise
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
+
+
+def _discard(path: Path, err: BaseException, name: object) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+    if isinstance(err, OSError) and err.filename is None:
+        err.filename = str(name)  # os.write's errors name no file: say which one it was
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a crash leaves the old or the new file, never a torn one:
+    temp file in the same directory (made afresh by write_new, never through a planted link),
+    fsync, rename, fsync of the directory. On any failure the temp file is removed."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write_new(tmp, data, name=path)
+    try:
+        os.replace(tmp, path)
+    except BaseException as err:
+        _discard(tmp, err, path)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(dfd)
     finally:
         os.close(dfd)
 
 
+def nofollow(path: str, flags: int) -> int:
+    """An opener for the builtin open(), for files inside KUGETSU_HOME: open(p, "rb", opener=nofollow)."""
+    return open_file(path, flags)
+
+
+def read_file(path: os.PathLike[str] | str) -> bytes:
+    """Path.read_bytes() of a file inside KUGETSU_HOME, never through a symlink."""
+    with open(path, "rb", opener=nofollow) as f:
+        return f.read()
+
+
 def read_tail(path: os.PathLike[str], size: int) -> bytes:
     """The last `size` bytes of a file, from its first whole line; b"" if there is no file."""
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=nofollow) as f:
             end = f.seek(0, os.SEEK_END)
             f.seek(max(0, end - size))
             data = f.read()

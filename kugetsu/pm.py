@@ -118,7 +118,9 @@ def lowest_free_slot(index: Index) -> int:
 def find(index: Index, ref: str) -> Task:
     """TASK is an id or a name: a live task of that name, else the latest finished one."""
     ref = ref.strip().lstrip("#")
-    if ref.isdigit():
+    # Only ASCII digits are an id: str.isdigit() is also true of "²" (which int() refuses)
+    # and of "٣" (which int() reads as 3): anything else is a name.
+    if ref.isascii() and ref.isdigit():
         for task in index.all_tasks():
             if task.id == int(ref):
                 return task
@@ -154,15 +156,24 @@ class Request(msgspec.Struct, kw_only=True):
     base: str | None = None
     repo: str | None = None
     token: str | None = None  # the task's process token (runner.new_token); ops makes it
+    # Where {prompt_file} points (the caller writes the prompt there: pm does no I/O); only
+    # for a preset that uses it (wants_prompt_file).
+    prompt_path: str | None = None
 
 
-_PLACEHOLDER = re.compile(r"\{(prompt|name|id)\}")
+_PLACEHOLDER = re.compile(r"\{(prompt|prompt_file|name|id)\}")
+_NEEDS_PROMPT = re.compile(r"\{prompt(?:_file)?\}")
 
 
 def render_command(template: list[str], values: dict[str, str]) -> list[str]:
-    """Substitute {prompt} {name} {id} inside argv elements, in one pass: a prompt that
-    itself contains `{name}` is passed verbatim."""
+    """Substitute {prompt} {prompt_file} {name} {id} inside argv elements, in one pass: a
+    prompt that itself contains `{name}` is passed verbatim."""
     return [_PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in template]
+
+
+def wants_prompt_file(cfg: Config, req: Request) -> bool:
+    """Does the request run a preset that takes its prompt as a file ({prompt_file})?"""
+    return not req.command and any("{prompt_file}" in a for a in resolve_agent(cfg, req)[1])
 
 
 def resolve_agent(cfg: Config, req: Request) -> tuple[str | None, list[str], dict[str, str]]:
@@ -173,7 +184,7 @@ def resolve_agent(cfg: Config, req: Request) -> tuple[str | None, list[str], dic
     preset = cfg.agents.get(agent)
     if preset is None:
         raise UsageError(f"unknown agent preset {agent!r}; known: {', '.join(sorted(cfg.agents))}")
-    if req.prompt is None and any("{prompt}" in a for a in preset.command):
+    if req.prompt is None and any(_NEEDS_PROMPT.search(a) for a in preset.command):
         raise UsageError(
             f"agent {agent!r} needs a prompt: give --prompt TEXT or --prompt-file FILE (or a command after --)"
         )
@@ -221,7 +232,10 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     name = req.name or f"task-{task_id}"
     expire_after = req.expire_after if req.expire_after is not None else cfg.queue_timeout_s
     timeout = req.timeout if req.timeout is not None else cfg.run_timeout_s
-    command = template if req.command else render_command(template, {"prompt": req.prompt or "", "name": name, "id": str(task_id)})
+    if not req.command and req.prompt_path is None and any("{prompt_file}" in a for a in template):
+        raise ValueError("a {prompt_file} preset needs Request.prompt_path (ops.delegate sets it)")
+    values = {"prompt": req.prompt or "", "prompt_file": req.prompt_path or "", "name": name, "id": str(task_id)}
+    command = template if req.command else render_command(template, values)
     _check_argv(command, req.cwd)
     task = Task(
         id=task_id,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kugetsu.errors import KugetsuError, UsageError
 from kugetsu.models import Task
-from kugetsu.paths import Home
+from kugetsu.paths import Home, open_file, private_dir
 
 GIT_TIMEOUT = 30.0
 ADD_TIMEOUT = 120.0  # a checkout of a big repository (and its post-checkout hook)
@@ -123,8 +123,8 @@ def repo_lock(home: Home, repo: str) -> contextlib.AbstractContextManager[None]:
 @contextmanager
 def group_lock(group: Path) -> Iterator[None]:
     """Serializes kugetsu's worktree changes of one repository (next to, not in, its directory)."""
-    group.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(group.parent / f".{group.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    _private(group.parent)
+    fd = open_file(group.parent / f".{group.name}.lock", os.O_RDWR | os.O_CREAT)
     try:
         deadline = time.monotonic() + LOCK_TIMEOUT
         while True:
@@ -138,6 +138,14 @@ def group_lock(group: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def _private(path: Path) -> None:
+    """worktrees/ and its per-repository directories: made 0700 by us, never a planted link."""
+    try:
+        private_dir(path, "a worktree directory", "remove it; kugetsu makes a new one")
+    except UsageError as err:
+        raise WorktreeError(str(err)) from None
 
 
 # ---- start -------------------------------------------------------------------------------
@@ -159,7 +167,7 @@ def create(home: Home, task: Task) -> Path:
             raise WorktreeError(f"branch {task.branch} already exists in {task.repo}")
         if path.exists():
             raise WorktreeError(f"{path} already exists")
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _private(path.parent)
         try:
             git(task.repo, "worktree", "add", "--quiet", "-b", task.branch, str(path), commit, timeout=ADD_TIMEOUT)
         except WorktreeError:

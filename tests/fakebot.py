@@ -82,6 +82,8 @@ class FakeBotAPI:
         return {"id": user_id, "is_bot": False, "first_name": f"user{user_id}"}
 
     def _chat(self, chat_id: int) -> dict[str, Any]:
+        if chat_id < 0:  # Telegram's group ids are negative
+            return {"id": chat_id, "type": "group", "title": f"group{chat_id}"}
         return {"id": chat_id, "type": "private", "first_name": f"chat{chat_id}"}
 
     def _push(self, update: dict[str, Any]) -> None:

@@ -258,3 +258,13 @@ def test_successor_only_where_one_exit_frees_a_slot_whichever_it_is():
     assert pm.successor(index, Config(max_agents=2, strategy="fair")) is None
     guarded = msgspec.convert({"max_agents": 2, "resource_guard": {"max_load_per_cpu": 2}}, Config)
     assert pm.successor(index, guarded) is None  # the machine's load decides, not the index
+
+
+def test_prompt_file_placeholder_gets_the_path_the_caller_gives():
+    cfg = Config(agents={"f": {"command": ["agent", "--file={prompt_file}", "{name}"]}}, default_agent="f")
+    req = pm.Request(cwd="/", name="n1", prompt="p {prompt_file}", prompt_path="/h/logs/1.prompt")
+    assert pm.wants_prompt_file(cfg, req) and not pm.wants_prompt_file(Config(), req)
+    task, _ = pm.admit(Index(), cfg, T0, req)
+    assert task.command == ["agent", "--file=/h/logs/1.prompt", "n1"] and task.prompt == "p {prompt_file}"
+    with pytest.raises(UsageError, match="needs a prompt"):
+        pm.admit(Index(), cfg, T0, pm.Request(cwd="/", name="x"))

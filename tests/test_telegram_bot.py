@@ -118,3 +118,36 @@ def test_cancel_buttons_and_delegate(kg, api, tmp_path):
     assert all(t["name"] != "sneaky" for t in kg.json("queue", "--all")["queued"])
     menus = [{c["command"] for c in call.params["commands"]} for call in api.calls_to("setMyCommands")]
     assert "delegate" not in menus[0] and "delegate" in menus[-1] and "queue" in menus[-1]
+
+
+def test_unicode_digits_get_a_clear_answer_not_something_went_wrong(kg, api):
+    setup(kg, api, max_agents=1)
+    bot_up(kg, api)
+    for name in ("one", "two", "three"):
+        kg.delegate(name, 30)
+    api.message(ME, "/status ²")
+    assert "no task" in reply(api, ME, "²")
+    api.message(ME, "/cancel ٣")  # Arabic-Indic three: a name, not task #3
+    assert "no task" in reply(api, ME, "٣")
+    api.press(ME, "cancel:³", 1)  # a client may send any callback data
+    wait_for(lambda: api.calls_to("answerCallbackQuery"), 10, "the button's answer")
+    assert kg.task("3")["state"] == "queued"
+    assert not api.with_text(ME, "Something went wrong")
+    assert "Traceback" not in kg.home.service_log.read_text()
+
+
+GROUP = -100500
+
+
+def test_a_refused_member_of_an_allowed_group_is_told_to_be_added_as_a_user(kg, api):
+    setup(kg, api, telegram={"allowed_chat_ids": [ME, GROUP], "allowed_user_ids": [ME]})
+    bot_up(kg, api)
+    api.message(GROUP, "/queue", user_id=ME)
+    reply(api, GROUP, "running")
+    api.message(GROUP, "/queue", user_id=STRANGER)
+    reply(api, GROUP, "private")
+    log = wait_for(lambda: (t := kg.home.service_log.read_text()) and f"refused chat {GROUP}" in t and t, 10, "the log")
+    line = next(x for x in log.splitlines() if f"refused chat {GROUP}" in x)  # type: ignore[union-attr]
+    assert "telegram.allowed_user_ids does not list user 999" in line, line
+    assert f"kugetsu config set telegram.allowed_user_ids '[{ME}, {STRANGER}]'" in line, line
+    assert "allowed_chat_ids" not in line, line  # the group is allowed already: no advice to add it

@@ -60,7 +60,7 @@ class Env:
 
     home: Home
     get_cfg: Callable[[], Config]
-    refused_at: dict[int, float] = field(default_factory=dict)
+    refused_at: dict[tuple[int, int | None], float] = field(default_factory=dict)  # (chat, user) -> when
     menu_has_delegate: bool | None = None  # what setMyCommands last registered
 
 
@@ -92,19 +92,35 @@ async def gate(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
     message = update.effective_message
     is_command = message is not None and (message.text or "").startswith("/")
     if chat is not None and (is_command or update.callback_query is not None):
-        last = env.refused_at.get(chat.id, 0.0)
+        # Per chat and user: in an allowed group, each refused member is named in the log.
+        key = (chat.id, user.id if user else None)
+        last = env.refused_at.get(key, 0.0)
         if time.monotonic() - last > REFUSE_EVERY:
-            env.refused_at[chat.id] = time.monotonic()
-            log.warning(
-                "refused chat %d (user %s): not allowed. To allow it: kugetsu config set"
-                " telegram.allowed_chat_ids '%s'",
-                chat.id, user.id if user else "?", sorted({*cfg.allowed_chat_ids, chat.id}),
-            )
+            env.refused_at[key] = time.monotonic()
+            log.warning("%s", refusal_advice(cfg, chat.id, user.id if user else None))
             if update.callback_query is not None:
                 await update.callback_query.answer(REFUSAL)
             else:
                 await _reply(update, REFUSAL)
     raise ApplicationHandlerStop
+
+
+def refusal_advice(cfg: TelegramConfig, chat_id: int, user_id: int | None) -> str:
+    """For the log: who was refused, what exactly is missing, and the command that adds it."""
+    who = f"chat {chat_id} (user {user_id if user_id is not None else '?'})"
+    user_missing = bool(cfg.allowed_user_ids) and user_id not in cfg.allowed_user_ids
+    if chat_id in cfg.allowed_chat_ids:  # then only the user can be missing
+        if user_id is None:
+            return (f"refused {who}: the chat is allowed, but telegram.allowed_user_ids is set and Telegram"
+                    " named no sender (an anonymous group admin or a channel post), so no user can be checked")
+        return (f"refused {who}: the chat is allowed, but telegram.allowed_user_ids does not list user"
+                f" {user_id}. To allow them: kugetsu config set telegram.allowed_user_ids"
+                f" '{sorted({*cfg.allowed_user_ids, user_id})}'")
+    advice = f"kugetsu config set telegram.allowed_chat_ids '{sorted({*cfg.allowed_chat_ids, chat_id})}'"
+    if user_missing and user_id is not None:
+        advice += (f" and, as telegram.allowed_user_ids is set: kugetsu config set telegram.allowed_user_ids"
+                   f" '{sorted({*cfg.allowed_user_ids, user_id})}'")
+    return f"refused {who}: not allowed. To allow it: {advice}"
 
 
 # ---- commands --------------------------------------------------------------------------------
@@ -172,7 +188,7 @@ async def on_button(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
     query = update.callback_query
     assert query is not None
     action, _, ref = (query.data or "").partition(":")
-    if action != "cancel" or not ref.isdigit():
+    if action != "cancel" or not (ref.isascii() and ref.isdigit()):  # ours are ASCII ids; a client may send anything
         await query.answer()
         return
     home = _env(context).home

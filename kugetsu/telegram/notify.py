@@ -27,7 +27,7 @@ from telegram.error import BadRequest, Forbidden, InvalidToken, RetryAfter, Tele
 from kugetsu.config import Config
 from kugetsu.models import Event, Task
 from kugetsu.ops import now
-from kugetsu.paths import Home, atomic_write
+from kugetsu.paths import Home, atomic_write, nofollow, read_file
 from kugetsu.store import Store, decode_events
 from kugetsu.telegram import text
 
@@ -56,12 +56,15 @@ class Cursors:
         # Feeds write from worker threads, and atomic_write's temp file name is fixed.
         self._lock = threading.Lock()
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(read_file(path))
             self.seqs = {int(k): int(v) for k, v in raw.items()}
         except FileNotFoundError:
             self.seqs = {}
         except (ValueError, AttributeError, TypeError):
             log.error("%s does not parse; starting notifications from recent events", path)
+            self.seqs = {}
+        except OSError as err:  # e.g. a symlink planted there: never followed (ELOOP)
+            log.error("cannot read %s (%s); starting notifications from recent events", path, err.strerror)
             self.seqs = {}
 
     def get(self, chat: int) -> int | None:
@@ -94,7 +97,7 @@ class EventTail:
         if not self.started:
             self.started = True
             if self.old.exists() and _first_seq(self.path) > seq + 1:
-                data = self.old.read_bytes() + b"\n"  # the cursor lies in the rotated file
+                data = read_file(self.old) + b"\n"  # the cursor lies in the rotated file
         elif current != self.inode:  # rotated (or the file appeared)
             if self.inode is not None:
                 data = self._chunk(self.old, self.inode)  # the rest of the file we followed
@@ -107,7 +110,7 @@ class EventTail:
     def _chunk(self, path: Path, inode: int) -> bytes:
         """The complete lines of `path` from the offset, if it is still the file `inode`."""
         try:
-            with open(path, "rb") as f:
+            with open(path, "rb", opener=nofollow) as f:
                 if os.fstat(f.fileno()).st_ino != inode:
                     return b""  # replaced meanwhile: the next read picks it up
                 if f.seek(0, os.SEEK_END) < self.offset:
@@ -131,7 +134,7 @@ def _inode(path: Path) -> int | None:
 def _first_seq(path: Path) -> float:
     """The seq of the file's first event; infinity for a missing or empty file."""
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=nofollow) as f:
             first = decode_events(f.readline())
     except FileNotFoundError:
         return float("inf")
@@ -310,7 +313,7 @@ class Notifier:
 
 def _log_tail(path: Path, size: int = 8192) -> str | None:
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=nofollow) as f:
             end = f.seek(0, os.SEEK_END)
             f.seek(max(0, end - size))
             return text.tail_lines(f.read())

@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.text import Text
 from textual.widgets import DataTable, Log
 
+from kugetsu.paths import nofollow
 from kugetsu.tui.view import Row
 
 STATES = ("queued", "running", "stopping", "succeeded", "failed", "cancelled", "expired", "lost",
@@ -155,7 +156,7 @@ class LogView(Log):
                 self._show_placeholder()
             return
         try:
-            with open(self.path, "rb") as f:
+            with open(self.path, "rb", opener=nofollow) as f:  # never through a link planted in the home
                 f.seek(self._offset)
                 data = f.read(st.st_size - self._offset)
         except OSError:
