@@ -161,8 +161,8 @@ class Store:
         except OSError as err:
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFull(
-                    f"disk full: could not write {self.home.index.name} in {self.home.root}; nothing was"
-                    " written. Free some space there and try again."
+                    f"disk full: could not write {self.home.index.name}; nothing was written."
+                    f" Free some space in {self.home.root} and try again."
                 ) from None
             raise
         finally:
