@@ -2,9 +2,10 @@
 
 It spawns agents as slots free and learns of their exit at once (a pidfd per agent in the
 asyncio loop: no polling), records the result and promotes the next task in the same
-transaction. APScheduler wakes it for everything that happens at a time (queue expiry,
-run timeouts, SIGKILL after the grace, a periodic reconcile); the CLI wakes it through a
-Unix datagram socket after each transaction. What to do is always decided by pm.
+transaction. One loop timer wakes it at the earliest of everything that happens at a time
+(queue expiry, run timeouts, SIGKILL after the grace, policy wake-ups), another for a
+periodic reconcile; the CLI wakes it through a Unix datagram socket after each transaction.
+What to do is always decided by pm.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ class Service:
         self.watches: dict[int, int] = {}  # task id -> pidfd
         self.exited: set[int] = set()  # task ids whose pidfd fired
         self.jobs: dict[str, datetime] = {}  # the policies' wake-ups (rate limit, guard re-check)
-        self._deadline: datetime | None = None  # when the deadline job is set to fire
+        self._deadline: datetime | None = None  # when the deadline timer is set to fire
+        self._deadline_handle: asyncio.TimerHandle | None = None
+        self._reconcile_handle: asyncio.TimerHandle | None = None
         self.listeners: list[Callable[[list[Event]], None]] = []  # told of each transaction's events
         self.telegram: Any = None
         self.index = Index()
@@ -79,11 +82,7 @@ class Service:
         self.loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         sock = self._bind()
-        from apscheduler.schedulers.asyncio import AsyncIOScheduler
-
-        self.scheduler = AsyncIOScheduler(event_loop=self.loop, timezone="UTC")
-        self.scheduler.add_job(self._job, "interval", seconds=RECONCILE_EVERY, id="reconcile", args=["reconcile"])
-        self.scheduler.start()
+        self._reconcile_handle = self.loop.call_later(RECONCILE_EVERY, self._reconcile)
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self._stopping.set)
         try:
@@ -99,7 +98,9 @@ class Service:
         finally:
             self._flush()
             await self._stop_extensions()
-            self.scheduler.shutdown(wait=False)
+            self._reconcile_handle.cancel()
+            if self._deadline_handle is not None:
+                self._deadline_handle.cancel()
             if self._git is not None:  # a worktree half-made is recovered by the next service
                 self._git.shutdown(wait=False, cancel_futures=True)
             for warm in self.warm.values():  # they exit without running anything
@@ -172,9 +173,13 @@ class Service:
         if self._tick_pending:  # else a tick ran meanwhile (an exit ticks at once) and did it
             self._safe_tick()
 
-    async def _job(self, job_id: str) -> None:
-        if job_id == "deadline":
-            self._deadline = None  # it has fired: the tick sets the next one
+    def _on_deadline(self) -> None:
+        self._deadline_handle, self._deadline = None, None  # it has fired: the tick sets the next one
+        self._safe_tick()
+
+    def _reconcile(self) -> None:
+        """The safety net: a tick every RECONCILE_EVERY seconds, whatever happens."""
+        self._reconcile_handle = self.loop.call_later(RECONCILE_EVERY, self._reconcile)
         self._safe_tick()
 
     def _safe_tick(self, hold: bool = False) -> None:
@@ -591,11 +596,12 @@ class Service:
 
     def _sync_jobs(self) -> None:
         """Everything that happens at a time (queue expiry, run timeouts, SIGKILL after the
-        grace, rate limits, resource-guard re-checks) wakes the service through one
-        APScheduler job, at the earliest of those moments; pm then decides what is due. The
-        job moves only when something falls due earlier: a promotion, which makes the
-        earliest expiry later, costs the scheduler nothing, and a job that fires early finds
-        nothing due and sets the next one."""
+        grace, rate limits, resource-guard re-checks) wakes the service through one loop
+        timer, at the earliest of those moments; pm then decides what is due. Every tick
+        sets it again from what is due now, so it cannot be lost: a plain callback of the
+        loop, it is never skipped the way APScheduler skipped its one deadline job when the
+        tick that job ran set the next one already due (max_instances), after which every
+        later deadline waited for the 5 s reconcile."""
         times = [t.expires_at for t in self.index.queued if t.expires_at is not None]
         for task in self.index.active:
             if task.kill_at is not None:
@@ -605,12 +611,18 @@ class Service:
         self.jobs = self._policy_jobs()
         times += self.jobs.values()
         due = min(times, default=None)
-        if due is not None and (self._deadline is None or due < self._deadline):
-            self._deadline = due
-            self.scheduler.add_job(
-                self._job, "date", run_date=due, id="deadline", args=["deadline"],
-                replace_existing=True, misfire_grace_time=None,
-            )
+        if due == self._deadline:
+            return  # already set for that moment (a promotion mostly leaves it so)
+        if self._deadline_handle is not None:
+            self._deadline_handle.cancel()
+            self._deadline_handle = None
+        self._deadline = due
+        if due is not None:
+            # The loop's clock is monotonic and deadlines are wall-clock: the delay is taken
+            # now. A timer that fires a hair early (the wall clock slewed) finds nothing due,
+            # and its tick sets it again for what is left.
+            delay = max(0.0, (due - ops.now()).total_seconds())
+            self._deadline_handle = self.loop.call_later(delay, self._on_deadline)
 
     def _policy_jobs(self) -> dict[str, datetime]:
         """Wake-ups the scheduling policies need: when a rate limit that holds a task runs
@@ -623,7 +635,10 @@ class Service:
         if release is not None:
             jobs["rate-limit"] = release
         if pm.guard_hold(cfg, ops.measure(cfg)) is not None:
-            jobs["resource-guard"] = self.jobs.get("resource-guard") or now + timedelta(seconds=GUARD_RECHECK)
+            # The re-check already set stands until it has come (else every tick would push
+            # it back); once it has, the next one is GUARD_RECHECK later, not at once again.
+            recheck = self.jobs.get("resource-guard")
+            jobs["resource-guard"] = recheck if recheck is not None and recheck > now else now + timedelta(seconds=GUARD_RECHECK)
         return jobs
 
     # ---- extensions (the Telegram bot) -----------------------------------------------
@@ -652,5 +667,4 @@ class Service:
 
 def serve(home: Home) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("apscheduler").setLevel(logging.WARNING)
     return Service(home).run()
