@@ -23,14 +23,14 @@ def _t(iso: str) -> float:
 def _stubborn(kg, name: str) -> list[str]:
     """An agent that records the SIGTERM it gets and keeps running: only SIGKILL ends it."""
     script = ('trap \'echo "term $(date +%s.%N)" >> "$0"\' TERM; echo "start $(date +%s.%N)" >> "$0"; '
-              "while :; do sleep 0.05; done")
+              "while :; do sleep 60 & wait; done")  # the group's SIGTERM ends the sleep, not the loop
     return ["sh", "-c", script, str(kg.rec / name)]
 
 
 def _polite(kg, name: str) -> list[str]:
     """An agent that records the SIGTERM it gets, then exits."""
     script = ('trap \'echo "term $(date +%s.%N)" >> "$0"; exit 143\' TERM; echo "start $(date +%s.%N)" >> "$0"; '
-              "while :; do sleep 0.05; done")
+              "sleep 60 & wait")
     return ["sh", "-c", script, str(kg.rec / name)]
 
 
