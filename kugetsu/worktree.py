@@ -1,8 +1,8 @@
 """Git worktrees for agents: create at start, inspect and keep or remove at the end.
 
 A process/IO module like runner.py: used by ops, the service and the CLI, never by pm.
-Every git call is bounded by a timeout, because the service runs them inside its
-transaction; all worktree changes of one repository are serialized by a lock file in
+Every git call is bounded by a timeout, because the service's one git worker thread runs
+them one after the other; all worktree changes of one repository are serialized by a lock file in
 KUGETSU_HOME, so that two tasks starting together never race on git's own lock files.
 """
 
@@ -233,9 +233,7 @@ def close(home: Home, task: Task, keep: str) -> str | None:
     path, branch = Path(task.worktree), task.branch or ""
     if not path.exists():
         task.worktree_state = "removed"
-        if task.repo and os.path.isdir(task.repo):
-            git(task.repo, "worktree", "prune", check=False)
-        return f"worktree {path} had been removed; branch {branch} left as it was"
+        return _gone(home, task, path, branch, keep)
     try:
         work = inspect(task)
     except WorktreeError as err:
@@ -256,6 +254,30 @@ def close(home: Home, task: Task, keep: str) -> str | None:
     kept = f"; {work.commits} commit(s) kept on branch {branch}" if work.commits else ""
     lost = "; uncommitted changes discarded" if work.dirty else ""
     return f"worktree removed (worktrees.keep=never){kept}{lost}"
+
+
+def _gone(home: Home, task: Task, path: Path, branch: str, keep: str) -> str | None:
+    """The worktree's directory is gone: removed by hand, or by a close that a stop or a crash
+    of the service cut short (the next service closes it again). A branch with no commits of
+    its own goes as a clean worktree's would; one with commits stays, and the user is told."""
+    said = f"worktree {path} had been removed; branch {branch} left as it was"
+    assert task.repo
+    if not os.path.isdir(task.repo):
+        return said
+    git(task.repo, "worktree", "prune", check=False)
+    ref = f"refs/heads/{branch}"
+    if not branch or not git(task.repo, "rev-parse", "--verify", "--quiet", ref, check=False):
+        return None  # nothing is left, and it held no commits
+    if keep == "always" or not task.base_commit:
+        return said
+    if git(task.repo, "rev-list", "--count", f"{task.base_commit}..{ref}", check=False) != "0":
+        return said
+    try:
+        with repo_lock(home, task.repo):
+            git(task.repo, "branch", "-D", branch)
+    except WorktreeError:
+        return said
+    return None
 
 
 def remove(repo: str | None, path: Path, branch: str | None) -> None:
