@@ -53,6 +53,8 @@ class Service:
         self._released: int | None = None  # the successor, let go at an exit, until pm records it
         self.dropped: list[Any] = []  # Popen of warm wrappers let go, to reap once they exit
         self.preparing: dict[int, asyncio.Future[Task]] = {}  # task id -> its worktree being created
+        self.closing: dict[int, asyncio.Future[tuple[Task, str | None]]] = {}  # task id -> its worktree being closed
+        self._close_due = True  # a final task may have an open worktree (at start: one a crash left)
         self._git: Any = None  # one worker thread for git: creations never hold the lock or the loop
         self.watches: dict[int, int] = {}  # task id -> pidfd
         self.exited: set[int] = set()  # task ids whose pidfd fired
@@ -207,6 +209,8 @@ class Service:
             index = txn.index
             if self._first_tick:
                 self._adopt_released(txn)
+            if self.closing:
+                self._record_closes(txn)
             for task in list(index.active):
                 if task.pid is not None and (task.id in self.exited or not runner.alive(task.pid, task.pid_start)):
                     code, reason = self._exit_status(task)
@@ -292,6 +296,8 @@ class Service:
             self._disk_check = False
             # Off the loop: measuring worktrees walks their files.
             self.loop.run_in_executor(None, self._enforce_max_disk, self.cfg)
+        if self._close_due:
+            self._start_closes()
         if events:
             for listener in self.listeners:
                 listener(events)
@@ -510,21 +516,64 @@ class Service:
         return worktree.agent_cwd(task, Path(task.worktree)), env
 
     def _finish(self, txn: Any, task: Task, code: int | None, reason: str | None = None) -> None:
-        """pm.finish, then the task's worktree kept or removed (worktrees.keep); what became of
-        it goes into the task's reason and its final event."""
+        """pm.finish. A task with a worktree ends here all the same (final state, slot free);
+        its worktree is kept or removed after the commit, by the git worker (_start_closes)."""
         events = pm.finish(txn.index, task, txn.now, code, reason)
         if task.worktree_state == "active":
-            try:
-                note = worktree.close(self.home, task, self.cfg.worktrees.keep)
-            except worktree.WorktreeError as err:  # never lose work over a git hiccup: keep it
-                task.worktree_state, note = "kept", f"worktree kept at {task.worktree} ({err})"
-            if task.worktree_state == "kept":
-                self._disk_check = True
-            if note:
-                task.reason = f"{task.reason}; {note}" if task.reason else note
+            self._close_due = True
             for event in events:
-                event.reason, event.branch, event.worktree = task.reason, task.branch, task.worktree
+                event.worktree = task.worktree
         txn.emit(events)
+
+    # ---- closing worktrees: git in the worker, the outcome in a later transaction ------
+
+    def _start_closes(self) -> None:
+        """After a commit: the worktree of each final task still marked `active` goes to the
+        git worker to be kept or removed (worktrees.keep). Inspecting and removing it runs git
+        (`status`, `worktree remove`, `branch -D` and the repository's hooks), which can take
+        seconds: never on the loop, never under the index lock, so the task has already ended
+        and its slot gone to the next one. What became of the worktree is booked by the tick
+        after the worker is done (_record_closes). A close that a crash or a stop interrupted
+        is found again here: the task is still `active` in the index."""
+        self._close_due = False
+        for task in self.index.finished:
+            if task.worktree_state == "active" and task.id not in self.closing:
+                draft = msgspec.structs.replace(task)  # the thread works on a copy, never the index
+                future = self.loop.run_in_executor(self._git_worker(), self._close_worktree, draft, self.cfg.worktrees.keep)
+                future.add_done_callback(lambda _: self.request_tick())
+                self.closing[task.id] = future
+
+    def _close_worktree(self, draft: Task, keep: str) -> tuple[Task, str | None]:
+        """In the git worker: keep or remove the worktree; (the task as closed, what to say)."""
+        try:
+            note = worktree.close(self.home, draft, keep)
+        except Exception as err:  # WorktreeError, or the disk: never lose work over it, keep it
+            draft.worktree_state, note = "kept", f"worktree kept at {draft.worktree} ({err})"
+        return draft, note
+
+    def _record_closes(self, txn: Any) -> None:
+        """Book the worktrees the git worker has closed: the task's worktree_state, its reason
+        (the note, e.g. `work kept on branch ...`), and a `worktree` event that says the same."""
+        for task_id, future in list(self.closing.items()):
+            if not future.done():
+                continue
+            del self.closing[task_id]
+            if future.cancelled():  # only when the service stops; the next one closes it again
+                continue
+            done, note = future.result()
+            task = next((t for t in txn.index.finished if t.id == task_id), None)
+            if task is not None:
+                if task.worktree_state != "active":
+                    continue  # `worktrees prune` got there first, and said so itself
+                task.worktree_state = done.worktree_state
+                if note:
+                    task.reason = f"{task.reason}; {note}" if task.reason else note
+            if done.worktree_state == "kept":
+                self._disk_check = True
+            txn.emit([Event(
+                type="worktree", at=txn.now, task=task_id, name=done.name, source=done.source, state=done.state.value,
+                reason=note, branch=done.branch, worktree=done.worktree, worktree_state=done.worktree_state,
+            )])
 
     def _adopt_unrecorded(self, txn: Any, task: Task) -> bool:
         """After a crash between spawn and commit: find the wrapper the index does not know."""
