@@ -21,6 +21,8 @@ What is measured (issue 2 budgets in brackets):
   deadlines    lateness of queue expiries (1,000 in a 2,000-task queue, in bursts) and of
                run timeouts, from kugetsu's own records (tools/bench/deadlines.py)
                [max <= 50 ms]
+  lock hold    how long the service holds the index lock per transaction during a drain of
+               worktree tasks (tools/bench/lockhold.py): the longest a CLI command can wait
 
 kugetsu runs from this checkout (PYTHONPATH = repo root) with the current interpreter;
 each scenario has its own throw-away KUGETSU_HOME. task-spooler runs with a private
@@ -471,6 +473,10 @@ def main() -> int:
     import deadlines  # tools/bench/deadlines.py (this script's directory is on sys.path)
 
     late = deadlines.measure(400, 5) if args.quick else deadlines.measure()
+    log("index lock holds (worktree drain)")
+    import lockhold  # tools/bench/lockhold.py
+
+    holds = lockhold.measure(12 if args.quick else 40)
 
     rows: list[tuple[str, float | None, float | None, str, str]] = []  # name, kugetsu, peer, unit, budget
 
@@ -510,6 +516,8 @@ def main() -> int:
 
     for name, value in deadlines.rows(late):
         rows.append((name, value, None, "ms", "max <= 50 ms" if "max" in name else ""))
+    for name, value in lockhold.rows(holds):
+        rows.append((name, value, None, "ms", ""))
 
     verdicts = {
         "drain_ratio_le_1": (k_drain / t_drain <= 1.0) if td else None,
