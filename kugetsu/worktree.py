@@ -227,13 +227,26 @@ def inspect(task: Task) -> Work:
 
 def close(home: Home, task: Task, keep: str) -> str | None:
     """The task is final: keep or remove its worktree per `keep`. Returns what to tell the
-    user (None: nothing worth saying). Work is never thrown away on a git error."""
+    user (None: nothing worth saying). Work is never thrown away on a git error. The whole
+    look-and-decide runs under the repository's lock: a `worktrees prune`, or a close of the
+    same worktree by a service that restarted while a stopping one still ran, waits for it
+    instead of removing the worktree between the look and the removal."""
     if task.worktree_state != "active" or not task.worktree or not task.repo:
         return None
     path, branch = Path(task.worktree), task.branch or ""
+    try:
+        with repo_lock(home, task.repo):
+            return _close(task, path, branch, keep)
+    except WorktreeError as err:  # the lock itself (another kugetsu holds it for too long)
+        task.worktree_state = "kept"
+        return f"worktree kept at {path} ({err})"
+
+
+def _close(task: Task, path: Path, branch: str, keep: str) -> str | None:
+    assert task.repo
     if not path.exists():
         task.worktree_state = "removed"
-        return _gone(home, task, path, branch, keep)
+        return _gone(task, path, branch, keep)
     try:
         work = inspect(task)
     except WorktreeError as err:
@@ -243,8 +256,7 @@ def close(home: Home, task: Task, keep: str) -> str | None:
         task.worktree_state = "kept"
         return f"work kept on {work.describe(branch)}" if not work.empty else f"worktree kept at {path} (no changes)"
     try:
-        with repo_lock(home, task.repo):
-            remove(task.repo, path, branch if not work.commits else None)
+        remove(task.repo, path, branch if not work.commits else None)
     except WorktreeError as err:
         task.worktree_state = "kept"
         return f"worktree kept at {path} (could not remove it: {err})"
@@ -256,7 +268,7 @@ def close(home: Home, task: Task, keep: str) -> str | None:
     return f"worktree removed (worktrees.keep=never){kept}{lost}"
 
 
-def _gone(home: Home, task: Task, path: Path, branch: str, keep: str) -> str | None:
+def _gone(task: Task, path: Path, branch: str, keep: str) -> str | None:
     """The worktree's directory is gone: removed by hand, or by a close that a stop or a crash
     of the service cut short (the next service closes it again). A branch with no commits of
     its own goes as a clean worktree's would; one with commits stays, and the user is told."""
@@ -273,8 +285,7 @@ def _gone(home: Home, task: Task, path: Path, branch: str, keep: str) -> str | N
     if git(task.repo, "rev-list", "--count", f"{task.base_commit}..{ref}", check=False) != "0":
         return said
     try:
-        with repo_lock(home, task.repo):
-            git(task.repo, "branch", "-D", branch)
+        git(task.repo, "branch", "-D", branch)
     except WorktreeError:
         return said
     return None
