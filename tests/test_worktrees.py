@@ -364,9 +364,12 @@ def test_a_close_cut_short_by_a_crash_is_finished_by_the_next_service(kg, repo, 
     kg.config(max_agents=2)
     started, go = tmp_path / "close.started", tmp_path / "close.go"
     slow_branch_deletion(repo, started, go)
-    assert delegate(kg, repo, "a", ["true"]).returncode == 0
-    # b commits once a's close is inside git: its own close then waits behind it.
-    work = f'while [ ! -e "{started}" ]; do sleep 0.05; done; echo b > f.txt; git commit -qam b'
+    # One git worker makes and closes worktrees in turn: a ends once b has its worktree (else
+    # b's would wait behind a's stuck close), and b commits once a's close is inside git, so
+    # that b's own close waits behind it.
+    b_runs = tmp_path / "b.runs"
+    assert delegate(kg, repo, "a", ["sh", "-c", f'while [ ! -e "{b_runs}" ]; do sleep 0.05; done']).returncode == 0
+    work = f'touch "{b_runs}"; while [ ! -e "{started}" ]; do sleep 0.05; done; echo b > f.txt; git commit -qam b'
     assert delegate(kg, repo, "b", ["sh", "-c", work]).returncode == 0
     wait_for(lambda: kg.task("b")["state"] == "succeeded", 15, "b to end while git is in a's close")
     assert kg.task("a")["worktree_state"] == kg.task("b")["worktree_state"] == "active"
