@@ -18,8 +18,6 @@ the CLI. Also run by tools/bench/run.py, whose table shows these rows.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -30,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import Kg, pct, wait_until  # noqa: E402
+from run import Kg, part_main, pct, wait_until  # noqa: E402
 
 from kugetsu.models import Index, Task  # noqa: E402
 from kugetsu.store import decode_events, encode_index  # noqa: E402
@@ -114,19 +112,10 @@ def rows(res: dict) -> list[tuple[str, float]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="400 queued, 200 expiries, 5 timeouts")
-    args = ap.parse_args()
     t0 = time.monotonic()
-    res = measure(400, 5) if args.quick else measure()
-    if args.json:
-        print(json.dumps({k: v for k, v in res.items()}, indent=1))
-        return 0
-    for name, value in rows(res):
-        print(f"{name:<55} {value:8.1f} ms")
-    print(f"({time.monotonic() - t0:.0f} s)")
-    return 0
+    return part_main(__doc__, "400 queued, 200 expiries, 5 timeouts",
+                     lambda quick: measure(400, 5) if quick else measure(), rows,
+                     lambda res: f"({time.monotonic() - t0:.0f} s)")
 
 
 if __name__ == "__main__":

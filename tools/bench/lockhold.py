@@ -18,8 +18,6 @@ before worktrees were closed by the git worker) is done with the lock held.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -117,18 +115,11 @@ def rows(res: dict) -> list[tuple[str, float]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="12 tasks instead of 40")
-    args = ap.parse_args()
-    res = measure(12 if args.quick else 40)
-    if args.json:
-        print(json.dumps(res, indent=1))
-        return 0
-    for name, value in rows(res):
-        print(f"{name:<70} {value:8.1f} ms")
-    print(f"({res['tasks']} tasks, {res['kept']} worktrees kept, drained in {res['drain_s']:.1f} s)")
-    return 0
+    sys.path.insert(0, str(HERE))
+    from run import part_main
+
+    return part_main(__doc__, "12 tasks instead of 40", lambda quick: measure(12 if quick else 40), rows,
+                     lambda res: f"({res['tasks']} tasks, {res['kept']} worktrees kept, drained in {res['drain_s']:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -143,6 +143,25 @@ class Sampler:
         return self.cpu / self.wall if self.wall else 0.0
 
 
+def part_main(doc: str, quick_help: str, measure, rows, footer) -> int:
+    """The command line of a part of this bench run on its own (deadlines.py, lockhold.py):
+    `measure(quick)` -> results; `rows(results)` -> (name, ms); `footer(results)` -> a note."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    args = ap.parse_args()
+    res = measure(args.quick)
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return 0
+    table = rows(res)
+    width = max(len(name) for name, _ in table)
+    for name, value in table:
+        print(f"{name:<{width}}  {value:8.1f} ms")
+    print(footer(res))
+    return 0
+
+
 # ---- kugetsu side ------------------------------------------------------------------------
 
 
