@@ -352,7 +352,7 @@ def cmd_wait(home: Home, args: argparse.Namespace) -> int:
     cfg, index = ops.read(home)
     ops.ensure_service(home, cfg, index)
     ids = [pm.find(index, ref).id for ref in args.tasks]
-    done = _wait_final(home, ids, args.timeout)
+    done = _wait_final(home, ids, args.timeout, settle=True)
     if not done:
         print(f"kugetsu: timed out after {format_duration(args.timeout)}", file=sys.stderr)
         return TIMED_OUT
@@ -363,9 +363,11 @@ def cmd_wait(home: Home, args: argparse.Namespace) -> int:
     return FAILURE if bad else OK
 
 
-def _wait_final(home: Home, ids: list[int], timeout: float | None) -> bool:
+def _wait_final(home: Home, ids: list[int], timeout: float | None, settle: bool = False) -> bool:
     """Block until every task is final; False on timeout. Event-driven: a pidfd per running
-    task, and a look at the index once a second for the rest."""
+    task, and a look at the index once a second for the rest. `settle`: also until the
+    worktree of a final task is kept or removed (the service closes it just after the task
+    ends), so that its reason says where the work is; not when no service is up to do it."""
     from kugetsu.store import Store
 
     store = Store(home)
@@ -373,16 +375,22 @@ def _wait_final(home: Home, ids: list[int], timeout: float | None) -> bool:
     while True:
         tasks = {t.id: t for t in store.read().all_tasks()}
         pending = [tasks[i] for i in ids if i in tasks and not tasks[i].state.final]
-        if not pending:
+        closing = [t for i in ids if settle and (t := tasks.get(i)) and t.state.final and t.worktree_state == "active"]
+        if closing and not pending and not ops.service_holds_lock(home):
+            closing = []
+        if not pending and not closing:
             return True
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-            return False
-        _wait_change(home, pending, 1.0 if left is None else min(1.0, left))
+            return not pending  # final is what was asked: a slow close is no timeout
+        # A close is usually done within a second of the task's end: look closely until then.
+        soon = any(t.finished_at and (ops.now() - t.finished_at).total_seconds() < 1.0 for t in closing)
+        _wait_change(home, pending, 1.0 if left is None else min(1.0, left), closing=soon and not pending)
 
 
-def _wait_change(home: Home, tasks: list[Task], timeout: float) -> None:
-    """Sleep until one of the tasks' processes exits (then until the index changes) or `timeout`."""
+def _wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = False) -> None:
+    """Sleep until one of the tasks' processes exits (then until the index changes) or `timeout`.
+    `closing` (no process to watch, a worktree about to be booked): until the index changes."""
     import select
 
     from kugetsu import runner
@@ -394,9 +402,10 @@ def _wait_change(home: Home, tasks: list[Task], timeout: float) -> None:
             ready, _, _ = select.select(fds, [], [], timeout)
         else:
             ready = []
-            time.sleep(timeout)
-        if ready:  # an agent ended: the service records it within milliseconds
-            end = time.monotonic() + 1.0
+            if not closing:
+                time.sleep(timeout)
+        if ready or closing:  # an agent ended, or its worktree closes: the service books it in ms
+            end = time.monotonic() + (1.0 if ready else timeout)
             while _index_stamp(home) == before and time.monotonic() < end:
                 time.sleep(0.01)
     finally:

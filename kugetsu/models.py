@@ -114,6 +114,7 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True):
     value: object = None
     branch: str | None = None
     worktree: str | None = None
+    worktree_state: str | None = None  # `worktree` events of a task's end: kept or removed
 
 
 class SourceMark(msgspec.Struct, kw_only=True):

@@ -2,9 +2,10 @@
 
 It spawns agents as slots free and learns of their exit at once (a pidfd per agent in the
 asyncio loop: no polling), records the result and promotes the next task in the same
-transaction. APScheduler wakes it for everything that happens at a time (queue expiry,
-run timeouts, SIGKILL after the grace, a periodic reconcile); the CLI wakes it through a
-Unix datagram socket after each transaction. What to do is always decided by pm.
+transaction. One loop timer wakes it at the earliest of everything that happens at a time
+(queue expiry, run timeouts, SIGKILL after the grace, policy wake-ups), another for a
+periodic reconcile; the CLI wakes it through a Unix datagram socket after each transaction.
+What to do is always decided by pm.
 """
 
 from __future__ import annotations
@@ -84,11 +85,15 @@ class Service:
         self._released: int | None = None  # the successor, let go at an exit, until pm records it
         self.dropped: list[Any] = []  # Popen of warm wrappers let go, to reap once they exit
         self.preparing: dict[int, asyncio.Future[Task]] = {}  # task id -> its worktree being created
+        self.closing: dict[int, asyncio.Future[tuple[Task, str | None]]] = {}  # task id -> its worktree being closed
+        self._close_due = True  # a final task may have an open worktree (at start: one a crash left)
         self._git: Any = None  # one worker thread for git: creations never hold the lock or the loop
         self.watches: dict[int, int] = {}  # task id -> pidfd
         self.exited: set[int] = set()  # task ids whose pidfd fired
         self.jobs: dict[str, datetime] = {}  # the policies' wake-ups (rate limit, guard re-check)
-        self._deadline: datetime | None = None  # when the deadline job is set to fire
+        self._deadline: datetime | None = None  # when the deadline timer is set to fire
+        self._deadline_handle: asyncio.TimerHandle | None = None
+        self._reconcile_handle: asyncio.TimerHandle | None = None
         self.listeners: list[Callable[[list[Event]], None]] = []  # told of each transaction's events
         self.telegram: Any = None
         self.index = Index()
@@ -113,11 +118,7 @@ class Service:
         self.loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         sock = self._bind()
-        from apscheduler.schedulers.asyncio import AsyncIOScheduler
-
-        self.scheduler = AsyncIOScheduler(event_loop=self.loop, timezone="UTC")
-        self.scheduler.add_job(self._job, "interval", seconds=RECONCILE_EVERY, id="reconcile", args=["reconcile"])
-        self.scheduler.start()
+        self._reconcile_handle = self.loop.call_later(RECONCILE_EVERY, self._reconcile)
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self._stopping.set)
         try:
@@ -133,7 +134,9 @@ class Service:
         finally:
             self._flush()
             await self._stop_extensions()
-            self.scheduler.shutdown(wait=False)
+            self._reconcile_handle.cancel()
+            if self._deadline_handle is not None:
+                self._deadline_handle.cancel()
             if self._git is not None:  # a worktree half-made is recovered by the next service
                 self._git.shutdown(wait=False, cancel_futures=True)
             for warm in self.warm.values():  # they exit without running anything
@@ -206,9 +209,14 @@ class Service:
         if self._tick_pending:  # else a tick ran meanwhile (an exit ticks at once) and did it
             self._safe_tick()
 
-    async def _job(self, job_id: str) -> None:
-        if job_id == "deadline":
-            self._deadline = None  # it has fired: the tick sets the next one
+    def _on_deadline(self) -> None:
+        self._deadline_handle, self._deadline = None, None  # it has fired: the tick sets the next one
+        self._safe_tick()
+
+    def _reconcile(self) -> None:
+        """The safety net: a tick every RECONCILE_EVERY seconds, whatever happens."""
+        self._reconcile_handle = self.loop.call_later(RECONCILE_EVERY, self._reconcile)
+        self._orphan_tokens()  # reaps orphans that exited, also when no agent ends for a while
         self._safe_tick()
 
     def _safe_tick(self, hold: bool = False) -> None:
@@ -274,6 +282,8 @@ class Service:
                 self._tend_endings(txn)
             if self._first_tick:
                 self._adopt_released(txn)
+            if self.closing:
+                self._record_closes(txn)
             signals += [(t, signal.SIGTERM) for t in pm.timeouts_due(index, txn.now, cfg.kill_grace_s)]
             signals += [(t, signal.SIGKILL) for t in pm.kills_due(index, txn.now) if t.ended_at is None]
             while True:
@@ -485,6 +495,8 @@ class Service:
             self._disk_check = False
             # Off the loop: measuring worktrees walks their files.
             self.loop.run_in_executor(None, self._enforce_max_disk, self.cfg)
+        if self._close_due:
+            self._start_closes()
         if events:
             for listener in self.listeners:
                 listener(events)
@@ -735,21 +747,64 @@ class Service:
         return worktree.agent_cwd(task, Path(task.worktree)), env
 
     def _finish(self, txn: Any, task: Task, code: int | None, reason: str | None = None) -> None:
-        """pm.finish, then the task's worktree kept or removed (worktrees.keep); what became of
-        it goes into the task's reason and its final event."""
+        """pm.finish. A task with a worktree ends here all the same (final state, slot free);
+        its worktree is kept or removed after the commit, by the git worker (_start_closes)."""
         events = pm.finish(txn.index, task, txn.now, code, reason)
         if task.worktree_state == "active":
-            try:
-                note = worktree.close(self.home, task, self.cfg.worktrees.keep)
-            except worktree.WorktreeError as err:  # never lose work over a git hiccup: keep it
-                task.worktree_state, note = "kept", f"worktree kept at {task.worktree} ({err})"
-            if task.worktree_state == "kept":
-                self._disk_check = True
-            if note:
-                task.reason = f"{task.reason}; {note}" if task.reason else note
+            self._close_due = True
             for event in events:
-                event.reason, event.branch, event.worktree = task.reason, task.branch, task.worktree
+                event.worktree = task.worktree
         txn.emit(events)
+
+    # ---- closing worktrees: git in the worker, the outcome in a later transaction ------
+
+    def _start_closes(self) -> None:
+        """After a commit: the worktree of each final task still marked `active` goes to the
+        git worker to be kept or removed (worktrees.keep). Inspecting and removing it runs git
+        (`status`, `worktree remove`, `branch -D` and the repository's hooks), which can take
+        seconds: never on the loop, never under the index lock, so the task has already ended
+        and its slot gone to the next one. What became of the worktree is booked by the tick
+        after the worker is done (_record_closes). A close that a crash or a stop interrupted
+        is found again here: the task is still `active` in the index."""
+        self._close_due = False
+        for task in self.index.finished:
+            if task.worktree_state == "active" and task.id not in self.closing:
+                draft = msgspec.structs.replace(task)  # the thread works on a copy, never the index
+                future = self.loop.run_in_executor(self._git_worker(), self._close_worktree, draft, self.cfg.worktrees.keep)
+                future.add_done_callback(lambda _: self.request_tick())
+                self.closing[task.id] = future
+
+    def _close_worktree(self, draft: Task, keep: str) -> tuple[Task, str | None]:
+        """In the git worker: keep or remove the worktree; (the task as closed, what to say)."""
+        try:
+            note = worktree.close(self.home, draft, keep)
+        except Exception as err:  # WorktreeError, or the disk: never lose work over it, keep it
+            draft.worktree_state, note = "kept", f"worktree kept at {draft.worktree} ({err})"
+        return draft, note
+
+    def _record_closes(self, txn: Any) -> None:
+        """Book the worktrees the git worker has closed: the task's worktree_state, its reason
+        (the note, e.g. `work kept on branch ...`), and a `worktree` event that says the same."""
+        for task_id, future in list(self.closing.items()):
+            if not future.done():
+                continue
+            del self.closing[task_id]
+            if future.cancelled():  # only when the service stops; the next one closes it again
+                continue
+            done, note = future.result()
+            task = next((t for t in txn.index.finished if t.id == task_id), None)
+            if task is not None:
+                if task.worktree_state != "active":
+                    continue  # `worktrees prune` got there first, and said so itself
+                task.worktree_state = done.worktree_state
+                if note:
+                    task.reason = f"{task.reason}; {note}" if task.reason else note
+            if done.worktree_state == "kept":
+                self._disk_check = True
+            txn.emit([Event(
+                type="worktree", at=txn.now, task=task_id, name=done.name, source=done.source, state=done.state.value,
+                reason=note, branch=done.branch, worktree=done.worktree, worktree_state=done.worktree_state,
+            )])
 
     def _adopt_unrecorded(self, txn: Txn, task: Task) -> bool:
         """After a crash between spawn and commit: find the wrapper the index does not know
@@ -829,11 +884,12 @@ class Service:
 
     def _sync_jobs(self) -> None:
         """Everything that happens at a time (queue expiry, run timeouts, SIGKILL after the
-        grace, rate limits, resource-guard re-checks) wakes the service through one
-        APScheduler job, at the earliest of those moments; pm then decides what is due. The
-        job moves only when something falls due earlier: a promotion, which makes the
-        earliest expiry later, costs the scheduler nothing, and a job that fires early finds
-        nothing due and sets the next one."""
+        grace, rate limits, resource-guard re-checks) wakes the service through one loop
+        timer, at the earliest of those moments; pm then decides what is due. Every tick
+        sets it again from what is due now, so it cannot be lost: a plain callback of the
+        loop, it is never skipped the way APScheduler skipped its one deadline job when the
+        tick that job ran set the next one already due (max_instances), after which every
+        later deadline waited for the 5 s reconcile."""
         times = [t.expires_at for t in self.index.queued if t.expires_at is not None]
         for task in self.index.active:
             if task.kill_at is not None:
@@ -843,12 +899,18 @@ class Service:
         self.jobs = self._policy_jobs()
         times += self.jobs.values()
         due = min(times, default=None)
-        if due is not None and (self._deadline is None or due < self._deadline):
-            self._deadline = due
-            self.scheduler.add_job(
-                self._job, "date", run_date=due, id="deadline", args=["deadline"],
-                replace_existing=True, misfire_grace_time=None,
-            )
+        if due == self._deadline:
+            return  # already set for that moment (a promotion mostly leaves it so)
+        if self._deadline_handle is not None:
+            self._deadline_handle.cancel()
+            self._deadline_handle = None
+        self._deadline = due
+        if due is not None:
+            # The loop's clock is monotonic and deadlines are wall-clock: the delay is taken
+            # now. A timer that fires a hair early (the wall clock slewed) finds nothing due,
+            # and its tick sets it again for what is left.
+            delay = max(0.0, (due - ops.now()).total_seconds())
+            self._deadline_handle = self.loop.call_later(delay, self._on_deadline)
 
     def _policy_jobs(self) -> dict[str, datetime]:
         """Wake-ups the scheduling policies need: when a rate limit that holds a task runs
@@ -861,7 +923,10 @@ class Service:
         if release is not None:
             jobs["rate-limit"] = release
         if pm.guard_hold(cfg, ops.measure(cfg)) is not None:
-            jobs["resource-guard"] = self.jobs.get("resource-guard") or now + timedelta(seconds=GUARD_RECHECK)
+            # The re-check already set stands until it has come (else every tick would push
+            # it back); once it has, the next one is GUARD_RECHECK later, not at once again.
+            recheck = self.jobs.get("resource-guard")
+            jobs["resource-guard"] = recheck if recheck is not None and recheck > now else now + timedelta(seconds=GUARD_RECHECK)
         return jobs
 
     # ---- extensions (the Telegram bot) -----------------------------------------------
@@ -890,5 +955,4 @@ class Service:
 
 def serve(home: Home) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("apscheduler").setLevel(logging.WARNING)
     return Service(home).run()

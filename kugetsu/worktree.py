@@ -1,8 +1,8 @@
 """Git worktrees for agents: create at start, inspect and keep or remove at the end.
 
 A process/IO module like runner.py: used by ops, the service and the CLI, never by pm.
-Every git call is bounded by a timeout, because the service runs them inside its
-transaction; all worktree changes of one repository are serialized by a lock file in
+Every git call is bounded by a timeout, because the service's one git worker thread runs
+them one after the other; all worktree changes of one repository are serialized by a lock file in
 KUGETSU_HOME, so that two tasks starting together never race on git's own lock files.
 """
 
@@ -235,15 +235,26 @@ def inspect(task: Task) -> Work:
 
 def close(home: Home, task: Task, keep: str) -> str | None:
     """The task is final: keep or remove its worktree per `keep`. Returns what to tell the
-    user (None: nothing worth saying). Work is never thrown away on a git error."""
+    user (None: nothing worth saying). Work is never thrown away on a git error. The whole
+    look-and-decide runs under the repository's lock: a `worktrees prune`, or a close of the
+    same worktree by a service that restarted while a stopping one still ran, waits for it
+    instead of removing the worktree between the look and the removal."""
     if task.worktree_state != "active" or not task.worktree or not task.repo:
         return None
     path, branch = Path(task.worktree), task.branch or ""
+    try:
+        with repo_lock(home, task.repo):
+            return _close(task, path, branch, keep)
+    except WorktreeError as err:  # the lock itself (another kugetsu holds it for too long)
+        task.worktree_state = "kept"
+        return f"worktree kept at {path} ({err})"
+
+
+def _close(task: Task, path: Path, branch: str, keep: str) -> str | None:
+    assert task.repo
     if not path.exists():
         task.worktree_state = "removed"
-        if task.repo and os.path.isdir(task.repo):
-            git(task.repo, "worktree", "prune", check=False)
-        return f"worktree {path} had been removed; branch {branch} left as it was"
+        return _gone(task, path, branch, keep)
     try:
         work = inspect(task)
     except WorktreeError as err:
@@ -253,8 +264,7 @@ def close(home: Home, task: Task, keep: str) -> str | None:
         task.worktree_state = "kept"
         return f"work kept on {work.describe(branch)}" if not work.empty else f"worktree kept at {path} (no changes)"
     try:
-        with repo_lock(home, task.repo):
-            remove(task.repo, path, branch if not work.commits else None)
+        remove(task.repo, path, branch if not work.commits else None)
     except WorktreeError as err:
         task.worktree_state = "kept"
         return f"worktree kept at {path} (could not remove it: {err})"
@@ -264,6 +274,29 @@ def close(home: Home, task: Task, keep: str) -> str | None:
     kept = f"; {work.commits} commit(s) kept on branch {branch}" if work.commits else ""
     lost = "; uncommitted changes discarded" if work.dirty else ""
     return f"worktree removed (worktrees.keep=never){kept}{lost}"
+
+
+def _gone(task: Task, path: Path, branch: str, keep: str) -> str | None:
+    """The worktree's directory is gone: removed by hand, or by a close that a stop or a crash
+    of the service cut short (the next service closes it again). A branch with no commits of
+    its own goes as a clean worktree's would; one with commits stays, and the user is told."""
+    said = f"worktree {path} had been removed; branch {branch} left as it was"
+    assert task.repo
+    if not os.path.isdir(task.repo):
+        return said
+    git(task.repo, "worktree", "prune", check=False)
+    ref = f"refs/heads/{branch}"
+    if not branch or not git(task.repo, "rev-parse", "--verify", "--quiet", ref, check=False):
+        return None  # nothing is left, and it held no commits
+    if keep == "always" or not task.base_commit:
+        return said
+    if git(task.repo, "rev-list", "--count", f"{task.base_commit}..{ref}", check=False) != "0":
+        return said
+    try:
+        git(task.repo, "branch", "-D", branch)
+    except WorktreeError:
+        return said
+    return None
 
 
 def remove(repo: str | None, path: Path, branch: str | None) -> None:

@@ -161,5 +161,7 @@ def test_service_schedules_policy_wakeups(tmp_path):
     assert 0 < (jobs["resource-guard"] - ops.now()).total_seconds() <= GUARD_RECHECK
     svc.jobs["resource-guard"] = jobs["resource-guard"]
     assert svc._policy_jobs() == jobs  # kept, not pushed back by every tick
+    svc.jobs["resource-guard"] = ops.now() - timedelta(seconds=1)  # it has come and the guard still holds
+    assert svc._policy_jobs()["resource-guard"] > ops.now()  # the next one, not a timer due at once forever
     svc.index = Index()
     assert svc._policy_jobs() == {}  # nothing waits: no wake-ups

@@ -144,3 +144,27 @@ def test_notifications_and_the_feed_survive_the_rotation_of_events_jsonl(kg, api
     tail = [json.loads(line)["seq"] for line in current.splitlines()]
     old = [json.loads(line)["seq"] for line in kg.home.events_old.read_text().splitlines()]
     assert old + tail == list(range(old[0], old[0] + len(old) + len(tail)))  # contiguous, nothing repeated
+
+
+def test_a_worktree_kept_is_told_after_the_task_s_end(kg, api, tmp_path):
+    """The worktree is closed after its task ends (by the service's git worker), so what became
+    of it is its own `worktree` event: sent to whoever is told of the task's end, when there is
+    something to say (work kept); a clean removal says nothing."""
+    import subprocess
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for args in (["init", "-q", "-b", "main"], ["config", "user.name", "T"], ["config", "user.email", "t@example.com"],
+                 ["commit", "-q", "--allow-empty", "-m", "init"]):
+        subprocess.run(["git", *args], cwd=repo, check=True)
+    setup(kg, api)
+    bot_up(kg, api)
+    kg.ok("delegate", "w", "--worktree", "--cwd", str(repo), "--", "sh", "-c", "echo w > w.txt; git add w.txt; git commit -qm w; exit 1")
+    kg.ok("delegate", "c", "--worktree", "--cwd", str(repo), "--", "true")
+    kept = reply(api, ME, "🌿 <b>w</b> (#1)")
+    assert kept.endswith("work kept on branch kugetsu/w (1 commit, 1 file changed)")
+    assert once(api, "<b>w</b> (#1) failed")
+    wait_for(lambda: [e for e in kg.events("worktree") if e["name"] == "c"], 10, "c's worktree to be removed")
+    kg.delegate("last", 0)
+    reply(api, ME, "<b>last</b> (#3) succeeded")  # in order: c's worktree event was settled before it
+    assert once(api, "<b>c</b> (#2) succeeded") and not api.with_text(ME, "🌿 <b>c</b>")

@@ -230,7 +230,7 @@ class Notifier:
         events = await asyncio.to_thread(self.tails[chat].after, cursor)
         unsaved = False
         for event in events:
-            if event.type in self.get_cfg().telegram.events:
+            if text.wanted(event, self.get_cfg().telegram.events):
                 message = await asyncio.to_thread(self._message, event)
                 await self._send(chat, message)
                 await asyncio.to_thread(self.cursors.set, chat, event.seq)

@@ -125,7 +125,20 @@ def notification(event: Event, task: Task | None, cfg: Config, log_tail: str | N
         return _with_log(f"❓ {ref} lost: {esc(event.reason or 'its process vanished')}", log_tail)
     if kind == "config":
         return f"⚙️ config {esc(event.key)} = {esc(event.value)}"
+    if kind == "worktree":  # what became of a task's worktree, or a prune
+        what = esc(event.reason or f"worktree {event.worktree_state or 'changed'}")
+        return f"🌿 {ref}: {what}" if event.task is not None else f"🌿 {what}"
     return f"{esc(kind)} {ref}"
+
+
+def wanted(event: Event, kinds: list[str]) -> bool:
+    """Is `event` one to send to a chat that asked for `kinds` (telegram.events)? A task's
+    worktree kept (or anything else worth saying about it at its end) follows the task's
+    final state: it used to be part of that event's reason, before the worktree was closed
+    after the task ended; a clean removal is nothing to say."""
+    if event.type in kinds:
+        return True
+    return event.type == "worktree" and event.state in kinds and bool(event.reason)
 
 
 def _took(task: Task | None) -> str | None:

@@ -87,6 +87,8 @@ def _event_detail(e: Event) -> str:
         return f"position {e.position}"
     if e.type == "started" and e.slot is not None:
         return f"slot {e.slot}"
+    if e.type == "worktree" and not e.reason and e.worktree_state:
+        return f"worktree {e.worktree_state}"
     return e.reason or ""
 
 

@@ -18,6 +18,11 @@ What is measured (issue 2 budgets in brackets):
                index, beside a bare `python -c pass` [median <= 150 ms at 1,000]
   footprint    index bytes per task; service RSS and CPU idle and while draining
                [idle < 1% of one CPU, <= 60 MB RSS]
+  deadlines    lateness of queue expiries (1,000 in a 2,000-task queue, in bursts) and of
+               run timeouts, from kugetsu's own records (tools/bench/deadlines.py)
+               [max <= 50 ms]
+  lock hold    how long the service holds the index lock per transaction during a drain of
+               worktree tasks (tools/bench/lockhold.py): the longest a CLI command can wait
 
 kugetsu runs from this checkout (PYTHONPATH = repo root) with the current interpreter;
 each scenario has its own throw-away KUGETSU_HOME. task-spooler runs with a private
@@ -136,6 +141,25 @@ class Sampler:
     def cpu_share(self) -> float:
         """CPU time / wall time: 1.0 = one core busy."""
         return self.cpu / self.wall if self.wall else 0.0
+
+
+def part_main(doc: str, quick_help: str, measure, rows, footer) -> int:
+    """The command line of a part of this bench run on its own (deadlines.py, lockhold.py):
+    `measure(quick)` -> results; `rows(results)` -> (name, ms); `footer(results)` -> a note."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    args = ap.parse_args()
+    res = measure(args.quick)
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return 0
+    table = rows(res)
+    width = max(len(name) for name, _ in table)
+    for name, value in table:
+        print(f"{name:<{width}}  {value:8.1f} ms")
+    print(footer(res))
+    return 0
 
 
 # ---- kugetsu side ------------------------------------------------------------------------
@@ -464,6 +488,14 @@ def main() -> int:
     cli = cli_latency(sizes, reps)
     log("idle footprint")
     idle = idle_footprint(5 if args.quick else 15) if have_tsp else None
+    log("deadlines")
+    import deadlines  # tools/bench/deadlines.py (this script's directory is on sys.path)
+
+    late = deadlines.measure(400, 5) if args.quick else deadlines.measure()
+    log("index lock holds (worktree drain)")
+    import lockhold  # tools/bench/lockhold.py
+
+    holds = lockhold.measure(12 if args.quick else 40)
 
     rows: list[tuple[str, float | None, float | None, str, str]] = []  # name, kugetsu, peer, unit, budget
 
@@ -501,6 +533,11 @@ def main() -> int:
     rows.append(("service peak RSS while draining", max(d["server_peak_rss"] for d in kd) / 2**20,
                  max(d["server_peak_rss"] for d in td) / 2**20 if td else None, "MB", ""))
 
+    for name, value in deadlines.rows(late):
+        rows.append((name, value, None, "ms", "max <= 50 ms" if "max" in name else ""))
+    for name, value in lockhold.rows(holds):
+        rows.append((name, value, None, "ms", ""))
+
     verdicts = {
         "drain_ratio_le_1": (k_drain / t_drain <= 1.0) if td else None,
         "promotion_p95_le_50ms": pct(kg_gaps, 95) <= 50,
@@ -512,7 +549,8 @@ def main() -> int:
         {"metric": m, "kugetsu": k, "peer": p, "ratio": (k / p if p else None), "unit": u, "budget": b}
         for m, k, p, u, b in rows
     ]
-    res["budgets"] = verdicts
+    hardening = {"deadline_late_max_le_50ms": max(late["expiry_ms"] + late["timeout_ms"]) <= 50}
+    res["budgets"] = verdicts | hardening
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
@@ -532,7 +570,9 @@ def main() -> int:
         print("  ".join(c.ljust(w) if j == 0 or j == 4 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
-    print("\nissue-2 budgets: " + ", ".join(f"{k}: {'met' if v else 'MISSED' if v is not None else 'n/a'}" for k, v in verdicts.items()))
+    verdict = (lambda items: ", ".join(f"{k}: {'met' if v else 'MISSED' if v is not None else 'n/a'}" for k, v in items))
+    print("\nissue-2 budgets: " + verdict(verdicts.items()))
+    print("hardening budgets: " + verdict(hardening.items()))
     if not have_tsp:
         print("note: task-spooler (tsp) is not installed: peer figures skipped")
     return 0

@@ -1,0 +1,79 @@
+"""Everything that happens at a time (queue expiry, run timeout, SIGKILL after kill_grace)
+happens at that time, whatever came before it: a burst of expiries, a SIGKILL. Real
+service, real CLI, real agents; lateness is measured with kugetsu's own timestamps
+(events.jsonl, the tasks' expires_at and started_at) and the agents' own clocks, never
+with the test's polling."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+
+from conftest import wait_for
+
+# The service aims at a few ms (tools/bench/deadlines.py measures it); this bound holds on a
+# loaded 2-core machine and is still far under the 5 s reconcile a lost deadline waits for.
+LATE = 0.5
+
+
+def _t(iso: str) -> float:
+    return datetime.fromisoformat(iso).timestamp()
+
+
+def _stubborn(kg, name: str) -> list[str]:
+    """An agent that records the SIGTERM it gets and keeps running: only SIGKILL ends it."""
+    script = ('trap \'echo "term $(date +%s.%N)" >> "$0"\' TERM; echo "start $(date +%s.%N)" >> "$0"; '
+              "while :; do sleep 60 & wait; done")  # the group's SIGTERM ends the sleep, not the loop
+    return ["sh", "-c", script, str(kg.rec / name)]
+
+
+def _polite(kg, name: str) -> list[str]:
+    """An agent that records the SIGTERM it gets, then exits."""
+    script = ('trap \'echo "term $(date +%s.%N)" >> "$0"; exit 143\' TERM; echo "start $(date +%s.%N)" >> "$0"; '
+              "sleep 60 & wait")
+    return ["sh", "-c", script, str(kg.rec / name)]
+
+
+def _finished(kg) -> dict[str, dict]:
+    return {t["name"]: t for t in kg.index()["finished"]}
+
+
+def test_expiries_timeouts_and_kills_fire_on_time_after_a_burst_and_a_sigkill(kg):
+    # Group q (one slot) holds the queue; the timed agents run beside it in the other slots.
+    kg.config(max_agents=3, kill_grace="1s", max_queue=100, groups={"q": {"max_agents": 1}})
+    hold = kg.rec / "hold.go"
+    kg.delegate("hold", 0, 0, "--group", "q", gate=hold)
+    burst = [f"b{i}" for i in range(32)]
+    with ThreadPoolExecutor(8) as pool:  # 32 expiries packed as tightly as admission allows
+        list(pool.map(lambda n: kg.ok("delegate", n, "--group", "q", "--expire-after", "2s", "--", "true"), burst))
+    # Ignores SIGTERM: the run timeout (1 s) and then SIGKILL after kill_grace (1 s) end it.
+    kg.ok("delegate", "stubborn", "--timeout", "1s", "--", *_stubborn(kg, "stubborn"))
+    late = [f"late{i}" for i in range(3)]
+    for i, name in enumerate(late):  # all due after the SIGKILL
+        kg.ok("delegate", name, "--group", "q", "--expire-after", f"{3 + i}s", "--", "true")
+    # Waiting reads the index (no CLI process per look: the machine's load is part of the test).
+    wait_for(lambda: "stubborn" in _finished(kg), 20, "the SIGKILL of stubborn")
+    kg.ok("delegate", "timed", "--timeout", "2s", "--", *_polite(kg, "timed"))
+    wait_for(lambda: {*burst, *late, "timed"} <= set(_finished(kg)), 20, "the expiries and the timeout")
+    tasks = _finished(kg)
+    assert {tasks[n]["state"] for n in burst + late} == {"expired"}
+    timed, stubborn = tasks["timed"], tasks["stubborn"]
+    assert timed["state"] == stubborn["state"] == "failed"
+    assert "timed out after 2s" in timed["reason"] and "timed out after 1s" in stubborn["reason"]
+
+    expired = {e["name"]: _t(e["at"]) for e in kg.events("expired")}
+    lateness = {n: expired[n] - _t(tasks[n]["expires_at"]) for n in burst + late}
+    worst = sorted(lateness.items(), key=lambda kv: -kv[1])[:5]
+    assert all(0 <= v <= LATE for v in lateness.values()), f"expiries late by (s): {worst}"
+
+    due_term = _t(stubborn["started_at"]) + 1
+    term = kg.times("stubborn")["term"]
+    assert 0 <= term - due_term <= LATE, f"SIGTERM {term - due_term:.3f}s after the timeout"
+    final = next(e for e in kg.events("failed") if e["name"] == "stubborn")
+    assert 0 <= _t(final["at"]) - (due_term + 1) <= LATE, f"SIGKILL {_t(final['at']) - due_term - 1:.3f}s late"
+
+    due = _t(timed["started_at"]) + 2
+    term = kg.times("timed")["term"]
+    assert 0 <= term - due <= LATE, f"the 2s timeout stopped the agent {term - due + 2:.3f}s after its start"
+    hold.touch()
+    kg.wait_state("hold", "succeeded")
