@@ -858,7 +858,8 @@ class Service:
     # ---- watching processes and deadlines --------------------------------------------
 
     def _sync_watches(self) -> None:
-        active = {t.id: t for t in self.index.active if t.pid is not None}
+        # (A task whose agent has ended while it ends its leftovers has no process to watch.)
+        active = {t.id: t for t in self.index.active if t.pid is not None and t.ended_at is None}
         for task_id in [i for i in self.watches if i not in active]:
             fd = self.watches.pop(task_id)
             self.loop.remove_reader(fd)
@@ -867,9 +868,8 @@ class Service:
             if task_id in self.watches:
                 continue
             fd = runner.open_pidfd(task.pid, task.pid_start)
-            if fd is None:  # already gone
-                self.exited.add(task_id)
-                self.request_tick()
+            if fd is None:  # already gone: an exit like any other, whose commit may wait for the burst
+                self.loop.call_soon(self._on_exit, task_id)
                 continue
             self.watches[task_id] = fd
             self.loop.add_reader(fd, self._on_exit, task_id)

@@ -311,3 +311,25 @@ def test_queued_prompts_are_on_no_command_line_and_agents_get_no_secret(kg):
     env = env_dump.read_text()
     assert "SECRET-bot-token" not in env, "an agent inherited the bot token"
     assert "KUGETSU_ARG_" not in env and "KUGETSU_TASK_TOKEN=" in env
+
+
+def test_the_service_idles_while_a_leftover_waits_out_its_grace(kg):
+    """Ending leftovers is event-driven (a pidfd per leftover, a timer for the SIGKILL): the
+    service does not spin while a stubborn one waits for it."""
+    kg.config(max_agents=1, kill_grace="3s")
+    pids = kg.rec / "pids"
+    kg.ok("delegate", "stubborn", "--", "sh", "-c", f'sh -c \'trap "" TERM; echo $$ >> {pids}; sleep 60\' & exit 0')
+    wait_for(lambda: kg.task("stubborn").get("reason") is None and _pids(pids), what="the leftover to run")
+    service = kg.service_pid()
+    wait_for(lambda: "ended" not in str(kg.task("stubborn")) and kg.task("stubborn")["state"] == "running", what="ending")
+    before = _cpu(service)
+    time.sleep(1.5)  # inside the 3 s grace: measuring, not waiting for a condition
+    used = _cpu(service) - before
+    assert used < 0.3, f"the service used {used:.2f} s of CPU in 1.5 s while a leftover waited"
+    task = kg.wait_state("stubborn", "succeeded")
+    assert "ended" in task["reason"] and _gone(_pids(pids)[0])
+
+
+def _cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
