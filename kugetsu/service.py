@@ -79,6 +79,7 @@ class Service:
         self.failing: str | None = None  # why the last transaction failed, while it does
         self._retry: asyncio.TimerHandle | None = None
         self._retry_delay = RETRY_FIRST
+        self._clean_exits: set[int] = set()  # exited tasks this tick found to leave nothing running
         self._zombies: set[int] = set()  # orphans seen dead at the last look, reaped at the next
         self.warm: dict[int, runner.Spawned] = {}  # task id -> its wrapper, started ahead, waiting
         self.successor: pm.Successor | None = None  # pm's pick for the next slot to free
@@ -306,6 +307,7 @@ class Service:
         self._released = None
         self.successor = pm.successor(self.index, self.cfg)
         self.exited.clear()
+        self._clean_exits.clear()
         self.dropped = [p for p in self.dropped if p.poll() is None]
         if self.preparing:
             self._drop_unwanted_worktrees()
@@ -327,7 +329,7 @@ class Service:
         while the leftovers are found and ended (_tend_endings)."""
         spawned_here = task.pid in self.children or task.pid in self.returncodes
         code, reason = self._exit_status(task)
-        if spawned_here and not self._leftovers_possible(task):
+        if spawned_here and (task.id in self._clean_exits or not self._leftovers_possible(task)):
             self._finish(txn, task, code, reason)
             return
         pm.agent_ended(task, txn.now, code, reason, self.cfg.kill_grace_s)
@@ -548,6 +550,7 @@ class Service:
             self._reap(task)
             if self._leftovers_possible(task):
                 return
+            self._clean_exits.add(task.id)
         try:
             runner.release(warm)
         except OSError:  # the wrapper is gone: the tick starts the task afresh
