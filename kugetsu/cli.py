@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kugetsu import ops, pm, runner
+from kugetsu import control, ops, pm, runner, waiting
 from kugetsu.config import format_duration, get_value, load_config, parse_duration, parse_value
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
 from kugetsu.models import PRIORITIES, Task, TaskState
@@ -247,7 +247,7 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
     from kugetsu import render
 
     cfg, index = ops.read(home)
-    ops.ensure_service(home, cfg, index)
+    control.ensure_service(home, cfg, index)
     now = ops.now()
     queued = pm.start_order(index, cfg, now)
     pos = {t.id: i for i, t in enumerate(queued, 1)}
@@ -264,7 +264,7 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
             out["finished"] = [ops.task_json(t, None) for t in finished]
         print(to_json(out))
         return OK
-    print(render.summary(index, cfg) + ("" if ops.service_pid(home) else " · service not running"))
+    print(render.summary(index, cfg) + ("" if control.service_pid(home) else " · service not running"))
     if cfg.groups:
         print(render.groups_line(pm.group_usage(index, cfg)))
     if index.active:
@@ -280,7 +280,7 @@ def cmd_status(home: Home, args: argparse.Namespace) -> int:
     from kugetsu import render
 
     cfg, index = ops.read(home)
-    ops.ensure_service(home, cfg, index)
+    control.ensure_service(home, cfg, index)
     task = pm.find(index, args.task)
     obj = ops.task_json(task, pm.positions(index, cfg, ops.now()).get(task.id))
     print(to_json(obj) if args.json else render.task_lines(obj))
@@ -293,7 +293,7 @@ def cmd_cancel(home: Home, args: argparse.Namespace) -> int:
     tasks = ops.cancel(home, args.tasks, everything=args.all, reason="cancelled by cli")
     running = [t for t in tasks if t.state is TaskState.RUNNING]
     if running:  # report the final state: wait for the processes to go (SIGKILL after kill_grace)
-        _wait_final(home, [t.id for t in running], load_config(home).kill_grace_s + 5)
+        waiting.wait_final(home, [t.id for t in running], load_config(home).kill_grace_s + 5)
     from kugetsu.store import Store
 
     final = {t.id: t for t in Store(home).read().all_tasks()}
@@ -341,7 +341,7 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
                 continue
         if task.state.final:
             break
-        _wait_change(home, [task], 1.0)
+        waiting.wait_change(home, [task], 1.0)
     return OK
 
 
@@ -350,9 +350,9 @@ def cmd_wait(home: Home, args: argparse.Namespace) -> int:
 
     store = Store(home)
     cfg, index = ops.read(home)
-    ops.ensure_service(home, cfg, index)
+    control.ensure_service(home, cfg, index)
     ids = [pm.find(index, ref).id for ref in args.tasks]
-    done = _wait_final(home, ids, args.timeout, settle=True)
+    done = waiting.wait_final(home, ids, args.timeout, settle=True)
     if not done:
         print(f"kugetsu: timed out after {format_duration(args.timeout)}", file=sys.stderr)
         return TIMED_OUT
@@ -361,64 +361,6 @@ def cmd_wait(home: Home, args: argparse.Namespace) -> int:
     for t in bad:
         print(f"{t.name} (#{t.id}) {t.state.value}" + (f": {t.reason}" if t.reason else ""), file=sys.stderr)
     return FAILURE if bad else OK
-
-
-def _wait_final(home: Home, ids: list[int], timeout: float | None, settle: bool = False) -> bool:
-    """Block until every task is final; False on timeout. Event-driven: a pidfd per running
-    task, and a look at the index once a second for the rest. `settle`: also until the
-    worktree of a final task is kept or removed (the service closes it just after the task
-    ends), so that its reason says where the work is; not when no service is up to do it."""
-    from kugetsu.store import Store
-
-    store = Store(home)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        tasks = {t.id: t for t in store.read().all_tasks()}
-        pending = [tasks[i] for i in ids if i in tasks and not tasks[i].state.final]
-        closing = [t for i in ids if settle and (t := tasks.get(i)) and t.state.final and t.worktree_state == "active"]
-        if closing and not pending and not ops.service_holds_lock(home):
-            closing = []
-        if not pending and not closing:
-            return True
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            return not pending  # final is what was asked: a slow close is no timeout
-        # A close is usually done within a second of the task's end: look closely until then.
-        soon = any(t.finished_at and (ops.now() - t.finished_at).total_seconds() < 1.0 for t in closing)
-        _wait_change(home, pending, 1.0 if left is None else min(1.0, left), closing=soon and not pending)
-
-
-def _wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = False) -> None:
-    """Sleep until one of the tasks' processes exits (then until the index changes) or `timeout`.
-    `closing` (no process to watch, a worktree about to be booked): until the index changes."""
-    import select
-
-    from kugetsu import runner
-
-    fds = [fd for t in tasks if (fd := runner.open_pidfd(t.pid, t.pid_start)) is not None]
-    try:
-        before = _index_stamp(home)
-        if fds:
-            ready, _, _ = select.select(fds, [], [], timeout)
-        else:
-            ready = []
-            if not closing:
-                time.sleep(timeout)
-        if ready or closing:  # an agent ended, or its worktree closes: the service books it in ms
-            end = time.monotonic() + (1.0 if ready else timeout)
-            while _index_stamp(home) == before and time.monotonic() < end:
-                time.sleep(0.01)
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def _index_stamp(home: Home) -> tuple[int, int]:
-    try:
-        st = os.stat(home.index)
-        return st.st_ino, st.st_mtime_ns
-    except FileNotFoundError:
-        return 0, 0
 
 
 def cmd_priority(home: Home, args: argparse.Namespace) -> int:
@@ -436,7 +378,7 @@ def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
     from kugetsu import render
 
     cfg, index = ops.read(home)
-    ops.ensure_service(home, cfg, index)
+    control.ensure_service(home, cfg, index)
     if args.json:
         print(to_json({
             "max_agents": cfg.max_agents,
@@ -524,16 +466,16 @@ def _read_unechoed(prompt: str) -> str:
 
 
 def cmd_serve(home: Home, args: argparse.Namespace) -> int:
-    ops.check_wakeable(home)  # the service binds its socket there: say so now, not in its log
+    control.check_wakeable(home)  # the service binds its socket there: say so now, not in its log
     if args.detach:
-        child = ops.start_service(home)
+        child = control.start_service(home)
         if child is None:
-            pid = ops.service_pid(home)
+            pid = control.service_pid(home)
             print(f"kugetsu service already running{f' (pid {pid})' if pid else ''}")
             return OK
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            pid = ops.service_pid(home)
+            pid = control.service_pid(home)
             if pid:
                 print(f"kugetsu service started (pid {pid}), log: {home.service_log}")
                 return OK
@@ -553,14 +495,14 @@ def _last_lines(path: os.PathLike[str], count: int = 4) -> str:
 
 
 def cmd_shutdown(home: Home, args: argparse.Namespace) -> int:
-    ops.check_wakeable(home)  # else "no service is running" would hide why it cannot be told
-    pid = ops.service_pid(home)
-    if not ops.send(home, b"shutdown") or pid is None:
+    control.check_wakeable(home)  # else "no service is running" would hide why it cannot be told
+    pid = control.service_pid(home)
+    if not control.send(home, b"shutdown") or pid is None:
         print("no kugetsu service is running")
         return OK
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        if not ops.service_holds_lock(home):  # not just its pid file gone: wholly stopped
+        if not control.service_holds_lock(home):  # not just its pid file gone: wholly stopped
             print(f"kugetsu service stopped (pid {pid}); running agents keep running")
             return OK
         time.sleep(0.05)

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kugetsu import ops, pm, render
+from kugetsu import control, ops, pm, render
 from kugetsu.config import Config, save_raw
 from kugetsu.paths import Home
 from kugetsu.store import Store
@@ -57,7 +57,7 @@ def run_demo() -> int:
     started = time.monotonic()
     say = _printer(started)
     try:
-        _wait(lambda: ops.service_pid(home) is not None, 10)
+        _wait(lambda: control.service_pid(home) is not None, 10)
         say(f"throw-away home {home.root}, max_agents 2, six tasks\n")
         for name, seconds, fail, expiry in PLAN:
             req = pm.Request(cwd=str(root), name=name, source="demo", expire_after=expiry,
@@ -96,7 +96,7 @@ def run_demo() -> int:
               + f" in {time.monotonic() - started:.1f}s; at most {peak_running(index)} running at once (max_agents 2).")
         return 0
     finally:
-        ops.send(home, b"shutdown")
+        control.send(home, b"shutdown")
         try:
             service.wait(10)
         except subprocess.TimeoutExpired:

@@ -9,7 +9,6 @@ about a millisecond, where a Python supervisor per task would cost 15+ ms.
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 from datetime import datetime, timezone

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
 import logging
 import os
 import signal
@@ -24,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from kugetsu import ops, pm, runner, worktree
+from kugetsu import control, ops, pm, runner, worktree
 from kugetsu.config import Config, format_size, load_config
 from kugetsu.errors import DiskFull, KugetsuError
 from kugetsu.models import Event, Index, Task, TaskState
@@ -41,10 +40,6 @@ COMMIT_DELAY = 0.02  # seconds an exit's transaction stays open for the exits th
 
 _FINAL = frozenset(s.value for s in TaskState if s.final)
 RETRY_FIRST, RETRY_MAX = 0.1, 5.0  # seconds: backoff while transactions fail (a full disk)
-
-
-class AlreadyRunning(KugetsuError):
-    pass
 
 
 class LetGo(msgspec.Struct):
@@ -113,7 +108,7 @@ class Service:
 
     async def main(self) -> int:
         self.home.ensure()
-        lock_fd = self._lock()
+        lock_fd = control.take_service_lock(self.home)
         if not runner.become_subreaper():
             log.warning("cannot become the child subreaper: processes that agents leave behind are found by a /proc scan only")
         self.loop = asyncio.get_running_loop()
@@ -155,27 +150,6 @@ class Service:
     def stop(self) -> None:
         if self._stopping is not None:
             self._stopping.set()
-
-    def _lock(self) -> int:
-        """The single-instance lock: inherited from the CLI that started us, or taken here."""
-        inherited = os.environ.pop(ops.LOCK_FD_ENV, None)
-        if inherited is not None:
-            fd = int(inherited)
-            os.set_inheritable(fd, False)  # agents must never hold it
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # already ours: a no-op that proves it
-            return fd
-        fd = os.open(self.home.service_lock, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            os.close(fd)
-        pid = ops.service_pid(self.home)
-        raise AlreadyRunning(
-            f"a kugetsu service is already running for {self.home.root}"
-            + (f" (pid {pid})" if pid else " (starting)")
-            + "; `kugetsu shutdown` stops it"
-        )
 
     def _bind(self) -> socket.socket:
         path = self.home.socket

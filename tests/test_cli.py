@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import agent_wrappers, wait_for
 
-from kugetsu import ops, runner
+from kugetsu import control
 
 
 def overlap(kg, names):
@@ -173,7 +173,7 @@ def test_service_kill_9_loses_nothing(kg):
     wait_for(lambda: kg.times("quick") and kg.times("slow"), what="agents to start")
     pid = wait_for(kg.service_pid, what="service pid")
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not ops.service_holds_lock(kg.home), what="the service to be dead")
+    wait_for(lambda: not control.service_holds_lock(kg.home), what="the service to be dead")
     quick_go.touch()
     wait_for(lambda: "end" in kg.times("quick"), what="quick to end while the service is down")
     assert kg.task("quick")["state"] == "running"  # nobody recorded its end yet...
@@ -194,10 +194,10 @@ def test_shutdown_keeps_agents_and_restart_readopts(kg):
     kg.delegate("a", 0, gate=go)
     kg.delegate("b", 0)
     wait_for(lambda: kg.times("a"), what="a to start")
-    assert ops.service_holds_lock(kg.home)
+    assert control.service_holds_lock(kg.home)
     assert "stopped" in kg.ok("shutdown")
     assert not kg.home.service_pid.exists()
-    assert not ops.service_holds_lock(kg.home)  # wholly stopped: a start now takes the lock
+    assert not control.service_holds_lock(kg.home)  # wholly stopped: a start now takes the lock
     go.touch()
     wait_for(lambda: "end" in kg.times("a"), what="a to finish on its own")
     assert kg.task("a")["state"] == "running"  # nobody has looked yet
@@ -232,7 +232,7 @@ def test_a_probe_of_the_service_lock_does_not_stop_a_start(kg):
     probe = os.open(kg.home.service_lock, os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(probe, fcntl.LOCK_SH)
     threading.Timer(0.004, os.close, [probe]).start()  # a slow probe: 4 ms
-    assert ops.start_service(kg.home) is not None
+    assert control.start_service(kg.home) is not None
     wait_for(kg.service_pid, what="the service to come up")
 
 

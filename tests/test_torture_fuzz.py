@@ -46,9 +46,9 @@ def stop_service(kg, woke: bool) -> None:
     if woke and load_config(kg.home).autostart:
         wait_for(lambda: kg.service_pid(), 15, "the autostarted service to come up")
     kg.run("shutdown")
-    from kugetsu import ops
+    from kugetsu import control
 
-    wait_for(lambda: not ops.service_holds_lock(kg.home), 15, "the service to stop")
+    wait_for(lambda: not control.service_holds_lock(kg.home), 15, "the service to stop")
 
 
 def settled(kg) -> bool:

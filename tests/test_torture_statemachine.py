@@ -21,7 +21,7 @@ from hypothesis.stateful import (
 )
 
 from conftest import REPO, agent_wrappers, wait_for
-from kugetsu import ops, pm
+from kugetsu import control, ops, pm
 from kugetsu.config import load_config
 from kugetsu.errors import KugetsuError
 from kugetsu.paths import Home
@@ -37,8 +37,8 @@ STATS = {"examples": 0, "steps": 0, "tasks": 0, "cancels": 0, "restarts": 0, "ki
 
 
 def _start_service(home: Home) -> int:
-    ops.start_service(home)
-    return wait_for(lambda: ops.service_pid(home), 15, "the service to come up")  # type: ignore[return-value]
+    control.start_service(home)
+    return wait_for(lambda: control.service_pid(home), 15, "the service to come up")  # type: ignore[return-value]
 
 
 class KugetsuMachine(RuleBasedStateMachine):
@@ -127,7 +127,7 @@ class KugetsuMachine(RuleBasedStateMachine):
     @rule()
     def settle(self) -> None:
         """Liveness: once woken, the service gives every free slot to the next queued task."""
-        ops.wake(self.home, self.cfg)
+        control.wake(self.home, self.cfg)
 
         def caught_up() -> bool:
             index = self.index()
@@ -144,14 +144,14 @@ class KugetsuMachine(RuleBasedStateMachine):
     def restart_service(self, hard: bool, go: int) -> None:
         if go:  # a restart costs ~0.5 s: do it in a quarter of the draws, leaving room for the rest
             return
-        pid = ops.service_pid(self.home)
+        pid = control.service_pid(self.home)
         if pid and hard:
             os.kill(pid, signal.SIGKILL)
             wait_for(lambda: not _alive(pid), 10, "the killed service to go")
             STATS["kills"] += 1
         elif pid:
-            ops.send(self.home, b"shutdown")
-            wait_for(lambda: not ops.service_holds_lock(self.home), 15, "the service to stop")
+            control.send(self.home, b"shutdown")
+            wait_for(lambda: not control.service_holds_lock(self.home), 15, "the service to stop")
         new = _start_service(self.home)
         assert new != pid
         STATS["restarts"] += 1
@@ -178,7 +178,7 @@ class KugetsuMachine(RuleBasedStateMachine):
         try:
             self._final_check()
         finally:
-            pid = ops.service_pid(self.home)
+            pid = control.service_pid(self.home)
             if pid:
                 os.kill(pid, signal.SIGKILL)
             for wpid in agent_wrappers(self.home):
@@ -192,7 +192,7 @@ class KugetsuMachine(RuleBasedStateMachine):
         """Every agent accounted for: release all, let everything end, check each outcome."""
         for name in self.model:
             (self.rel / name).touch()
-        ops.wake(self.home, self.cfg)
+        control.wake(self.home, self.cfg)
         wait_for(lambda: not self.index().live(), 30, "every task to end")
         wait_for(lambda: not agent_wrappers(self.home), 10, "every agent process to be gone")
         check_home(self.home, self.cfg.max_agents)

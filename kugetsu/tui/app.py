@@ -21,7 +21,7 @@ from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.widgets import DataTable, Footer, Static
 
-from kugetsu import ops
+from kugetsu import control, ops
 from kugetsu.config import Config, load_config
 from kugetsu.errors import KugetsuError
 from kugetsu.models import Event, Index, Task
@@ -134,7 +134,7 @@ class Dashboard(App[None]):
             if self.error:
                 self.error = None
                 self.notify("the files read cleanly again", title="recovered")
-        self.service_pid = ops.service_pid(self.home)
+        self.service_pid = control.service_pid(self.home)
         self._show()
 
     def _report(self, message: str) -> None:
