@@ -259,6 +259,14 @@ def line_col(data: bytes, offset: int) -> tuple[int, int]:
 
 def describe_decode_error(path: object, data: bytes, err: Exception) -> str:
     """Turn a msgspec error into 'file: line L col C: what' or 'file: key k: what'."""
+    if isinstance(err, UnicodeDecodeError):
+        at = err.start  # relative to the string msgspec was decoding: find the byte in the file
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as whole:
+            at = whole.start
+        line, col = line_col(data, at)
+        return f"{path}: not UTF-8 text at line {line}, column {col} (byte {at})"
     text = str(err)
     if "truncated" in text:
         line, col = line_col(data, len(data))
@@ -309,7 +317,9 @@ def read_raw(home: Home) -> dict[str, Any]:
         raise
     try:
         raw = msgspec.json.decode(data)
-    except (msgspec.DecodeError, RecursionError) as err:  # RecursionError: absurdly deep nesting
+    # RecursionError: absurdly deep nesting; UnicodeDecodeError: bytes that are not UTF-8 in a
+    # string or a key (msgspec raises it, not DecodeError, there).
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
         raise FileError(describe_decode_error(home.config, data, err) + _FIX) from None
     if not isinstance(raw, dict):
         raise FileError(f"{home.config}: must hold a JSON object {{...}}{_FIX}")

@@ -85,7 +85,8 @@ class Store:
             return reuse[1], data
         try:
             index = _index_decoder.decode(data)
-        except (msgspec.DecodeError, RecursionError) as err:  # RecursionError: absurdly deep nesting
+        # RecursionError: absurdly deep nesting; UnicodeDecodeError: non-UTF-8 bytes in a string
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
             raise FileError(_describe_index_error(self.home, data, err) + _FIX) from None
         problem = check_index(index) if index.version == INDEX_VERSION else f"unknown version {index.version}"
         if problem:
@@ -344,7 +345,7 @@ def decode_events(data: bytes) -> list[Event]:
     for line in data.splitlines():
         try:
             events.append(_event_decoder.decode(line))
-        except (msgspec.DecodeError, RecursionError):
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
             continue  # a line torn by a crash mid-append; its event is still in the outbox
     return events
 

@@ -87,6 +87,9 @@ BAD_CONFIGS = [
     b'{"agents": {"x": {"cmd": ["a"]}}}', b'{"default_agent": "nope"}', b'{"telegram": {"events": ["bogus"]}}',
     b'{"telegram": {"tokn": "x"}}', b'{"max_queue": 1e400}', b'{"history_limit": -1}',
     b'{"max_agents": 3,}', b"[" * 5000 + b"]" * 5000, b'{"\x00": 1}', b'{"autostart": "yes"}',
+    # Bytes that are not UTF-8 inside a key or a string (msgspec raises UnicodeDecodeError there,
+    # not DecodeError: a random mutation found it, one run in three).
+    b'{"max\xff": 1}', b'{"default_agent": "op\xffencode"}',
 ]
 
 
@@ -153,6 +156,7 @@ def test_bad_index_json_is_a_clear_error_and_changes_nothing(fz):
         variant(active=[{**t, "state": "queued"}]), variant(queued=[{**idx["queued"][0], "state": "succeeded"}]),
         variant(active=[{**t, "created_at": "yesterday"}]), variant(active=[{**t, "created_at": "2024-01-01T00:00:00"}]),
         variant(active=[{**t, "command": "rm -rf /"}]), variant(finished=[{"id": 9}]), b"\xff" * 64,
+        good.replace(b'"next_id"', b'"next\xff_id"', 1), good.replace(b'"name": "a"', b'"name": "a\xff"', 1),
     ]
     must_fail = len(cases)
     cases += [mutate(good, rng) for _ in range(size(4, 200))]
