@@ -249,28 +249,27 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
     cfg, index = ops.read(home)
     control.ensure_service(home, cfg, index)
     now = ops.now()
-    queued = pm.start_order(index, cfg, now)
-    pos = {t.id: i for i, t in enumerate(queued, 1)}
-    why = pm.waiting_for(index, cfg, now, ops.measure(cfg)) if queued else {}
+    view = pm.queue_view(index, cfg, now, ops.measure(cfg))
     finished = list(reversed(index.finished[-20:])) if args.all else []
     if args.json:
         out: dict[str, Any] = {
-            "max_agents": cfg.max_agents,
+            "max_agents": view.capacity.max_agents,
             "active": [ops.task_json(t, None) for t in index.active],
-            "queued": [ops.task_json(t, pos[t.id]) | {"waiting_for": why.get(t.id)} for t in queued],
-            "groups": pm.group_usage(index, cfg),
+            "queued": [ops.task_json(t, view.positions[t.id]) | {"waiting_for": view.waiting_for.get(t.id)}
+                       for t in view.queued],
+            "groups": view.groups,
         }
         if args.all:
             out["finished"] = [ops.task_json(t, None) for t in finished]
         print(to_json(out))
         return OK
-    print(render.summary(index, cfg) + ("" if control.service_pid(home) else " · service not running"))
+    print(render.summary(view.capacity) + ("" if control.service_pid(home) else " · service not running"))
     if cfg.groups:
-        print(render.groups_line(pm.group_usage(index, cfg)))
-    if index.active:
-        print("\nRUNNING\n" + render.running_table(index.active, now))
-    if queued:
-        print("\nQUEUED\n" + render.queued_table(queued, pos, now, why))
+        print(render.groups_line(view.groups))
+    if view.running:
+        print("\nRUNNING\n" + render.running_table(view.running, now))
+    if view.queued:
+        print("\nQUEUED\n" + render.queued_table(view.queued, view.positions, now, view.waiting_for))
     if finished:
         print("\nFINISHED (latest first)\n" + render.finished_table(finished, now))
     return OK
@@ -379,16 +378,11 @@ def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
 
     cfg, index = ops.read(home)
     control.ensure_service(home, cfg, index)
+    cap = pm.capacity(index, cfg)
     if args.json:
-        print(to_json({
-            "max_agents": cfg.max_agents,
-            "active": len(index.active),
-            "queued": len(index.queued),
-            "free": pm.free_slots(index, cfg),
-            "max_queue": cfg.max_queue,
-        }))
+        print(to_json(cap))
     else:
-        print(render.summary(index, cfg))
+        print(render.summary(cap))
     return OK
 
 

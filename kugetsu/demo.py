@@ -120,11 +120,12 @@ def _printer(started: float):
 def _frame(index, cfg: Config) -> str:
     """The live queue, as `kugetsu queue` shows it, indented under the event lines."""
     now = ops.now()
-    parts = [render.summary(index, cfg)]
-    if index.active:
-        parts.append(render.running_table(index.active, now))
-    if index.queued:
-        parts.append(render.queued_table(pm.start_order(index, cfg, now), pm.positions(index, cfg, now), now))
+    view = pm.queue_view(index, cfg, now)
+    parts = [render.summary(view.capacity)]
+    if view.running:
+        parts.append(render.running_table(view.running, now))
+    if view.queued:
+        parts.append(render.queued_table(view.queued, view.positions, now, view.waiting_for))
     return "\n".join("          " + line for part in parts for line in part.splitlines()) + "\n"
 
 

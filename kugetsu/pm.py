@@ -92,6 +92,46 @@ def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources |
     return out
 
 
+class Capacity(msgspec.Struct, frozen=True, kw_only=True):
+    """The numbers `kugetsu capacity --json` gives: what a PM agent checks before delegating."""
+
+    max_agents: int
+    active: int
+    queued: int
+    free: int
+    max_queue: int
+
+
+def capacity(index: Index, cfg: Config) -> Capacity:
+    """Counts only: cheap at any queue length (no order is computed)."""
+    return Capacity(max_agents=cfg.max_agents, active=len(index.active), queued=len(index.queued),
+                    free=free_slots(index, cfg), max_queue=cfg.max_queue)
+
+
+class QueueView(msgspec.Struct, frozen=True, kw_only=True):
+    """What every front end shows of the queue, computed once per view: the CLI's `queue`,
+    `capacity` and `status`, the dashboard and the bot render this and nothing else."""
+
+    running: list[Task]  # by slot
+    queued: list[Task]  # in start order
+    positions: dict[int, int]  # queued task id -> 1-based position
+    waiting_for: dict[int, str]  # queued task id -> why it waits, when not simply behind others
+    capacity: Capacity
+    groups: dict[str, dict[str, int]]  # per configured group: max_agents, active, queued
+
+
+def queue_view(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> QueueView:
+    order = start_order(index, cfg, now)
+    return QueueView(
+        running=sorted(index.active, key=lambda t: (t.slot or 0, t.id)),
+        queued=order,
+        positions={t.id: i for i, t in enumerate(order, 1)},
+        waiting_for=waiting_for(index, cfg, now, resources) if order else {},
+        capacity=capacity(index, cfg),
+        groups=group_usage(index, cfg),
+    )
+
+
 def next_release(index: Index, cfg: Config, now: datetime) -> datetime | None:
     """When a rate limit that holds a queued task runs out (the service wakes then)."""
     return Board(index, cfg, now).next_release()

@@ -7,8 +7,9 @@ from typing import Any
 
 import msgspec
 
-from kugetsu.config import Config, format_duration, format_size
-from kugetsu.models import Index, Task
+from kugetsu.config import format_duration, format_size
+from kugetsu.models import Task
+from kugetsu.pm import Capacity
 
 
 def to_json(obj: Any) -> str:
@@ -34,11 +35,8 @@ def until(t: datetime | None, now: datetime) -> str:
     return format_duration((t - now).total_seconds()) if t > now else "due"
 
 
-def summary(index: Index, cfg: Config) -> str:
-    return (
-        f"{len(index.active)}/{cfg.max_agents} running, {max(0, cfg.max_agents - len(index.active))} free,"
-        f" {len(index.queued)} queued (max {cfg.max_queue})"
-    )
+def summary(cap: Capacity) -> str:
+    return f"{cap.active}/{cap.max_agents} running, {cap.free} free, {cap.queued} queued (max {cap.max_queue})"
 
 
 def running_table(tasks: list[Task], now: datetime) -> str:

@@ -268,3 +268,22 @@ def test_prompt_file_placeholder_gets_the_path_the_caller_gives():
     assert task.command == ["agent", "--file=/h/logs/1.prompt", "n1"] and task.prompt == "p {prompt_file}"
     with pytest.raises(UsageError, match="needs a prompt"):
         pm.admit(Index(), cfg, T0, pm.Request(cwd="/", name="x"))
+
+
+def test_queue_view_is_the_one_view_every_front_end_renders():
+    """Order, positions and reasons come from the scheduler's own order; running by slot."""
+    from kugetsu.models import Index
+
+    cfg = Config(max_agents=2, max_active_per_source=1)
+    ix = Index()
+    for i, src in enumerate(["a", "a", "b", "a"], 1):
+        pm.admit(ix, cfg, T0, pm.Request(cwd="/", name=f"t{i}", command=["x"], source=src))
+    for task in pm.plan_starts(ix, cfg, T0):
+        pm.start(ix, task, T0)
+    ix.active.reverse()
+    view = pm.queue_view(ix, cfg, T0)
+    assert [t.slot for t in view.running] == [1, 2]
+    assert [t.name for t in view.queued] == [t.name for t in pm.start_order(ix, cfg, T0)]
+    assert view.positions == pm.positions(ix, cfg, T0)
+    assert view.waiting_for == pm.waiting_for(ix, cfg, T0)
+    assert view.capacity == pm.capacity(ix, cfg) and view.capacity.free == 0 and view.capacity.queued == 2

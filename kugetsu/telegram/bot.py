@@ -133,9 +133,9 @@ async def cmd_help(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
 def _queue_view(home: Home) -> tuple[str, InlineKeyboardMarkup | None]:
     cfg, index = ops.read(home)
     now = ops.now()
-    order = pm.start_order(index, cfg, now)
-    body = text.queue(index, cfg, order, pm.positions(index, cfg, now), now)
-    live = [t for t in index.active if t.stop is None] + order
+    view = pm.queue_view(index, cfg, now, ops.measure(cfg))
+    body = text.queue(view, now)
+    live = [t for t in view.running if t.stop is None] + view.queued
     buttons = [
         [InlineKeyboardButton(f"Cancel {t.name}", callback_data=f"cancel:{t.id}")] for t in live[:MAX_BUTTONS]
     ]
@@ -149,7 +149,7 @@ async def cmd_queue(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
 
 async def cmd_capacity(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
     cfg, index = await asyncio.to_thread(ops.read, _env(context).home)
-    await _reply(update, text.capacity(index, cfg))
+    await _reply(update, text.capacity(pm.capacity(index, cfg)))
 
 
 async def cmd_status(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:

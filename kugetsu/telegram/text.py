@@ -13,7 +13,8 @@ from datetime import datetime
 
 from kugetsu import render
 from kugetsu.config import Config, format_duration
-from kugetsu.models import Event, Index, Task
+from kugetsu.models import Event, Task
+from kugetsu.pm import Capacity, QueueView
 
 LIMIT = 4096
 _ROOM = LIMIT - 96  # headroom for the "... and N more" line and closing tags
@@ -62,31 +63,33 @@ def task_ref(task: Task | Event) -> str:
 # ---- listings ----------------------------------------------------------------------------
 
 
-def queue(index: Index, cfg: Config, order: list[Task], positions: dict[int, int], now: datetime) -> str:
+def queue(view: QueueView, now: datetime) -> str:
     """`/queue`: capacity, running tasks with elapsed time, queued ones with position,
-    waiting time and time left before expiry."""
-    lines = [f"<b>{esc(render.summary(index, cfg))}</b>"]
-    if index.active:
+    waiting time, time left before expiry, and why they wait when it is not their turn."""
+    lines = [f"<b>{esc(render.summary(view.capacity))}</b>"]
+    if view.running:
         lines.append("\n<b>Running</b>")
-        for t in sorted(index.active, key=lambda t: t.slot or 0):
+        for t in view.running:
             stopping = " · stopping" if t.stop else ""
             lines.append(
                 f"slot {t.slot or '-'} · {task_ref(t)} · {render.since(t.started_at, now)} · {esc(t.source)}{stopping}"
             )
-    if order:
+    if view.queued:
         lines.append("\n<b>Queued</b>")
-        for t in order:
+        for t in view.queued:
+            why = view.waiting_for.get(t.id)
             lines.append(
-                f"{positions.get(t.id, '-')}. {task_ref(t)} · waiting {render.since(t.created_at, now)}"
+                f"{view.positions.get(t.id, '-')}. {task_ref(t)} · waiting {render.since(t.created_at, now)}"
                 f" · expires in {render.until(t.expires_at, now)} · {esc(t.source)}"
+                + (f" · waiting for: {esc(why)}" if why else "")
             )
-    if not index.active and not order:
+    if not view.running and not view.queued:
         lines.append("Nothing running, nothing queued.")
     return fit(lines)
 
 
-def capacity(index: Index, cfg: Config) -> str:
-    return esc(render.summary(index, cfg))
+def capacity(cap: Capacity) -> str:
+    return esc(render.summary(cap))
 
 
 def status(task_obj: dict[str, object]) -> str:

@@ -21,7 +21,7 @@ from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.widgets import DataTable, Footer, Static
 
-from kugetsu import control, ops
+from kugetsu import control, ops, pm
 from kugetsu.config import Config, load_config
 from kugetsu.errors import KugetsuError
 from kugetsu.models import Event, Index, Task
@@ -145,12 +145,13 @@ class Dashboard(App[None]):
     def _show(self) -> None:
         now = self.clock()
         summary = self.summary
-        text = view.summary(self.index, self.cfg, self.service_pid)
+        queue = pm.queue_view(self.index, self.cfg, now)  # once per refresh, for every pane
+        text = view.summary(queue.capacity, self.service_pid)
         summary.update(text + (" · files unreadable: see notification" if self.error else ""))
         summary.set_class(self.service_pid is None, "-down")
         summary.set_class(self.error is not None, "-error")
-        self.running.sync(view.running_rows(self.index, now, self.tz))
-        self.queue.sync(view.queue_rows(self.index, self.cfg, now))
+        self.running.sync(view.running_rows(queue, now, self.tz))
+        self.queue.sync(view.queue_rows(queue, now))
         self.finished.sync(view.finished_rows(self.index, now))
         events = self.events_table
         before = events.row_count and events.keys[-1]

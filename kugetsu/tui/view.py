@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from datetime import datetime, tzinfo
 
 from kugetsu import pm
-from kugetsu.config import Config
 from kugetsu.models import Event, Index, Task
 from kugetsu.render import since, until
 
@@ -45,20 +44,19 @@ def task_style(task: Task) -> str:
     return "stopping" if task.stop is not None and not task.state.final else task.state.value
 
 
-def running_rows(index: Index, now: datetime, tz: tzinfo | None) -> list[Row]:
+def running_rows(queue: pm.QueueView, now: datetime, tz: tzinfo | None) -> list[Row]:
     return [
         Row(str(t.id), task_style(t), (str(t.id), t.name, t.source, t.agent or "-", clock_time(t.started_at, now, tz),
                                        since(t.started_at, now), str(t.pid) if t.pid else "starting"))
-        for t in index.active
+        for t in queue.running
     ]
 
 
-def queue_rows(index: Index, cfg: Config, now: datetime) -> list[Row]:
-    positions = pm.positions(index, cfg, now)
+def queue_rows(queue: pm.QueueView, now: datetime) -> list[Row]:
     return [
-        Row(str(t.id), t.state.value, (str(positions[t.id]), str(t.id), t.name, t.priority, t.source,
+        Row(str(t.id), t.state.value, (str(queue.positions[t.id]), str(t.id), t.name, t.priority, t.source,
                                        since(t.created_at, now), until(t.expires_at, now)))
-        for t in pm.start_order(index, cfg, now)
+        for t in queue.queued
     ]
 
 
@@ -92,10 +90,9 @@ def _event_detail(e: Event) -> str:
     return e.reason or ""
 
 
-def summary(index: Index, cfg: Config, service_pid: int | None) -> str:
+def summary(cap: pm.Capacity, service_pid: int | None) -> str:
     service = f"service running (pid {service_pid})" if service_pid else "service not running"
-    return (f"{len(index.active)}/{cfg.max_agents} running · {len(index.queued)} queued"
-            f" · max queue {cfg.max_queue} · {service}")
+    return f"{cap.active}/{cap.max_agents} running · {cap.queued} queued · max queue {cap.max_queue} · {service}"
 
 
 def task_title(task: Task | None) -> str:
