@@ -17,8 +17,9 @@ import os
 import re
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timezone
+from typing import Protocol
 
 import msgspec
 
@@ -62,7 +63,40 @@ class Txn:
         self.events.extend(events)
 
 
+class StoreProtocol(Protocol):
+    """What pm's callers need of a store (DESIGN section 9): serialized transactions, lock-free
+    reads of the committed index, and the event feed after a cursor. `Store` (the file store of
+    DESIGN section 3) is the one implementation so far; tests/test_store_contract.py is the
+    contract any other (the cluster's PostgreSQL store) must pass."""
+
+    def begin(self, now: datetime | None = None) -> Txn:
+        """Serialize with every other writer and load the index; `now` is read after that."""
+        ...
+
+    def commit(self, txn: Txn) -> None:
+        """Make the transaction's index and events durable at once, or raise and change nothing."""
+        ...
+
+    def abort(self) -> None:
+        """End the transaction, changing nothing."""
+        ...
+
+    def transaction(self, now: datetime | None = None) -> AbstractContextManager[Txn]:
+        """begin, then commit on success or abort on an exception."""
+        ...
+
+    def read(self) -> Index:
+        """The last committed index, without waiting for a writer."""
+        ...
+
+    def read_events(self, after: int = 0) -> list[Event]:
+        """Committed events with seq > after, oldest first."""
+        ...
+
+
 class Store:
+    """The file store: index.json under a kernel lock, events.jsonl (DESIGN section 3)."""
+
     def __init__(self, home: Home):
         self.home = home
         self._ensured = False

@@ -1,0 +1,138 @@
+"""The store protocol's contract (kugetsu.store.StoreProtocol, DESIGN section 9): what every
+store must do, whatever it keeps its state in. Each test takes a `make_store` factory: the
+file store today; the cluster's PostgreSQL store is added to STORES and runs the same tests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+from kugetsu.models import Event, Task
+from kugetsu.paths import Home
+from kugetsu.store import Store, StoreProtocol
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def file_store(tmp: Path) -> StoreProtocol:
+    return Store(Home(tmp / "home"))
+
+
+STORES: dict[str, Callable[[Path], StoreProtocol]] = {"file": file_store}
+
+
+@pytest.fixture(params=sorted(STORES))
+def make_store(request, tmp_path) -> Callable[[], StoreProtocol]:
+    """A factory of stores on one shared state: two calls are two clients (two processes'
+    view) of the same queue."""
+    return lambda: STORES[request.param](tmp_path)
+
+
+def _task(i: int) -> Task:
+    return Task(id=i, name=f"t{i}", command=["true"], cwd="/", created_at=T0)
+
+
+def _admit(store: StoreProtocol, n: int = 1) -> list[int]:
+    ids = []
+    with store.transaction() as txn:
+        for _ in range(n):
+            task = _task(txn.index.next_id)
+            txn.index.next_id += 1
+            txn.index.queued.append(task)
+            txn.emit([Event(type="queued", at=txn.now, task=task.id, name=task.name)])
+            ids.append(task.id)
+    return ids
+
+
+def test_a_commit_is_seen_by_every_reader_and_an_abort_by_none(make_store):
+    a, b = make_store(), make_store()
+    assert b.read().queued == []
+    _admit(a, 2)
+    assert [t.id for t in b.read().queued] == [1, 2]
+    txn = a.begin()
+    txn.index.queued.clear()
+    a.abort()
+    assert [t.id for t in b.read().queued] == [1, 2]
+    with pytest.raises(RuntimeError), a.transaction() as txn:
+        txn.index.queued.clear()
+        raise RuntimeError("the caller failed: nothing is written")
+    assert [t.id for t in make_store().read().queued] == [1, 2]
+
+
+def test_events_after_a_cursor_have_increasing_seqs_and_times(make_store):
+    store = make_store()
+    _admit(store, 3)
+    _admit(make_store(), 2)
+    events = make_store().read_events()
+    assert [e.seq for e in events] == [1, 2, 3, 4, 5]
+    assert [e.at for e in events] == sorted(e.at for e in events)
+    assert [e.seq for e in store.read_events(after=3)] == [4, 5]
+    assert store.read_events(after=5) == []
+
+
+def test_now_is_read_once_the_transaction_holds_its_turn(make_store):
+    a, b = make_store(), make_store()
+    txn = a.begin()
+    got: list[datetime] = []
+    waiter = threading.Thread(target=lambda: got.append(_begin_and_commit(b)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive(), "a second writer did not wait for the first"
+    held_until = datetime.now(timezone.utc)
+    a.commit(txn)
+    waiter.join(10)
+    assert got and got[0] >= held_until - timedelta(milliseconds=5)
+
+
+def _begin_and_commit(store: StoreProtocol) -> datetime:
+    txn = store.begin()
+    store.commit(txn)
+    return txn.now
+
+
+def test_writers_in_other_processes_serialize_and_lose_no_update(make_store, tmp_path):
+    """Four processes, 25 read-modify-write transactions each: no update lost, ids unique."""
+    make_store()  # the state exists
+    home = tmp_path / "home"
+    code = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from kugetsu.models import Task\nfrom kugetsu.paths import Home\nfrom kugetsu.store import Store\n"
+        "from datetime import datetime, timezone\n"
+        "s = Store(Home(%r))\n"
+        "for _ in range(25):\n"
+        "    with s.transaction() as txn:\n"
+        "        i = txn.index.next_id; txn.index.next_id += 1\n"
+        "        txn.index.queued.append(Task(id=i, name=f't{i}', command=['x'], cwd='/',"
+        " created_at=datetime.now(timezone.utc)))\n"
+    ) % (str(REPO), str(home))
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(4)]
+    assert all(p.wait(60) == 0 for p in procs)
+    index = make_store().read()
+    assert sorted(t.id for t in index.queued) == list(range(1, 101)) and index.next_id == 101
+
+
+def test_one_store_object_holds_one_transaction_at_a_time(make_store):
+    store = make_store()
+    txn = store.begin()
+    with pytest.raises(RuntimeError):
+        store.begin()
+    store.commit(txn)
+    store.commit(store.begin())  # and it is usable again
+
+
+def test_ids_and_seqs_never_go_back_when_the_state_is_reset(make_store, tmp_path):
+    """The file store's form of a reset: index.json moved away (logs, events stay)."""
+    store = make_store()
+    _admit(store, 2)
+    for p in (tmp_path / "home").glob("index.json"):
+        p.rename(p.with_name("index.json.bak"))
+    with store.transaction() as txn:
+        assert txn.index.next_id > 2 and txn.index.next_seq > 2
