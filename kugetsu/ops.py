@@ -40,12 +40,10 @@ def _locked(home: Home) -> Iterator[tuple[Txn, Config]]:
 
 
 def settle(txn: Txn, cfg: Config) -> None:
-    """The scheduling steps every transaction runs: expire what is due, give free slots to
-    the next tasks (they are `running` from here; the service spawns them at once)."""
-    txn.emit(pm.expire_due(txn.index, txn.now))
-    for task in pm.plan_starts(txn.index, cfg, txn.now, measure(cfg)):
-        txn.emit(pm.start(txn.index, task, txn.now))
-    txn.archive.extend(pm.trim_history(txn.index, cfg.history_limit))
+    """pm.settle in a transaction: every transaction runs it (expiry, starts, history)."""
+    plan = pm.settle(txn.index, cfg, txn.now, measure(cfg))
+    txn.emit(plan.events)
+    txn.archive.extend(plan.archive)
 
 
 def measure(cfg: Config) -> pm.Resources | None:

@@ -474,6 +474,19 @@ def timeouts_due(index: Index, now: datetime, grace: float) -> list[Task]:
     return due
 
 
+def next_deadline(index: Index) -> datetime | None:
+    """The earliest moment something falls due: a queued task's expiry, a running task's run
+    timeout, or the SIGKILL that follows a stop's grace. (The service's one timer is set
+    there; what is due then is decided by expire_due, timeouts_due and kills_due.)"""
+    times = [t.expires_at for t in index.queued if t.expires_at is not None]
+    for task in index.active:
+        if task.kill_at is not None:
+            times.append(task.kill_at)
+        elif task.timeout and task.started_at and task.stop is None:
+            times.append(task.started_at + timedelta(seconds=task.timeout))
+    return min(times, default=None)
+
+
 def kills_due(index: Index, now: datetime) -> list[Task]:
     """Tasks asked to stop whose grace is over: their group gets SIGKILL."""
     return [t for t in index.active if t.kill_at is not None and t.kill_at <= now]
@@ -504,9 +517,141 @@ def _close(index: Index, task: Task, state: TaskState, now: datetime, exit_code:
     task.exit_code = exit_code
     task.kill_at = None
     index.finished.append(task)
-    return _event(state.value, task, now, exit_code=exit_code, reason=task.reason)
+    # A worktree task's final event names its worktree: the service closes it just after.
+    worktree = task.worktree if task.worktree_state == "active" else None
+    return _event(state.value, task, now, exit_code=exit_code, reason=task.reason, worktree=worktree)
 
 
 def _event(kind: str, task: Task, now: datetime, **detail: object) -> Event:
     detail.setdefault("branch", task.branch)  # worktree tasks: notifications name the branch
     return Event(type=kind, at=now, task=task.id, name=task.name, source=task.source, state=task.state.value, **detail)
+
+
+# ---- the step: what the service does with what it saw ----------------------------------
+
+
+class Exit(msgspec.Struct, frozen=True):
+    """A task's wrapper has ended, as the service saw it."""
+
+    task: int
+    code: int | None
+    reason: str | None = None
+    leftovers: bool = False  # processes the agent started may still run (not ruled out)
+
+
+class Found(msgspec.Struct, frozen=True):
+    """A look for what an ended agent left running: `alive` processes now, `seen` in all."""
+
+    task: int
+    alive: int
+    seen: int
+
+
+class Adopted(msgspec.Struct, frozen=True):
+    """A task's process that no committed index records: let go before a commit that failed,
+    or found after a crash (the task's token proves it is ours), or only its exit status."""
+
+    task: int
+    pid: int | None
+    pid_start: int | None
+    at: datetime  # when it started (as near as is known)
+    log: str
+    code: int | None = None  # it has ended already, with this status
+
+
+class Observations(msgspec.Struct, kw_only=True):
+    exits: list[Exit] = []
+    found: list[Found] = []
+    adopted: list[Adopted] = []
+    resources: Resources | None = None  # the machine's readings, for the resource guard
+
+
+class Plan(msgspec.Struct, kw_only=True):
+    """What the step decided; the service carries it out. The index has already changed."""
+
+    events: list[Event] = []
+    archive: list[Task] = []  # finished tasks past history_limit, for history.jsonl
+    start: list[Task] = []  # running tasks with no process yet: spawn them, in this order
+    signal_groups: list[tuple[Task, int]] = []  # a signal for the task's process group
+    signal_leftovers: dict[int, int] = {}  # ending task id -> the signal for what it left running
+    strays: list[Adopted] = []  # processes let go for tasks that are final by now: end them
+    wake_at: datetime | None = None  # the next moment something falls due
+
+
+def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
+    """One step of the service, pure: book what was observed (exits, leftovers found, starts
+    adopted), then stop what is due, then settle (expiry, who starts, history), and say
+    what to do and when to look again. Exits come before adoptions: a start recovered after
+    a crash comes after the exit that freed its slot, in the slots and in the events."""
+    plan = Plan()
+    live = {t.id: t for t in index.active}
+    for e in obs.exits:
+        task = live.get(e.task)
+        if task is None or task.ended_at is not None:
+            continue
+        if e.leftovers:  # it keeps its slot while they are found and ended
+            agent_ended(task, now, e.code, e.reason, cfg.kill_grace_s)
+        else:
+            plan.events += finish(index, task, now, e.code, e.reason)
+    for f in obs.found:
+        task = live.get(f.task)
+        if task is None or task.ended_at is None:
+            continue
+        task.leftovers = max(task.leftovers, f.seen)
+        if f.alive:
+            kill = task.kill_at is not None and now >= task.kill_at
+            plan.signal_leftovers[task.id] = 9 if kill else 15  # SIGKILL after the grace, else SIGTERM
+        else:
+            plan.events += finish(index, task, now, task.exit_code, task.reason if task.exit_code else None)
+    adopted = adopt(index, now, obs.adopted)
+    plan.events += adopted.events
+    plan.strays = adopted.strays
+    plan.signal_groups += [(t, 15) for t in timeouts_due(index, now, cfg.kill_grace_s)]
+    plan.signal_groups += [(t, 9) for t in kills_due(index, now) if t.ended_at is None]
+    settled = settle(index, cfg, now, obs.resources)
+    plan.events += settled.events
+    plan.archive = settled.archive
+    plan.start = settled.start
+    plan.wake_at = min(filter(None, [next_deadline(index), next_release(index, cfg, now)]), default=None)
+    return plan
+
+
+def adopt(index: Index, now: datetime, found: list[Adopted]) -> Plan:
+    """Record processes no committed index knew of: a queued task's start, a running task's
+    pid; a task that is final by now gets its process ended instead (a stray)."""
+    plan = Plan()
+    tasks = {t.id: t for t in index.all_tasks()}
+    for a in found:
+        task = tasks.get(a.task)
+        if task is None or task.state.final:
+            plan.strays.append(a)
+            continue
+        if task.state is TaskState.QUEUED:
+            plan.events += start(index, task, now)
+        if task.pid is None:
+            task.pid, task.pid_start, task.log = a.pid, a.pid_start, a.log
+            record_spawn(index, task, min(a.at, now))
+            if a.code is not None and a.pid is None:
+                plan.events += finish(index, task, now, a.code)
+    return plan
+
+
+def settle(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> Plan:
+    """The scheduling every transaction runs: a task cancelled before its process existed
+    ends, queued tasks past their deadline expire, free slots go to the next tasks (they are
+    `running` from here; the service spawns them), finished tasks past history_limit leave
+    the index. `start` lists every running task still without a process."""
+    plan = Plan()
+    for task in [t for t in index.active if t.pid is None and t.stop is not None]:
+        plan.events += finish(index, task, now, None)
+    plan.events += expire_due(index, now)
+    for task in plan_starts(index, cfg, now, resources):
+        plan.events += start(index, task, now)
+    plan.archive = trim_history(index, cfg.history_limit)
+    plan.start = [t for t in index.active if t.pid is None and t.ended_at is None]
+    return plan
+
+
+def start_failed(index: Index, task: Task, now: datetime, code: int, reason: str) -> list[Event]:
+    """Its process could not be started (or its worktree made): it ends, and frees its slot."""
+    return finish(index, task, now, code, reason)

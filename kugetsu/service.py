@@ -15,7 +15,6 @@ import errno
 import logging
 import os
 import signal
-import socket
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -28,7 +27,9 @@ from kugetsu.config import Config, format_size, load_config
 from kugetsu.errors import DiskFull, KugetsuError
 from kugetsu.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home, atomic_write
+from kugetsu.deadlines import DeadlineTimer
 from kugetsu.store import Store, Txn
+from kugetsu.wakeup import WakeSocket
 
 log = logging.getLogger("kugetsu.service")
 
@@ -56,6 +57,7 @@ class Ending(msgspec.Struct):
     scan: Any = None  # asyncio.Future[dict[int, int]]: a look through /proc for its token
     watches: dict[int, int] = {}  # pid -> pidfd of the leftovers signalled
     seen: set[int] = set()  # every leftover pid found so far
+    found: dict[int, int] = {}  # pid -> start of what the last look found (to signal and watch)
     killed: bool = False  # SIGKILL sent (the grace is over)
 
 
@@ -87,8 +89,6 @@ class Service:
         self.watches: dict[int, int] = {}  # task id -> pidfd
         self.exited: set[int] = set()  # task ids whose pidfd fired
         self.jobs: dict[str, datetime] = {}  # the policies' wake-ups (rate limit, guard re-check)
-        self._deadline: datetime | None = None  # when the deadline timer is set to fire
-        self._deadline_handle: asyncio.TimerHandle | None = None
         self._reconcile_handle: asyncio.TimerHandle | None = None
         self.listeners: list[Callable[[list[Event]], None]] = []  # told of each transaction's events
         self.telegram: Any = None
@@ -113,7 +113,9 @@ class Service:
             log.warning("cannot become the child subreaper: processes that agents leave behind are found by a /proc scan only")
         self.loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
-        sock = self._bind()
+        wakeup = WakeSocket(self.home, self.loop, self.request_tick, self.stop)
+        wakeup.open()
+        self.timer = DeadlineTimer(self.loop, self._on_deadline)
         self._reconcile_handle = self.loop.call_later(RECONCILE_EVERY, self._reconcile)
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self._stopping.set)
@@ -131,8 +133,7 @@ class Service:
             self._flush()
             await self._stop_extensions()
             self._reconcile_handle.cancel()
-            if self._deadline_handle is not None:
-                self._deadline_handle.cancel()
+            self.timer.cancel()
             if self._git is not None:  # a worktree half-made is recovered by the next service
                 self._git.shutdown(wait=False, cancel_futures=True)
             for warm in self.warm.values():  # they exit without running anything
@@ -140,9 +141,7 @@ class Service:
             for fd in self.watches.values():
                 self.loop.remove_reader(fd)
                 os.close(fd)
-            self.loop.remove_reader(sock.fileno())
-            sock.close()
-            self.home.socket.unlink(missing_ok=True)
+            wakeup.close()
             self.home.service_pid.unlink(missing_ok=True)
             os.close(lock_fd)
         return 0
@@ -150,27 +149,6 @@ class Service:
     def stop(self) -> None:
         if self._stopping is not None:
             self._stopping.set()
-
-    def _bind(self) -> socket.socket:
-        path = self.home.socket
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)  # a stale one: we hold the service lock
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.bind(str(path))
-        path.chmod(0o600)
-        sock.setblocking(False)
-        self.loop.add_reader(sock.fileno(), self._on_message, sock)
-        return sock
-
-    def _on_message(self, sock: socket.socket) -> None:
-        while True:
-            try:
-                message = sock.recv(64)
-            except BlockingIOError:
-                break
-            if message == b"shutdown":
-                self.stop()
-        self.request_tick()
 
     # ---- the tick: one transaction that brings the world in line ---------------------
 
@@ -185,7 +163,6 @@ class Service:
             self._safe_tick()
 
     def _on_deadline(self) -> None:
-        self._deadline_handle, self._deadline = None, None  # it has fired: the tick sets the next one
         self._safe_tick()
 
     def _reconcile(self) -> None:
@@ -230,42 +207,35 @@ class Service:
             self.request_tick()  # start what waited for a commit that works
 
     def tick(self, hold: bool = False) -> None:
-        """One transaction that brings the world in line with the index. `hold` (after an
-        agent's exit): keep the transaction open, lock and all, for COMMIT_DELAY, so that
-        the exits that follow in a burst share its commit (`_hold`)."""
+        """One transaction that brings the world in line: gather what happened (exits,
+        leftovers found, starts that no committed index records), let pm.tick decide, carry
+        out its plan (spawn, signal), commit. `hold` (after an agent's exit): keep the
+        transaction open, lock and all, for COMMIT_DELAY, so that the exits that follow in a
+        burst share its commit (`_hold`)."""
         self._tick_pending = False
-        signals: list[tuple[Task, signal.Signals]] = []
         txn = self._begin()
         try:
             # Under the index lock, which `config set` holds while it writes config.json:
             # read before it, a lowering of max_agents committed meanwhile was overshot.
             config_changed = self._reload_config()
-            if self.let_go:  # only after a failed commit; then nothing is released early
-                self._record_let_go(txn)
+            cfg, index = self.cfg, txn.index
+            obs = pm.Observations(resources=ops.measure(cfg))
+            obs.adopted += self._let_go_seen()  # only after a failed commit
             if self.exited and txn.unchanged and not config_changed and self.failing is None:
                 self._release_successor(txn)
-            cfg = self.cfg
-            index = txn.index
-            # Exits before the adoption of starts: a start recovered after a crash comes after
-            # the exit that freed its slot, in the slots and in the events.
-            for task in list(index.active):
-                if task.ended_at is None and task.pid is not None and (
-                    task.id in self.exited or not runner.alive(task.pid, task.pid_start)
-                ):
-                    self._agent_exited(txn, task)
+            obs.exits = [self._exit_seen(t) for t in list(index.active) if t.ended_at is None and t.pid is not None
+                         and (t.id in self.exited or not runner.alive(t.pid, t.pid_start))]
             if self.endings or any(t.ended_at is not None for t in index.active):
-                self._tend_endings(txn)
+                obs.found = self._look_for_leftovers(txn)
             if self._first_tick:
-                self._adopt_released(txn)
+                obs.adopted += self._recovered(txn)
             if self.closing:
                 self._record_closes(txn)
-            signals += [(t, signal.SIGTERM) for t in pm.timeouts_due(index, txn.now, cfg.kill_grace_s)]
-            signals += [(t, signal.SIGKILL) for t in pm.kills_due(index, txn.now) if t.ended_at is None]
-            while True:
-                ops.settle(txn, cfg)
-                # While commits fail, nothing new is let go: what starts is committed first.
-                if self.failing is not None or not self._spawn_pending(txn):
-                    break
+            plan = pm.tick(index, cfg, txn.now, obs)
+            self._take(txn, plan)
+            # While commits fail, nothing new is let go: what starts is committed first.
+            while self.failing is None and self._spawn(txn, plan.start):
+                plan.start = self._take(txn, pm.settle(index, cfg, txn.now, obs.resources)).start
             if self._released is not None:
                 self._record_released(txn)
             if hold:
@@ -286,28 +256,40 @@ class Service:
         if self.preparing:
             self._drop_unwanted_worktrees()
         self._first_tick = False
-        for task, sig in signals:
-            runner.kill_group(task.pid, task.pid_start, sig)
+        for task, sig in plan.signal_groups:
+            runner.kill_group(task.pid, task.pid_start, signal.Signals(sig))
+        for stray in plan.strays:
+            # Let go before a commit that failed, for a task final by now: it must not run on.
+            log.warning("task #%d was let go but is no longer queued or running; stopping it", stray.task)
+            runner.kill_group(stray.pid, stray.pid_start, signal.SIGKILL)
+        self._signal_leftovers(plan)
         self._sync_watches()
         self._sync_jobs()
         self._sync_warm()
         if not hold:
             self._committed(txn.events)
 
+    def _take(self, txn: Txn, plan: pm.Plan) -> pm.Plan:
+        """Put a plan's events and archive into the transaction."""
+        txn.emit(plan.events)
+        txn.archive.extend(plan.archive)
+        if any(e.worktree for e in plan.events):  # a worktree task ended: close it after the commit
+            self._close_due = True
+        return plan
+
     # ---- what a task's agent leaves behind -----------------------------------------------
 
-    def _agent_exited(self, txn: Txn, task: Task) -> None:
-        """The task's wrapper is gone. It is final at once when nothing it started is left
-        (the common case, checked in microseconds: its process group is empty, and no orphan
-        carrying its token was handed to this service, the subreaper); else it keeps its slot
-        while the leftovers are found and ended (_tend_endings)."""
+    def _exit_seen(self, task: Task) -> pm.Exit:
+        """The task's wrapper is gone: its status, and whether anything it started may still
+        run. Ruled out in microseconds in the common case (its process group is empty, and no
+        orphan carrying its token was handed to this service, the subreaper); not for a
+        wrapper another service spawned (its orphans went elsewhere): that takes a look."""
         spawned_here = task.pid in self.children or task.pid in self.returncodes
         code, reason = self._exit_status(task)
-        if spawned_here and (task.id in self._clean_exits or not self._leftovers_possible(task)):
-            self._finish(txn, task, code, reason)
-            return
-        pm.agent_ended(task, txn.now, code, reason, self.cfg.kill_grace_s)
-        log.info("%s (#%d) ended (%s); ending what it left running", task.name, task.id, code)
+        clean = spawned_here and (task.id in self._clean_exits or not self._leftovers_possible(task))
+        if not clean:
+            log.info("%s (#%d) ended (%s); ending what it left running", task.name, task.id, code)
+        return pm.Exit(task.id, code, reason, leftovers=not clean)
 
     def _leftovers_possible(self, task: Task) -> bool:
         if task.pid is not None and runner.group_alive(task.pid):
@@ -338,41 +320,50 @@ class Service:
         self._zombies = zombies
         return tokens
 
-    def _tend_endings(self, txn: Txn) -> None:
-        """Tasks whose agent has ended while processes it started still run: look for them
-        (a /proc scan by the task's token, in a worker thread), SIGTERM them, SIGKILL them
-        once the grace is over, and finish the task when a look finds none."""
+    def _look_for_leftovers(self, txn: Txn) -> list[pm.Found]:
+        """Tasks whose agent has ended while processes it started still run: look for them (a
+        /proc scan by the task's token, in a worker thread) whenever nothing signalled is
+        left to wait for, or the grace is over; report what each finished look found."""
         live = {t.id: t for t in txn.index.active if t.ended_at is not None}
         for task_id in [i for i in self.endings if i not in live]:
             self._close_ending(self.endings.pop(task_id))
+        found = []
         for task in live.values():
             ending = self.endings.setdefault(task.id, Ending())
             if not task.token:  # a task from before tokens: nothing to look for
-                ending.scan = None
-                self._finish_ending(txn, task)
+                found.append(pm.Found(task.id, 0, 0))
                 continue
             if ending.scan is None:
-                if not ending.watches or (task.kill_at is not None and txn.now >= task.kill_at and not ending.killed):
+                grace_over = task.kill_at is not None and txn.now >= task.kill_at and not ending.killed
+                if not ending.watches or grace_over:
                     self._scan(task, ending)
                 continue
             if not ending.scan.done():
                 continue
             scan, ending.scan = ending.scan, None
-            found: dict[int, int] = {} if scan.cancelled() or scan.exception() else scan.result()
-            if not found:
-                self._finish_ending(txn, task)
+            pids: dict[int, int] = {} if scan.cancelled() or scan.exception() else scan.result()
+            ending.seen.update(pids)
+            ending.found = pids
+            found.append(pm.Found(task.id, len(pids), len(ending.seen)))
+        return found
+
+    def _signal_leftovers(self, plan: pm.Plan) -> None:
+        """Signal what the looks found (pm chose the signal) and watch each: when all are gone,
+        look again. A task pm finished has its look forgotten."""
+        for task_id in [i for i in self.endings if i not in {t.id for t in self.index.active}]:
+            self._close_ending(self.endings.pop(task_id))
+        for task_id, sig in plan.signal_leftovers.items():
+            ending = self.endings.get(task_id)
+            if ending is None:
                 continue
-            ending.seen.update(found)
-            task.leftovers = len(ending.seen)
-            kill = task.kill_at is not None and txn.now >= task.kill_at
-            ending.killed = ending.killed or kill
+            ending.killed = ending.killed or sig == signal.SIGKILL
             self._close_ending(ending)
-            for pid, start in found.items():
-                runner.signal_pid(pid, start, signal.SIGKILL if kill else signal.SIGTERM)
+            for pid, start in ending.found.items():
+                runner.signal_pid(pid, start, signal.Signals(sig))
                 fd = runner.open_pidfd(pid, start)
                 if fd is not None:
                     ending.watches[pid] = fd
-                    self.loop.add_reader(fd, self._on_leftover_exit, task.id, pid)
+                    self.loop.add_reader(fd, self._on_leftover_exit, task_id, pid)
             if not ending.watches:  # all gone already: look again
                 self.request_tick()
 
@@ -396,34 +387,14 @@ class Service:
             os.close(fd)
         ending.watches = {}
 
-    def _finish_ending(self, txn: Txn, task: Task) -> None:
-        ending = self.endings.pop(task.id, None)
-        if ending is not None:
-            self._close_ending(ending)
-        if task.leftovers:
-            log.info("%s (#%d): ended %d leftover processes", task.name, task.id, task.leftovers)
-        self._finish(txn, task, task.exit_code, task.reason if task.exit_code else None)
-
     # ---- starts let go before a commit that failed ---------------------------------------
 
-    def _record_let_go(self, txn: Txn) -> None:
-        """Record what this service let go since its last successful commit: a task it started
-        runs, whether or not the commit that said so reached the disk, and it is never
-        started a second time."""
-        tasks = {t.id: t for t in txn.index.all_tasks()}
-        for task_id, go in self.let_go.items():
-            task = tasks.get(task_id)
-            if task is None or task.state.final:
-                # Decided against while the commit failed (cancelled, or the index replaced):
-                # it must not run on untracked.
-                log.warning("task #%d was let go but is no longer queued or running; stopping it", task_id)
-                runner.kill_group(go.pid, go.start, signal.SIGKILL)
-                continue
-            if task.state is TaskState.QUEUED:
-                txn.emit(pm.start(txn.index, task, txn.now))
-            if task.pid is None:
-                task.pid, task.pid_start, task.log = go.pid, go.start, str(self.home.log(task.id))
-                pm.record_spawn(txn.index, task, go.at)
+    def _let_go_seen(self) -> list[pm.Adopted]:
+        """What this service let go since its last successful commit: a task it started runs,
+        whether or not the commit that said so reached the disk, and pm records it (never
+        starting it a second time)."""
+        return [pm.Adopted(task_id, go.pid, go.start, go.at, str(self.home.log(task_id)))
+                for task_id, go in self.let_go.items()]
 
     # ---- held transactions: one commit for a burst of exits ---------------------------
 
@@ -532,7 +503,7 @@ class Service:
         self._released = succ.task.id
         self.let_go[succ.task.id] = LetGo(warm.pid, warm.start, ops.now())
 
-    def _record_released(self, txn: Any) -> None:
+    def _record_released(self, txn: Txn) -> None:
         """pm.successor promises that the transaction starts the task let go early. Should
         that promise ever break, its agent runs all the same: record it as running rather
         than start it a second time later."""
@@ -541,25 +512,20 @@ class Service:
         if task is None or warm is None:
             return
         log.error("%s (#%d) was let go early but not picked to start; recording it as running", task.name, task.id)
-        self._record_start(txn, task, warm.pid, warm.start, self.let_go[task.id].at)
+        at = self.let_go[task.id].at
+        self._take(txn, pm.adopt(txn.index, txn.now, [pm.Adopted(task.id, warm.pid, warm.start, at, str(self.home.log(task.id)))]))
         self.children[warm.pid] = warm.popen
 
-    def _spawn_pending(self, txn: Any) -> bool:
-        """Spawn running tasks that have no process yet. Returns whether a slot came free
-        again (a task that could not start), so that the caller settles once more."""
+    def _spawn(self, txn: Txn, tasks: list[Task]) -> bool:
+        """Spawn the processes of running tasks that have none (pm's plan.start). Returns
+        whether a task could not start (its slot is free again: pm settles once more)."""
         freed = False
-        for task in [t for t in txn.index.active if t.pid is None]:
-            if task.stop is not None:  # cancelled before its process existed
-                self._finish(txn, task, None)
-                freed = True
-                continue
-            if self._first_tick and self._adopt_unrecorded(txn, task):
-                continue
+        for task in tasks:
             try:
                 if not self._worktree_ready(task):
                     continue  # being created off the lock; the tick after it is done starts the agent
             except Exception as err:  # WorktreeError, or whatever git or the disk raised
-                self._finish(txn, task, 1, f"could not create its worktree: {err}")
+                self._take(txn, pm.Plan(events=pm.start_failed(txn.index, task, txn.now, 1, f"could not create its worktree: {err}")))
                 freed = True
                 continue
             cwd, env = self._workplace(task)
@@ -572,11 +538,11 @@ class Service:
                     # Its exit file cannot be allocated: it must not start. The whole
                     # transaction fails, and is retried with backoff.
                     raise DiskFull(f"disk full: cannot start {task.name} (#{task.id}): {err.strerror}") from None
-                self._finish(txn, task, 127, f"could not start: {err}")
+                self._take(txn, pm.Plan(events=pm.start_failed(txn.index, task, txn.now, 127, f"could not start: {err}")))
                 freed = True
                 continue
             except ValueError as err:  # an argv exec cannot take (NUL byte)
-                self._finish(txn, task, 127, f"could not start: {err}")
+                self._take(txn, pm.Plan(events=pm.start_failed(txn.index, task, txn.now, 127, f"could not start: {err}")))
                 freed = True
                 continue
             at = self.let_go[task.id].at if task.id == self._released else ops.now()
@@ -629,40 +595,38 @@ class Service:
         runner.drop(spawned)
         self.dropped.append(spawned.popen)
 
-    def _adopt_released(self, txn: Txn) -> None:
-        """After a crash between starting a queued task's wrapper and committing it: a wrapper
-        of ours (same user, the task's token) that runs its agent (a warm one that was never
-        released has no child, and exits when it sees its pipe closed) or that recorded an
-        exit status gets its task back. Runs after the exits of this transaction are
-        recorded: the start comes after the exit that freed its slot."""
+    def _recovered(self, txn: Txn) -> list[pm.Adopted]:
+        """At start-up, after a crash between starting a task's wrapper and committing it: a
+        wrapper of ours (same user, the task's token) that runs its agent (a warm one that
+        was never released has no child, and exits when it sees its pipe closed), or the
+        exit status it recorded, for a queued task or a running one without a pid."""
         candidates = {t.id: t.token for t in txn.index.queued if self.home.log(t.id).exists()}
+        unrecorded = [t for t in txn.index.active if t.pid is None and t.stop is None]
+        candidates.update((t.id, t.token) for t in unrecorded)
         if not candidates:
-            return  # no wrapper was ever started for a queued task
+            return []
+        for task in unrecorded:
+            worktree.recover(self.home, task)  # a worktree created just before the crash
         wrappers = runner.find_wrappers(self.home, candidates)  # one look at /proc for the lot
         # Its start is unknown: at the latest exit recorded here (the slot it took), if that
         # was before its own end.
         ends = [t for e in txn.events if e.task is not None and e.state in _FINAL
                 if (t := runner.exit_time(self.home, e.task)) is not None]
-        for task in [t for t in list(txn.index.queued) if t.id in candidates]:
-            found = wrappers.get(task.id)
-            code = runner.read_exit(self.home, task.id)
-            if not (found and runner.has_children(found[0])) and code is None:
+        out = []
+        for task_id in candidates:
+            found = wrappers.get(task_id)
+            running = found is not None and runner.has_children(found[0])
+            code = runner.read_exit(self.home, task_id) if not running else None
+            if not running and code is None:
                 continue
-            end = runner.exit_time(self.home, task.id) if code is not None else None
+            end = runner.exit_time(self.home, task_id) if code is not None else None
             before = [t for t in ends if end is None or t <= end]
             at = max(before) if before else (end or txn.now)
-            self._record_start(txn, task, *(found or (None, None)), at)
-            if found:
-                log.info("re-adopted %s (#%d), pid %d, started before a crash", task.name, task.id, found[0])
-            else:
-                self._finish(txn, task, code)
-
-    def _record_start(self, txn: Txn, task: Task, pid: int | None, start: int | None, at: datetime) -> None:
-        """A queued task whose wrapper already runs its agent: record it as started."""
-        txn.emit(pm.start(txn.index, task, txn.now))
-        task.log = str(self.home.log(task.id))
-        task.pid, task.pid_start = pid, start
-        pm.record_spawn(txn.index, task, min(at, txn.now))
+            pid, start = found if running else (None, None)
+            out.append(pm.Adopted(task_id, pid, start, at, str(self.home.log(task_id)), code))
+            if running:
+                log.info("re-adopted task #%d, pid %d, started before a crash", task_id, pid)
+        return out
 
     def _worktree_ready(self, task: Task) -> bool:
         """A worktree task's worktree is created when it starts (a long queue costs no disk),
@@ -723,16 +687,6 @@ class Service:
         env = {**task.env, "KUGETSU_WORKTREE": task.worktree, "KUGETSU_BRANCH": task.branch}
         return worktree.agent_cwd(task, Path(task.worktree)), env
 
-    def _finish(self, txn: Any, task: Task, code: int | None, reason: str | None = None) -> None:
-        """pm.finish. A task with a worktree ends here all the same (final state, slot free);
-        its worktree is kept or removed after the commit, by the git worker (_start_closes)."""
-        events = pm.finish(txn.index, task, txn.now, code, reason)
-        if task.worktree_state == "active":
-            self._close_due = True
-            for event in events:
-                event.worktree = task.worktree
-        txn.emit(events)
-
     # ---- closing worktrees: git in the worker, the outcome in a later transaction ------
 
     def _start_closes(self) -> None:
@@ -782,22 +736,6 @@ class Service:
                 type="worktree", at=txn.now, task=task_id, name=done.name, source=done.source, state=done.state.value,
                 reason=note, branch=done.branch, worktree=done.worktree, worktree_state=done.worktree_state,
             )])
-
-    def _adopt_unrecorded(self, txn: Txn, task: Task) -> bool:
-        """After a crash between spawn and commit: find the wrapper the index does not know
-        (ours: same user, the task's token; running its agent, not merely waiting warm)."""
-        worktree.recover(self.home, task)  # a worktree created just before the crash
-        found = runner.find_wrapper(self.home, task.id, task.token)
-        if found and runner.has_children(found[0]):
-            task.pid, task.pid_start, task.log = found[0], found[1], str(self.home.log(task.id))
-            log.info("re-adopted %s (#%d), pid %d, started before a crash", task.name, task.id, found[0])
-            return True
-        code = runner.read_exit(self.home, task.id) if found is None else None
-        if code is not None:
-            task.log = str(self.home.log(task.id))
-            self._finish(txn, task, code)
-            return True
-        return False
 
     def _reap(self, task: Task) -> None:
         """Reap the task's wrapper, if this service spawned it; how it ended is kept until the
@@ -860,34 +798,11 @@ class Service:
         self._safe_tick(hold=True)  # at once, not a loop iteration later: the next task waits on it
 
     def _sync_jobs(self) -> None:
-        """Everything that happens at a time (queue expiry, run timeouts, SIGKILL after the
-        grace, rate limits, resource-guard re-checks) wakes the service through one loop
-        timer, at the earliest of those moments; pm then decides what is due. Every tick
-        sets it again from what is due now, so it cannot be lost: a plain callback of the
-        loop, it is never skipped the way APScheduler skipped its one deadline job when the
-        tick that job ran set the next one already due (max_instances), after which every
-        later deadline waited for the 5 s reconcile."""
-        times = [t.expires_at for t in self.index.queued if t.expires_at is not None]
-        for task in self.index.active:
-            if task.kill_at is not None:
-                times.append(task.kill_at)
-            elif task.timeout and task.started_at and task.stop is None:
-                times.append(task.started_at + timedelta(seconds=task.timeout))
+        """Set the one deadline timer (deadlines.py) at the earliest moment anything falls due:
+        pm's deadlines (expiry, run timeouts, SIGKILL after the grace) and the policies'."""
         self.jobs = self._policy_jobs()
-        times += self.jobs.values()
-        due = min(times, default=None)
-        if due == self._deadline:
-            return  # already set for that moment (a promotion mostly leaves it so)
-        if self._deadline_handle is not None:
-            self._deadline_handle.cancel()
-            self._deadline_handle = None
-        self._deadline = due
-        if due is not None:
-            # The loop's clock is monotonic and deadlines are wall-clock: the delay is taken
-            # now. A timer that fires a hair early (the wall clock slewed) finds nothing due,
-            # and its tick sets it again for what is left.
-            delay = max(0.0, (due - ops.now()).total_seconds())
-            self._deadline_handle = self.loop.call_later(delay, self._on_deadline)
+        due = min(filter(None, [pm.next_deadline(self.index), *self.jobs.values()]), default=None)
+        self.timer.set(due, ops.now())
 
     def _policy_jobs(self) -> dict[str, datetime]:
         """Wake-ups the scheduling policies need: when a rate limit that holds a task runs

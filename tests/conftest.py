@@ -105,10 +105,22 @@ class Kugetsu:
         return {k: float(v) for k, v in (line.split() for line in lines if line.strip())}
 
     def events(self, kind: str | None = None) -> list[dict]:
-        """The events in events.jsonl(.1), oldest first; only those of type `kind` if given."""
+        """The events in events.jsonl(.1), oldest first; only those of type `kind` if given.
+        The index is committed a moment before its events are appended (the outbox): this
+        waits (briefly) until every committed event is in the file, so a test that saw a state
+        in the index also sees its event."""
         from torture import events
 
-        return [e for e in events(self.home) if kind is None or e["type"] == kind]
+        deadline = time.monotonic() + 2
+        while True:
+            evs = events(self.home)
+            try:
+                committed = self.index()["next_seq"] - 1
+            except (FileNotFoundError, ValueError, KeyError):
+                committed = 0
+            if (evs[-1]["seq"] if evs else 0) >= committed or time.monotonic() > deadline:
+                return [e for e in evs if kind is None or e["type"] == kind]
+            time.sleep(0.01)
 
     def index(self) -> dict:
         return json.loads(self.home.index.read_text())

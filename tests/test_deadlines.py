@@ -61,6 +61,8 @@ def test_expiries_timeouts_and_kills_fire_on_time_after_a_burst_and_a_sigkill(kg
     assert timed["state"] == stubborn["state"] == "failed"
     assert "timed out after 2s" in timed["reason"] and "timed out after 1s" in stubborn["reason"]
 
+    # The index is committed before its events are appended (the outbox): wait for them too.
+    wait_for(lambda: {*burst, *late} <= {e["name"] for e in kg.events("expired")}, 10, "the expired events")
     expired = {e["name"]: _t(e["at"]) for e in kg.events("expired")}
     lateness = {n: expired[n] - _t(tasks[n]["expires_at"]) for n in burst + late}
     worst = sorted(lateness.items(), key=lambda kv: -kv[1])[:5]

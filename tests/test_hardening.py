@@ -73,7 +73,7 @@ def test_what_an_agent_leaves_running_is_ended_and_said(kg):
     assert task["state"] == "succeeded"
     assert _gone(left)
     assert "ended 1 leftover process" in task["reason"]
-    done = [e for e in kg.events("succeeded") if e["name"] == "leaver"]
+    done = wait_for(lambda: [e for e in kg.events("succeeded") if e["name"] == "leaver"], what="its event")
     assert "ended 1 leftover process" in done[0]["reason"]
     kg.wait_state("after", "succeeded")
     assert kg.times("after")["start"] >= _ts(task["finished_at"]) - 0.01

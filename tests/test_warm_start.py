@@ -10,7 +10,7 @@ import signal
 
 from conftest import agent_wrappers, wait_for, wait_for_async  # noqa: F401
 
-from kugetsu import ops, runner, service
+from kugetsu import pm, runner, service
 from kugetsu.service import Service
 
 
@@ -163,15 +163,15 @@ async def test_a_task_let_go_early_but_not_started_by_pm_is_recorded_not_run_twi
         await wait_for_async(lambda: svc.successor and 2 in svc.warm, what="blocker running and next warm")
         assert svc.successor.task.name == "next"
         warm_pid = svc.warm[2].pid
-        real_settle, skipped = ops.settle, []
+        real_settle, skipped = pm.settle, []
 
-        def settle_but_not_at_the_exit(txn, cfg):
+        def settle_but_not_at_the_exit(index, cfg, now, resources=None):
             if svc.exited and not skipped:
-                skipped.append(txn.now)
-                return
-            real_settle(txn, cfg)
+                skipped.append(now)
+                return pm.Plan()
+            return real_settle(index, cfg, now, resources)
 
-        monkeypatch.setattr(ops, "settle", settle_but_not_at_the_exit)
+        monkeypatch.setattr(pm, "settle", settle_but_not_at_the_exit)
         caplog.set_level(logging.ERROR, logger="kugetsu.service")
         gate.touch()
         done = await wait_for_async(lambda: [t for t in kg.index()["finished"] if t["name"] == "next"], what="next to finish")
