@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         _undo_dashdash(args)
         return COMMANDS[args.command][2](home, args)
     except KugetsuError as err:
-        print(f"kugetsu: {err}", file=sys.stderr)
+        print(f"kugetsu: {err}{_fix(err)}", file=sys.stderr)
         return err.code
     except KeyboardInterrupt:
         return 130
@@ -173,6 +173,21 @@ def main(argv: list[str] | None = None) -> int:
         error = explain(home, err)
         print(f"kugetsu: {error}", file=sys.stderr)
         return error.code
+
+
+def _fix(err: KugetsuError) -> str:
+    """How to fix an error, in the CLI's terms (pm's errors name no flag: each front end words it)."""
+    from kugetsu import errors as E
+
+    if isinstance(err, E.NeedsPrompt):
+        return ": give --prompt TEXT or --prompt-file FILE (or a command after --)"
+    if isinstance(err, E.NoSuchTask):
+        return "; `kugetsu queue --all` lists the tasks kugetsu knows"
+    if isinstance(err, E.UnknownGroup):
+        return f"; define it with `kugetsu config set groups.{err.group} '{{\"max_agents\": 1}}'`"
+    if isinstance(err, E.QueueFull):
+        return " (`kugetsu capacity`)"
+    return ""
 
 
 _STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value")

@@ -42,3 +42,33 @@ class DiskFull(KugetsuError):
     """The disk (or the user's quota) is full: the change was not written (exit 1)."""
 
     code = FAILURE
+
+
+# Errors that carry what was wrong as fields: pm raises them worded for nobody in particular,
+# and each front end adds how to fix it in its own terms (a CLI flag, a bot command, a field
+# of the dashboard's form): pm never names a CLI flag.
+
+
+class NeedsPrompt(UsageError):
+    def __init__(self, agent: str):
+        super().__init__(f"agent {agent!r} needs a prompt")
+        self.agent = agent
+
+
+class NoSuchTask(NotFound):
+    def __init__(self, ref: str):
+        super().__init__(f"no task {ref!r}")
+        self.ref = ref
+
+
+class UnknownGroup(UsageError):
+    def __init__(self, group: str, known: list[str]):
+        super().__init__(f"unknown group {group!r} (groups: {', '.join(known) or 'none defined'})")
+        self.group, self.known = group, known
+
+
+class QueueFull(Rejected):
+    def __init__(self, queued: int, max_queue: int, active: int, max_agents: int):
+        super().__init__(f"queue full: {queued}/{max_queue} waiting, {active}/{max_agents} running;"
+                         " try again when a task finishes")
+        self.queued, self.max_queue, self.active, self.max_agents = queued, max_queue, active, max_agents

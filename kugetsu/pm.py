@@ -16,7 +16,7 @@ import msgspec
 from datetime import datetime, timedelta
 
 from kugetsu.config import Config, format_duration
-from kugetsu.errors import NotFound, Rejected, UsageError
+from kugetsu.errors import NeedsPrompt, NoSuchTask, QueueFull, Rejected, UnknownGroup, UsageError
 from kugetsu.models import PRIORITIES, Event, Index, SourceMark, Task, TaskState, valid_name
 # Resources and guard_hold are also used by the front ends, through pm.
 from kugetsu.policy import Board, Resources, guard_hold, simple_order, task_key  # noqa: F401
@@ -170,7 +170,7 @@ def find(index: Index, ref: str) -> Task:
     for task in reversed(index.finished):
         if task.name == ref:
             return task
-    raise NotFound(f"no task {ref!r}; `kugetsu queue --all` lists the tasks kugetsu knows")
+    raise NoSuchTask(ref)
 
 
 # ---- admission -------------------------------------------------------------------------
@@ -225,9 +225,7 @@ def resolve_agent(cfg: Config, req: Request) -> tuple[str | None, list[str], dic
     if preset is None:
         raise UsageError(f"unknown agent preset {agent!r}; known: {', '.join(sorted(cfg.agents))}")
     if req.prompt is None and any(_NEEDS_PROMPT.search(a) for a in preset.command):
-        raise UsageError(
-            f"agent {agent!r} needs a prompt: give --prompt TEXT or --prompt-file FILE (or a command after --)"
-        )
+        raise NeedsPrompt(agent)
     return agent, list(preset.command), {**preset.env, **req.env}
 
 
@@ -242,11 +240,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     if req.priority not in PRIORITIES:
         raise UsageError(f"invalid priority {req.priority!r}; choose one of {', '.join(PRIORITIES)}")
     if req.group is not None and req.group not in cfg.groups:
-        known = ", ".join(sorted(cfg.groups)) or "none defined"
-        raise UsageError(
-            f"unknown group {req.group!r} (groups: {known}); define it with"
-            f" `kugetsu config set groups.{req.group} '{{\"max_agents\": 1}}'`"
-        )
+        raise UnknownGroup(req.group, sorted(cfg.groups))
     agent, template, env = resolve_agent(cfg, req)
     limit = cfg.max_queued_per_source
     if limit is not None:
@@ -259,10 +253,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     waiting_after = len(index.queued) + 1 - free_slots(index, cfg)
     excess = waiting_after - cfg.max_queue
     if excess > 0 and (cfg.on_queue_full != "drop_oldest" or excess > len(index.queued)):
-        raise Rejected(
-            f"queue full: {len(index.queued)}/{cfg.max_queue} waiting, {len(index.active)}/{cfg.max_agents} running;"
-            " try again when a task finishes (`kugetsu capacity`)"
-        )
+        raise QueueFull(len(index.queued), cfg.max_queue, len(index.active), cfg.max_agents)
     # Nothing was refused: from here on the index changes.
     events = []
     if excess > 0:  # drop_oldest: the longest-waiting tasks make room, their delegators are told
@@ -324,7 +315,7 @@ def _check_argv(command: list[str], cwd: str) -> None:
     """Refuse at admission an argv that exec could never take, rather than admit a task that
     cannot start (a NUL byte in a prompt file made the service's spawn raise)."""
     if "\0" in cwd:
-        raise UsageError("--cwd contains a NUL character")
+        raise UsageError("the working directory contains a NUL character")
     for i, arg in enumerate(command):
         if "\0" in arg:
             raise UsageError(

@@ -237,7 +237,7 @@ async def cmd_unknown(update: Update, context: ContextTypes.DEFAULT_TYPE) -> Non
 async def on_error(update: object, context: ContextTypes.DEFAULT_TYPE) -> None:
     err = context.error
     if isinstance(update, Update) and isinstance(err, KugetsuError):
-        await _reply(update, text.esc(err))  # no such task, already final, queue full...: the user's to fix
+        await _reply(update, text.esc(f"{err}{text.fix(err)}"))  # no such task, queue full...: the user's to fix
         return
     log.error("a handler failed", exc_info=err)
     if isinstance(update, Update) and not isinstance(err, TelegramError):

@@ -185,3 +185,16 @@ COMMANDS = [
     ("delegate", "start an agent: /delegate NAME PROMPT"),
     ("help", "what this bot does"),
 ]
+
+
+def fix(err: Exception) -> str:
+    """How to fix an error, in the bot's terms (pm's errors name no CLI flag)."""
+    from kugetsu import errors as E
+
+    if isinstance(err, E.NeedsPrompt):
+        return ": send /delegate NAME PROMPT"
+    if isinstance(err, E.NoSuchTask):
+        return "; /queue lists the tasks"
+    if isinstance(err, E.QueueFull):
+        return " (/capacity)"
+    return ""

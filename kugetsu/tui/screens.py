@@ -24,7 +24,12 @@ SOURCE = "dashboard"
 
 
 def describe_error(err: BaseException) -> str:
-    """A failed action's message for a person: kugetsu's own errors already say what to do."""
+    """A failed action's message for a person, with the fix in the dashboard's terms (pm's
+    errors name no CLI flag)."""
+    from kugetsu.errors import NeedsPrompt
+
+    if isinstance(err, NeedsPrompt):
+        return f"{err}: fill in the Prompt field (or give a command)"
     return str(err) if isinstance(err, KugetsuError) else f"{type(err).__name__}: {err}"
 
 
