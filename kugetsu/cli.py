@@ -134,6 +134,13 @@ def _telegram_args(tg: argparse.ArgumentParser) -> None:
     tgsub.add_parser("check", help="validate the token (getMe) and send a test message to each notify chat")
 
 
+def _stats_args(st: argparse.ArgumentParser) -> None:
+    st.add_argument("--since", metavar="DUR", type=_duration, help="the window: the last DUR (default 24h)")
+    # The names of stats.BY, spelled out: the stats module is imported only when it runs.
+    st.add_argument("--by", choices=("source", "agent", "group", "host"), help="one row per source, agent, group or host")
+    st.add_argument("--json", action="store_true")
+
+
 def _no_args(p: argparse.ArgumentParser) -> None:
     pass
 
@@ -176,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value")
-_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines")
+_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines", "since")
 
 
 def _undo_dashdash(args: argparse.Namespace) -> None:
@@ -617,6 +624,17 @@ def cmd_dashboard(home: Home, args: argparse.Namespace) -> int:
     return run(home)
 
 
+def cmd_stats(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu import stats  # only this command (and the dashboard) reads the history
+
+    cfg, index = ops.read(home)
+    ops.ensure_service(home, cfg, index)
+    window = stats.load(home, cfg, index, args.since or stats.DEFAULT_WINDOW, ops.now())
+    report = stats.summarise(window, args.by)
+    print(to_json(report) if args.json else stats.render(report))
+    return OK
+
+
 def cmd_demo(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.demo import run_demo
 
@@ -644,6 +662,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "clean": ("drop finished tasks (and their logs) from the index", _clean_args, cmd_clean),
     "worktrees": ("kugetsu's git worktrees: list, prune", _worktrees_args, cmd_worktrees),
     "dashboard": ("the live Textual dashboard: queue, output, events, actions", _no_args, cmd_dashboard),
+    "stats": ("how it has been doing: outcomes, wait and run times, throughput, utilisation", _stats_args, cmd_stats),
     "demo": ("see kugetsu work on a throw-away home, with a simulated agent", _no_args, cmd_demo),
     "telegram": ("the Telegram bot: check its set-up (docs/telegram.md)", _telegram_args, cmd_telegram),
 }
