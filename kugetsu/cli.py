@@ -635,6 +635,14 @@ def cmd_stats(home: Home, args: argparse.Namespace) -> int:
     return OK
 
 
+def cmd_doctor(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu import doctor
+
+    checks = doctor.run(home)
+    print(to_json(doctor.report(checks)) if args.json else doctor.render(checks))
+    return OK if all(c.ok for c in checks) else FAILURE
+
+
 def cmd_demo(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.demo import run_demo
 
@@ -663,6 +671,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "worktrees": ("kugetsu's git worktrees: list, prune", _worktrees_args, cmd_worktrees),
     "dashboard": ("the live Textual dashboard: queue, output, events, actions", _no_args, cmd_dashboard),
     "stats": ("how it has been doing: outcomes, wait and run times, throughput, utilisation", _stats_args, cmd_stats),
+    "doctor": ("what is wrong with this installation, each with its fix (exit 1: problems found)", _json_only,
+               cmd_doctor),
     "demo": ("see kugetsu work on a throw-away home, with a simulated agent", _no_args, cmd_demo),
     "telegram": ("the Telegram bot: check its set-up (docs/telegram.md)", _telegram_args, cmd_telegram),
 }
