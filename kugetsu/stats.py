@@ -305,7 +305,8 @@ def summarise(window: Window, by: str | None = None, host: str | None = None) ->
             rows.setdefault(r.key(by, host), _Row()).add(r, start, now)
     out: dict[str, Any] = {
         "since": start, "until": now, "window_seconds": seconds, "by": by, "host": host,
-        "max_agents": cfg.max_agents, "available_slot_seconds": available,
+        "max_agents": cfg.max_agents, "running_now": len(window.index.active), "queued_now": len(window.index.queued),
+        "available_slot_seconds": available,
         "total": total.report(seconds, available),
     }
     if by is not None:
@@ -331,23 +332,27 @@ def longest_waiting(index: Index, cfg: Config, now: datetime, count: int = LONGE
 
 def timeline(window: Window, buckets: int = 60) -> dict[str, list[float]]:
     """Queue depth (the most waiting at once) and starts in each of `buckets` equal slices of
-    the window, oldest first: the dashboard's sparklines. The depth is counted back from
-    the queue as it is now, through the window's events."""
+    the window, oldest first: the dashboard's sparklines. From the same records as the
+    report (so its starts add up to the report's), the depth counted back from the queue as
+    it is now."""
     start, now = window.start, window.now
     span = (now - start).total_seconds() / buckets
-    recs = records(window.events, window.tasks, start)
     moves: list[tuple[datetime, int]] = []  # (when, change of the queue's depth)
     starts = [0.0] * buckets
-    for e in window.events:
-        if e.task is None or e.at < start:
-            continue
-        if e.type == "queued":
-            moves.append((e.at, 1))
-        elif e.type == "started":
-            moves.append((e.at, -1))
-            starts[_bucket(e.at, start, span, buckets)] += 1
-        elif e.type == "expired" or (e.type == "cancelled" and not recs[e.task].ran):
-            moves.append((e.at, -1))  # it left the queue without starting
+    for r in records(window.events, window.tasks, start).values():
+        if r.started is not None and r.started >= start:
+            starts[_bucket(r.started, start, span, buckets)] += 1
+        if r.started is not None and r.started == r.created:
+            continue  # started at its admission: it never waited
+        if r.created is not None and r.created >= start:
+            moves.append((r.created, 1))
+        if r.started is not None and r.started >= start:
+            moves.append((r.started, -1))
+        elif r.finished is not None and r.finished >= start and not r.ran:
+            moves.append((r.finished, -1))  # it left the queue without starting (expired, cancelled)
+    # Arrivals before departures at the same instant: the peak shows (order within one
+    # instant is not recorded in the task records).
+    moves.sort(key=lambda m: (m[0], -m[1]))
     depth = len(window.index.queued) - sum(d for _, d in moves)
     deepest = [0.0] * buckets
     b = 0
