@@ -141,6 +141,12 @@ def _stats_args(st: argparse.ArgumentParser) -> None:
     st.add_argument("--json", action="store_true")
 
 
+def _dashboard_args(db: argparse.ArgumentParser) -> None:
+    db.add_argument("--web", action="store_true", help="serve it to a browser (textual-serve: the `web` extra)")
+    db.add_argument("--bind", metavar="ADDR", help="with --web: HOST:PORT to listen on (default 127.0.0.1:8000)")
+    db.add_argument("--allow-remote", action="store_true", help="with --web: allow a non-loopback --bind")
+
+
 def _no_args(p: argparse.ArgumentParser) -> None:
     pass
 
@@ -182,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         return error.code
 
 
-_STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value")
+_STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value",
+                   "bind")
 _OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines", "since")
 
 
@@ -619,6 +626,12 @@ def _worktree_row(e: Any, size: int) -> dict[str, Any]:
 
 
 def cmd_dashboard(home: Home, args: argparse.Namespace) -> int:
+    if args.web:
+        from kugetsu import web
+
+        return web.serve(home, args.bind or web.DEFAULT_BIND, args.allow_remote)
+    if args.bind or args.allow_remote:
+        raise UsageError("--bind and --allow-remote go with --web")
     from kugetsu.tui.app import run  # textual costs ~100 ms to import: only this command pays
 
     return run(home)
@@ -669,7 +682,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "shutdown": ("stop the service (agents keep running)", _no_args, cmd_shutdown),
     "clean": ("drop finished tasks (and their logs) from the index", _clean_args, cmd_clean),
     "worktrees": ("kugetsu's git worktrees: list, prune", _worktrees_args, cmd_worktrees),
-    "dashboard": ("the live Textual dashboard: queue, output, events, actions", _no_args, cmd_dashboard),
+    "dashboard": ("the live Textual dashboard: queue, output, events, actions (--web: in a browser)", _dashboard_args,
+                  cmd_dashboard),
     "stats": ("how it has been doing: outcomes, wait and run times, throughput, utilisation", _stats_args, cmd_stats),
     "doctor": ("what is wrong with this installation, each with its fix (exit 1: problems found)", _json_only,
                cmd_doctor),

@@ -137,12 +137,12 @@ class TelegramConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"unknown event type {unknown[0]!r}; choose from {', '.join(EVENT_TYPES)}")
 
 
-def parse_address(text: str, what: str) -> tuple[str, int]:
+def parse_address(text: str, what: str, example: str = "127.0.0.1:9464") -> tuple[str, int]:
     """`HOST:PORT` (`[::1]:9464` for IPv6) -> (host, port); port 0 takes any free one."""
     host, sep, port = str(text).rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
-        raise ValueError(f"{what}: {text!r} is not HOST:PORT, e.g. 127.0.0.1:9464")
+        raise ValueError(f"{what}: {text!r} is not HOST:PORT, e.g. {example}")
     return host, int(port)
 
 
