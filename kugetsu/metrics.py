@@ -18,7 +18,7 @@ import logging
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 from kugetsu import pm, runner
@@ -27,6 +27,9 @@ from kugetsu.models import Index, Task
 from kugetsu.paths import read_tail
 
 log = logging.getLogger("kugetsu.metrics")
+# No `*_created` series beside each counter and histogram: kugetsu_service_start_time_seconds
+# says when they all began. (A process-wide setting: this process is the service.)
+disable_created_metrics()
 
 # Seconds. Waits and runs of agents go from instants to a day; a promotion is milliseconds.
 WAIT_BUCKETS = (0.1, 1, 5, 15, 30, 60, 300, 900, 1800, 3600, 7200, 14400, 43200, 86400)

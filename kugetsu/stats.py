@@ -421,4 +421,6 @@ def render(report: dict[str, Any]) -> str:
 
 
 def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value * 100:.0f}%"
+    if value is None:
+        return "-"
+    return f"{value * 100:.1f}%" if value < 0.1 else f"{value * 100:.0f}%"  # a quiet hour is not 0%
