@@ -327,9 +327,16 @@ def test_stats_after_real_runs(kg):
     total = report["total"]
     assert (total["admitted"], total["started"], total["succeeded"], total["failed"], total["cancelled"]) == (3, 2, 1, 1, 1)
     assert total["success_rate"] == 0.5 and report["rows"]["bob"]["cancelled"] == 1
-    # slow's run, as kugetsu saw it, holds the run its agent recorded (at least 0.3 s)
+    # The figures are the tasks' own times...
+    tasks = {n: kg.task(n) for n in ("slow", "bad")}
+    t = {n: {k: datetime.fromisoformat(v[k]) for k in ("created_at", "started_at", "finished_at")} for n, v in tasks.items()}
+    waits = [(x["started_at"] - x["created_at"]).total_seconds() for x in t.values()]
+    runs = [(x["finished_at"] - x["started_at"]).total_seconds() for x in t.values()]
+    assert total["wait_seconds"]["max"] == pytest.approx(max(waits), abs=1e-6)
+    assert total["run_seconds"]["max"] == pytest.approx(max(runs), abs=1e-6)
+    # ...and they hold what the agent recorded of its own run (at least its 0.3 s sleep)
     ran = kg.times("slow")
     assert total["run_seconds"]["max"] >= ran["end"] - ran["start"] >= 0.3
-    # bad waited for slow's slot: its wait is at least slow's own run
-    assert total["wait_seconds"]["max"] >= ran["end"] - ran["start"]
+    # bad waited for slow's slot: it started only after slow's agent had ended
+    assert t["bad"]["started_at"].timestamp() >= ran["end"]
     assert report["rows"]["pm"]["started"] == 2 and report["longest_waiting"] == []
