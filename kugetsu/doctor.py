@@ -187,7 +187,8 @@ def _unbooked_exits(home: Home, index: Index) -> str | None:
             continue
         ended = runner.exit_time(home, task.id)
         if ended is not None and (now - ended).total_seconds() > EXITED_UNBOOKED:
-            return f"{task.name} (#{task.id}) ended {format_duration((now - ended).total_seconds())} ago and is still running in the index"
+            ago = format_duration((now - ended).total_seconds())
+            return f"{task.name} (#{task.id}) ended {ago} ago and is still running in the index"
     return None
 
 

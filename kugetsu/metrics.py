@@ -215,5 +215,6 @@ def start(service: Any) -> Metrics | None:
         return None
     metrics.observe(service.index, service.cfg)
     shown = f"[{host}]" if ":" in host else host
-    log.info("metrics on http://%s:%d/metrics%s", shown, port, "" if is_loopback(host) else " (reachable from other machines)")
+    log.info("metrics on http://%s:%d/metrics%s", shown, port,
+             "" if is_loopback(host) else " (reachable from other machines)")
     return metrics

@@ -378,25 +378,19 @@ def _bucket(at: datetime, start: datetime, span: float, buckets: int) -> int:
 
 def render(report: dict[str, Any]) -> str:
     """`kugetsu stats` for a person: outcomes, then times, then who waits longest."""
-    from kugetsu.config import format_duration
     from kugetsu.render import table
 
-    def d(value: float | None) -> str:
-        if value is None:
-            return "-"
-        if value < 10:  # sub-second waits are the common case on an idle machine
-            return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.1f}s"
-        return format_duration(value)
-
+    d = seconds
     start, end = report["since"], report["until"]
     rows = [("all", report["total"])] + list(report.get("rows", {}).items())
     by = (report["by"] or "").upper()
     counts = ["admitted", "started", *FINAL]
     outcomes = table(
         [by, *(c.upper() for c in counts), "SUCCESS", "PER HOUR", "UTIL"],
-        [[k, *(str(r[c]) for c in counts), _pct(r["success_rate"]),
+        [[k, *(str(r[c]) for c in counts), percent(r["success_rate"]),
           "-" if r["throughput_per_hour"] is None else f"{r['throughput_per_hour']:.1f}",
-          _pct(r["utilisation"]) + (f" ({_pct(r['group_utilisation'])} of its slots)" if "group_utilisation" in r else "")]
+          percent(r["utilisation"])
+          + (f" ({percent(r['group_utilisation'])} of its slots)" if "group_utilisation" in r else "")]
          for k, r in rows],
         right=set(range(1, len(counts) + 3)),
     )
@@ -420,7 +414,18 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _pct(value: float | None) -> str:
+def percent(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value * 100:.1f}%" if value < 0.1 else f"{value * 100:.0f}%"  # a quiet hour is not 0%
+
+
+def seconds(value: float | None) -> str:
+    """A wait or a run for a person: sub-second ones are the common case on an idle machine."""
+    if value is None:
+        return "-"
+    if value < 10:
+        return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.1f}s"
+    from kugetsu.config import format_duration
+
+    return format_duration(value)

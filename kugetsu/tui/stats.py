@@ -19,7 +19,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, Sparkline, Static
 
 from kugetsu import stats
-from kugetsu.config import format_duration, load_config
+from kugetsu.config import load_config
 from kugetsu.paths import Home
 from kugetsu.store import Store
 
@@ -34,17 +34,10 @@ def figures(home: Home, now: datetime) -> tuple[dict[str, Any], dict[str, list[f
     return stats.summarise(window), stats.timeline(window, BUCKETS)
 
 
-def _d(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.1f}s" if value < 10 else format_duration(value)
-
-
 def describe(report: dict[str, Any]) -> str:
     """The figures under the sparklines, as Rich markup."""
     t = report["total"]
-    rate = "-" if t["success_rate"] is None else f"{t['success_rate'] * 100:.0f}%"
-    util = "-" if t["utilisation"] is None else f"{t['utilisation'] * 100:.0f}%"
+    rate, util, _d = stats.percent(t["success_rate"]), stats.percent(t["utilisation"]), stats.seconds
     w, r = t["wait_seconds"], t["run_seconds"]
     lines = [  # lines that fit 80 columns
         f"[b]admitted[/b] {t['admitted']}  [b]started[/b] {t['started']}  [b]succeeded[/b] {t['succeeded']}"
@@ -108,9 +101,9 @@ class StatsScreen(Screen[None]):
             f"Queue depth, most waiting each minute: {report['queued_now']} now, peak {max(depth):.0f}")
         self.query_one("#starts-label", Label).update(f"Starts per minute: {sum(starts):.0f} in the hour")
         self.query_one("#stats-figures", Static).update(describe(report))
-        until = report["until"]
+        until = report["until"].astimezone(getattr(self.app, "tz", None))
         self.query_one("#stats-title", Static).update(
-            f"Stats · last hour · max_agents {report['max_agents']} · as of {until.astimezone(getattr(self.app, 'tz', None)):%H:%M:%S}")
+            f"Stats · last hour · max_agents {report['max_agents']} · as of {until:%H:%M:%S}")
 
     def failed(self, err: BaseException) -> None:
         from kugetsu.tui.screens import describe_error
