@@ -157,9 +157,10 @@ class Metrics:
         self._promotions([t for t in started if before.get(t.id) is False], [t for t in ended if before.get(t.id)])
 
     def _new_finals(self, index: Index, before: dict[int, bool], live: dict[int, bool]) -> list[Task]:
-        """Tasks final since the last look. New ones are at the end of `finished`; a task that
-        left the index at once (history_limit 0, a `clean` that came first) is looked for at
-        the end of history.jsonl, where it was archived."""
+        """Tasks final since the last look. New ones are at the end of `finished`; a task
+        archived in the very transaction that ended it (history_limit 0) is looked for at the
+        end of history.jsonl. (One that a `clean` dropped before the look is not counted:
+        clean keeps no trace of it.)"""
         ended = []
         for t in reversed(index.finished):
             if t.id in self._final:

@@ -20,7 +20,7 @@ from kugetsu.errors import UsageError
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-         "--no-first-run"]
+         "--no-first-run", "--disable-dev-shm-usage"]  # (a container's /dev/shm is often 64 MiB)
 # The page draws the terminal on a canvas: what the dashboard sent it over the websocket is
 # collected as text, beside xterm.js, which draws the very same bytes.
 TAP = """
