@@ -134,6 +134,19 @@ def _telegram_args(tg: argparse.ArgumentParser) -> None:
     tgsub.add_parser("check", help="validate the token (getMe) and send a test message to each notify chat")
 
 
+def _stats_args(st: argparse.ArgumentParser) -> None:
+    st.add_argument("--since", metavar="DUR", type=_duration, help="the window: the last DUR (default 24h)")
+    # The names of stats.BY, spelled out: the stats module is imported only when it runs.
+    st.add_argument("--by", choices=("source", "agent", "group", "host"), help="one row per source, agent, group or host")
+    st.add_argument("--json", action="store_true")
+
+
+def _dashboard_args(db: argparse.ArgumentParser) -> None:
+    db.add_argument("--web", action="store_true", help="serve it to a browser (textual-serve: the `web` extra)")
+    db.add_argument("--bind", metavar="ADDR", help="with --web: HOST:PORT to listen on (default 127.0.0.1:8000)")
+    db.add_argument("--allow-remote", action="store_true", help="with --web: allow a non-loopback --bind")
+
+
 def _no_args(p: argparse.ArgumentParser) -> None:
     pass
 
@@ -190,8 +203,9 @@ def _fix(err: KugetsuError) -> str:
     return ""
 
 
-_STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value")
-_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines")
+_STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value",
+                   "bind")
+_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines", "since")
 
 
 def _undo_dashdash(args: argparse.Namespace) -> None:
@@ -563,9 +577,34 @@ def _worktree_row(e: Any, size: int) -> dict[str, Any]:
 
 
 def cmd_dashboard(home: Home, args: argparse.Namespace) -> int:
+    if args.web:
+        from kugetsu import web
+
+        return web.serve(home, args.bind or web.DEFAULT_BIND, args.allow_remote)
+    if args.bind or args.allow_remote:
+        raise UsageError("--bind and --allow-remote go with --web")
     from kugetsu.tui.app import run  # textual costs ~100 ms to import: only this command pays
 
     return run(home)
+
+
+def cmd_stats(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu import stats  # only this command (and the dashboard) reads the history
+
+    cfg, index = ops.read(home)
+    control.ensure_service(home, cfg, index)
+    window = stats.load(home, cfg, index, args.since or stats.DEFAULT_WINDOW, ops.now())
+    report = stats.summarise(window, args.by)
+    print(to_json(report) if args.json else stats.render(report))
+    return OK
+
+
+def cmd_doctor(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu import doctor
+
+    checks = doctor.run(home)
+    print(to_json(doctor.report(checks)) if args.json else doctor.render(checks))
+    return OK if all(c.ok for c in checks) else FAILURE
 
 
 def cmd_demo(home: Home, args: argparse.Namespace) -> int:
@@ -594,7 +633,11 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "shutdown": ("stop the service (agents keep running)", _no_args, cmd_shutdown),
     "clean": ("drop finished tasks (and their logs) from the index", _clean_args, cmd_clean),
     "worktrees": ("kugetsu's git worktrees: list, prune", _worktrees_args, cmd_worktrees),
-    "dashboard": ("the live Textual dashboard: queue, output, events, actions", _no_args, cmd_dashboard),
+    "dashboard": ("the live Textual dashboard: queue, output, events, actions (--web: in a browser)", _dashboard_args,
+                  cmd_dashboard),
+    "stats": ("how it has been doing: outcomes, wait and run times, throughput, utilisation", _stats_args, cmd_stats),
+    "doctor": ("what is wrong with this installation, each with its fix (exit 1: problems found)", _json_only,
+               cmd_doctor),
     "demo": ("see kugetsu work on a throw-away home, with a simulated agent", _no_args, cmd_demo),
     "telegram": ("the Telegram bot: check its set-up (docs/telegram.md)", _telegram_args, cmd_telegram),
 }

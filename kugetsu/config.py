@@ -137,6 +137,50 @@ class TelegramConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"unknown event type {unknown[0]!r}; choose from {', '.join(EVENT_TYPES)}")
 
 
+def parse_address(text: str, what: str, example: str = "127.0.0.1:9464") -> tuple[str, int]:
+    """`HOST:PORT` (`[::1]:9464` for IPv6) -> (host, port); port 0 takes any free one."""
+    host, sep, port = str(text).rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ValueError(f"{what}: {text!r} is not HOST:PORT, e.g. {example}")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach an address of the loopback range (or `localhost`)."""
+    if host == "localhost":
+        return True
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """The service's OpenMetrics endpoint: off unless `listen` is set. Only on the loopback
+    addresses unless `allow_remote`: the figures (task names are not among them, sources
+    are) are for this machine's eyes unless someone decides otherwise."""
+
+    listen: str | None = None
+    allow_remote: bool = False
+
+    def __post_init__(self) -> None:
+        if self.listen is None:
+            return
+        host, _ = parse_address(self.listen, "metrics.listen")
+        if not self.allow_remote and not is_loopback(host):
+            raise ValueError(
+                f"metrics.listen {self.listen!r} is not a loopback address: anyone who can reach it would see"
+                " the figures. Use 127.0.0.1:PORT, or set metrics.allow_remote to true first"
+            )
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        return None if self.listen is None else parse_address(self.listen, "metrics.listen")
+
+
 class GroupConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_agents: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
@@ -185,6 +229,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     on_queue_full: Literal["reject", "drop_oldest"] = "reject"
     groups: dict[str, GroupConfig] = {}
     resource_guard: ResourceGuard = msgspec.field(default_factory=ResourceGuard)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         for key in ("queue_timeout", "run_timeout", "kill_grace", "min_start_interval_per_source"):
@@ -243,10 +288,13 @@ KEY_HELP: dict[str, str] = {
     "on_queue_full": "when max_queue is reached: reject (exit 3) | drop_oldest (cancel the oldest queued task)",
     "groups": 'named pools {name: {"max_agents": N}}; delegate --group NAME needs a slot there and globally',
     "resource_guard": "hold new starts while min_available_memory (e.g. 2GiB) or max_load_per_cpu is not met",
+    "metrics": "the service's OpenMetrics endpoint: listen (e.g. 127.0.0.1:9464; null: off), allow_remote"
+    " (needed for a non-loopback address)",
 }
 # Sub-objects whose keys are fixed (dotted `config set` checks them); `groups` has free names.
 _NESTED: dict[str, type[msgspec.Struct]] = {
     "telegram": TelegramConfig, "worktrees": WorktreesConfig, "resource_guard": ResourceGuard,
+    "metrics": MetricsConfig,
 }
 
 # ---- loading ---------------------------------------------------------------------------

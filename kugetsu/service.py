@@ -92,6 +92,7 @@ class Service:
         self._reconcile_handle: asyncio.TimerHandle | None = None
         self.listeners: list[Callable[[list[Event]], None]] = []  # told of each transaction's events
         self.telegram: Any = None
+        self.metrics: Any = None  # the OpenMetrics endpoint (kugetsu/metrics.py), when config metrics.listen is set
         self.index = Index()
         self._tick_pending = False
         self._first_tick = True
@@ -444,6 +445,8 @@ class Service:
             self.loop.run_in_executor(None, self._enforce_max_disk, self.cfg)
         if self._close_due:
             self._start_closes()
+        if self.metrics is not None:  # every commit, the CLI's too: gauges must follow queued tasks
+            self.metrics.observe(self.index, self.cfg)
         if events:
             for listener in self.listeners:
                 listener(events)
@@ -824,6 +827,10 @@ class Service:
     # ---- extensions (the Telegram bot) -----------------------------------------------
 
     async def _start_extensions(self) -> None:
+        if self.cfg.metrics.listen is not None:
+            from kugetsu import metrics  # prometheus-client is imported only when metrics are on
+
+            self.metrics = metrics.start(self)
         from kugetsu.telegram import resolve_token  # light: no python-telegram-bot yet
 
         token = resolve_token(self.cfg)
@@ -841,6 +848,8 @@ class Service:
             self.telegram = None
 
     async def _stop_extensions(self) -> None:
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.stop)  # waits for its thread's poll (0.5 s): off the loop
         if self.telegram is not None:
             await self.telegram.stop()
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from telegram import Bot
 from telegram.error import Forbidden, InvalidToken, NetworkError, TelegramError, TimedOut
@@ -27,7 +29,10 @@ def check(home: Home) -> int:
     return asyncio.run(_check(cfg, token))
 
 
-async def _check(cfg: Config, token: str) -> int:
+@asynccontextmanager
+async def connected(cfg: Config, token: str) -> AsyncIterator[Bot]:
+    """A bot that has passed getMe (its name and id known), shut down afterwards; else a
+    KugetsuError that says what to fix and never shows the token. `kugetsu doctor` uses it too."""
     tg = cfg.telegram
     bot = Bot(token, base_url=tg.api_base_url)
     try:
@@ -43,6 +48,17 @@ async def _check(cfg: Config, token: str) -> int:
                 f"cannot reach the Bot API at {tg.api_base_url} ({redact(err, token)}); check the network"
                 " and telegram.api_base_url"
             ) from None
+        yield bot
+    finally:
+        try:
+            await bot.shutdown()
+        except TelegramError:
+            pass
+
+
+async def _check(cfg: Config, token: str) -> int:
+    tg = cfg.telegram
+    async with connected(cfg, token) as bot:
         print(f"ok: token valid, bot @{bot.username} (id {bot.id})")
         if not tg.allowed_chat_ids:
             print("warning: telegram.allowed_chat_ids is empty, so the bot answers nobody")
@@ -62,8 +78,3 @@ async def _check(cfg: Config, token: str) -> int:
         if failed:
             raise KugetsuError(f"{failed} of {len(tg.notify_chat_ids)} notify chats could not be reached")
         return OK
-    finally:
-        try:
-            await bot.shutdown()
-        except TelegramError:
-            pass

@@ -55,6 +55,7 @@ class Dashboard(App[None]):
         Binding("plus,equals_sign", "max_agents(1)", "max agents", key_display="+/-"),
         Binding("minus", "max_agents(-1)", "fewer agents", show=False),
         Binding("l", "log", "log"),
+        Binding("s", "stats", "stats"),
         Binding("r", "refresh", "refresh"),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
@@ -212,7 +213,7 @@ class Dashboard(App[None]):
 
     # ---- actions ---------------------------------------------------------------------
 
-    MAIN_ONLY = {"cancel", "delegate", "max_agents", "log", "refresh", "help"}
+    MAIN_ONLY = {"cancel", "delegate", "max_agents", "log", "stats", "refresh", "help"}
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # App bindings stay live under a dialog: `d` or `+` must not act behind a question.
@@ -227,6 +228,11 @@ class Dashboard(App[None]):
     def action_help(self) -> None:
         states = ("queued", "running", "stopping", "succeeded", "failed", "cancelled", "expired", "lost")
         self.push_screen(HelpScreen(self.running.legend(states)))
+
+    def action_stats(self) -> None:
+        from kugetsu.tui.stats import StatsScreen  # the stats module reads history: only when asked
+
+        self.push_screen(StatsScreen(self.home, self.clock))
 
     def action_log(self) -> None:
         task = self.selected_task()

@@ -168,6 +168,7 @@ HELP = """\
 [b]d[/b]  delegate a new task (name, prompt, agent preset)
 [b]+[/b] / [b]-[/b]  raise / lower max_agents (as `kugetsu config set` does)
 [b]l[/b]  the selected task's log, full screen
+[b]s[/b]  stats: queue depth and starts over the last hour, wait and run times
 [b]r[/b]  refresh now (it also refreshes by itself, within a second)
 [b]q[/b]  quit (tasks keep running)
 """

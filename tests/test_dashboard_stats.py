@@ -1,0 +1,50 @@
+"""The dashboard's Stats screen (key `s`): a screenshot on the fixture home with its fixed
+clock, and its figures against `kugetsu stats` over the same hour."""
+
+from __future__ import annotations
+
+from dashboard_data import NOW, UTC, busy_home, clock, settled
+
+from kugetsu import stats
+from kugetsu.config import load_config
+from kugetsu.store import Store
+from kugetsu.tui.app import make_app
+from kugetsu.tui.stats import StatsScreen, figures
+
+
+def app_for(home):  # type: ignore[no-untyped-def]
+    return make_app(home, clock=clock, tz=UTC, cwd="/")
+
+
+async def open_stats(pilot) -> None:  # type: ignore[no-untyped-def]
+    await pilot.press("s")
+    await pilot.pause()
+
+
+def test_stats_screen(snap_compare, tmp_path):
+    assert snap_compare(app_for(busy_home(tmp_path / "home")), terminal_size=(100, 30), run_before=open_stats)
+
+
+def test_stats_screen_at_80x24(snap_compare, tmp_path):
+    assert snap_compare(app_for(busy_home(tmp_path / "home")), terminal_size=(80, 24), run_before=open_stats)
+
+
+async def test_the_screen_shows_what_stats_computes_and_goes_back(tmp_path):
+    home = busy_home(tmp_path / "home")
+    app = app_for(home)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("s")
+        await settled(pilot)
+        screen = app.screen
+        assert isinstance(screen, StatsScreen)
+        report, line = figures(home, NOW)
+        window = stats.load(home, load_config(home), Store(home).read(), 3600, NOW)
+        assert report == stats.summarise(window) and line == stats.timeline(window)
+        # busy_home: all six starts lie within the hour; 5 wait now, 6 did a minute ago (#6 started 40s ago)
+        assert screen.query_one("#depth").data == line["queue_depth"] and line["queue_depth"][-1] == 6
+        assert report["queued_now"] == 5 and sum(screen.query_one("#starts").data) == report["total"]["started"] == 5
+        figures_text = str(screen.query_one("#stats-figures").render())
+        assert "started 5" in figures_text and "failed 1" in figures_text
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not isinstance(app.screen, StatsScreen)
