@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from kugetsu import control, ops, runner
+from kugetsu import control, runner
 from kugetsu.config import Config, format_duration, format_size, load_config, read_raw
 from kugetsu.errors import KugetsuError
 from kugetsu.models import Index
@@ -140,7 +140,7 @@ def _service(home: Home, cfg: Config, index: Index) -> Check:
     if state in ("T", "t", "Z"):
         return Check("service", False, f"the service (pid {pid}) is {'stopped' if state != 'Z' else 'a zombie'}",
                      f"`kill -CONT {pid}`, or `kill {pid}` and {start}")
-    sent = ops._send(home, b"wake")  # noqa: SLF001  (a wake-up is harmless; it proves the socket answers)
+    sent = control._send(home, b"wake")  # noqa: SLF001  (a wake-up is harmless; it proves the socket answers)
     if sent is not True:
         why = "nobody listens on it" if sent is False else str(sent)
         return Check("service", False, f"the service (pid {pid}) runs but its socket {home.socket} does not answer ({why})",
