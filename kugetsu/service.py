@@ -18,7 +18,11 @@ import signal
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # only for the types: the service imports them when it first needs them
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
@@ -66,7 +70,7 @@ class Service:
         self.home = home
         self.store = Store(home)
         self.cfg: Config = Config()
-        self.children: dict[int, Any] = {}  # pid -> Popen of the wrappers this service spawned
+        self.children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> Popen of the wrappers this service spawned
         # Agents let go (spawned, or a warm wrapper released) that no committed index records
         # yet: should the commit fail (a full disk), the next transaction records them from
         # here, and never starts them a second time. Cleared by every commit that succeeds.
@@ -81,11 +85,11 @@ class Service:
         self.warm: dict[int, runner.Spawned] = {}  # task id -> its wrapper, started ahead, waiting
         self.successor: pm.Successor | None = None  # pm's pick for the next slot to free
         self._released: int | None = None  # the successor, let go at an exit, until pm records it
-        self.dropped: list[Any] = []  # Popen of warm wrappers let go, to reap once they exit
+        self.dropped: list[subprocess.Popen[bytes]] = []  # warm wrappers let go, to reap once they exit
         self.preparing: dict[int, asyncio.Future[Task]] = {}  # task id -> its worktree being created
         self.closing: dict[int, asyncio.Future[tuple[Task, str | None]]] = {}  # task id -> its worktree being closed
         self._close_due = True  # a final task may have an open worktree (at start: one a crash left)
-        self._git: Any = None  # one worker thread for git: creations never hold the lock or the loop
+        self._git: ThreadPoolExecutor | None = None  # one worker thread for git: creations never hold the lock or the loop
         self.watches: dict[int, int] = {}  # task id -> pidfd
         self.exited: set[int] = set()  # task ids whose pidfd fired
         self.jobs: dict[str, datetime] = {}  # the policies' wake-ups (rate limit, guard re-check)
@@ -476,7 +480,7 @@ class Service:
             log.error("%s\nKeeping the last valid config.", err)
         return True
 
-    def _release_successor(self, txn: Any) -> None:
+    def _release_successor(self, txn: Txn) -> None:
         """An agent has exited and nothing changed since this service's last transaction: let
         the task pm named for the next free slot (pm.successor) run its agent now, before the
         bookkeeping of this transaction, which then records that very start. The write to
@@ -675,7 +679,7 @@ class Service:
         except Exception as err:
             log.warning("could not remove the worktree %s made for %s (#%d): %s", made.worktree, made.name, made.id, err)
 
-    def _git_worker(self) -> Any:
+    def _git_worker(self) -> ThreadPoolExecutor:
         if self._git is None:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -716,7 +720,7 @@ class Service:
             draft.worktree_state, note = "kept", f"worktree kept at {draft.worktree} ({err})"
         return draft, note
 
-    def _record_closes(self, txn: Any) -> None:
+    def _record_closes(self, txn: Txn) -> None:
         """Book the worktrees the git worker has closed: the task's worktree_state, its reason
         (the note, e.g. `work kept on branch ...`), and a `worktree` event that says the same."""
         for task_id, future in list(self.closing.items()):
