@@ -12,7 +12,7 @@ from typing import Any
 from kugetsu import ops, pm, runner
 from kugetsu.config import format_duration, get_value, load_config, parse_duration, parse_value
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
-from kugetsu.models import PRIORITIES, Task, TaskState
+from kugetsu.models import PRIORITIES, TaskState
 from kugetsu.paths import Home, default_home, nofollow, read_tail
 from kugetsu.render import to_json
 
@@ -209,10 +209,6 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
             raise UsageError(f"cannot read --prompt-file: {err}") from None
         except UnicodeDecodeError as err:
             raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    if not args.argv_command and prompt is None and args.agent is None and args.name is None:
-        raise UsageError("nothing to run: give --prompt TEXT (for the agent preset) or a command after --")
-    if args.source.strip() == "" or len(args.source) > 64 or not args.source.isprintable():
-        raise UsageError("--source must be 1-64 printable characters, e.g. pm or telegram:123")
     req = pm.Request(
         cwd=os.path.abspath(args.cwd or os.getcwd()),
         name=args.name,
@@ -228,19 +224,13 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         base=args.base,
     )
     adm = ops.delegate(home, cfg, req)
-    t = adm.task
     if args.json:
-        print(to_json(ops.task_json(t, adm.position)))
-    elif adm.position is None:
-        print(f"started {t.name} (#{t.id}), slot {t.slot}/{adm.max_agents}" + _on_branch(t))
+        print(to_json(ops.task_json(adm.task, adm.position)))
     else:
-        print(f"queued {t.name} (#{t.id}), position {adm.position} of {adm.queued}" + _on_branch(t)
-              + (f"; waiting for: {adm.waiting_for}" if adm.waiting_for else ""))
+        from kugetsu import render
+
+        print(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for))
     return OK
-
-
-def _on_branch(t: Task) -> str:
-    return f", worktree on branch {t.branch}" if t.branch else ""
 
 
 def cmd_queue(home: Home, args: argparse.Namespace) -> int:
@@ -248,31 +238,8 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
 
     cfg, index = ops.read(home)
     ops.ensure_service(home, cfg, index)
-    now = ops.now()
-    queued = pm.start_order(index, cfg, now)
-    pos = {t.id: i for i, t in enumerate(queued, 1)}
-    why = pm.waiting_for(index, cfg, now, ops.measure(cfg)) if queued else {}
-    finished = list(reversed(index.finished[-20:])) if args.all else []
-    if args.json:
-        out: dict[str, Any] = {
-            "max_agents": cfg.max_agents,
-            "active": [ops.task_json(t, None) for t in index.active],
-            "queued": [ops.task_json(t, pos[t.id]) | {"waiting_for": why.get(t.id)} for t in queued],
-            "groups": pm.group_usage(index, cfg),
-        }
-        if args.all:
-            out["finished"] = [ops.task_json(t, None) for t in finished]
-        print(to_json(out))
-        return OK
-    print(render.summary(index, cfg) + ("" if ops.service_pid(home) else " · service not running"))
-    if cfg.groups:
-        print(render.groups_line(pm.group_usage(index, cfg)))
-    if index.active:
-        print("\nRUNNING\n" + render.running_table(index.active, now))
-    if queued:
-        print("\nQUEUED\n" + render.queued_table(queued, pos, now, why))
-    if finished:
-        print("\nFINISHED (latest first)\n" + render.finished_table(finished, now))
+    view = ops.listing(cfg, index, finished=args.all)
+    print(to_json(ops.queue_json(view)) if args.json else render.queue_text(view, ops.service_pid(home) is not None))
     return OK
 
 
@@ -290,20 +257,16 @@ def cmd_status(home: Home, args: argparse.Namespace) -> int:
 def cmd_cancel(home: Home, args: argparse.Namespace) -> int:
     if not args.tasks and not args.all:
         raise UsageError("name the tasks to cancel (id or name), or use --all")
-    tasks = ops.cancel(home, args.tasks, everything=args.all, reason="cancelled by cli")
-    running = [t for t in tasks if t.state is TaskState.RUNNING]
-    if running:  # report the final state: wait for the processes to go (SIGKILL after kill_grace)
-        _wait_final(home, [t.id for t in running], load_config(home).kill_grace_s + 5)
-    from kugetsu.store import Store
+    from kugetsu import waiting
 
-    final = {t.id: t for t in Store(home).read().all_tasks()}
-    out = [final.get(t.id, t) for t in tasks]
+    # The final states: running tasks once their processes are gone (SIGKILL after kill_grace).
+    out = waiting.cancel(home, args.tasks, everything=args.all, reason="cancelled by cli")
     if args.json:
         print(to_json([ops.task_json(t, None) for t in out]))
-    elif not out:
-        print("nothing to cancel")
-    for t in out if not args.json else []:
-        print(f"{t.state.value} {t.name} (#{t.id})" + ("" if t.state.final else " (still stopping)"))
+    else:
+        from kugetsu import render
+
+        print(render.cancelled(out))
     return OK
 
 
@@ -341,7 +304,9 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
                 continue
         if task.state.final:
             break
-        _wait_change(home, [task], 1.0)
+        from kugetsu import waiting
+
+        waiting.wait_change(home, [task], 1.0)
     return OK
 
 
@@ -352,7 +317,9 @@ def cmd_wait(home: Home, args: argparse.Namespace) -> int:
     cfg, index = ops.read(home)
     ops.ensure_service(home, cfg, index)
     ids = [pm.find(index, ref).id for ref in args.tasks]
-    done = _wait_final(home, ids, args.timeout, settle=True)
+    from kugetsu import waiting
+
+    done = waiting.wait_final(home, ids, args.timeout, settle=True)
     if not done:
         print(f"kugetsu: timed out after {format_duration(args.timeout)}", file=sys.stderr)
         return TIMED_OUT
@@ -363,72 +330,14 @@ def cmd_wait(home: Home, args: argparse.Namespace) -> int:
     return FAILURE if bad else OK
 
 
-def _wait_final(home: Home, ids: list[int], timeout: float | None, settle: bool = False) -> bool:
-    """Block until every task is final; False on timeout. Event-driven: a pidfd per running
-    task, and a look at the index once a second for the rest. `settle`: also until the
-    worktree of a final task is kept or removed (the service closes it just after the task
-    ends), so that its reason says where the work is; not when no service is up to do it."""
-    from kugetsu.store import Store
-
-    store = Store(home)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        tasks = {t.id: t for t in store.read().all_tasks()}
-        pending = [tasks[i] for i in ids if i in tasks and not tasks[i].state.final]
-        closing = [t for i in ids if settle and (t := tasks.get(i)) and t.state.final and t.worktree_state == "active"]
-        if closing and not pending and not ops.service_holds_lock(home):
-            closing = []
-        if not pending and not closing:
-            return True
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            return not pending  # final is what was asked: a slow close is no timeout
-        # A close is usually done within a second of the task's end: look closely until then.
-        soon = any(t.finished_at and (ops.now() - t.finished_at).total_seconds() < 1.0 for t in closing)
-        _wait_change(home, pending, 1.0 if left is None else min(1.0, left), closing=soon and not pending)
-
-
-def _wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = False) -> None:
-    """Sleep until one of the tasks' processes exits (then until the index changes) or `timeout`.
-    `closing` (no process to watch, a worktree about to be booked): until the index changes."""
-    import select
-
-    from kugetsu import runner
-
-    fds = [fd for t in tasks if (fd := runner.open_pidfd(t.pid, t.pid_start)) is not None]
-    try:
-        before = _index_stamp(home)
-        if fds:
-            ready, _, _ = select.select(fds, [], [], timeout)
-        else:
-            ready = []
-            if not closing:
-                time.sleep(timeout)
-        if ready or closing:  # an agent ended, or its worktree closes: the service books it in ms
-            end = time.monotonic() + (1.0 if ready else timeout)
-            while _index_stamp(home) == before and time.monotonic() < end:
-                time.sleep(0.01)
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def _index_stamp(home: Home) -> tuple[int, int]:
-    try:
-        st = os.stat(home.index)
-        return st.st_ino, st.st_mtime_ns
-    except FileNotFoundError:
-        return 0, 0
-
-
 def cmd_priority(home: Home, args: argparse.Namespace) -> int:
     task, position = ops.set_priority(home, args.task, args.level)
     if args.json:
         print(to_json(ops.task_json(task, position)))
-    elif position is None:  # it started as part of the change
-        print(f"{task.name} (#{task.id}) priority {task.priority}, started")
     else:
-        print(f"{task.name} (#{task.id}) priority {task.priority}, position {position}")
+        from kugetsu import render
+
+        print(render.priority_changed(task, position))
     return OK
 
 
@@ -438,13 +347,7 @@ def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
     cfg, index = ops.read(home)
     ops.ensure_service(home, cfg, index)
     if args.json:
-        print(to_json({
-            "max_agents": cfg.max_agents,
-            "active": len(index.active),
-            "queued": len(index.queued),
-            "free": pm.free_slots(index, cfg),
-            "max_queue": cfg.max_queue,
-        }))
+        print(to_json(ops.capacity_json(cfg, index)))
     else:
         print(render.summary(index, cfg))
     return OK

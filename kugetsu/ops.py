@@ -72,6 +72,7 @@ class Admission(msgspec.Struct):
 
 
 def delegate(home: Home, cfg: Config, req: pm.Request) -> Admission:
+    _check_request(req)
     _check_runnable(cfg, req)
     _check_worktree(cfg, req)
     req.token = runner.new_token()
@@ -104,6 +105,13 @@ def _write_prompt(path: Path, prompt: str) -> None:
     line, where any local user can read it. fsync'd: the committed task must find it after a
     crash. A file already there is a crash's leftover or planted (ids are never reused)."""
     write_new(path, prompt.encode())
+
+
+def _check_request(req: pm.Request) -> None:
+    if not req.command and req.prompt is None and req.agent is None and req.name is None:
+        raise UsageError("nothing to run: give --prompt TEXT (for the agent preset) or a command after --")
+    if req.source.strip() == "" or len(req.source) > 64 or not req.source.isprintable():
+        raise UsageError("--source must be 1-64 printable characters, e.g. pm or telegram:123")
 
 
 def _check_runnable(cfg: Config, req: pm.Request) -> None:
@@ -315,6 +323,50 @@ def enforce_max_disk(home: Home, cfg: Config) -> list[Pruned]:
 
 def read(home: Home) -> tuple[Config, Index]:
     return load_config(home), Store(home).read()
+
+
+def capacity_json(cfg: Config, index: Index) -> dict[str, int]:
+    """`kugetsu capacity --json`: what a PM agent checks before delegating."""
+    return {
+        "max_agents": cfg.max_agents,
+        "active": len(index.active),
+        "queued": len(index.queued),
+        "free": pm.free_slots(index, cfg),
+        "max_queue": cfg.max_queue,
+    }
+
+
+class Listing(msgspec.Struct):
+    """What `kugetsu queue` shows, computed once for its text and its JSON."""
+
+    cfg: Config
+    index: Index
+    now: datetime
+    queued: list[Task]  # in start order
+    positions: dict[int, int]
+    waiting_for: dict[int, str]
+    finished: list[Task] | None  # latest first; None unless asked for
+
+
+def listing(cfg: Config, index: Index, finished: bool = False) -> Listing:
+    t = now()
+    queued = pm.start_order(index, cfg, t)
+    why = pm.waiting_for(index, cfg, t, measure(cfg)) if queued else {}
+    latest = list(reversed(index.finished[-20:])) if finished else None
+    return Listing(cfg, index, t, queued, {task.id: i for i, task in enumerate(queued, 1)}, why, latest)
+
+
+def queue_json(view: Listing) -> dict[str, Any]:
+    """`kugetsu queue --json`."""
+    out: dict[str, Any] = {
+        "max_agents": view.cfg.max_agents,
+        "active": [task_json(t, None) for t in view.index.active],
+        "queued": [task_json(t, view.positions[t.id]) | {"waiting_for": view.waiting_for.get(t.id)} for t in view.queued],
+        "groups": pm.group_usage(view.index, view.cfg),
+    }
+    if view.finished is not None:
+        out["finished"] = [task_json(t, None) for t in view.finished]
+    return out
 
 
 _PRIVATE_FIELDS = frozenset(("id", "name", "state", "env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers"))
