@@ -134,6 +134,16 @@ def _telegram_args(tg: argparse.ArgumentParser) -> None:
     tgsub.add_parser("check", help="validate the token (getMe) and send a test message to each notify chat")
 
 
+def _mcp_args(m: argparse.ArgumentParser) -> None:
+    m.description = ("Serve kugetsu's commands as MCP tools for an agent (a PM agent that delegates):"
+                     " over stdio for the client that starts it, or over streamable HTTP. See docs/mcp.md.")
+    m.add_argument("--http", metavar="HOST:PORT", help="serve streamable HTTP at http://HOST:PORT/mcp instead of"
+                   " stdio; every request needs the bearer token mcp.token (config set mcp.token -)")
+    m.add_argument("--allow-remote", action="store_true",
+                   help="allow --http on an address that is not loopback (anyone reaching it has only the token"
+                   " between them and running commands as you)")
+
+
 def _no_args(p: argparse.ArgumentParser) -> None:
     pass
 
@@ -514,6 +524,14 @@ def _worktree_row(e: Any, size: int) -> dict[str, Any]:
     }
 
 
+def cmd_mcp(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu.mcp import run  # the MCP SDK and pydantic (~0.5 s): only this command pays
+
+    if args.allow_remote and not args.http:
+        raise UsageError("--allow-remote goes with --http HOST:PORT")
+    return run(home, args.http, args.allow_remote)
+
+
 def cmd_dashboard(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.tui.app import run  # textual costs ~100 ms to import: only this command pays
 
@@ -549,4 +567,5 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "dashboard": ("the live Textual dashboard: queue, output, events, actions", _no_args, cmd_dashboard),
     "demo": ("see kugetsu work on a throw-away home, with a simulated agent", _no_args, cmd_demo),
     "telegram": ("the Telegram bot: check its set-up (docs/telegram.md)", _telegram_args, cmd_telegram),
+    "mcp": ("serve the commands as MCP tools for agents (stdio, or --http)", _mcp_args, cmd_mcp),
 }

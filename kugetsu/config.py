@@ -137,6 +137,11 @@ class TelegramConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"unknown event type {unknown[0]!r}; choose from {', '.join(EVENT_TYPES)}")
 
 
+class McpConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # The bearer token `kugetsu mcp --http` requires (env KUGETSU_MCP_TOKEN wins); stdio needs none.
+    token: str | None = None
+
+
 class GroupConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_agents: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
@@ -185,6 +190,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     on_queue_full: Literal["reject", "drop_oldest"] = "reject"
     groups: dict[str, GroupConfig] = {}
     resource_guard: ResourceGuard = msgspec.field(default_factory=ResourceGuard)
+    mcp: McpConfig = msgspec.field(default_factory=McpConfig)
 
     def __post_init__(self) -> None:
         for key in ("queue_timeout", "run_timeout", "kill_grace", "min_start_interval_per_source"):
@@ -243,10 +249,11 @@ KEY_HELP: dict[str, str] = {
     "on_queue_full": "when max_queue is reached: reject (exit 3) | drop_oldest (cancel the oldest queued task)",
     "groups": 'named pools {name: {"max_agents": N}}; delegate --group NAME needs a slot there and globally',
     "resource_guard": "hold new starts while min_available_memory (e.g. 2GiB) or max_load_per_cpu is not met",
+    "mcp": "the MCP server: token, the bearer token `kugetsu mcp --http` requires (set it with `config set mcp.token -`)",
 }
 # Sub-objects whose keys are fixed (dotted `config set` checks them); `groups` has free names.
 _NESTED: dict[str, type[msgspec.Struct]] = {
-    "telegram": TelegramConfig, "worktrees": WorktreesConfig, "resource_guard": ResourceGuard,
+    "telegram": TelegramConfig, "worktrees": WorktreesConfig, "resource_guard": ResourceGuard, "mcp": McpConfig,
 }
 
 # ---- loading ---------------------------------------------------------------------------
