@@ -72,32 +72,70 @@ class Admission(msgspec.Struct):
 
 
 def delegate(home: Home, cfg: Config, req: pm.Request) -> Admission:
-    _check_request(req)
-    _check_runnable(cfg, req)
-    _check_worktree(cfg, req)
-    req.token = runner.new_token()
-    written: Path | None = None
+    out = delegate_many(home, cfg, [req])[0]
+    if isinstance(out, KugetsuError):
+        raise out
+    return out
+
+
+class _NoneAdmitted(Exception):
+    """Aborts a transaction in which every request was refused: a failed command writes nothing."""
+
+
+def delegate_many(home: Home, cfg: Config, reqs: list[pm.Request]) -> list[Admission | KugetsuError]:
+    """Admit requests in one transaction (one read, one fsync'd write), each as `delegate`
+    would one after the other, in order: the same checks, slots, positions and events. A
+    request that is refused (bad input, queue full: KugetsuError) gets its error and the
+    others go on; any other failure (disk full) fails them all, writing nothing. A
+    long-lived front end (the MCP server) admits concurrent calls this way."""
+    out: list[Admission | KugetsuError | None] = [None] * len(reqs)
+    todo = []
+    for i, req in enumerate(reqs):
+        try:
+            _check_request(req)
+            _check_runnable(cfg, req)
+            _check_worktree(cfg, req)
+        except KugetsuError as err:
+            out[i] = err
+            continue
+        req.token = runner.new_token()
+        todo.append(i)
+    if not todo:
+        return out  # type: ignore[return-value]
+    written: list[Path] = []
     try:
         with _locked(home) as (txn, cfg):
             settle(txn, cfg)
-            if pm.wants_prompt_file(cfg, req):
-                req.prompt_path = str(home.prompt_file(txn.index.next_id))  # the id admit gives it
-            task, events = pm.admit(txn.index, cfg, txn.now, req)
-            if req.prompt_path is not None:
-                # Before the commit that makes the task startable; removed below if it fails.
-                written = Path(req.prompt_path)
-                _write_prompt(written, req.prompt or "")
-            txn.emit(events)
-            settle(txn, cfg)
-            position = pm.positions(txn.index, cfg, txn.now).get(task.id)
-            why = pm.waiting_for(txn.index, cfg, txn.now, measure(cfg)).get(task.id) if position else None
-            admission = Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
+            for i in todo:
+                try:
+                    out[i] = _admit(home, txn, cfg, reqs[i], written)
+                except KugetsuError as err:
+                    out[i] = err
+            if not any(isinstance(a, Admission) for a in out):
+                raise _NoneAdmitted
+    except _NoneAdmitted:
+        return out  # type: ignore[return-value]
     except BaseException:
-        if written is not None:  # no task owns it: a failed command leaves nothing behind
-            written.unlink(missing_ok=True)
+        for path in written:  # no task owns them: a failed command leaves nothing behind
+            path.unlink(missing_ok=True)
         raise
     wake(home, cfg)
-    return admission
+    return out  # type: ignore[return-value]
+
+
+def _admit(home: Home, txn: Txn, cfg: Config, req: pm.Request, written: list[Path]) -> Admission:
+    if pm.wants_prompt_file(cfg, req):
+        req.prompt_path = str(home.prompt_file(txn.index.next_id))  # the id admit gives it
+    task, events = pm.admit(txn.index, cfg, txn.now, req)
+    if req.prompt_path is not None:
+        # Before the commit that makes the task startable; removed if it fails.
+        written.append(Path(req.prompt_path))
+        _write_prompt(written[-1], req.prompt or "")
+    txn.emit(events)
+    settle(txn, cfg)
+    position = pm.positions(txn.index, cfg, txn.now).get(task.id)
+    why = pm.waiting_for(txn.index, cfg, txn.now, measure(cfg)).get(task.id) if position else None
+    return Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
 
 
 def _write_prompt(path: Path, prompt: str) -> None:

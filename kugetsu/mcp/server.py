@@ -253,6 +253,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
 
         return run
 
+    admitter = Admitter(home)
     read_only = ToolAnnotations(read_only_hint=True, open_world_hint=False)
 
     # ---- tools ---------------------------------------------------------------------------
@@ -270,7 +271,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
 
     @server.tool(annotations=ToolAnnotations(destructive_hint=False, idempotent_hint=False, open_world_hint=True))
     @answers
-    def delegate(
+    async def delegate(
         prompt: Annotated[str | None, Field(description="the instructions for the agent preset (the worker agent)")] = None,
         name: Annotated[str | None, Field(description="the task's name, e.g. your issue id (issue-16): 1-64 letters,"
                                           " digits, '.', '_', '-'; unique among queued and running tasks")] = None,
@@ -301,14 +302,13 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         at once; wait about a minute (or `wait` for one of your running tasks) and delegate again.
         A tool error means a bad argument (name taken or invalid, unknown preset, bad duration,
         cwd missing): fix it and call again."""
-        cfg = load_config(home)
         req = pm.Request(
             cwd=os.path.abspath(cwd or os.getcwd()), name=name, command=command, prompt=prompt, agent=agent,
             source=source, priority=priority, group=group, expire_after=_duration(expire_after, "expire_after"),
             timeout=_duration(timeout, "timeout"), worktree=worktree, base=base,
         )
         try:
-            adm = ops.delegate(home, cfg, req)
+            adm = await admitter.admit(req)
         except Rejected as err:
             text = (f"rejected: {err}. Nothing was queued. Back off: try again in about {BACK_OFF_S}s"
                     " (or after one of your tasks ends); do not retry at once.")
@@ -463,6 +463,51 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         return _dumps(_task_json(cfg, index, found)).decode()
 
     return server, follow
+
+
+class Admitter:
+    """Concurrent delegate calls share transactions: while one batch is being admitted (a
+    locked, fsync'd write), the calls that arrive wait, then go in together as the next
+    batch (ops.delegate_many: each as if alone, in order of arrival). A lone call is a batch
+    of one, with no delay; a client with calls in flight pays one write per batch instead of
+    one per task, which only a long-lived process can offer."""
+
+    def __init__(self, home: Home):
+        self.home = home
+        self.pending: list[_Entry] = []
+        self.lock = anyio.Lock()
+
+    async def admit(self, req: pm.Request) -> ops.Admission:
+        entry = _Entry(req)
+        self.pending.append(entry)
+        try:
+            async with self.lock:
+                if not entry.done:  # not taken by the batch before: lead the next one
+                    batch, self.pending = self.pending, []
+                    with anyio.CancelScope(shield=True):  # a batch, once begun, hands out every result
+                        try:
+                            results = await anyio.to_thread.run_sync(self._admit, [e.req for e in batch])
+                        except Exception as err:  # a failure of the whole transaction: everyone's
+                            results = [err] * len(batch)
+                        for e, result in zip(batch, results):
+                            e.result, e.done = result, True
+        except anyio.get_cancelled_exc_class():
+            if entry in self.pending:  # cancelled before its batch began: it is not admitted
+                self.pending.remove(entry)
+            raise
+        if isinstance(entry.result, Exception):
+            raise entry.result
+        return entry.result
+
+    def _admit(self, reqs: list[pm.Request]) -> list[Any]:
+        return ops.delegate_many(self.home, load_config(self.home), reqs)
+
+
+class _Entry:
+    def __init__(self, req: pm.Request):
+        self.req = req
+        self.done = False
+        self.result: Any = None
 
 
 # Waits hold a worker thread for up to a second between looks: their own pool, so a few
