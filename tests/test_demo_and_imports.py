@@ -36,5 +36,7 @@ def test_everyday_commands_do_not_import_heavy_modules(kg, command):
     assert r.returncode == 0, r.stderr
     imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time")}
     heavy = {m for m in imported if m.split(".")[0] in ("textual", "telegram", "apscheduler", "pydantic", "psutil",
-                                                         "asyncio", "subprocess", "platformdirs")}
+                                                         "asyncio", "subprocess", "platformdirs", "mcp",
+                                                         "mcp_types", "anyio", "starlette", "uvicorn")}
+    heavy |= {m for m in imported if m.startswith("kugetsu.mcp")}  # the MCP server: only `kugetsu mcp` loads it
     assert heavy == set()
