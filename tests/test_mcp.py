@@ -90,7 +90,8 @@ async def test_tools_schemas_and_the_instructions_in_the_readme(kg):
         assert len(tool.description) > 100, tool.name  # written for an LLM: when to call, what comes back
     # The task schema and the CLI's task JSON name the same fields (a new field is not left out).
     assert set(tools["status"].output_schema["properties"]) == set(task) == set(kg.json("status", "a"))
-    assert "back off" in tools["delegate"].description and "not an error" in tools["delegate"].description
+    assert "back-pressure, not an error" in tools["delegate"].description
+    assert "\n    " not in tools["delegate"].description  # no indentation: tokens for nothing
     assert tools["status"].annotations.read_only_hint and tools["cancel"].annotations.destructive_hint
     # README's "PM agent instructions" are the server's own instructions, word for word.
     readme = (REPO / "README.md").read_text()

@@ -111,6 +111,7 @@ class Follow:
         self.seen: dict[str, bytes] | None = None  # uri -> content at the last look
         self.stamp: tuple[int, int] | None = None
         self.bus = _CountingBus(self)
+        self.someone: anyio.Event | None = None  # set when a first follower comes (made in run's loop)
 
     def following(self) -> bool:
         return bool(self.listeners or any(self.sessions.values()))
@@ -128,15 +129,23 @@ class Follow:
         return out
 
     def baseline(self) -> None:
+        """On a first follower: the contents that changes are told against (a few ms of
+        reading, once). Then `wake`, from the loop's thread."""
         if self.seen is None:
             self.stamp = waiting.index_stamp(self.home)
             self.seen = self.look()
 
+    def wake(self) -> None:
+        if self.someone is not None:
+            self.someone.set()
+
     async def run(self) -> None:
         while True:
+            if not self.following():
+                self.seen, self.someone = None, anyio.Event()
+                await self.someone.wait()  # nobody follows: no looks, no wake-ups
             await anyio.sleep(1.0)
             if not self.following():
-                self.seen = None
                 continue
             stamp = waiting.index_stamp(self.home)
             if stamp == self.stamp and self.seen is not None:
@@ -166,8 +175,9 @@ class Follow:
         uri = str(params.uri)
         if uri != QUEUE_URI and not uri.startswith(TASK_URI):
             raise ValueError(f"no resource {uri}; kugetsu has {QUEUE_URI} and {TASK_URI}{{id}}")
-        await anyio.to_thread.run_sync(self.baseline)
         self.sessions.setdefault(uri, {})[_connection_key(ctx.session)] = ctx.session
+        await anyio.to_thread.run_sync(self.baseline)
+        self.wake()
         return {}
 
     async def unsubscribe(self, ctx: Any, params: UnsubscribeRequestParams) -> dict[str, Any]:
@@ -184,8 +194,9 @@ class _CountingBus(InMemorySubscriptionBus):
         self._follow = follow
 
     def subscribe(self, listener: Callable[[Any], None]) -> Callable[[], None]:
-        self._follow.baseline()  # once, on the first follower: a few ms of reading on the loop
         self._follow.listeners += 1
+        self._follow.baseline()  # once, on the first follower: a few ms of reading on the loop
+        self._follow.wake()
         inner = super().subscribe(listener)
         done = False
 
@@ -228,7 +239,8 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
 
     def answers(fn: Callable[..., Any]) -> Callable[..., Any]:
         """A KugetsuError (bad input, no such task, a damaged file) or a system error becomes
-        a tool error whose text says what to fix, as the CLI's one line on stderr."""
+        a tool error whose text says what to fix, as the CLI's one line on stderr. The
+        docstring, the tool's description, loses its indentation (tokens for nothing)."""
 
         def failed(err: Exception) -> CallToolResult:
             message = str(err) if isinstance(err, KugetsuError) else str(explain(home, err))  # type: ignore[arg-type]
@@ -242,6 +254,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
                 except (KugetsuError, OSError) as err:
                     return failed(err)
 
+            run_async.__doc__ = inspect.cleandoc(fn.__doc__ or "")
             return run_async
 
         @functools.wraps(fn)
@@ -251,6 +264,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             except (KugetsuError, OSError) as err:
                 return failed(err)
 
+        run.__doc__ = inspect.cleandoc(fn.__doc__ or "")
         return run
 
     admitter = Admitter(home)
