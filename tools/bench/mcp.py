@@ -102,15 +102,17 @@ def cli_rate(n: int, procs: int) -> float:
 
 
 def measure(tasks: int, quick: bool) -> dict:
+    load = os.getloadavg()[0]
     rounds = 1 if quick else 3
-    rows = {
-        "mcp, sequential": [mcp_rate(tasks, 1) for _ in range(rounds)],
-        "mcp, 8 in flight": [mcp_rate(tasks, 8) for _ in range(rounds)],
-        "cli, sequential": [cli_rate(max(20, tasks // 10), 1) for _ in range(rounds)],
-        "cli, 20 procs": [cli_rate(100, 20) for _ in range(rounds)],
-    }
+    rows: dict[str, list[float]] = {"mcp, sequential": [], "mcp, 8 in flight": [], "cli, sequential": [],
+                                    "cli, 20 procs": []}
+    for _ in range(rounds):  # interleaved: a burst of load elsewhere falls on every row alike
+        rows["mcp, sequential"].append(mcp_rate(tasks, 1))
+        rows["mcp, 8 in flight"].append(mcp_rate(tasks, 8))
+        rows["cli, sequential"].append(cli_rate(max(20, tasks // 10), 1))
+        rows["cli, 20 procs"].append(cli_rate(100, 20))
     return {
-        "tasks": tasks, "rounds": rounds, "cpus": os.cpu_count(), "load_at_start": os.getloadavg()[0],
+        "tasks": tasks, "rounds": rounds, "cpus": os.cpu_count(), "load_at_start": load, "load_at_end": os.getloadavg()[0],
         "tasks_per_s": {k: sorted(v)[len(v) // 2] for k, v in rows.items()}, "all": rows,
     }
 
@@ -125,8 +127,8 @@ def main() -> int:
     if args.json:
         print(json.dumps(res, indent=1))
         return 0
-    print(f"admission, {args.tasks} tasks through MCP; {res['cpus']} cores, load {res['load_at_start']:.2f} at start;"
-          f" median of {res['rounds']}")
+    print(f"admission, {args.tasks} tasks through MCP; {res['cpus']} cores, load {res['load_at_start']:.2f} at start,"
+          f" {res['load_at_end']:.2f} at the end; median of {res['rounds']}")
     width = max(len(k) for k in res["tasks_per_s"])
     for name, rate in res["tasks_per_s"].items():
         print(f"{name:<{width}}  {rate:8.1f} tasks/s")
