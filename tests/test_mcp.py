@@ -4,6 +4,7 @@ service and real agent processes. No handler is called directly."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from conftest import REPO, processes_under
+from conftest import REPO, processes_under, wait_for_async
 
 mcp = pytest.importorskip("mcp", reason="the MCP SDK is in the test extra: pip install -e '.[test]'")
 from mcp import Client, StdioServerParameters  # noqa: E402
@@ -39,13 +40,7 @@ async def connect(kg, mode: str = "legacy", **kw):
         yield client
 
 
-async def until(condition, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await anyio.sleep(0.02)
-    return value
+until = functools.partial(wait_for_async, timeout=20.0)  # a loaded 2-core machine: generous deadlines
 
 
 def text(result) -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -91,12 +90,7 @@ def cli_rate(n: int, procs: int) -> float:
         kg = home(Path(tmp), n)
         kg.run("delegate", "--", "true")  # warm: bytecode, home made
         each = n // procs
-        script = " ".join(f"{PY} -m kugetsu delegate --source bench -- true >/dev/null || exit 1;" for _ in range(each))
-        t0 = time.perf_counter()
-        ps = [subprocess.Popen(["sh", "-c", script], env=kg.env) for _ in range(procs)]
-        codes = [p.wait() for p in ps]
-        wall = time.perf_counter() - t0
-        assert codes == [0] * procs, f"delegates failed: {codes}"
+        wall = _run.delegating(kg, procs, each)
         assert len(kg.index()["queued"]) == procs * each
         return procs * each / wall
 
