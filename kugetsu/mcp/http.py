@@ -11,6 +11,8 @@ from typing import Any
 import anyio
 import uvicorn
 
+from kugetsu.errors import KugetsuError
+
 
 class BearerAuth:
     """ASGI wrapper: an HTTP request without `Authorization: Bearer <token>` gets 401 and
@@ -44,7 +46,11 @@ async def serve(server: Any, follow: Any, address: tuple[str, int], token: str) 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise KugetsuError(f"--http {host}:{port}: cannot listen there: {err.strerror}") from None
     sock.listen(128)  # bound before the banner: a client that reads it can connect at once
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     app = BearerAuth(server.streamable_http_app(host=host), token)
