@@ -374,9 +374,10 @@ async def test_pm_scenario_delegates_backs_off_waits_and_reads_the_failed_log(kg
                 delegated.append(pending.pop(0))
                 continue
             rejected.append((name, r.structured_content["rejected"]))
-            # Back off: instead of retrying at once, wait for one of its own running tasks.
+            # Back off: instead of retrying at once, wait for the oldest of its own tasks not
+            # yet waited for (the work goes on meanwhile: here, its gate opens).
             gate.touch()
-            r = await c.call_tool("wait", {"tasks": [delegated[0]], "timeout": "60s"})
+            r = await c.call_tool("wait", {"tasks": [delegated[len(rejected) - 1]], "timeout": "60s"})
             assert r.structured_content["done"]
         r = await c.call_tool("wait", {"tasks": issues, "timeout": "120s"})
         out = r.structured_content
