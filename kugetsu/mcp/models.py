@@ -9,12 +9,18 @@ field added to the task JSON reaches MCP clients before this file learns its des
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 State = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired", "lost"]
 Level = Literal["urgent", "high", "normal", "low"]
+# Nullable values as {"type": [T, "null"]} rather than pydantic's anyOf of two schemas: the
+# same meaning, a shorter schema, and a client's validator (the SDK's checks every result)
+# does not build an error for the failed branch of each of twenty fields.
+OptStr = Annotated[str | None, WithJsonSchema({"type": ["string", "null"]})]
+OptInt = Annotated[int | None, WithJsonSchema({"type": ["integer", "null"]})]
+OptFloat = Annotated[float | None, WithJsonSchema({"type": ["number", "null"]})]
 
 
 class TaskOut(BaseModel):
@@ -25,35 +31,36 @@ class TaskOut(BaseModel):
     id: int = Field(description="never reused; refer to the task by id or by name")
     name: str = Field(description="unique among queued and running tasks")
     state: State = Field(description="queued and running are live; the others are final")
-    position: int | None = Field(
+    position: OptInt = Field(
         description="while queued: 1-based place in the order tasks will really start (1 starts next); else null")
     priority: Level
     source: str = Field(description="who delegated it")
-    agent: str | None = Field(description="the agent preset, or null for an explicit command")
-    group: str | None = Field(description="the pool (config `groups`) it runs in, if any")
+    agent: OptStr = Field(description="the agent preset, or null for an explicit command")
+    group: OptStr = Field(description="the pool (config `groups`) it runs in, if any")
     command: list[str] = Field(description="the argv it runs (no shell)")
     cwd: str
     created_at: str = Field(description="RFC 3339, UTC")
-    started_at: str | None
-    finished_at: str | None
-    expires_at: str | None = Field(description="a queued task not started by then expires")
-    exit_code: int | None
-    pid: int | None
-    log: str | None = Field(description="the file holding its stdout and stderr (the logs tool reads it)")
-    reason: str | None = Field(description="why it ended, in words (exit code, cancelled, timed out, ...)")
-    prompt: str | None
-    slot: int | None = Field(description="while running: its slot, 1..max_agents")
-    timeout: float | None = Field(description="run timeout in seconds, null: none")
-    repo: str | None = Field(description="worktree tasks: the repository")
-    base: str | None
-    branch: str | None = Field(description="worktree tasks: the branch its work is on")
-    worktree: str | None
-    base_commit: str | None
-    worktree_state: Literal["active", "kept", "removed", "pruned"] | None
+    started_at: OptStr
+    finished_at: OptStr
+    expires_at: OptStr = Field(description="a queued task not started by then expires")
+    exit_code: OptInt
+    pid: OptInt
+    log: OptStr = Field(description="the file holding its stdout and stderr (the logs tool reads it)")
+    reason: OptStr = Field(description="why it ended, in words (exit code, cancelled, timed out, ...)")
+    prompt: OptStr
+    slot: OptInt = Field(description="while running: its slot, 1..max_agents")
+    timeout: OptFloat = Field(description="run timeout in seconds, null: none")
+    repo: OptStr = Field(description="worktree tasks: the repository")
+    base: OptStr
+    branch: OptStr = Field(description="worktree tasks: the branch its work is on")
+    worktree: OptStr
+    base_commit: OptStr
+    worktree_state: Annotated[Literal["active", "kept", "removed", "pruned"] | None,
+                              WithJsonSchema({"enum": ["active", "kept", "removed", "pruned", None]})]
 
 
 class QueuedTaskOut(TaskOut):
-    waiting_for: str | None = Field(
+    waiting_for: OptStr = Field(
         description="why it waits when it is not simply behind others (a source or group limit, a rate limit, ...)")
 
 
@@ -88,9 +95,9 @@ class DelegateOut(BaseModel):
 
     admitted: bool = Field(description="true: the task exists, started or queued; false: nothing was queued")
     task: TaskOut | None = Field(description="the task object (`kugetsu delegate --json`) when admitted")
-    rejected: str | None = Field(
+    rejected: OptStr = Field(
         description="when not admitted: why (queue full, a per-source limit). Back off, then try again")
-    retry_after: int | None = Field(description="when rejected: seconds to wait before trying again")
+    retry_after: OptInt = Field(description="when rejected: seconds to wait before trying again")
 
 
 class CancelOut(BaseModel):
