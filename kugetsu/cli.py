@@ -9,10 +9,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kugetsu import control, ops, pm, runner, waiting
+from kugetsu import control, ops, pm, runner
 from kugetsu.config import format_duration, get_value, load_config, parse_duration, parse_value
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
-from kugetsu.models import PRIORITIES, Task, TaskState
+from kugetsu.models import PRIORITIES, TaskState
 from kugetsu.paths import Home, default_home, nofollow, read_tail
 from kugetsu.render import to_json
 
@@ -147,6 +147,16 @@ def _dashboard_args(db: argparse.ArgumentParser) -> None:
     db.add_argument("--allow-remote", action="store_true", help="with --web: allow a non-loopback --bind")
 
 
+def _mcp_args(m: argparse.ArgumentParser) -> None:
+    m.description = ("Serve kugetsu's commands as MCP tools for an agent (a PM agent that delegates):"
+                     " over stdio for the client that starts it, or over streamable HTTP. See docs/mcp.md.")
+    m.add_argument("--http", metavar="HOST:PORT", help="serve streamable HTTP at http://HOST:PORT/mcp instead of"
+                   " stdio; every request needs the bearer token mcp.token (config set mcp.token -)")
+    m.add_argument("--allow-remote", action="store_true",
+                   help="allow --http on an address that is not loopback (anyone reaching it has only the token"
+                   " between them and running commands as you)")
+
+
 def _no_args(p: argparse.ArgumentParser) -> None:
     pass
 
@@ -238,10 +248,6 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
             raise UsageError(f"cannot read --prompt-file: {err}") from None
         except UnicodeDecodeError as err:
             raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    if not args.argv_command and prompt is None and args.agent is None and args.name is None:
-        raise UsageError("nothing to run: give --prompt TEXT (for the agent preset) or a command after --")
-    if args.source.strip() == "" or len(args.source) > 64 or not args.source.isprintable():
-        raise UsageError("--source must be 1-64 printable characters, e.g. pm or telegram:123")
     req = pm.Request(
         cwd=os.path.abspath(args.cwd or os.getcwd()),
         name=args.name,
@@ -257,19 +263,13 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         base=args.base,
     )
     adm = ops.delegate(home, cfg, req)
-    t = adm.task
     if args.json:
-        print(to_json(ops.task_json(t, adm.position)))
-    elif adm.position is None:
-        print(f"started {t.name} (#{t.id}), slot {t.slot}/{adm.max_agents}" + _on_branch(t))
+        print(to_json(ops.task_json(adm.task, adm.position)))
     else:
-        print(f"queued {t.name} (#{t.id}), position {adm.position} of {adm.queued}" + _on_branch(t)
-              + (f"; waiting for: {adm.waiting_for}" if adm.waiting_for else ""))
+        from kugetsu import render
+
+        print(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for))
     return OK
-
-
-def _on_branch(t: Task) -> str:
-    return f", worktree on branch {t.branch}" if t.branch else ""
 
 
 def cmd_queue(home: Home, args: argparse.Namespace) -> int:
@@ -277,30 +277,8 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
 
     cfg, index = ops.read(home)
     control.ensure_service(home, cfg, index)
-    now = ops.now()
-    view = pm.queue_view(index, cfg, now, ops.measure(cfg))
-    finished = list(reversed(index.finished[-20:])) if args.all else []
-    if args.json:
-        out: dict[str, Any] = {
-            "max_agents": view.capacity.max_agents,
-            "active": [ops.task_json(t, None) for t in index.active],
-            "queued": [ops.task_json(t, view.positions[t.id]) | {"waiting_for": view.waiting_for.get(t.id)}
-                       for t in view.queued],
-            "groups": view.groups,
-        }
-        if args.all:
-            out["finished"] = [ops.task_json(t, None) for t in finished]
-        print(to_json(out))
-        return OK
-    print(render.summary(view.capacity) + ("" if control.service_pid(home) else " · service not running"))
-    if cfg.groups:
-        print(render.groups_line(view.groups))
-    if view.running:
-        print("\nRUNNING\n" + render.running_table(view.running, now))
-    if view.queued:
-        print("\nQUEUED\n" + render.queued_table(view.queued, view.positions, now, view.waiting_for))
-    if finished:
-        print("\nFINISHED (latest first)\n" + render.finished_table(finished, now))
+    view = ops.listing(cfg, index, finished=args.all)
+    print(to_json(ops.queue_json(view)) if args.json else render.queue_text(view, control.service_pid(home) is not None))
     return OK
 
 
@@ -318,20 +296,16 @@ def cmd_status(home: Home, args: argparse.Namespace) -> int:
 def cmd_cancel(home: Home, args: argparse.Namespace) -> int:
     if not args.tasks and not args.all:
         raise UsageError("name the tasks to cancel (id or name), or use --all")
-    tasks = ops.cancel(home, args.tasks, everything=args.all, reason="cancelled by cli")
-    running = [t for t in tasks if t.state is TaskState.RUNNING]
-    if running:  # report the final state: wait for the processes to go (SIGKILL after kill_grace)
-        waiting.wait_final(home, [t.id for t in running], load_config(home).kill_grace_s + 5)
-    from kugetsu.store import Store
+    from kugetsu import waiting
 
-    final = {t.id: t for t in Store(home).read().all_tasks()}
-    out = [final.get(t.id, t) for t in tasks]
+    # The final states: running tasks once their processes are gone (SIGKILL after kill_grace).
+    out = waiting.cancel(home, args.tasks, everything=args.all, reason="cancelled by cli")
     if args.json:
         print(to_json([ops.task_json(t, None) for t in out]))
-    elif not out:
-        print("nothing to cancel")
-    for t in out if not args.json else []:
-        print(f"{t.state.value} {t.name} (#{t.id})" + ("" if t.state.final else " (still stopping)"))
+    else:
+        from kugetsu import render
+
+        print(render.cancelled(out))
     return OK
 
 
@@ -369,6 +343,8 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
                 continue
         if task.state.final:
             break
+        from kugetsu import waiting
+
         waiting.wait_change(home, [task], 1.0)
     return OK
 
@@ -380,6 +356,8 @@ def cmd_wait(home: Home, args: argparse.Namespace) -> int:
     cfg, index = ops.read(home)
     control.ensure_service(home, cfg, index)
     ids = [pm.find(index, ref).id for ref in args.tasks]
+    from kugetsu import waiting
+
     done = waiting.wait_final(home, ids, args.timeout, settle=True)
     if not done:
         print(f"kugetsu: timed out after {format_duration(args.timeout)}", file=sys.stderr)
@@ -395,10 +373,10 @@ def cmd_priority(home: Home, args: argparse.Namespace) -> int:
     task, position = ops.set_priority(home, args.task, args.level)
     if args.json:
         print(to_json(ops.task_json(task, position)))
-    elif position is None:  # it started as part of the change
-        print(f"{task.name} (#{task.id}) priority {task.priority}, started")
     else:
-        print(f"{task.name} (#{task.id}) priority {task.priority}, position {position}")
+        from kugetsu import render
+
+        print(render.priority_changed(task, position))
     return OK
 
 
@@ -409,7 +387,7 @@ def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
     control.ensure_service(home, cfg, index)
     cap = pm.capacity(index, cfg)
     if args.json:
-        print(to_json(cap))
+        print(to_json(ops.capacity_json(cfg, index)))
     else:
         print(render.summary(cap))
     return OK
@@ -576,6 +554,14 @@ def _worktree_row(e: Any, size: int) -> dict[str, Any]:
     }
 
 
+def cmd_mcp(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu.mcp import run  # the MCP SDK and pydantic (~0.5 s): only this command pays
+
+    if args.allow_remote and not args.http:
+        raise UsageError("--allow-remote goes with --http HOST:PORT")
+    return run(home, args.http, args.allow_remote)
+
+
 def cmd_dashboard(home: Home, args: argparse.Namespace) -> int:
     if args.web:
         from kugetsu import web
@@ -640,4 +626,5 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
                cmd_doctor),
     "demo": ("see kugetsu work on a throw-away home, with a simulated agent", _no_args, cmd_demo),
     "telegram": ("the Telegram bot: check its set-up (docs/telegram.md)", _telegram_args, cmd_telegram),
+    "mcp": ("serve the commands as MCP tools for agents (stdio, or --http)", _mcp_args, cmd_mcp),
 }

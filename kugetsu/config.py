@@ -181,6 +181,11 @@ class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True):
         return None if self.listen is None else parse_address(self.listen, "metrics.listen")
 
 
+class McpConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # The bearer token `kugetsu mcp --http` requires (env KUGETSU_MCP_TOKEN wins); stdio needs none.
+    token: str | None = None
+
+
 class GroupConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_agents: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
@@ -230,6 +235,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     groups: dict[str, GroupConfig] = {}
     resource_guard: ResourceGuard = msgspec.field(default_factory=ResourceGuard)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    mcp: McpConfig = msgspec.field(default_factory=McpConfig)
 
     def __post_init__(self) -> None:
         for key in ("queue_timeout", "run_timeout", "kill_grace", "min_start_interval_per_source"):
@@ -290,11 +296,12 @@ KEY_HELP: dict[str, str] = {
     "resource_guard": "hold new starts while min_available_memory (e.g. 2GiB) or max_load_per_cpu is not met",
     "metrics": "the service's OpenMetrics endpoint: listen (e.g. 127.0.0.1:9464; null: off), allow_remote"
     " (needed for a non-loopback address)",
+    "mcp": "the MCP server: token, the bearer token `kugetsu mcp --http` requires (set it with `config set mcp.token -`)",
 }
 # Sub-objects whose keys are fixed (dotted `config set` checks them); `groups` has free names.
 _NESTED: dict[str, type[msgspec.Struct]] = {
     "telegram": TelegramConfig, "worktrees": WorktreesConfig, "resource_guard": ResourceGuard,
-    "metrics": MetricsConfig,
+    "metrics": MetricsConfig, "mcp": McpConfig,
 }
 
 # ---- loading ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import msgspec
 from kugetsu import pm, runner
 from kugetsu.control import check_wakeable, wake
 from kugetsu.config import Config, format_size, load_config, mask_secrets, read_raw, save_raw, validate, with_value
-from kugetsu.errors import UsageError
+from kugetsu.errors import KugetsuError, UsageError
 from kugetsu.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home, write_new
 from kugetsu.store import Store, Txn
@@ -70,31 +70,70 @@ class Admission(msgspec.Struct):
 
 
 def delegate(home: Home, cfg: Config, req: pm.Request) -> Admission:
-    _check_runnable(cfg, req)
-    _check_worktree(cfg, req)
-    req.token = runner.new_token()
-    written: Path | None = None
+    out = delegate_many(home, cfg, [req])[0]
+    if isinstance(out, KugetsuError):
+        raise out
+    return out
+
+
+class _NoneAdmitted(Exception):
+    """Aborts a transaction in which every request was refused: a failed command writes nothing."""
+
+
+def delegate_many(home: Home, cfg: Config, reqs: list[pm.Request]) -> list[Admission | KugetsuError]:
+    """Admit requests in one transaction (one read, one fsync'd write), each as `delegate`
+    would one after the other, in order: the same checks, slots, positions and events. A
+    request that is refused (bad input, queue full: KugetsuError) gets its error and the
+    others go on; any other failure (disk full) fails them all, writing nothing. A
+    long-lived front end (the MCP server) admits concurrent calls this way."""
+    out: list[Admission | KugetsuError | None] = [None] * len(reqs)
+    todo = []
+    for i, req in enumerate(reqs):
+        try:
+            _check_request(req)
+            _check_runnable(cfg, req)
+            _check_worktree(cfg, req)
+        except KugetsuError as err:
+            out[i] = err
+            continue
+        req.token = runner.new_token()
+        todo.append(i)
+    if not todo:
+        return out  # type: ignore[return-value]
+    written: list[Path] = []
     try:
         with _locked(home) as (txn, cfg):
             settle(txn, cfg)
-            if pm.wants_prompt_file(cfg, req):
-                req.prompt_path = str(home.prompt_file(txn.index.next_id))  # the id admit gives it
-            task, events = pm.admit(txn.index, cfg, txn.now, req)
-            if req.prompt_path is not None:
-                # Before the commit that makes the task startable; removed below if it fails.
-                written = Path(req.prompt_path)
-                _write_prompt(written, req.prompt or "")
-            txn.emit(events)
-            settle(txn, cfg)
-            position = pm.positions(txn.index, cfg, txn.now).get(task.id)
-            why = pm.waiting_for(txn.index, cfg, txn.now, measure(cfg)).get(task.id) if position else None
-            admission = Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
+            for i in todo:
+                try:
+                    out[i] = _admit(home, txn, cfg, reqs[i], written)
+                except KugetsuError as err:
+                    out[i] = err
+            if not any(isinstance(a, Admission) for a in out):
+                raise _NoneAdmitted
+    except _NoneAdmitted:
+        return out  # type: ignore[return-value]
     except BaseException:
-        if written is not None:  # no task owns it: a failed command leaves nothing behind
-            written.unlink(missing_ok=True)
+        for path in written:  # no task owns them: a failed command leaves nothing behind
+            path.unlink(missing_ok=True)
         raise
     wake(home, cfg)
-    return admission
+    return out  # type: ignore[return-value]
+
+
+def _admit(home: Home, txn: Txn, cfg: Config, req: pm.Request, written: list[Path]) -> Admission:
+    if pm.wants_prompt_file(cfg, req):
+        req.prompt_path = str(home.prompt_file(txn.index.next_id))  # the id admit gives it
+    task, events = pm.admit(txn.index, cfg, txn.now, req)
+    if req.prompt_path is not None:
+        # Before the commit that makes the task startable; removed if it fails.
+        written.append(Path(req.prompt_path))
+        _write_prompt(written[-1], req.prompt or "")
+    txn.emit(events)
+    settle(txn, cfg)
+    position = pm.positions(txn.index, cfg, txn.now).get(task.id)
+    why = pm.waiting_for(txn.index, cfg, txn.now, measure(cfg)).get(task.id) if position else None
+    return Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
 
 
 def _write_prompt(path: Path, prompt: str) -> None:
@@ -102,6 +141,13 @@ def _write_prompt(path: Path, prompt: str) -> None:
     line, where any local user can read it. fsync'd: the committed task must find it after a
     crash. A file already there is a crash's leftover or planted (ids are never reused)."""
     write_new(path, prompt.encode())
+
+
+def _check_request(req: pm.Request) -> None:
+    if not req.command and req.prompt is None and req.agent is None and req.name is None:
+        raise UsageError("nothing to run: give --prompt TEXT (for the agent preset) or a command after --")
+    if req.source.strip() == "" or len(req.source) > 64 or not req.source.isprintable():
+        raise UsageError("--source must be 1-64 printable characters, e.g. pm or telegram:123")
 
 
 def _check_runnable(cfg: Config, req: pm.Request) -> None:
@@ -313,6 +359,45 @@ def enforce_max_disk(home: Home, cfg: Config) -> list[Pruned]:
 
 def read(home: Home) -> tuple[Config, Index]:
     return load_config(home), Store(home).read()
+
+
+def capacity_json(cfg: Config, index: Index) -> dict[str, int]:
+    """`kugetsu capacity --json`: what a PM agent checks before delegating."""
+    return msgspec.to_builtins(pm.capacity(index, cfg))  # type: ignore[no-any-return]
+
+
+class Listing(msgspec.Struct):
+    """What `kugetsu queue` shows (pm.queue_view, with the finished tasks asked for),
+    computed once for its text and its JSON."""
+
+    view: pm.QueueView
+    index: Index
+    now: datetime
+    finished: list[Task] | None  # latest first; None unless asked for
+
+    @property
+    def positions(self) -> dict[int, int]:
+        return self.view.positions
+
+
+def listing(cfg: Config, index: Index, finished: bool = False) -> Listing:
+    t = now()
+    latest = list(reversed(index.finished[-20:])) if finished else None
+    return Listing(pm.queue_view(index, cfg, t, measure(cfg)), index, t, latest)
+
+
+def queue_json(listed: Listing) -> dict[str, Any]:
+    """`kugetsu queue --json`."""
+    view = listed.view
+    out: dict[str, Any] = {
+        "max_agents": view.capacity.max_agents,
+        "active": [task_json(t, None) for t in listed.index.active],
+        "queued": [task_json(t, view.positions[t.id]) | {"waiting_for": view.waiting_for.get(t.id)} for t in view.queued],
+        "groups": view.groups,
+    }
+    if listed.finished is not None:
+        out["finished"] = [task_json(t, None) for t in listed.finished]
+    return out
 
 
 _PRIVATE_FIELDS = frozenset(("id", "name", "state", "env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers"))

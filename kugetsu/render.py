@@ -105,6 +105,43 @@ def worktrees_table(rows: list[dict[str, Any]], now: datetime) -> str:
 
 
 
+def queue_text(listed: Any, service_running: bool = True) -> str:
+    """`kugetsu queue`, from an ops.Listing (its pm.QueueView and the finished tasks)."""
+    view, now = listed.view, listed.now
+    parts = [summary(view.capacity) + ("" if service_running else " · service not running")]
+    if view.groups:
+        parts.append(groups_line(view.groups))
+    if view.running:
+        parts.append("\nRUNNING\n" + running_table(view.running, now))
+    if view.queued:
+        parts.append("\nQUEUED\n" + queued_table(view.queued, view.positions, now, view.waiting_for))
+    if listed.finished:
+        parts.append("\nFINISHED (latest first)\n" + finished_table(listed.finished, now))
+    return "\n".join(parts)
+
+
+def admitted(task: Task, position: int | None, queued: int, max_agents: int, waiting_for: str | None) -> str:
+    """What `kugetsu delegate` says: started in a slot, or queued at a position."""
+    branch = f", worktree on branch {task.branch}" if task.branch else ""
+    if position is None:
+        return f"started {task.name} (#{task.id}), slot {task.slot}/{max_agents}{branch}"
+    return (f"queued {task.name} (#{task.id}), position {position} of {queued}{branch}"
+            + (f"; waiting for: {waiting_for}" if waiting_for else ""))
+
+
+def priority_changed(task: Task, position: int | None) -> str:
+    if position is None:  # it started as part of the change
+        return f"{task.name} (#{task.id}) priority {task.priority}, started"
+    return f"{task.name} (#{task.id}) priority {task.priority}, position {position}"
+
+
+def cancelled(tasks: list[Task]) -> str:
+    """What `kugetsu cancel` says, a line a task."""
+    if not tasks:
+        return "nothing to cancel"
+    return "\n".join(f"{t.state.value} {t.name} (#{t.id})" + ("" if t.state.final else " (still stopping)") for t in tasks)
+
+
 def task_lines(task: dict[str, Any]) -> str:
     """`kugetsu status`: one field a line, the command as a list."""
     width = max(len(k) for k in task)

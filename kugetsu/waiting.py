@@ -1,72 +1,139 @@
-"""Waiting for tasks: until they are final, or until something about them changes. Shared
-by every front end that blocks on a task (`kugetsu wait`, `cancel`, `logs --follow`, the MCP
-server). Event-driven: a pidfd per running task wakes it the moment an agent exits, and the
-index's identity (a new inode on every commit) tells when the service has booked it; what has
-no process to watch is looked at once a second.
+"""Waiting for tasks, shared by the CLI (`wait`, `cancel`, `logs --follow`) and the MCP
+server's `wait` and `cancel` tools: one implementation of "block until final".
+
+Event-driven: a pidfd per running task (its exit wakes the wait at once, then the index is
+watched for the few ms the service takes to book it), and a look at the index once a second
+for the rest. A `Stop` wakes a waiting thread at once (a cancelled MCP call), leaving the
+tasks alone.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import time
+from collections.abc import Iterator
 
-from kugetsu import control, runner
-from kugetsu.models import Task
-from kugetsu.ops import now
+from kugetsu import control, ops, runner
+from kugetsu.config import load_config
+from kugetsu.models import Index, Task, TaskState
 from kugetsu.paths import Home
+from kugetsu.store import Store
 
 
-def wait_final(home: Home, ids: list[int], timeout: float | None, settle: bool = False) -> bool:
-    """Block until every task is final; False on timeout. Event-driven: a pidfd per running
-    task, and a look at the index once a second for the rest. `settle`: also until the
-    worktree of a final task is kept or removed (the service closes it just after the task
-    ends), so that its reason says where the work is; not when no service is up to do it."""
-    from kugetsu.store import Store
+class Stop:
+    """Tells a wait in another thread to give up, at once: a pipe its select() watches
+    beside the pidfds. Only the wait ends; the tasks are not touched."""
 
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self.is_set = False
+
+    def set(self) -> None:
+        if not self.is_set:
+            self.is_set = True
+            try:
+                os.write(self._write, b"x")
+            except OSError:  # full (it was written already) or closed: the flag is enough
+                pass
+
+    def fileno(self) -> int:
+        return self._read
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def looks(home: Home, ids: list[int], timeout: float | None, settle: bool = False,
+          stop: Stop | None = None) -> Iterator[Index]:
+    """The index, each time the wait looks at it, until every task of `ids` is final, the
+    timeout has passed or `stop` is set. A look follows each change that concerns the tasks
+    (an exit, a start, a booking) and at least one a second, so a caller can tell positions
+    and states as they move. `settle`: also until the worktree of a final task is kept or
+    removed (the service closes it just after the task ends), so that its reason says where
+    the work is; not when no service is up to do it."""
     store = Store(home)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        tasks = {t.id: t for t in store.read().all_tasks()}
+        index = store.read()
+        yield index
+        tasks = {t.id: t for t in index.all_tasks()}
         pending = [tasks[i] for i in ids if i in tasks and not tasks[i].state.final]
         closing = [t for i in ids if settle and (t := tasks.get(i)) and t.state.final and t.worktree_state == "active"]
         if closing and not pending and not control.service_holds_lock(home):
             closing = []
-        if not pending and not closing:
-            return True
+        if (not pending and not closing) or (stop is not None and stop.is_set):
+            return
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-            return not pending  # final is what was asked: a slow close is no timeout
+            return  # final is what was asked: a slow close is no timeout
         # A close is usually done within a second of the task's end: look closely until then.
-        soon = any(t.finished_at and (now() - t.finished_at).total_seconds() < 1.0 for t in closing)
-        wait_change(home, pending, 1.0 if left is None else min(1.0, left), closing=soon and not pending)
+        soon = any(t.finished_at and (ops.now() - t.finished_at).total_seconds() < 1.0 for t in closing)
+        wait_change(home, pending, 1.0 if left is None else min(1.0, left), closing=soon and not pending, stop=stop)
 
 
-def wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = False) -> None:
-    """Sleep until one of the tasks' processes exits (then until the index changes) or `timeout`.
-    `closing` (no process to watch, a worktree about to be booked): until the index changes."""
-    import select
+def all_final(index: Index, ids: list[int]) -> bool:
+    """Is every task of `ids` that the index still holds final?"""
+    tasks = {t.id: t for t in index.all_tasks()}
+    return all(tasks[i].state.final for i in ids if i in tasks)
 
+
+def wait_final(home: Home, ids: list[int], timeout: float | None, settle: bool = False,
+               stop: Stop | None = None) -> bool:
+    """Block until every task is final; False on timeout (or stop)."""
+    index = Index()
+    for index in looks(home, ids, timeout, settle, stop):
+        pass
+    return all_final(index, ids)
+
+
+def wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = False, stop: Stop | None = None) -> None:
+    """Sleep until one of the tasks' processes exits (then until the index changes), `stop`
+    is set, or `timeout`. `closing` (no process to watch, a worktree about to be booked):
+    until the index changes."""
     fds = [fd for t in tasks if (fd := runner.open_pidfd(t.pid, t.pid_start)) is not None]
     try:
-        before = _index_stamp(home)
-        if fds:
-            ready, _, _ = select.select(fds, [], [], timeout)
+        before = index_stamp(home)
+        if fds or (stop is not None and not closing):
+            watch = fds + ([stop.fileno()] if stop is not None else [])
+            ready = [fd for fd in select.select(watch, [], [], timeout)[0] if fd in fds]
         else:
             ready = []
             if not closing:
                 time.sleep(timeout)
+        if stop is not None and stop.is_set:
+            return
         if ready or closing:  # an agent ended, or its worktree closes: the service books it in ms
             end = time.monotonic() + (1.0 if ready else timeout)
-            while _index_stamp(home) == before and time.monotonic() < end:
+            while index_stamp(home) == before and time.monotonic() < end and not (stop and stop.is_set):
                 time.sleep(0.01)
     finally:
         for fd in fds:
             os.close(fd)
 
 
-def _index_stamp(home: Home) -> tuple[int, int]:
+def index_stamp(home: Home) -> tuple[int, int]:
+    """Changes whenever index.json is replaced (every commit renames a new file in)."""
     try:
         st = os.stat(home.index)
         return st.st_ino, st.st_mtime_ns
     except FileNotFoundError:
         return 0, 0
+
+
+def cancel(home: Home, refs: list[str], *, everything: bool = False, reason: str = "cancelled",
+           stop: Stop | None = None) -> list[Task]:
+    """Cancel tasks (ops.cancel) and return them as they are once final: a running task is
+    final when its processes are gone (SIGKILL after kill_grace), so this waits for that,
+    kill_grace + 5 s at most; one still stopping then is returned as it is."""
+    tasks = ops.cancel(home, refs, everything=everything, reason=reason)
+    running = [t.id for t in tasks if t.state is TaskState.RUNNING]
+    if running:
+        wait_final(home, running, load_config(home).kill_grace_s + 5, stop=stop)
+    final = {t.id: t for t in Store(home).read().all_tasks()}
+    return [final.get(t.id, t) for t in tasks]

@@ -37,7 +37,9 @@ def test_everyday_commands_do_not_import_heavy_modules(kg, command):
     imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time")}
     heavy = {m for m in imported if m.split(".")[0] in ("textual", "telegram", "apscheduler", "pydantic", "psutil",
                                                          "asyncio", "subprocess", "platformdirs", "prometheus_client",
-                                                         "textual_serve", "aiohttp", "playwright")}
+                                                         "textual_serve", "aiohttp", "playwright", "mcp",
+                                                         "mcp_types", "anyio", "starlette", "uvicorn")}
     # kugetsu's own modules that only their commands need (stats reads history, doctor probes)
     heavy |= imported & {"kugetsu.stats", "kugetsu.metrics", "kugetsu.doctor", "kugetsu.web"}
+    heavy |= {m for m in imported if m.startswith("kugetsu.mcp")}  # the MCP server: only `kugetsu mcp` loads it
     assert heavy == set()

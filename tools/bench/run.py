@@ -297,6 +297,18 @@ def _drain_result(stamps: Path, bend: Path, n: int, s: Sampler) -> dict:
     }
 
 
+def delegating(kg: Kg, procs: int, each: int) -> float:
+    """`procs` processes at once, each running `kugetsu delegate -- true` `each` times one
+    after the other; the wall time (tools/bench/mcp.py compares MCP with it)."""
+    script = " ".join(f"{PY} -m kugetsu delegate -- true >/dev/null || exit 1;" for _ in range(each))
+    t0 = time.monotonic()
+    ps = [subprocess.Popen(["sh", "-c", script], env=kg.env) for _ in range(procs)]
+    codes = [p.wait() for p in ps]
+    wall = time.monotonic() - t0
+    assert codes == [0] * procs, f"delegates failed: {codes}"
+    return wall
+
+
 def admission_kugetsu(procs: int, each: int) -> float:
     with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
         root = Path(tmp)
@@ -306,14 +318,7 @@ def admission_kugetsu(procs: int, each: int) -> float:
         kg.start_service()
         try:
             kg.delegate("blocker", ["sh", "-c", BLOCKER_SCRIPT, str(fifo), str(root / "bend")])
-            script = " ".join(
-                f"{PY} -m kugetsu delegate -- true >/dev/null || exit 1;" for _ in range(each)
-            )
-            t0 = time.monotonic()
-            ps = [subprocess.Popen(["sh", "-c", script], env=kg.env) for _ in range(procs)]
-            codes = [p.wait() for p in ps]
-            wall = time.monotonic() - t0
-            assert codes == [0] * procs, f"delegates failed: {codes}"
+            wall = delegating(kg, procs, each)
             idx = kg.index()
             ids = [t["id"] for t in idx["queued"]]
             assert len(ids) == len(set(ids)) == procs * each, "admission lost or duplicated tasks"

@@ -1,0 +1,50 @@
+"""`kugetsu mcp --http ADDR`: what may be listened on, and the token it needs. No SDK here:
+a refused address or a missing token is said before the SDK is imported."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+from kugetsu.config import load_config
+from kugetsu.errors import UsageError
+from kugetsu.paths import Home
+
+TOKEN_ENV = "KUGETSU_MCP_TOKEN"
+SET_TOKEN = "openssl rand -hex 32 | kugetsu config set mcp.token -"
+
+
+def parse(text: str, allow_remote: bool) -> tuple[str, int]:
+    """HOST:PORT ([::1]:PORT for IPv6; port 0 picks a free one). Only a loopback address
+    unless `allow_remote`: anyone who reaches the port can run commands as you (a delegated
+    task is a command), the token being all that stands in the way."""
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise UsageError(f"--http {text!r}: expected HOST:PORT, e.g. 127.0.0.1:8765")
+    if not allow_remote and not _loopback(host):
+        raise UsageError(
+            f"--http {text}: refusing to listen on {host}, which is not a loopback address: anyone who can reach it"
+            " could delegate commands that run as you. Use 127.0.0.1 (clients on this machine), or add"
+            " --allow-remote if you mean it (behind TLS, with a strong mcp.token)")
+    return host, int(port)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def token(home: Home) -> str:
+    """The bearer token every HTTP request must carry: KUGETSU_MCP_TOKEN, else mcp.token."""
+    value = os.environ.get(TOKEN_ENV) or load_config(home).mcp.token
+    if not value:
+        raise UsageError(
+            "kugetsu mcp --http needs a bearer token, so that no other local user or web page can use it: set one"
+            f" with `{SET_TOKEN}` (or put it in {TOKEN_ENV}), and give clients the header"
+            " `Authorization: Bearer <token>`")
+    return value

@@ -1,0 +1,119 @@
+"""The schemas of the MCP tools' structured results: pydantic models of the JSON the CLI
+prints with --json (ops.task_json, ops.capacity_json, ops.queue_json), so that clients get
+an output schema. Only validation and schema: the content itself is the CLI's dict, as is.
+
+Here, and not on the CLI path, is where pydantic belongs (the MCP SDK is built on it; the
+CLI keeps msgspec, which costs a tenth of its import). Task objects allow extra keys, so a
+field added to the task JSON reaches MCP clients before this file learns its description.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+
+State = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired", "lost"]
+Level = Literal["urgent", "high", "normal", "low"]
+# Nullable values as {"type": [T, "null"]} rather than pydantic's anyOf of two schemas: the
+# same meaning, a shorter schema, and a client's validator (the SDK's checks every result)
+# does not build an error for the failed branch of each of twenty fields.
+OptStr = Annotated[str | None, WithJsonSchema({"type": ["string", "null"]})]
+OptInt = Annotated[int | None, WithJsonSchema({"type": ["integer", "null"]})]
+OptFloat = Annotated[float | None, WithJsonSchema({"type": ["number", "null"]})]
+
+
+class TaskOut(BaseModel):
+    """One task, as `kugetsu status TASK --json` prints it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: int = Field(description="never reused; refer to the task by id or by name")
+    name: str = Field(description="unique among queued and running tasks")
+    state: State = Field(description="queued and running are live; the others are final")
+    position: OptInt = Field(
+        description="while queued: 1-based place in the order tasks will really start (1 starts next); else null")
+    priority: Level
+    source: str = Field(description="who delegated it")
+    agent: OptStr = Field(description="the agent preset, or null for an explicit command")
+    group: OptStr = Field(description="the pool (config `groups`) it runs in, if any")
+    command: list[str] = Field(description="the argv it runs (no shell)")
+    cwd: str
+    created_at: str = Field(description="RFC 3339, UTC")
+    started_at: OptStr
+    finished_at: OptStr
+    expires_at: OptStr = Field(description="a queued task not started by then expires")
+    exit_code: OptInt
+    pid: OptInt
+    log: OptStr = Field(description="the file holding its stdout and stderr (the logs tool reads it)")
+    reason: OptStr = Field(description="why it ended, in words (exit code, cancelled, timed out, ...)")
+    prompt: OptStr
+    slot: OptInt = Field(description="while running: its slot, 1..max_agents")
+    timeout: OptFloat = Field(description="run timeout in seconds, null: none")
+    repo: OptStr = Field(description="worktree tasks: the repository")
+    base: OptStr
+    branch: OptStr = Field(description="worktree tasks: the branch its work is on")
+    worktree: OptStr
+    base_commit: OptStr
+    worktree_state: Annotated[Literal["active", "kept", "removed", "pruned"] | None,
+                              WithJsonSchema({"enum": ["active", "kept", "removed", "pruned", None]})]
+
+
+class QueuedTaskOut(TaskOut):
+    waiting_for: OptStr = Field(
+        description="why it waits when it is not simply behind others (a source or group limit, a rate limit, ...)")
+
+
+class CapacityOut(BaseModel):
+    """`kugetsu capacity --json`."""
+
+    max_agents: int = Field(description="slots: running agents at once")
+    active: int = Field(description="running now")
+    queued: int = Field(description="waiting for a slot")
+    free: int = Field(description="slots free now: a task delegated now starts at once if free > 0")
+    max_queue: int = Field(description="queued tasks at most; beyond it delegate is rejected (back off)")
+
+
+class GroupUsage(BaseModel):
+    max_agents: int
+    active: int
+    queued: int
+
+
+class QueueOut(BaseModel):
+    """`kugetsu queue --json` (`finished` only when asked for)."""
+
+    max_agents: int
+    active: list[TaskOut] = Field(description="running tasks")
+    queued: list[QueuedTaskOut] = Field(description="queued tasks, in the order they will start")
+    groups: dict[str, GroupUsage] = Field(description="per pool: slots, running, queued")
+    finished: list[TaskOut] | None = Field(None, description="the 20 latest finished tasks, latest first")
+
+
+class DelegateOut(BaseModel):
+    """Admitted (started or queued) or rejected by admission (back-pressure, not an error)."""
+
+    admitted: bool = Field(description="true: the task exists, started or queued; false: nothing was queued")
+    task: TaskOut | None = Field(description="the task object (`kugetsu delegate --json`) when admitted")
+    rejected: OptStr = Field(
+        description="when not admitted: why (queue full, a per-source limit). Back off, then try again")
+    retry_after: OptInt = Field(description="when rejected: seconds to wait before trying again")
+
+
+class CancelOut(BaseModel):
+    tasks: list[TaskOut] = Field(description="the cancelled tasks, in their final state (running ones once stopped)")
+
+
+class WaitOut(BaseModel):
+    done: bool = Field(description="every task is final; false: the timeout came first and they go on")
+    all_succeeded: bool = Field(description="every task succeeded (what `kugetsu wait` exits 0 for)")
+    tasks: list[TaskOut]
+
+
+class LogsOut(BaseModel):
+    id: int
+    name: str
+    state: State
+    text: str = Field(description="the end of the task's output (stdout and stderr), as UTF-8 text")
+    size: int = Field(description="the whole log's size in bytes")
+    truncated: bool = Field(description="true when text is only the end of the log")

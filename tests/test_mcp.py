@@ -1,0 +1,524 @@
+"""`kugetsu mcp` as an agent uses it: the MCP SDK's own client talking to a real `python -m
+kugetsu mcp` subprocess (stdio, or streamable HTTP), against a temp home, with the real
+service and real agent processes. No handler is called directly."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import warnings
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+from conftest import REPO, processes_under, wait_for_async
+
+mcp = pytest.importorskip("mcp", reason="the MCP SDK is in the test extra: pip install -e '.[test]'")
+from mcp import Client, StdioServerParameters  # noqa: E402
+from mcp.client.streamable_http import streamable_http_client  # noqa: E402
+from mcp.shared._httpx_utils import create_mcp_http_client  # noqa: E402
+from mcp.types import ResourceUpdatedNotification  # noqa: E402
+
+TOOLS = {"capacity", "delegate", "queue", "status", "cancel", "wait", "logs", "priority"}
+
+
+@asynccontextmanager
+async def connect(kg, mode: str = "legacy", **kw):
+    """A client session with `kugetsu mcp` over stdio. "legacy" is the initialize handshake
+    that Claude Code and opencode speak; "auto" negotiates the 2026 protocol."""
+    params = StdioServerParameters(command=sys.executable, args=["-m", "kugetsu", "mcp"], env=kg.env, cwd=str(kg.rec))
+    async with Client(params, mode=mode, **kw) as client:
+        yield client
+
+
+until = functools.partial(wait_for_async, timeout=20.0)  # a loaded 2-core machine: generous deadlines
+
+
+def text(result) -> str:
+    return "\n".join(c.text for c in result.content)
+
+
+def gated(gate: Path, *lines: str, code: int = 0) -> list[str]:
+    """An agent that prints `lines`, waits for `gate` to exist, exits `code`."""
+    script = 'for l in "$@"; do echo "$l"; done; while [ ! -e "$0" ]; do sleep 0.02; done; exit ' + str(code)
+    return ["sh", "-c", script, str(gate), *lines]
+
+
+def mcp_server_pid(kg) -> int:
+    pids = [p for p in processes_under(kg.home.root) if b"mcp" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def pidfds(pid: int) -> int:
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[pidfd]"
+        except OSError:
+            pass
+    return count
+
+
+# ---- the tools -------------------------------------------------------------------------------
+
+
+async def test_tools_schemas_and_the_instructions_in_the_readme(kg):
+    kg.config(autostart=False)
+    async with connect(kg) as c:
+        tools = {t.name: t for t in (await c.list_tools()).tools}
+        instructions = c.instructions
+        r = await c.call_tool("delegate", {"name": "a", "command": ["true"]})
+        task = r.structured_content["task"]
+    assert set(tools) == TOOLS
+    for tool in tools.values():
+        assert tool.output_schema and tool.output_schema["type"] == "object", tool.name
+        assert len(tool.description) > 100, tool.name  # written for an LLM: when to call, what comes back
+    # The task schema and the CLI's task JSON name the same fields (a new field is not left out).
+    assert set(tools["status"].output_schema["properties"]) == set(task) == set(kg.json("status", "a"))
+    assert "back-pressure, not an error" in tools["delegate"].description
+    assert "\n    " not in tools["delegate"].description  # no indentation: tokens for nothing
+    assert tools["status"].annotations.read_only_hint and tools["cancel"].annotations.destructive_hint
+    # README's "PM agent instructions" are the server's own instructions, word for word.
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"### PM agent instructions\n.*?```text\n(.*?)```", readme, re.S)
+    assert block, "README has no PM agent instructions block"
+    assert block.group(1).strip() == instructions.strip()
+
+
+async def test_every_tool_answers_with_the_clis_json_and_text(kg, tmp_path):
+    kg.config(max_agents=1)
+    gate = tmp_path / "gate"
+    async with connect(kg) as c:
+        r = await c.call_tool("capacity", {})
+        assert not r.is_error
+        assert r.structured_content == kg.json("capacity") == {
+            "max_agents": 1, "active": 0, "queued": 0, "free": 1, "max_queue": 50}
+        assert text(r) == "0/1 running, 1 free, 0 queued (max 50)"
+
+        r = await c.call_tool("delegate", {"name": "a", "source": "pm", "command": gated(
+            gate, *(f"line {i}" for i in range(1, 501)))})
+        assert (text(r), r.structured_content["admitted"]) == ("started a (#1), slot 1/1", True)
+        assert r.structured_content["task"]["source"] == "pm" and r.structured_content["task"]["cwd"] == str(kg.rec)
+        r = await c.call_tool("delegate", {"name": "b", "command": ["true"], "expire_after": "1h", "timeout": 90})
+        assert text(r) == "queued b (#2), position 1 of 1"
+        assert r.structured_content["task"] == kg.json("status", "b")
+        assert r.structured_content["task"]["timeout"] == 90 and r.structured_content["task"]["position"] == 1
+        kg.wait_state("a", "running")
+        await until(lambda: "line 500" in kg.ok("logs", "a"), what="a's output")
+        await until(lambda: kg.task("a")["pid"], what="a's pid")
+
+        r = await c.call_tool("status", {"task": "a"})
+        assert r.structured_content == kg.json("status", "a")
+        assert re.search(r"^state +running$", text(r), re.M)
+        r = await c.call_tool("queue", {})
+        assert r.structured_content == kg.json("queue")
+        assert "RUNNING" in text(r) and re.search(r"^\s+1\s+2\s+b\s+normal", text(r), re.M)
+        r = await c.call_tool("queue", {"finished": True})
+        assert r.structured_content == kg.json("queue", "--all")
+
+        r = await c.call_tool("logs", {"task": "a", "lines": 3})
+        assert text(r) == kg.ok("logs", "a", "--lines", "3") == "line 498\nline 499\nline 500\n"
+        size = len(kg.ok("logs", "a").encode())
+        assert r.structured_content == {"id": 1, "name": "a", "state": "running", "text": text(r), "size": size,
+                                        "truncated": True}
+        r = await c.call_tool("logs", {"task": "1", "max_bytes": 100})  # bounded: whole lines within the cap
+        assert len(text(r)) <= 100 and text(r).endswith("line 500\n") and text(r).startswith("line ")
+        r = await c.call_tool("logs", {"task": "b"})
+        assert text(r) == "(no output yet: b is queued)" and r.structured_content["size"] == 0
+
+        r = await c.call_tool("priority", {"task": "b", "level": "high"})
+        assert text(r) == "b (#2) priority high, position 1"
+        assert r.structured_content == kg.json("status", "b") and r.structured_content["priority"] == "high"
+
+        r = await c.call_tool("wait", {"tasks": ["a"], "timeout": "1s"})  # `kugetsu wait` exits 124 here
+        assert not r.is_error and "timed out after 1s" in text(r)
+        assert (r.structured_content["done"], r.structured_content["all_succeeded"]) == (False, False)
+        assert r.structured_content["tasks"][0]["state"] == "running"
+
+        r = await c.call_tool("cancel", {"tasks": ["b"]})
+        assert text(r) == "cancelled b (#2)"
+        assert r.structured_content == {"tasks": [kg.json("status", "b")]}
+
+        gate.touch()
+        r = await c.call_tool("wait", {"tasks": ["a", "#2"]})
+        assert text(r) == "a (#1) succeeded\nb (#2) cancelled: cancelled by mcp (read its logs)"
+        assert (r.structured_content["done"], r.structured_content["all_succeeded"]) == (True, False)
+        assert r.structured_content["tasks"] == [kg.json("status", "a"), kg.json("status", "b")]
+
+        # A running task cancelled: the call returns once it is final, its slot handed on.
+        await c.call_tool("delegate", {"name": "c", "command": ["sleep", "60"]})
+        await c.call_tool("delegate", {"name": "d", "command": ["true"]})
+        r = await c.call_tool("cancel", {"tasks": ["c"]})
+        assert text(r) == "cancelled c (#3)" and r.structured_content["tasks"][0]["state"] == "cancelled"
+        r = await c.call_tool("wait", {"tasks": ["d"], "timeout": "30s"})
+        assert r.structured_content["all_succeeded"]
+
+
+ERRORS = [
+    ("status", {"task": "nope"}, "no task 'nope'"),
+    ("logs", {"task": "42"}, "no task '42'"),
+    ("wait", {"tasks": ["nope"]}, "no task 'nope'"),
+    ("cancel", {"tasks": ["nope"]}, "no task 'nope'"),
+    ("priority", {"task": "nope", "level": "high"}, "no task 'nope'"),
+    ("cancel", {}, "name the tasks to cancel"),
+    ("delegate", {"command": ["true"], "timeout": "soon"}, "timeout: 'soon' is not a duration"),
+    ("delegate", {"command": ["true"], "expire_after": 0}, "expire_after: must be more than 0"),
+    ("wait", {"tasks": ["x"], "timeout": "5w"}, "timeout: '5w' is not a duration"),
+    ("delegate", {"name": "-x", "command": ["true"]}, "invalid task name '-x'"),
+    ("delegate", {"name": "x", "command": ["true"]}, "a task named 'x' is already queued or running"),
+    ("delegate", {}, "nothing to run"),
+    ("delegate", {"prompt": "hi", "agent": "nobody"}, "unknown agent preset 'nobody'"),
+    ("delegate", {"command": ["no-such-program-kg"]}, "command not found: 'no-such-program-kg'"),
+    ("delegate", {"command": ["true"], "cwd": "/no/such/dir"}, "'/no/such/dir' is not a directory"),
+    ("delegate", {"command": ["true"], "group": "gpu"}, "unknown group 'gpu'"),
+    ("delegate", {"command": ["true"], "source": ""}, "source must be 1-64 printable characters"),
+    ("priority", {"task": "x", "level": "asap"}, "level"),  # the schema's own check, still a tool result
+]
+
+
+async def test_errors_are_tool_results_with_clear_text_and_write_nothing(kg):
+    kg.config(autostart=False)
+    kg.ok("delegate", "x", "--", "true")
+    before = kg.home.index.read_bytes()
+    async with connect(kg) as c:
+        for tool, args, message in ERRORS:
+            r = await c.call_tool(tool, args)
+            assert r.is_error and message in text(r), (tool, args, text(r))
+            assert "Traceback" not in text(r)
+    assert kg.home.index.read_bytes() == before
+
+
+async def test_errors_on_tasks_in_the_wrong_state(kg):
+    kg.config(autostart=False, max_agents=1)
+    async with connect(kg) as c:
+        await c.call_tool("delegate", {"name": "a", "command": ["true"]})  # running (no service to end it)
+        r = await c.call_tool("priority", {"task": "a", "level": "high"})
+        assert r.is_error and "only a queued task's priority can change" in text(r)
+        await c.call_tool("delegate", {"name": "b", "command": ["true"]})
+        await c.call_tool("cancel", {"tasks": ["b"]})
+        r = await c.call_tool("cancel", {"tasks": ["b"]})
+        assert r.is_error and text(r) == "task b (#2) is already cancelled"
+
+
+async def test_queue_full_is_a_normal_result_that_says_to_back_off(kg):
+    kg.config(autostart=False, max_agents=1, max_queue=2, max_queued_per_source=3)
+    async with connect(kg) as c:
+        for name in ("t1", "t2", "t3"):
+            r = await c.call_tool("delegate", {"name": name, "command": ["true"], "source": "pm"})
+            assert r.structured_content["admitted"]
+        r = await c.call_tool("delegate", {"name": "t4", "command": ["true"], "source": "pm"})
+        assert not r.is_error  # back-pressure, not a failure: exit 3 for the CLI
+        assert r.structured_content == {
+            "admitted": False, "task": None, "retry_after": 60,
+            "rejected": "queue full: 2/2 waiting, 1/1 running; try again when a task finishes (`kugetsu capacity`)"}
+        assert text(r).startswith("rejected: queue full: 2/2 waiting") and "Nothing was queued" in text(r)
+        assert "try again in about 60s" in text(r) and "do not retry at once" in text(r)
+        assert [t["name"] for t in kg.index()["queued"]] == ["t2", "t3"]
+        assert kg.run("delegate", "t4", "--", "true").returncode == 3  # the CLI agrees
+
+        kg.ok("config", "set", "max_queue", "10")
+        kg.ok("config", "set", "max_queued_per_source", "2")
+        r = await c.call_tool("delegate", {"name": "t5", "command": ["true"], "source": "pm"})
+        assert not r.is_error and not r.structured_content["admitted"]
+        assert r.structured_content["rejected"].startswith("source pm already has 2 queued tasks (limit 2)")
+        r = await c.call_tool("delegate", {"name": "t5", "command": ["true"], "source": "bob"})
+        assert r.structured_content["admitted"] and "position 3 of 3" in text(r)
+
+
+async def test_concurrent_delegates_are_admitted_as_if_one_after_the_other(kg):
+    """Calls in flight share transactions (one fsync'd write per batch): each still gets
+    its own answer, as sequential calls would have."""
+    kg.config(autostart=False, max_agents=2, max_queue=10,
+              agents={"pf": {"command": ["cat", "{prompt_file}"]}})
+    names = [f"t{i:02}" for i in range(16)] + ["t05"]
+    results: dict[int, object] = {}
+    async with connect(kg) as c:
+        async def one(i: int, name: str) -> None:
+            args = {"name": name, "agent": "pf", "prompt": f"prompt of call {i}"} if i % 3 == 0 else \
+                {"name": name, "command": ["true"]}
+            results[i] = await c.call_tool("delegate", args)
+
+        async with anyio.create_task_group() as tg:
+            for i, name in enumerate(names):
+                tg.start_soon(one, i, name)
+    admitted = {i: r.structured_content["task"] for i, r in results.items()
+                if not r.is_error and r.structured_content["admitted"]}
+    rejected = [r for r in results.values() if not r.is_error and not r.structured_content["admitted"]]
+    errors = [r for r in results.values() if r.is_error]
+    assert len(admitted) == 12  # 2 slots + 10 queued
+    assert all(r.structured_content["rejected"].startswith("queue full: 10/10 waiting") for r in rejected)
+    assert all("a task named 't05' is already queued or running" in text(r) for r in errors)
+    assert len(admitted) + len(rejected) + len(errors) == len(names)
+    assert sum(1 for t in admitted.values() if t["name"] == "t05") <= 1
+    index = kg.index()
+    assert sorted(t["id"] for t in index["active"] + index["queued"]) == sorted(t["id"] for t in admitted.values())
+    order = {t["id"]: pos for pos, t in enumerate(index["queued"], 1)}  # fifo: the queue is in start order
+    for i, task in admitted.items():
+        assert task["name"] == names[i]  # each call got its own task
+        assert task["position"] == order.get(task["id"])  # as of its admission: later ones are behind it
+        assert (task["state"] == "running") == (task["position"] is None)
+        assert task["command"] == (["cat", str(kg.home.prompt_file(task["id"]))] if i % 3 == 0 else ["true"])
+        if i % 3 == 0:
+            assert kg.home.prompt_file(task["id"]).read_text() == f"prompt of call {i}"
+    assert len({t["slot"] for t in admitted.values() if t["slot"]}) == 2
+    queued = kg.events("queued")
+    assert [e["task"] for e in queued] == sorted(t["id"] for t in admitted.values())
+    # ... and calls in flight went in together: a transaction's events share its time.
+    assert len({e["at"] for e in queued}) < len(queued)
+
+
+# ---- wait: progress and cancellation --------------------------------------------------------
+
+
+async def test_wait_sends_progress_as_state_and_position_change(kg, tmp_path):
+    kg.config(max_agents=1)
+    gate_a, gate_c = tmp_path / "gate-a", tmp_path / "gate-c"
+    seen: list[tuple[float, str]] = []
+
+    async def progress(value, total, message):
+        seen.append((value, message))
+
+    async with connect(kg) as c:
+        await c.call_tool("delegate", {"name": "a", "command": gated(gate_a)})
+        await c.call_tool("delegate", {"name": "b", "command": ["true"]})
+        await c.call_tool("delegate", {"name": "c", "command": gated(gate_c)})
+        result = {}
+
+        async def waiter():
+            result["r"] = await c.call_tool("wait", {"tasks": ["c"]}, progress_callback=progress)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await until(lambda: seen, what="the first progress")
+            assert seen[0][1] == "0 of 1 final: c queued, position 2"
+            await anyio.to_thread.run_sync(kg.ok, "cancel", "b")
+            await until(lambda: "c queued, position 1" in seen[-1][1], what="c to move up")
+            gate_a.touch()
+            await until(lambda: "c running (slot 1)" in seen[-1][1], what="c to start")
+            gate_c.touch()
+        r = result["r"]
+    messages = [m for _, m in seen]
+    assert messages[-1] == "1 of 1 final: c succeeded"
+    values = [v for v, _ in seen]
+    assert values == sorted(set(values)), "progress must increase with each notification"
+    assert text(r) == "c (#3) succeeded" and r.structured_content["all_succeeded"]
+
+
+async def test_cancelling_wait_stops_waiting_and_never_touches_the_task(kg, tmp_path):
+    gate = tmp_path / "gate"
+    seen = []
+
+    async def progress(value, total, message):
+        seen.append(message)
+
+    async with connect(kg) as c:
+        await c.call_tool("delegate", {"name": "a", "command": gated(gate)})
+        task = await until(lambda: (t := kg.task("a"))["pid"] and t, what="a to run")
+        server = mcp_server_pid(kg)
+        assert pidfds(server) == 0
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: c.call_tool("wait", {"tasks": ["a"]}, progress_callback=progress))
+                await until(lambda: seen, what="the wait to report")
+                # It waits on a's process (a pidfd), not by polling.
+                await until(lambda: pidfds(server) == 1, what="the wait to watch a's process")
+                scope.cancel()
+        assert scope.cancelled_caught
+        # The server stopped waiting: it lets go of a's process while a still runs.
+        await until(lambda: pidfds(server) == 0, what="the cancelled wait to let go of a's process")
+        r = await c.call_tool("status", {"task": "a"})
+        assert (r.structured_content["state"], r.structured_content["pid"]) == ("running", task["pid"])
+        assert r.structured_content["reason"] is None and not kg.events("cancelled")
+        gate.touch()
+        r = await c.call_tool("wait", {"tasks": ["a"], "timeout": "30s"})
+        assert r.structured_content["all_succeeded"]
+
+
+# ---- a PM agent's day ------------------------------------------------------------------------
+
+
+async def test_pm_scenario_delegates_backs_off_waits_and_reads_the_failed_log(kg, tmp_path):
+    """Capacity 2, max_queue 4, eight issues: what INSTRUCTIONS tell a PM agent to do."""
+    kg.config(max_agents=2, max_queue=4)
+    gate = tmp_path / "gate"  # the work takes time: all of it ends when the gate opens
+    issues = [f"issue-{i}" for i in range(1, 9)]
+
+    def agent(name: str) -> list[str]:
+        code = 3 if name == "issue-5" else 0
+        script = ('echo "start $(date +%s.%N)" >> "$2"; echo "$1: working";'
+                  ' while [ ! -e "$0" ]; do sleep 0.02; done;'
+                  f' echo "$1: {"tests failed" if code else "done"}"; echo "end $(date +%s.%N)" >> "$2"; exit {code}')
+        return ["sh", "-c", script, str(gate), name, str(kg.rec / name)]
+
+    rejected = []
+    async with connect(kg) as c:
+        cap = (await c.call_tool("capacity", {})).structured_content
+        assert (cap["free"], cap["max_queue"]) == (2, 4)
+        pending = list(issues)
+        delegated: list[str] = []
+        while pending:
+            name = pending[0]
+            r = await c.call_tool("delegate", {"name": name, "source": "pm", "command": agent(name)})
+            assert not r.is_error, text(r)
+            if r.structured_content["admitted"]:
+                delegated.append(pending.pop(0))
+                continue
+            rejected.append((name, r.structured_content["rejected"]))
+            # Back off: instead of retrying at once, wait for the oldest of its own tasks not
+            # yet waited for (the work goes on meanwhile: here, its gate opens).
+            gate.touch()
+            r = await c.call_tool("wait", {"tasks": [delegated[len(rejected) - 1]], "timeout": "60s"})
+            assert r.structured_content["done"]
+        r = await c.call_tool("wait", {"tasks": issues, "timeout": "120s"})
+        out = r.structured_content
+        assert out["done"] and not out["all_succeeded"]
+        states = {t["name"]: t["state"] for t in out["tasks"]}
+        assert states == {name: "failed" if name == "issue-5" else "succeeded" for name in issues}
+        assert "issue-5 (#5) failed: exit code 3 (read its logs)" in text(r)
+        log = await c.call_tool("logs", {"task": "issue-5"})
+        assert text(log) == "issue-5: working\nissue-5: tests failed\n"
+    # 2 running and 4 queued: the 7th was refused, and none was lost or run twice.
+    assert rejected and rejected[0] == ("issue-7", "queue full: 4/4 waiting, 2/2 running; try again when a task"
+                                        " finishes (`kugetsu capacity`)")
+    spans = [kg.times(name) for name in issues]
+    assert all(set(s) == {"start", "end"} for s in spans)
+    for s in spans:  # at most 2 at once: no start while two others were in their span
+        assert sum(1 for o in spans if o["start"] <= s["start"] < o["end"]) <= 2
+
+
+# ---- resources -------------------------------------------------------------------------------
+
+
+async def test_resources_read_and_notify_subscribers_when_they_change(kg, tmp_path):
+    gate = tmp_path / "gate"
+    updates: list[str] = []
+
+    async def on_message(message):
+        if isinstance(message, ResourceUpdatedNotification):
+            updates.append(message.params.uri)
+
+    async with connect(kg, message_handler=on_message) as c:
+        await c.call_tool("delegate", {"name": "a", "command": gated(gate)})
+        resources = [str(r.uri) for r in (await c.list_resources()).resources]
+        templates = [t.uri_template for t in (await c.list_resource_templates()).resource_templates]
+        assert resources == ["kugetsu://queue"] and templates == ["kugetsu://task/{task}"]
+        await until(lambda: kg.task("a")["pid"], what="a's pid")
+        queue = json.loads((await c.read_resource("kugetsu://queue")).contents[0].text)
+        assert queue == kg.json("queue")
+        task = json.loads((await c.read_resource("kugetsu://task/a")).contents[0].text)
+        assert task == kg.json("status", "a")
+        with pytest.raises(mcp.MCPError, match="no task 'nope'"):
+            await c.read_resource("kugetsu://task/nope")
+        with warnings.catch_warnings():  # resources/subscribe is what 2025-era clients (Claude Code, opencode) send
+            warnings.simplefilter("ignore")
+            await c.subscribe_resource("kugetsu://task/a")
+            await c.subscribe_resource("kugetsu://task/2")
+        assert not updates
+        gate.touch()
+        await until(lambda: "kugetsu://task/a" in updates, what="a's update")
+        assert "kugetsu://task/2" not in updates and "kugetsu://queue" not in updates  # not subscribed, or unchanged
+        await c.call_tool("delegate", {"name": "b", "command": ["true"]})
+        await until(lambda: "kugetsu://task/2" in updates, what="the update of #2, which did not exist before")
+
+
+async def test_resources_notify_listen_streams_of_the_2026_protocol(kg, tmp_path):
+    gate = tmp_path / "gate"
+    async with connect(kg, mode="auto") as c:
+        assert c.protocol_version >= "2026"
+        await c.call_tool("delegate", {"name": "a", "command": gated(gate)})
+        events = []
+        async with c.listen(resource_subscriptions=["kugetsu://task/1", "kugetsu://queue"]) as sub:
+            gate.touch()
+            with anyio.fail_after(20):
+                async for event in sub:
+                    events.append(event.uri)
+                    if event.uri == "kugetsu://task/1":
+                        break
+        assert "kugetsu://task/1" in events
+        r = await c.call_tool("status", {"task": "a"})
+        assert r.structured_content["state"] == "succeeded"
+
+
+# ---- HTTP --------------------------------------------------------------------------------------
+
+
+def start_http(kg, *args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "kugetsu", "mcp", *args], env=kg.env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    line = ""
+    while time.monotonic() < deadline and proc.poll() is None:
+        if select.select([proc.stderr], [], [], 0.5)[0]:
+            line = proc.stderr.readline()
+            if m := re.search(r"at (http://\S+/mcp)", line):
+                return proc, m.group(1).replace("0.0.0.0", "127.0.0.1")
+    proc.kill()
+    raise AssertionError(f"kugetsu mcp --http did not come up: {line}{proc.stderr.read()}")
+
+
+def post(url: str, token: str | None) -> int:
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "ping"}).encode()
+    headers = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
+    if token is not None:
+        headers["authorization"] = f"Bearer {token}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, body, headers, method="POST"), timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+@pytest.mark.parametrize("bind", ["127.0.0.1:0", "0.0.0.0:0 --allow-remote"])
+async def test_http_needs_the_bearer_token(kg, bind):
+    kg.config(autostart=False)
+    token = "t0k3n-" + os.urandom(8).hex()
+    kg.ok("config", "set", "mcp.token", "-", input=token)
+    assert token not in kg.ok("config", "show") and token not in kg.ok("config", "get", "mcp.token")
+    proc, url = start_http(kg, "--http", *bind.split())
+    try:
+        assert await anyio.to_thread.run_sync(post, url, None) == 401
+        assert await anyio.to_thread.run_sync(post, url, "wrong") == 401
+        assert await anyio.to_thread.run_sync(post, url, token[:-1]) == 401
+        headers = {"Authorization": f"Bearer {token}"}
+        async with Client(streamable_http_client(url, http_client=create_mcp_http_client(headers=headers)),
+                          mode="legacy") as c:
+            r = await c.call_tool("delegate", {"name": "h", "command": ["true"], "cwd": str(kg.rec)})
+            assert text(r) == "started h (#1), slot 1/3"
+            assert (await c.call_tool("capacity", {})).structured_content == kg.json("capacity")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--http", "0.0.0.0:8765"], "refusing to listen on 0.0.0.0, which is not a loopback address"),
+    (["--http", "192.0.2.7:8765"], "refusing to listen on 192.0.2.7"),
+    (["--http", "example.com:8765"], "refusing to listen on example.com"),
+    (["--http", "127.0.0.1"], "expected HOST:PORT"),
+    (["--http", "127.0.0.1:8765"], "needs a bearer token"),  # none set
+    (["--allow-remote"], "--allow-remote goes with --http"),
+])
+def test_http_refuses_remote_binds_and_a_missing_token(kg, args, message):
+    r = kg.run("mcp", *args, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+    if "needs a bearer token" in message:
+        assert "kugetsu config set mcp.token -" in r.stderr
+
+
+def test_without_the_sdk_it_says_how_to_install(kg):
+    hide = "import sys; sys.modules['mcp'] = None; from kugetsu.cli import main; sys.exit(main(['mcp']))"
+    r = subprocess.run([sys.executable, "-c", hide], env=kg.env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "kugetsu mcp needs the MCP Python SDK (mcp>=2.3,<3)" in r.stderr and "pip install" in r.stderr
+    assert "Traceback" not in r.stderr
