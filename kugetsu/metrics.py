@@ -153,8 +153,10 @@ class Metrics:
             self.finished.labels(state=t.state.value).inc()
             if t.started_at is not None and t.finished_at is not None:
                 self.run.observe(max(0.0, (t.finished_at - t.started_at).total_seconds()))
-        # Promoted: queued at the last look. Freed: held a slot at the last look.
-        self._promotions([t for t in started if before.get(t.id) is False], [t for t in ended if before.get(t.id)])
+        # Promoted: queued at the last look. Freed: held a slot, also one taken since the last
+        # look (a short task started and ended inside one held commit frees the slot it took).
+        self._promotions([t for t in started if before.get(t.id) is False],
+                         [t for t in ended if before.get(t.id) or (t.id in before and t.started_at is not None)])
 
     def _new_finals(self, index: Index, before: dict[int, bool], live: dict[int, bool]) -> list[Task]:
         """Tasks final since the last look. New ones are at the end of `finished`; a task
