@@ -504,7 +504,7 @@ async def test_http_needs_the_bearer_token(kg, bind):
     (["--http", "0.0.0.0:8765"], "refusing to listen on 0.0.0.0, which is not a loopback address"),
     (["--http", "192.0.2.7:8765"], "refusing to listen on 192.0.2.7"),
     (["--http", "example.com:8765"], "refusing to listen on example.com"),
-    (["--http", "127.0.0.1"], "expected HOST:PORT"),
+    (["--http", "127.0.0.1"], "is not HOST:PORT, e.g. 127.0.0.1:8765"),
     (["--http", "127.0.0.1:8765"], "needs a bearer token"),  # none set
     (["--allow-remote"], "--allow-remote goes with --http"),
 ])

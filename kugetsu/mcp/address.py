@@ -3,10 +3,9 @@ a refused address or a missing token is said before the SDK is imported."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 
-from kugetsu.config import load_config
+from kugetsu.config import is_loopback, load_config, parse_address
 from kugetsu.errors import UsageError
 from kugetsu.paths import Home
 
@@ -18,25 +17,16 @@ def parse(text: str, allow_remote: bool) -> tuple[str, int]:
     """HOST:PORT ([::1]:PORT for IPv6; port 0 picks a free one). Only a loopback address
     unless `allow_remote`: anyone who reaches the port can run commands as you (a delegated
     task is a command), the token being all that stands in the way."""
-    host, sep, port = text.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
-        raise UsageError(f"--http {text!r}: expected HOST:PORT, e.g. 127.0.0.1:8765")
-    if not allow_remote and not _loopback(host):
+    try:
+        host, port = parse_address(text, "--http", "127.0.0.1:8765")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if not allow_remote and not is_loopback(host):
         raise UsageError(
             f"--http {text}: refusing to listen on {host}, which is not a loopback address: anyone who can reach it"
             " could delegate commands that run as you. Use 127.0.0.1 (clients on this machine), or add"
             " --allow-remote if you mean it (behind TLS, with a strong mcp.token)")
-    return host, int(port)
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve anywhere
-        return False
+    return host, port
 
 
 def token(home: Home) -> str:
