@@ -220,7 +220,7 @@ async def test_queue_full_is_a_normal_result_that_says_to_back_off(kg):
         assert not r.is_error  # back-pressure, not a failure: exit 3 for the CLI
         assert r.structured_content == {
             "admitted": False, "task": None, "retry_after": 60,
-            "rejected": "queue full: 2/2 waiting, 1/1 running; try again when a task finishes (`kugetsu capacity`)"}
+            "rejected": "queue full: 2/2 waiting, 1/1 running; try again when a task finishes"}
         assert text(r).startswith("rejected: queue full: 2/2 waiting") and "Nothing was queued" in text(r)
         assert "try again in about 60s" in text(r) and "do not retry at once" in text(r)
         assert [t["name"] for t in kg.index()["queued"]] == ["t2", "t3"]
@@ -389,7 +389,7 @@ async def test_pm_scenario_delegates_backs_off_waits_and_reads_the_failed_log(kg
         assert text(log) == "issue-5: working\nissue-5: tests failed\n"
     # 2 running and 4 queued: the 7th was refused, and none was lost or run twice.
     assert rejected and rejected[0] == ("issue-7", "queue full: 4/4 waiting, 2/2 running; try again when a task"
-                                        " finishes (`kugetsu capacity`)")
+                                        " finishes")
     spans = [kg.times(name) for name in issues]
     assert all(set(s) == {"start", "end"} for s in spans)
     for s in spans:  # at most 2 at once: no start while two others were in their span
