@@ -198,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         return error.code
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _fix(err: KugetsuError) -> str:
     """How to fix an error, in the CLI's terms (pm's errors name no flag: each front end words it)."""
     from kugetsu import errors as E
@@ -405,7 +409,7 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
 
         index = Store(home).read()
         print(f"ok: {home.config} ({'defaults' if not home.config.exists() else 'valid'}),"
-              f" {home.index} ({len(index.all_tasks())} tasks)")
+              f" {home.index} ({_count(len(index.all_tasks()), 'task')})")
         return OK
     if args.action in ("set", "unset"):
         value = None if args.action == "unset" else parse_value(_stdin_value(args.key) if args.value == "-" else args.value)

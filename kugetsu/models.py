@@ -39,7 +39,8 @@ class TaskState(str, enum.Enum):
 
 
 def valid_name(name: str) -> bool:
-    return bool(_NAME_RE.match(name))
+    """A task name: NAME_PATTERN, and not digits only (that reads as an id: `cancel 18`)."""
+    return bool(_NAME_RE.match(name)) and not name.isdigit()
 
 
 class Task(msgspec.Struct, kw_only=True):

@@ -231,6 +231,11 @@ def resolve_agent(cfg: Config, req: Request) -> tuple[str | None, list[str], dic
 
 def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task, list[Event]]:
     """Add a task to the queue, or refuse. Raises before changing anything."""
+    if req.name is not None and req.name.isascii() and req.name.isdigit():
+        raise UsageError(
+            f"invalid task name {req.name!r}: a name of digits only would be read as task #{req.name};"
+            f" add a letter, e.g. issue-{req.name}"
+        )
     if req.name is not None and not valid_name(req.name):
         raise UsageError(
             f"invalid task name {req.name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -299,7 +304,7 @@ def set_priority(index: Index, task: Task, level: str, now: datetime) -> list[Ev
         raise UsageError(f"invalid priority {level!r}; choose one of {', '.join(PRIORITIES)}")
     if task.state is not TaskState.QUEUED:
         raise UsageError(
-            f"task {task.name} (#{task.id}) is {task.state.value}; only a queued task's priority can change", code=1
+            f"task {task.name} (#{task.id}) {_stands(task)}; only a queued task's priority can change", code=1
         )
     if task.priority == level:
         return []
@@ -429,7 +434,7 @@ def cancel(index: Index, task: Task, now: datetime, grace: float, reason: str = 
     """queued: cancelled at once. running: marked to stop; the caller sends SIGTERM to its
     process group now and SIGKILL at `kill_at`; it becomes final when its process is gone."""
     if task.state.final:
-        raise UsageError(f"task {task.name} (#{task.id}) is already {task.state.value}", code=1)
+        raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}", code=1)
     if task.state is TaskState.QUEUED:
         index.queued.remove(task)
         task.reason = reason
@@ -646,3 +651,11 @@ def settle(index: Index, cfg: Config, now: datetime, resources: Resources | None
 def start_failed(index: Index, task: Task, now: datetime, code: int, reason: str) -> list[Event]:
     """Its process could not be started (or its worktree made): it ends, and frees its slot."""
     return finish(index, task, now, code, reason)
+
+
+def _stands(task: Task) -> str:
+    """How a task stands, in words: 'is running', 'is already cancelled', 'has already
+    succeeded' (not 'is succeeded')."""
+    if task.state in (TaskState.SUCCEEDED, TaskState.FAILED):
+        return f"has already {task.state.value}"
+    return f"is already {task.state.value}" if task.state.final else f"is {task.state.value}"

@@ -406,3 +406,20 @@ def test_no_agent_left_behind_after_cleanup(kg):
     assert agent_wrappers(kg.home)
     kg.cleanup()
     wait_for(lambda: not agent_wrappers(kg.home), timeout=5, what="wrappers gone")
+
+
+def test_all_digit_names_are_refused_and_ids_take_a_hash(kg):
+    """A name of digits only would be read as an id (`cancel 18` hit task #18)."""
+    kg.config(max_agents=1, autostart=False)
+    r = kg.run("delegate", "18", "--", "true")
+    assert r.returncode == 2 and "digits only" in r.stderr and "issue-18" in r.stderr, r
+    assert not kg.home.index.exists() or not kg.index()["queued"] + kg.index()["active"]
+    kg.ok("delegate", "x", "--", "true")
+    assert kg.task("#1")["name"] == "x"
+    r = kg.run("priority", "x", "high")  # running (the CLI gave it the slot): grammar of its state
+    assert r.returncode == 1 and "task x (#1) is running" in r.stderr, r
+    kg.ok("serve", "--detach")
+    kg.wait_state("x", "succeeded")
+    r = kg.run("cancel", "#1")
+    assert r.returncode == 1 and "task x (#1) has already succeeded" in r.stderr, r
+    assert "(1 task)" in kg.ok("config", "check")
