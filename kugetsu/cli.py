@@ -252,6 +252,12 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
             raise UsageError(f"cannot read --prompt-file: {err}") from None
         except UnicodeDecodeError as err:
             raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    if prompt == "":
+        raise UsageError("the prompt is empty: an agent given nothing to do would start for nothing;"
+                         " give --prompt TEXT with the task in it")
+    if prompt is not None and args.argv_command and not args.agent:
+        print("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"
+              " in its arguments, or drop the command to run the agent preset)", file=sys.stderr)
     req = pm.Request(
         cwd=os.path.abspath(args.cwd or os.getcwd()),
         name=args.name,

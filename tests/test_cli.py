@@ -423,3 +423,11 @@ def test_all_digit_names_are_refused_and_ids_take_a_hash(kg):
     r = kg.run("cancel", "#1")
     assert r.returncode == 1 and "task x (#1) has already succeeded" in r.stderr, r
     assert "(1 task)" in kg.ok("config", "check")
+
+
+def test_an_empty_prompt_is_refused_and_an_unused_one_is_said(kg):
+    kg.config(autostart=False)
+    r = kg.run("delegate", "e", "--prompt", "", "--", "true")
+    assert r.returncode == 2 and "the prompt is empty" in r.stderr and not kg.home.index.exists(), r
+    r = kg.run("delegate", "u", "--prompt", "hi", "--", "echo", "x")
+    assert r.returncode == 0 and "warning: the prompt is not used" in r.stderr, r

@@ -302,7 +302,7 @@ def test_a_full_disk_is_one_clear_line_exit_1_and_leaves_nothing(small_tmpfs, tm
     config, index = k.home.config.read_bytes(), k.home.index.read_bytes()
     _fill(small_tmpfs)
     for args, what in ((("config", "set", "max_agents", "5"), "config.json"),
-                       (("delegate", "x", "--prompt", "p" * 5000, "--", "true"), "index.json"),
+                       (("delegate", "x", "--", "true", "p" * 5000), "index.json"),
                        (("delegate", "y", "--agent", "filer", "--prompt", "p"), ".prompt"),
                        (("delegate", "z", "--agent", "filer", "--prompt", "p"), "index.json")):
         if args[1] == "z":  # room for the prompt file (one page), none for the index: the commit fails

@@ -246,7 +246,7 @@ def test_prompts_pass_verbatim_or_clear_error(fz, tmp_path: Path):
     prompts = [
         "; rm -rf ~", "$(touch pwned)", "`touch pwned`", "a && b || c | d > e < f & g", "'single' \"double\" \\back",
         "line1\nline2\r\n\ttab", "".join(chr(c) for c in range(1, 32)) + "\x7f", "{name} {id} {prompt} {}",
-        "-rf", "--help", "--", "😀 漢字 émoji", "%s %d %n", "*", "~", "$HOME ${PATH} $0 $1", " ", "",
+        "-rf", "--help", "--", "😀 漢字 émoji", "%s %d %n", "*", "~", "$HOME ${PATH} $0 $1", " ",
         "x" * 100_000, "é" * 60_000,
     ]
     prompts += [random_text(rng, rng.randint(1, 300)) for _ in range(size(6, 200))]
@@ -264,8 +264,9 @@ def test_prompts_pass_verbatim_or_clear_error(fz, tmp_path: Path):
     wait_for(lambda: len(list(out.iterdir())) == len(sent), 60, "every agent to record its argv")
     # The service still commits the last finishes; "nothing written" is only checkable after.
     wait_for(lambda: settled(fz), 30, "every task to finish and its events to be appended")
-    # Too big for one argv element, or holding a NUL: refused at admission, nothing written.
-    for i, (bad, names) in enumerate([(b"x" * 140_000, "argument"), (b"a\x00b", "argument"), (b"\xff\xfe", "UTF-8")]):
+    # Too big for one argv element, holding a NUL, or empty: refused at admission, nothing written.
+    for i, (bad, names) in enumerate([(b"x" * 140_000, "argument"), (b"a\x00b", "argument"), (b"\xff\xfe", "UTF-8"),
+                                      (b"", "empty")]):
         f = tmp_path / f"bad{i}"
         f.write_bytes(bad)
         before = snapshot(fz)
