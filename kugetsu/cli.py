@@ -163,7 +163,10 @@ def _no_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole parser, or (with `only`) just the top level and that one command."""
+    from kugetsu import __version__
+
     p = argparse.ArgumentParser(prog="kugetsu", description="Capacity manager for parallel AI coding agents.")
+    p.add_argument("--version", action="version", version=f"kugetsu {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (help_text, add_args, _) in COMMANDS.items():
         if only is None or name == only:
@@ -273,6 +276,7 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         base=args.base,
     )
     adm = ops.delegate(home, cfg, req)
+    _priority_ignored(cfg.strategy, args.priority)
     if args.json:
         print(to_json(ops.task_json(adm.task, adm.position)))
     else:
@@ -341,6 +345,10 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     elif f is not None:
         out.write(f.read())
     out.flush()
+    if args.follow and task.state is TaskState.QUEUED:  # nothing to show until it starts: say why
+        cfg, index = ops.read(home)
+        position = pm.positions(index, cfg, ops.now()).get(task.id)
+        print(f"(waiting: {task.name} is queued" + (f", position {position})" if position else ")"), file=sys.stderr)
     while args.follow:
         task = pm.find(store.read(), str(task.id))
         if f is None and path.exists():
@@ -379,8 +387,16 @@ def cmd_wait(home: Home, args: argparse.Namespace) -> int:
     return FAILURE if bad else OK
 
 
+def _priority_ignored(cfg_strategy: str, level: str) -> None:
+    """Under `fifo` a priority changes nothing: say so rather than let it look obeyed."""
+    if cfg_strategy == "fifo" and level != "normal":
+        print("kugetsu: note: priority is ignored under strategy fifo (`kugetsu config set strategy priority`"
+              " makes it count)", file=sys.stderr)
+
+
 def cmd_priority(home: Home, args: argparse.Namespace) -> int:
     task, position = ops.set_priority(home, args.task, args.level)
+    _priority_ignored(load_config(home).strategy, args.level)
     if args.json:
         print(to_json(ops.task_json(task, position)))
     else:

@@ -431,3 +431,22 @@ def test_an_empty_prompt_is_refused_and_an_unused_one_is_said(kg):
     assert r.returncode == 2 and "the prompt is empty" in r.stderr and not kg.home.index.exists(), r
     r = kg.run("delegate", "u", "--prompt", "hi", "--", "echo", "x")
     assert r.returncode == 0 and "warning: the prompt is not used" in r.stderr, r
+
+
+def test_version_priority_under_fifo_and_following_a_queued_task(kg):
+    from kugetsu import __version__
+
+    assert kg.ok("--version").strip() == f"kugetsu {__version__}"
+    kg.config(max_agents=1, autostart=False)
+    r = kg.run("delegate", "hold", "--priority", "high", "--", "true")
+    assert r.returncode == 0 and "priority is ignored under strategy fifo" in r.stderr, r
+    kg.ok("delegate", "next", "--", "true")
+    r = kg.run("priority", "next", "urgent")
+    assert r.returncode == 0 and "priority is ignored under strategy fifo" in r.stderr, r
+    follow = subprocess.Popen([sys.executable, "-m", "kugetsu", "logs", "--follow", "next"], env=kg.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert follow.stderr.readline().strip() == "(waiting: next is queued, position 1)"
+    finally:
+        follow.kill()
+        follow.wait()
