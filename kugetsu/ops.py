@@ -411,4 +411,6 @@ def task_json(task: Task, position: int | None) -> dict[str, Any]:
     out = {k: out[k] for k in ("id", "name", "state")} | {"position": position} | {
         k: v for k, v in out.items() if k not in _PRIVATE_FIELDS
     }
+    # `pid` is the wrapper's (its process group is the task's); `agent_pid` the agent's own.
+    out["agent_pid"] = runner.agent_pid(task.pid, task.pid_start) if task.state is TaskState.RUNNING else None
     return out

@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from kugetsu.config import format_duration, format_size
+from kugetsu import runner
 from kugetsu.models import Task
 from kugetsu.pm import Capacity
 
@@ -42,7 +43,7 @@ def summary(cap: Capacity) -> str:
 def running_table(tasks: list[Task], now: datetime) -> str:
     rows = [
         [str(t.slot or "-"), str(t.id), t.name, t.source, t.agent or "-", since(t.started_at, now),
-         str(t.pid or "starting"), "stopping" if t.stop else ""]
+         str(runner.agent_pid(t.pid, t.pid_start) or t.pid or "starting"), "stopping" if t.stop else ""]
         for t in tasks
     ]
     headers = ["SLOT", "ID", "NAME", "SOURCE", "AGENT", "ELAPSED", "PID", ""]

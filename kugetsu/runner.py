@@ -159,6 +159,19 @@ def has_children(pid: int) -> bool:
         return False
 
 
+def agent_pid(wrapper: int | None, start: int | None) -> int | None:
+    """The agent's pid: the child of the task's wrapper (the pid kugetsu records is the
+    wrapper's, which outlives the agent to record its status), while both run."""
+    if wrapper is None or not alive(wrapper, start):
+        return None
+    try:
+        with open(f"/proc/{wrapper}/task/{wrapper}/children", "rb") as f:
+            children = f.read().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
+
+
 def read_exit(home: Home, task_id: int) -> int | None:
     """The agent's exit status as its wrapper recorded it, or None (no file, or blanks)."""
     try:

@@ -450,3 +450,16 @@ def test_version_priority_under_fifo_and_following_a_queued_task(kg):
     finally:
         follow.kill()
         follow.wait()
+
+
+def test_status_shows_the_agents_own_pid_beside_the_wrappers(kg):
+    kg.config(max_agents=1)
+    mine = kg.rec / "pid"
+    gate = kg.rec / "go"
+    kg.ok("delegate", "shown", "--", "sh", "-c", f'echo $$ > {mine}; while [ ! -e {gate} ]; do sleep 0.05; done')
+    wait_for(lambda: mine.exists() and mine.read_text().strip(), what="the agent to record its pid")
+    task = kg.task("shown")
+    assert task["agent_pid"] == int(mine.read_text()) and task["pid"] != task["agent_pid"]
+    assert re.search(rf"\b{task['agent_pid']}\b", kg.ok("queue"))
+    gate.touch()
+    assert kg.wait_state("shown", "succeeded")["agent_pid"] is None

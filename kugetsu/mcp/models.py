@@ -44,7 +44,7 @@ class TaskOut(BaseModel):
     finished_at: OptStr
     expires_at: OptStr = Field(description="a queued task not started by then expires")
     exit_code: OptInt
-    pid: OptInt
+    pid: OptInt = Field(description="the task's wrapper (its process group is the task's)")
     log: OptStr = Field(description="the file holding its stdout and stderr (the logs tool reads it)")
     reason: OptStr = Field(description="why it ended, in words (exit code, cancelled, timed out, ...)")
     prompt: OptStr
@@ -54,6 +54,7 @@ class TaskOut(BaseModel):
     base: OptStr
     branch: OptStr = Field(description="worktree tasks: the branch its work is on")
     worktree: OptStr
+    agent_pid: OptInt = Field(description="while running: the agent's own pid")
     base_commit: OptStr
     worktree_state: Annotated[Literal["active", "kept", "removed", "pruned"] | None,
                               WithJsonSchema({"enum": ["active", "kept", "removed", "pruned", None]})]
