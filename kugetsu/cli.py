@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from kugetsu import control, ops, pm, runner
 from kugetsu.config import format_duration, get_value, load_config, parse_duration, parse_value
@@ -161,13 +161,29 @@ def _no_args(p: argparse.ArgumentParser) -> None:
     pass
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors worded like kugetsu's others: one line saying what was wrong and
+    where the options are, exit 2 (not a usage dump and `error: argument ...`)."""
+
+    def error(self, message: str) -> NoReturn:
+        import re
+
+        message = re.sub(r"^argument ([^:]+): ", r"\1: ", message)
+        if message.endswith("expected one argument"):
+            message = message.replace("expected one argument", "needs a value after it (a value starting with '-'"
+                                      " must be written --option=VALUE)")
+        if message.startswith("unrecognized arguments:"):
+            message = f"{message} (a value with spaces needs quotes; a command to run goes after --)"
+        self.exit(2, f"kugetsu: {message}; `{self.prog} --help` lists the options\n")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole parser, or (with `only`) just the top level and that one command."""
     from kugetsu import __version__
 
-    p = argparse.ArgumentParser(prog="kugetsu", description="Capacity manager for parallel AI coding agents.")
+    p = _Parser(prog="kugetsu", description="Capacity manager for parallel AI coding agents.")
     p.add_argument("--version", action="version", version=f"kugetsu {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     for name, (help_text, add_args, _) in COMMANDS.items():
         if only is None or name == only:
             add_args(sub.add_parser(name, help=help_text, description=help_text))

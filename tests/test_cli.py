@@ -463,3 +463,16 @@ def test_status_shows_the_agents_own_pid_beside_the_wrappers(kg):
     assert re.search(rf"\b{task['agent_pid']}\b", kg.ok("queue"))
     gate.touch()
     assert kg.wait_state("shown", "succeeded")["agent_pid"] is None
+
+
+@pytest.mark.parametrize("args, says", [
+    (["delegate", "x", "--timeout", "-5s", "--", "true"], "--timeout: needs a value after it"),
+    (["delegate", "x", "--expire-after", "10", "minutes", "--", "true"], "unrecognized arguments: minutes"),
+    (["bogus"], "invalid choice: 'bogus'"),
+])
+def test_argument_errors_are_one_line_like_the_others(kg, args, says):
+    r = kg.run(*args)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr.startswith("kugetsu: ") and says in r.stderr and "--help` lists the options" in r.stderr, r
+    assert r.stderr.count("\n") == 1 and "usage:" not in r.stderr
+    assert not kg.home.index.exists()
