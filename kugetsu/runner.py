@@ -364,12 +364,6 @@ def scan_token(token: str) -> dict[int, int]:
     return found
 
 
-def find_wrapper(home: Home, task_id: int, token: str | None) -> tuple[int, int] | None:
-    """(pid, start) of a living wrapper of this task that is truly ours. Used at service
-    start, for a task whose spawn was not recorded because its spawner died."""
-    return find_wrappers(home, {task_id: token}).get(task_id)
-
-
 def find_wrappers(home: Home, tokens: dict[int, str | None]) -> dict[int, tuple[int, int]]:
     """task id -> (pid, start) of this home's living wrappers, for the tasks in `tokens`:
     one pass over /proc. The marker on the command line only finds candidates; a candidate
