@@ -291,7 +291,15 @@ class Service:
         wrapper another service spawned (its orphans went elsewhere): that takes a look."""
         spawned_here = task.pid in self.children or task.pid in self.returncodes
         code, reason = self._exit_status(task)
-        clean = spawned_here and (task.id in self._clean_exits or not self._leftovers_possible(task))
+        if spawned_here:
+            clean = task.id in self._clean_exits or not self._leftovers_possible(task)
+        elif self._first_tick and task.token:
+            # At start-up, an agent that ended while no service ran: look now (one pass over
+            # /proc, before anything else runs), so that a start recovered from the crash in
+            # this same tick is booked after the end that freed its slot, never beside it.
+            clean = not runner.scan_token(task.token)
+        else:
+            clean = False
         if not clean:
             log.info("%s (#%d) ended (%s); ending what it left running", task.name, task.id, code)
         return pm.Exit(task.id, code, reason, leftovers=not clean)

@@ -53,8 +53,15 @@ def gated(gate: Path, *lines: str, code: int = 0) -> list[str]:
     return ["sh", "-c", script, str(gate), *lines]
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # it exited since it was listed
+        return b""
+
+
 def mcp_server_pid(kg) -> int:
-    pids = [p for p in processes_under(kg.home.root) if b"mcp" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
+    pids = [p for p in processes_under(kg.home.root) if b"mcp" in _cmdline(p).split(b"\0")]
     assert len(pids) == 1, pids
     return pids[0]
 
