@@ -340,9 +340,9 @@ def cmd_cancel(home: Home, args: argparse.Namespace) -> int:
 
 
 def cmd_logs(home: Home, args: argparse.Namespace) -> int:
-    from kugetsu.store import Store
+    from kugetsu.store import open_store
 
-    store = Store(home)
+    store = open_store(home)
     task = pm.find(store.read(), args.task)
     path = home.log(task.id)
     out = sys.stdout.buffer
@@ -384,9 +384,9 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
 
 
 def cmd_wait(home: Home, args: argparse.Namespace) -> int:
-    from kugetsu.store import Store
+    from kugetsu.store import open_store
 
-    store = Store(home)
+    store = open_store(home)
     cfg, index = ops.read(home)
     control.ensure_service(home, cfg, index)
     ids = [pm.find(index, ref).id for ref in args.tasks]
@@ -443,9 +443,9 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
         return OK
     if args.action == "check":
         cfg = load_config(home)
-        from kugetsu.store import Store
+        from kugetsu.store import open_store
 
-        index = Store(home).read()
+        index = open_store(home).read()
         print(f"ok: {home.config} ({'defaults' if not home.config.exists() else 'valid'}),"
               f" {home.index} ({_count(len(index.all_tasks()), 'task')})")
         return OK

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 from typing import Annotated, Any, Literal
 
@@ -213,6 +214,32 @@ Strategy = Literal["fifo", "priority", "fair"]
 STRATEGIES: tuple[str, ...] = ("fifo", "priority", "fair")
 
 
+class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Cluster mode's shared settings (DESIGN section 10)."""
+
+    lease: Duration = "30s"  # a machine silent this long has its running tasks marked lost
+    log_max_size: str | int = "1MiB"  # of each task's output shipped to the database
+
+    def __post_init__(self) -> None:
+        if parse_duration(self.lease, "cluster.lease") < 3:
+            raise ValueError("cluster.lease must be at least 3s (heartbeats come every third of it)")
+        parse_size(self.log_max_size, "cluster.log_max_size")
+
+    @property
+    def lease_s(self) -> float:
+        return parse_duration(self.lease)
+
+    @property
+    def log_max_bytes(self) -> int:
+        return parse_size(self.log_max_size)
+
+
+# A machine's own keys: in cluster mode they stay in its config.json, everything else lives
+# in the database and applies to every machine.
+LOCAL_KEYS = ("store", "host", "host_max_agents")
+STORE_ENV = "KUGETSU_STORE"
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True):
     max_agents: Annotated[int, msgspec.Meta(ge=1, le=64)] = 3
     max_queue: Annotated[int, msgspec.Meta(ge=0)] = 50
@@ -236,8 +263,17 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     resource_guard: ResourceGuard = msgspec.field(default_factory=ResourceGuard)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     mcp: McpConfig = msgspec.field(default_factory=McpConfig)
+    # Cluster mode (DESIGN section 10): the database's URL, this machine's name and slots.
+    store: str | None = None
+    host: str | None = None
+    host_max_agents: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
+        if self.store is not None and not re.match(r"^postgres(ql)?://", self.store):
+            raise ValueError(f"store must be a PostgreSQL URL (postgresql://user@host/db), not {self.store!r}")
+        if self.host is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", self.host):
+            raise ValueError(f"host {self.host!r}: use letters, digits, '.', '_' and '-' (at most 64)")
         for key in ("queue_timeout", "run_timeout", "kill_grace", "min_start_interval_per_source"):
             value = getattr(self, key)
             if value is not None:
@@ -296,12 +332,17 @@ KEY_HELP: dict[str, str] = {
     "resource_guard": "hold new starts while min_available_memory (e.g. 2GiB) or max_load_per_cpu is not met",
     "metrics": "the service's OpenMetrics endpoint: listen (e.g. 127.0.0.1:9464; null: off), allow_remote"
     " (needed for a non-loopback address)",
+    "store": "cluster mode: the PostgreSQL URL of the shared queue (env KUGETSU_STORE wins); local to this machine",
+    "host": "cluster mode: this machine's name (default: its hostname); local to this machine",
+    "host_max_agents": "cluster mode: agents this machine runs at most (default: max_agents); local",
+    "cluster": "cluster mode: lease (a silent machine's tasks are lost after it, default 30s),"
+    " log_max_size (output of a task shipped to the database, default 1MiB)",
     "mcp": "the MCP server: token, the bearer token `kugetsu mcp --http` requires (set it with `config set mcp.token -`)",
 }
 # Sub-objects whose keys are fixed (dotted `config set` checks them); `groups` has free names.
 _NESTED: dict[str, type[msgspec.Struct]] = {
     "telegram": TelegramConfig, "worktrees": WorktreesConfig, "resource_guard": ResourceGuard,
-    "metrics": MetricsConfig, "mcp": McpConfig,
+    "metrics": MetricsConfig, "mcp": McpConfig, "cluster": ClusterConfig,
 }
 
 # ---- loading ---------------------------------------------------------------------------
@@ -389,7 +430,33 @@ def validate(raw: dict[str, Any], where: object = "config.json", hint: str = _FI
 
 
 def load_config(home: Home) -> Config:
-    return validate(read_raw(home), home.config)
+    raw = read_raw(home)
+    url = os.environ.get(STORE_ENV) or raw.get("store")
+    if not url:
+        return validate(raw, home.config)
+    from kugetsu.cluster.store import store_for  # cluster mode only: psycopg is not light
+
+    return cluster_config(home, raw, store_for(str(url)).read_config())
+
+
+def store_url(home: Home) -> str | None:
+    """The cluster's database, when this machine is in one (env KUGETSU_STORE, config `store`)."""
+    url = os.environ.get(STORE_ENV) or read_raw(home).get("store")
+    return str(url) if url else None
+
+
+def cluster_config(home: Home, local: dict[str, Any], shared: dict[str, Any]) -> Config:
+    """The effective config of a machine in a cluster: the database's, and its own keys."""
+    misplaced = [k for k in local if k not in LOCAL_KEYS]
+    if misplaced:
+        raise FileError(
+            f"{home.config}: holds {', '.join(misplaced)}, which in cluster mode live in the database"
+            f" (only {', '.join(LOCAL_KEYS)} stay in this file). Move them with `kugetsu store migrate URL`"
+            " or `kugetsu config set KEY VALUE` (it applies to every machine), then remove them here.")
+    raw = {**{k: v for k, v in shared.items() if k not in LOCAL_KEYS}, **local}
+    if os.environ.get(STORE_ENV):
+        raw["store"] = os.environ[STORE_ENV]
+    return validate(raw, f"{home.config} and the cluster's config")
 
 
 def save_raw(home: Home, raw: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from kugetsu import control, ops, pm, render
 from kugetsu.config import Config, save_raw
 from kugetsu.paths import Home
-from kugetsu.store import Store
+from kugetsu.store import open_store
 
 # name, seconds of work, fails, queue expiry
 PLAN = [
@@ -68,8 +68,8 @@ def run_demo() -> int:
         seen = 0
         cancelled = False
         while True:
-            index = Store(home).read()
-            events = Store(home).read_events(seen)
+            index = open_store(home).read()
+            events = open_store(home).read_events(seen)
             for event in events:
                 seen = event.seq
                 if event.type not in ("queued", "config"):
@@ -87,7 +87,7 @@ def run_demo() -> int:
                 say("the demo ran too long; stopping")
                 break
             time.sleep(0.25)
-        index = Store(home).read()
+        index = open_store(home).read()
         print("\nSUMMARY\n" + render.finished_table(sorted(index.finished, key=lambda t: t.id), ops.now()))
         counts: dict[str, int] = {}
         for t in index.finished:
@@ -101,7 +101,7 @@ def run_demo() -> int:
             service.wait(10)
         except subprocess.TimeoutExpired:
             service.kill()
-        for task in Store(home).read().active:  # nothing is left behind, even after Ctrl-C
+        for task in open_store(home).read().active:  # nothing is left behind, even after Ctrl-C
             if task.pid:
                 try:
                     os.killpg(task.pid, signal.SIGKILL)

@@ -20,7 +20,7 @@ from kugetsu.config import Config, format_duration, format_size, load_config, re
 from kugetsu.errors import KugetsuError
 from kugetsu.models import Index
 from kugetsu.paths import Home, read_file
-from kugetsu.store import Store
+from kugetsu.store import open_store
 
 DISK_MIN = 64 << 20  # free bytes below which the home's disk is a problem (a tenth of a small disk)
 CLOCK_SLACK = 5.0  # seconds a recorded time may lie ahead of the clock (another machine, NTP slew)
@@ -97,7 +97,7 @@ def _config(home: Home) -> tuple[Config, Check]:
 
 def _index(home: Home) -> tuple[Index, Check]:
     try:
-        index = Store(home).read()
+        index = open_store(home).read()
     except KugetsuError as err:
         return Index(), Check("index", False, str(err).partition("\n")[0],
                               "repair it by hand, or move it away to start with an empty queue (running agents are not"
@@ -339,7 +339,7 @@ def _clock(home: Home, index: Index) -> Check:
         return Check("clock", False, f"the clock says {now:%Y-%m-%d}", fix)
     times = [t for task in index.all_tasks() for t in (task.created_at, task.started_at, task.finished_at) if t]
     try:
-        last = Store(home).tail_events(1)
+        last = open_store(home).tail_events(1)
     except OSError:
         last = []
     times += [e.at for e in last]

@@ -22,7 +22,7 @@ from kugetsu.config import Config, format_size, load_config, mask_secrets, read_
 from kugetsu.errors import KugetsuError, UsageError
 from kugetsu.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home, write_new
-from kugetsu.store import Store, Txn
+from kugetsu.store import open_store, Txn
 
 
 def now() -> datetime:
@@ -35,7 +35,7 @@ def _locked(home: Home) -> Iterator[tuple[Txn, Config]]:
     under that lock, so a config read before taking it may already be stale (a lowered
     max_agents overshot by one start)."""
     check_wakeable(home)  # every transaction here ends with a wake
-    with Store(home).transaction() as txn:
+    with open_store(home).transaction() as txn:
         yield txn, load_config(home)
 
 
@@ -222,7 +222,7 @@ def set_priority(home: Home, ref: str, level: str) -> tuple[Task, int | None]:
 def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Config:
     """Validate, write atomically and apply at once (raising max_agents starts queued tasks)."""
     check_wakeable(home)
-    store = Store(home)
+    store = open_store(home)
     with store.transaction() as txn:  # the index lock also orders config writes
         raw = with_value(read_raw(home), key, value, remove=remove)
         cfg = validate(raw, f"cannot set {key}: {home.config}", hint="\nNothing was changed.")
@@ -238,7 +238,7 @@ def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Con
 
 def clean(home: Home, older_than: float | None) -> list[Task]:
     """Drop finished tasks from the index, with their log files. Ids are never reused."""
-    with Store(home).transaction() as txn:
+    with open_store(home).transaction() as txn:
         gone = pm.clean(txn.index, txn.now, older_than)
     for task in gone:
         for path in (home.log(task.id), home.exit_file(task.id), home.prompt_file(task.id)):
@@ -263,7 +263,7 @@ def prune_worktrees(home: Home, older_than: float | None = None, force: bool = F
 
     t = now()
     out = []
-    for entry in worktree.entries(home, Store(home).read().all_tasks()):
+    for entry in worktree.entries(home, open_store(home).read().all_tasks()):
         if entry.live:
             continue
         task = entry.task
@@ -273,7 +273,7 @@ def prune_worktrees(home: Home, older_than: float | None = None, force: bool = F
         out.append(_prune_one(home, entry, force))
     events = [_worktree_event(p.entry, p.note, t) for p in out if p.removed]
     if events:
-        with Store(home).transaction() as txn:
+        with open_store(home).transaction() as txn:
             gone = {str(p.entry.path) for p in out if p.removed}
             for task in txn.index.all_tasks():
                 if task.worktree in gone and task.state.final and task.worktree_state in ("kept", "active"):
@@ -293,7 +293,7 @@ def _prune_one(home: Home, entry: Any, force: bool, keep_branch: bool = False) -
             if not keep_branch and not worktree.merged(entry.repo, entry.branch):
                 return Pruned(entry, f"branch {entry.branch} has commits on no other branch (--force deletes them)", False)
         with worktree.group_lock(entry.path.parent):
-            live = [x for x in Store(home).read().live() if x.worktree == str(entry.path)]
+            live = [x for x in open_store(home).read().live() if x.worktree == str(entry.path)]
             if live:  # it started again under the same name since we looked
                 return Pruned(entry, f"now used by running task {live[0].name}", False)
             branch = None if keep_branch or not has_git else entry.branch
@@ -321,7 +321,7 @@ def enforce_max_disk(home: Home, cfg: Config) -> list[Pruned]:
     cap = cfg.worktrees.max_disk_bytes
     if cap is None:
         return []
-    entries = worktree.entries(home, Store(home).read().all_tasks())
+    entries = worktree.entries(home, open_store(home).read().all_tasks())
     sizes = {e.path: worktree.disk_usage(e.path) for e in entries}
     total = sum(sizes.values())
     if total <= cap:
@@ -344,7 +344,7 @@ def enforce_max_disk(home: Home, cfg: Config) -> list[Pruned]:
             f"worktrees use {format_size(total)}, over max_disk {cfg.worktrees.max_disk}; the rest belong to running"
             " tasks or hold uncommitted changes (`kugetsu worktrees` lists them)")))
     if events:
-        with Store(home).transaction() as txn:
+        with open_store(home).transaction() as txn:
             gone = {str(p.entry.path) for p in out if p.removed}
             for task in txn.index.all_tasks():
                 if task.worktree in gone and task.state.final:
@@ -358,7 +358,7 @@ def enforce_max_disk(home: Home, cfg: Config) -> list[Pruned]:
 
 
 def read(home: Home) -> tuple[Config, Index]:
-    return load_config(home), Store(home).read()
+    return load_config(home), open_store(home).read()
 
 
 def capacity_json(cfg: Config, index: Index) -> dict[str, int]:

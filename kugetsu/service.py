@@ -32,7 +32,7 @@ from kugetsu.errors import DiskFull, KugetsuError
 from kugetsu.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home, atomic_write
 from kugetsu.deadlines import DeadlineTimer
-from kugetsu.store import Store, Txn
+from kugetsu.store import open_store, Txn
 from kugetsu.wakeup import WakeSocket
 
 log = logging.getLogger("kugetsu.service")
@@ -68,7 +68,7 @@ class Ending(msgspec.Struct):
 class Service:
     def __init__(self, home: Home):
         self.home = home
-        self.store = Store(home)
+        self.store = open_store(home)
         self.cfg: Config = Config()
         self.children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> Popen of the wrappers this service spawned
         # Agents let go (spawned, or a warm wrapper released) that no committed index records

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import msgspec
 
-from kugetsu.config import describe_decode_error
+from kugetsu.config import describe_decode_error, store_url
 from kugetsu.errors import DiskFull, FileError
 from kugetsu.models import INDEX_VERSION, Event, Index, Task, check_index
 from kugetsu.paths import Home, atomic_write, open_file, read_tail
@@ -58,6 +58,10 @@ class Txn:
         self.before = before  # the index's bytes as loaded: an unchanged index is not rewritten
         self.events: list[Event] = []
         self.archive: list[Task] = []
+        # Cluster mode: the shared config as the transaction found it, and its new text to
+        # commit with the queue (`config set`); the file store keeps config.json apart.
+        self.shared_config: bytes = b""
+        self.new_config: bytes | None = None
 
     def emit(self, events: list[Event]) -> None:
         self.events.extend(events)
@@ -92,6 +96,25 @@ class StoreProtocol(Protocol):
     def read_events(self, after: int = 0) -> list[Event]:
         """Committed events with seq > after, oldest first."""
         ...
+
+    def tail_events(self, count: int) -> list[Event]:
+        """The last `count` committed events, cheaply."""
+        ...
+
+    def rotate_events(self, limit: int) -> int | None:
+        """Keep the event feed bounded (the file store); returns the size rotated, or None."""
+        ...
+
+
+def open_store(home: Home) -> StoreProtocol:
+    """The store of this home: the cluster's database when config `store` (or KUGETSU_STORE)
+    names one, else the file store."""
+    url = store_url(home)
+    if url is None:
+        return Store(home)
+    from kugetsu.cluster.store import store_for  # cluster mode only: psycopg is not light
+
+    return store_for(url)
 
 
 class Store:

@@ -18,7 +18,7 @@ from kugetsu import control, ops, runner
 from kugetsu.config import load_config
 from kugetsu.models import Index, Task, TaskState
 from kugetsu.paths import Home
-from kugetsu.store import Store
+from kugetsu.store import open_store
 
 
 class Stop:
@@ -57,7 +57,7 @@ def looks(home: Home, ids: list[int], timeout: float | None, settle: bool = Fals
     and states as they move. `settle`: also until the worktree of a final task is kept or
     removed (the service closes it just after the task ends), so that its reason says where
     the work is; not when no service is up to do it."""
-    store = Store(home)
+    store = open_store(home)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         index = store.read()
@@ -135,5 +135,5 @@ def cancel(home: Home, refs: list[str], *, everything: bool = False, reason: str
     running = [t.id for t in tasks if t.state is TaskState.RUNNING]
     if running:
         wait_final(home, running, load_config(home).kill_grace_s + 5, stop=stop)
-    final = {t.id: t for t in Store(home).read().all_tasks()}
+    final = {t.id: t for t in open_store(home).read().all_tasks()}
     return [final.get(t.id, t) for t in tasks]

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from kugetsu.paths import Home  # noqa: E402
+from pg import pg_url  # noqa: E402,F401  (the cluster tests' real PostgreSQL)
 
 # Everything the tests talk to is on 127.0.0.1 (the fake Bot API server): never through a
 # proxy that a CI machine may set for the package registries.

@@ -4,6 +4,7 @@ file store today; the cluster's PostgreSQL store is added to STORES and runs the
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -22,18 +23,37 @@ from kugetsu.store import Store, StoreProtocol
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
-def file_store(tmp: Path) -> StoreProtocol:
+def file_store(tmp: Path, request: pytest.FixtureRequest) -> StoreProtocol:
     return Store(Home(tmp / "home"))
 
 
-STORES: dict[str, Callable[[Path], StoreProtocol]] = {"file": file_store}
+def postgresql_store(tmp: Path, request: pytest.FixtureRequest) -> StoreProtocol:
+    from kugetsu.cluster.store import PgStore
+
+    store = PgStore(request.getfixturevalue("pg_url"))
+    request.addfinalizer(store.close)
+    return store
+
+
+STORES: dict[str, Callable[[Path, pytest.FixtureRequest], StoreProtocol]] = {
+    "file": file_store, "postgresql": postgresql_store,
+}
 
 
 @pytest.fixture(params=sorted(STORES))
 def make_store(request, tmp_path) -> Callable[[], StoreProtocol]:
     """A factory of stores on one shared state: two calls are two clients (two processes'
     view) of the same queue."""
-    return lambda: STORES[request.param](tmp_path)
+    return lambda: STORES[request.param](tmp_path, request)
+
+
+@pytest.fixture
+def store_env(request, tmp_path) -> dict[str, str]:
+    """The environment under which `open_store` in another process opens this test's store."""
+    env = {"KUGETSU_HOME": str(tmp_path / "home")}
+    if request.node.callspec.params["make_store"] == "postgresql":
+        env["KUGETSU_STORE"] = request.getfixturevalue("pg_url")
+    return env
 
 
 def _task(i: int) -> Task:
@@ -98,22 +118,22 @@ def _begin_and_commit(store: StoreProtocol) -> datetime:
     return txn.now
 
 
-def test_writers_in_other_processes_serialize_and_lose_no_update(make_store, tmp_path):
+def test_writers_in_other_processes_serialize_and_lose_no_update(make_store, store_env):
     """Four processes, 25 read-modify-write transactions each: no update lost, ids unique."""
     make_store()  # the state exists
-    home = tmp_path / "home"
     code = (
         "import sys; sys.path.insert(0, %r)\n"
-        "from kugetsu.models import Task\nfrom kugetsu.paths import Home\nfrom kugetsu.store import Store\n"
+        "from kugetsu.models import Task\nfrom kugetsu.paths import default_home\nfrom kugetsu.store import open_store\n"
         "from datetime import datetime, timezone\n"
-        "s = Store(Home(%r))\n"
+        "s = open_store(default_home())\n"
         "for _ in range(25):\n"
         "    with s.transaction() as txn:\n"
         "        i = txn.index.next_id; txn.index.next_id += 1\n"
         "        txn.index.queued.append(Task(id=i, name=f't{i}', command=['x'], cwd='/',"
         " created_at=datetime.now(timezone.utc)))\n"
-    ) % (str(REPO), str(home))
-    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(4)]
+    ) % (str(REPO),)
+    env = {**os.environ, **store_env}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(4)]
     assert all(p.wait(60) == 0 for p in procs)
     index = make_store().read()
     assert sorted(t.id for t in index.queued) == list(range(1, 101)) and index.next_id == 101
@@ -129,10 +149,13 @@ def test_one_store_object_holds_one_transaction_at_a_time(make_store):
 
 
 def test_ids_and_seqs_never_go_back_when_the_state_is_reset(make_store, tmp_path):
-    """The file store's form of a reset: index.json moved away (logs, events stay)."""
+    """A reset: the file store's index.json moved away (logs, events stay); the database's
+    queue row emptied by hand (its events stay)."""
     store = make_store()
     _admit(store, 2)
     for p in (tmp_path / "home").glob("index.json"):
         p.rename(p.with_name("index.json.bak"))
+    if hasattr(store, "conn"):
+        store.conn.execute("UPDATE kugetsu.state SET doc = ''")
     with store.transaction() as txn:
         assert txn.index.next_id > 2 and txn.index.next_seq > 2

@@ -28,7 +28,7 @@ from kugetsu.config import Config
 from kugetsu.models import Event, Task
 from kugetsu.ops import now
 from kugetsu.paths import Home, atomic_write, nofollow, read_file
-from kugetsu.store import Store, decode_events
+from kugetsu.store import open_store, decode_events
 from kugetsu.telegram import text
 
 log = logging.getLogger("kugetsu.telegram")
@@ -148,7 +148,7 @@ def cursor_path(home: Home) -> Path:
 class Notifier:
     def __init__(self, home: Home, bot: Bot, get_cfg: Callable[[], Config]):
         self.home = home
-        self.store = Store(home)
+        self.store = open_store(home)
         self.bot = bot
         self.get_cfg = get_cfg
         self.cursors = Cursors(cursor_path(home))

@@ -26,7 +26,7 @@ from kugetsu.config import Config, load_config
 from kugetsu.errors import KugetsuError
 from kugetsu.models import Event, Index, Task
 from kugetsu.paths import Home
-from kugetsu.store import Store
+from kugetsu.store import open_store
 from kugetsu.tui import view
 from kugetsu.tui.screens import SOURCE, ConfirmCancel, DelegateForm, HelpScreen, LogScreen, describe_error
 from kugetsu.tui.widgets import LogView, StateTable, TaskTable
@@ -67,7 +67,7 @@ class Dashboard(App[None]):
                  poll: float = 1.0, cwd: str | None = None):
         super().__init__()
         self.home = home
-        self.store = Store(home)
+        self.store = open_store(home)
         self.clock = clock
         self.tz = tz  # None: local time; tests pin it
         self.poll = poll

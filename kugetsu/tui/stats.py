@@ -21,7 +21,7 @@ from textual.widgets import Footer, Label, Sparkline, Static
 from kugetsu import stats
 from kugetsu.config import load_config
 from kugetsu.paths import Home
-from kugetsu.store import Store
+from kugetsu.store import open_store
 
 WINDOW = 3600.0
 BUCKETS = 60  # one a minute
@@ -30,7 +30,7 @@ REFRESH = 5.0  # seconds
 
 def figures(home: Home, now: datetime) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """The report and the sparklines' series for the hour before `now`."""
-    window = stats.load(home, load_config(home), Store(home).read(), WINDOW, now)
+    window = stats.load(home, load_config(home), open_store(home).read(), WINDOW, now)
     return stats.summarise(window), stats.timeline(window, BUCKETS)
 
 

@@ -1,0 +1,122 @@
+"""Connections to the cluster's PostgreSQL database, and its schema.
+
+Every failure to reach the database becomes `Unreachable` (exit 1, `database unreachable:
+...`), never a traceback; the URL is shown without its password.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+
+from kugetsu.errors import KugetsuError
+
+SCHEMA_VERSION = 1
+NOTIFY_CHANNEL = "kugetsu"
+CONNECT_TIMEOUT = 5  # seconds: a database that does not answer is reported, not waited for
+
+
+class Unreachable(KugetsuError):
+    """The database cannot be reached (exit 1)."""
+
+    def __init__(self, url: str, why: str):
+        super().__init__(f"database unreachable: {redact(url)}: {why}. Running agents are not affected;"
+                         " check that PostgreSQL runs and the store URL (`kugetsu config get store`) is right.")
+        self.url = url
+
+
+def redact(url: str) -> str:
+    """The URL with its password hidden: URLs end up in messages and logs."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def _why(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def connect(url: str, *, autocommit: bool = True) -> psycopg.Connection:
+    try:
+        conn = psycopg.connect(url, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT,
+                               application_name="kugetsu")
+    except psycopg.Error as err:
+        raise Unreachable(url, _why(err)) from None
+    ensure_schema(conn, url)
+    return conn
+
+
+@contextmanager
+def errors(url: str) -> Iterator[None]:
+    """Map a lost connection (the database restarted, the network went) to Unreachable."""
+    try:
+        yield
+    except psycopg.OperationalError as err:
+        raise Unreachable(url, _why(err)) from None
+
+
+_SCHEMA = """
+CREATE SCHEMA IF NOT EXISTS kugetsu;
+CREATE TABLE IF NOT EXISTS kugetsu.meta (
+    id int PRIMARY KEY CHECK (id = 1),
+    schema_version int NOT NULL
+);
+-- The whole queue as one document (the file store's index.json) and the shared config:
+-- one row, whose lock serializes every writer of the cluster (admission, promotion, cancel).
+CREATE TABLE IF NOT EXISTS kugetsu.state (
+    id int PRIMARY KEY CHECK (id = 1),
+    doc bytea NOT NULL,
+    config bytea NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS kugetsu.events (seq bigint PRIMARY KEY, task bigint, body bytea NOT NULL);
+CREATE TABLE IF NOT EXISTS kugetsu.history (id bigint NOT NULL, body bytea NOT NULL);
+CREATE INDEX IF NOT EXISTS history_id ON kugetsu.history (id);
+-- Machines: a lease renewed by heartbeats; `epoch` grows each time a machine (re)joins or is
+-- declared gone, and fences what it still runs of the tasks taken from it.
+CREATE TABLE IF NOT EXISTS kugetsu.hosts (
+    name text PRIMARY KEY,
+    epoch bigint NOT NULL,
+    heartbeat_at timestamptz NOT NULL,
+    max_agents int NOT NULL,
+    pid int,
+    joined_at timestamptz NOT NULL,
+    gone boolean NOT NULL DEFAULT false
+);
+CREATE TABLE IF NOT EXISTS kugetsu.log_chunks (
+    task bigint NOT NULL,
+    pos bigint NOT NULL,
+    data bytea NOT NULL,
+    PRIMARY KEY (task, pos)
+);
+CREATE TABLE IF NOT EXISTS kugetsu.leases (name text PRIMARY KEY, holder text NOT NULL, until timestamptz NOT NULL);
+"""
+
+
+def ensure_schema(conn: psycopg.Connection, url: str) -> None:
+    """Create the tables on first use. Concurrent first uses serialize on an advisory lock
+    (CREATE ... IF NOT EXISTS alone races)."""
+    with errors(url):
+        row = None
+        try:
+            row = conn.execute("SELECT schema_version FROM kugetsu.meta").fetchone()
+        except psycopg.errors.UndefinedTable:
+            if not conn.autocommit:
+                conn.rollback()
+        if row is not None:
+            _check_version(row[0], url)
+            return
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(7417190341)")
+            conn.execute(_SCHEMA)
+            conn.execute("INSERT INTO kugetsu.meta VALUES (1, %s) ON CONFLICT DO NOTHING", (SCHEMA_VERSION,))
+            conn.execute("INSERT INTO kugetsu.state (id, doc) VALUES (1, '') ON CONFLICT DO NOTHING")
+        if not conn.autocommit:
+            conn.commit()
+
+
+def _check_version(version: int, url: str) -> None:
+    if version > SCHEMA_VERSION:
+        raise KugetsuError(f"{redact(url)}: the database was set up by a newer kugetsu (schema {version},"
+                           f" this one knows {SCHEMA_VERSION}): upgrade kugetsu on this machine")

@@ -1,0 +1,229 @@
+"""PgStore: the store protocol (kugetsu.store.StoreProtocol) on PostgreSQL.
+
+The queue is one document in one row, as index.json is one file: pm reads and changes the
+same Index either way, so every rule (positions, policies, admission) is the same code in a
+cluster. A transaction takes that row's lock (SELECT ... FOR UPDATE), which serializes all
+writers of every machine: a global limit cannot be exceeded even for an instant, because
+the writer that counts is the only one that can add. Readers take no lock (MVCC: they see
+the last committed document). Events are rows committed in the same transaction, and the
+commit NOTIFYs every service (LISTEN), so a change on one machine wakes the others at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import msgspec
+import psycopg
+
+from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, errors, redact
+from kugetsu.errors import FileError
+from kugetsu.models import INDEX_VERSION, Event, Index, check_index
+from kugetsu.store import Txn, _index_decoder, _encoder, encode_index
+
+_event_decoder = msgspec.json.Decoder(Event)
+_FIX = "\nNothing was changed. Restore the database from a backup, or ask for help with the row."
+
+
+class PgStore:
+    """One client of the cluster's queue: one connection, one transaction at a time."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self._conn: psycopg.Connection | None = None
+        self._open = False  # a transaction is open on the connection
+        # The document this store last committed: an unchanged one is not rewritten, and a
+        # long-lived writer skips decoding a document that is byte for byte its own.
+        self._committed: tuple[bytes, Index] | None = None
+
+    @property
+    def conn(self) -> psycopg.Connection:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect(self.url)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _execute(self, sql: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[Any]:
+        try:
+            with errors(self.url):
+                return self.conn.execute(sql, params)
+        except Unreachable:
+            self.close()  # the next call connects afresh (the database may be back)
+            raise
+
+    # ---- reading (no lock) -------------------------------------------------------------
+
+    def _decode(self, data: bytes) -> Index:
+        if not data:
+            return Index()
+        if self._committed is not None and self._committed[0] == data:
+            return self._committed[1]
+        try:
+            index = _index_decoder.decode(data)
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
+            raise FileError(f"{redact(self.url)}: the queue document does not decode: {err}{_FIX}") from None
+        problem = check_index(index) if index.version == INDEX_VERSION else f"unknown version {index.version}"
+        if problem:
+            raise FileError(f"{redact(self.url)}: {problem}{_FIX}")
+        return index
+
+    def read(self) -> Index:
+        row = self._execute("SELECT doc FROM kugetsu.state WHERE id = 1").fetchone()
+        return self._decode(bytes(row[0])) if row else Index()
+
+    def read_config(self) -> dict[str, Any]:
+        """The cluster's shared config (everything but a machine's own keys)."""
+        row = self._execute("SELECT config FROM kugetsu.state WHERE id = 1").fetchone()
+        return msgspec.json.decode(bytes(row[0])) if row and row[0] else {}
+
+    def read_events(self, after: int = 0) -> list[Event]:
+        rows = self._execute("SELECT body FROM kugetsu.events WHERE seq > %s ORDER BY seq", (after,)).fetchall()
+        return [_event_decoder.decode(bytes(r[0])) for r in rows]
+
+    def tail_events(self, count: int) -> list[Event]:
+        if not count:
+            return []
+        rows = self._execute("SELECT body FROM kugetsu.events ORDER BY seq DESC LIMIT %s", (count,)).fetchall()
+        return [_event_decoder.decode(bytes(r[0])) for r in reversed(rows)]
+
+    def rotate_events(self, limit: int) -> int | None:
+        """The file store bounds events.jsonl by size; here old events are kept (they are
+        rows, and `stats` reads them): nothing to rotate."""
+        return None
+
+    # ---- writing -------------------------------------------------------------------------
+
+    @contextmanager
+    def transaction(self, now: datetime | None = None) -> Iterator[Txn]:
+        txn = self.begin(now)
+        try:
+            yield txn
+        except BaseException:
+            self.abort()
+            raise
+        self.commit(txn)
+
+    def begin(self, now: datetime | None = None) -> Txn:
+        """Take the queue row's lock and load it; `now` is the database's clock, read after
+        the lock: one clock for every machine, so events' times never go back."""
+        if self._open:
+            raise RuntimeError("nested kugetsu transaction (this store already holds one)")
+        _held_check()
+        self._execute("BEGIN")
+        self._open = True
+        _held.depth = 1
+        try:
+            row = self._execute(
+                "SELECT doc, config, clock_timestamp() FROM kugetsu.state WHERE id = 1 FOR UPDATE").fetchone()
+            assert row is not None, "kugetsu.state has its row from ensure_schema"
+            before = bytes(row[0])
+            reuse = self._committed
+            self._committed = None
+            index = self._decode(before) if before else Index()
+            if reuse is not None and reuse[0] == before:
+                index = reuse[1]
+            if reuse is None or index is not reuse[1]:
+                self._keep_counters_ahead(index)
+            txn = Txn(index, now or row[2], unchanged=reuse is not None and index is reuse[1], before=before)
+            txn.shared_config = bytes(row[1])
+            return txn
+        except BaseException:
+            self.abort()
+            raise
+
+    def _keep_counters_ahead(self, index: Index) -> None:
+        """Ids and event seqs never go back, even when the queue row was emptied or restored
+        from an older backup (as the file store's _keep_counters_ahead): one index lookup
+        when all is well, the full look only when the row is behind its events."""
+        row = self._execute("SELECT max(seq) FROM kugetsu.events").fetchone()
+        if row is None or row[0] is None or row[0] < index.next_seq:
+            return
+        top = self._execute(
+            "SELECT greatest((SELECT max(task) FROM kugetsu.events), (SELECT max(id) FROM kugetsu.history),"
+            " (SELECT max(task) FROM kugetsu.log_chunks))").fetchone()
+        index.next_seq = row[0] + 1
+        index.next_id = max(index.next_id, (top[0] or 0) + 1 if top else 1)
+
+    def commit(self, txn: Txn) -> None:
+        """Write the document, the events and archived tasks, NOTIFY, COMMIT: all or nothing."""
+        try:
+            index = txn.index
+            for event in txn.events:
+                event.seq = index.next_seq
+                index.next_seq += 1
+            index.outbox = []  # events are rows committed with the document: nothing to recover
+            data = encode_index(index)
+            if data != txn.before:
+                self._execute("UPDATE kugetsu.state SET doc = %s WHERE id = 1", (data,))
+            if txn.new_config is not None:
+                self._execute("UPDATE kugetsu.state SET config = %s WHERE id = 1", (txn.new_config,))
+            if txn.events:
+                with errors(self.url):
+                    self.conn.cursor().executemany(
+                        "INSERT INTO kugetsu.events (seq, task, body) VALUES (%s, %s, %s)",
+                        [(e.seq, e.task, _encoder.encode(e)) for e in txn.events])
+            if txn.archive:
+                with errors(self.url):
+                    self.conn.cursor().executemany(
+                        "INSERT INTO kugetsu.history (id, body) VALUES (%s, %s)",
+                        [(t.id, _encoder.encode(t)) for t in txn.archive])
+            if data != txn.before or txn.events or txn.new_config is not None:
+                self._execute("SELECT pg_notify(%s, '')", (NOTIFY_CHANNEL,))
+            self._execute("COMMIT")
+            self._committed = (data, index)
+        except BaseException:
+            self._rollback()
+            raise
+        finally:
+            self._open = False
+            _held.depth = 0
+
+    def abort(self) -> None:
+        try:
+            self._rollback()
+        finally:
+            self._open = False
+            _held.depth = 0
+
+    def _rollback(self) -> None:
+        if self._conn is None or self._conn.closed:
+            return
+        try:
+            self._conn.execute("ROLLBACK")
+        except psycopg.Error:
+            self.close()  # a broken connection: the server rolls back when it goes
+
+    # ---- history (tasks moved out of the document) ----------------------------------------
+
+    def history(self) -> list[bytes]:
+        rows = self._execute("SELECT body FROM kugetsu.history ORDER BY id").fetchall()
+        return [bytes(r[0]) for r in rows]
+
+
+_held = threading.local()
+
+
+def _held_check() -> None:
+    if getattr(_held, "depth", 0):
+        raise RuntimeError("nested kugetsu transaction (it would deadlock on the queue row)")
+
+
+_stores: dict[tuple[str, int], PgStore] = {}
+
+
+def store_for(url: str) -> PgStore:
+    """This thread's store for `url`: a command that opens the store in several places uses one
+    connection."""
+    key = (url, threading.get_ident())
+    store = _stores.get(key)
+    if store is None:
+        store = _stores[key] = PgStore(url)
+    return store
