@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from kugetsu import control, ops, pm, runner
-from kugetsu.config import format_duration, get_value, load_config, parse_duration, parse_value
+from kugetsu.config import format_duration, get_value, host_name, load_config, parse_duration, parse_value
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
 from kugetsu.models import PRIORITIES, TaskState
 from kugetsu.paths import Home, default_home, nofollow, read_tail
@@ -55,6 +55,7 @@ def _delegate_args(d: argparse.ArgumentParser) -> None:
     wt.add_argument("--no-worktree", dest="worktree", action="store_false",
                     help="not in a worktree, whatever the preset or config say")
     d.add_argument("--base", metavar="REF", help="the worktree's starting point (default: HEAD now)")
+    d.add_argument("--host", metavar="NAME", help="cluster mode: run it on this machine only (`kugetsu hosts`)")
 
 
 def _queue_args(q: argparse.ArgumentParser) -> None:
@@ -161,6 +162,15 @@ def _no_args(p: argparse.ArgumentParser) -> None:
     pass
 
 
+def _store_args(sp: argparse.ArgumentParser) -> None:
+    ssub = sp.add_subparsers(dest="action", metavar="ACTION", required=True)
+    mg = ssub.add_parser("migrate", help="move this home's queue, history, events and config into the database"
+                         " and switch this machine to it")
+    mg.add_argument("url", metavar="URL", help="postgresql://[user@]host[:port]/database")
+    ex = ssub.add_parser("export", help="write the cluster's queue, history, events and config into a new file home")
+    ex.add_argument("dir", metavar="DIR", help="a new directory: the file home to create")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's errors worded like kugetsu's others: one line saying what was wrong and
     where the options are, exit 2 (not a usage dump and `error: argument ...`)."""
@@ -237,7 +247,7 @@ def _fix(err: KugetsuError) -> str:
 
 
 _STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value",
-                   "bind")
+                   "bind", "host", "url", "dir")
 _OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines", "since")
 
 
@@ -290,6 +300,7 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         timeout=args.timeout,
         worktree=args.worktree,
         base=args.base,
+        pinned_host=args.host,
     )
     adm = ops.delegate(home, cfg, req)
     _priority_ignored(cfg.strategy, args.priority)
@@ -318,7 +329,7 @@ def cmd_status(home: Home, args: argparse.Namespace) -> int:
     cfg, index = ops.read(home)
     control.ensure_service(home, cfg, index)
     task = pm.find(index, args.task)
-    obj = ops.task_json(task, pm.positions(index, cfg, ops.now()).get(task.id))
+    obj = ops.task_json(task, pm.positions(index, cfg, ops.now()).get(task.id), host_name(cfg) if cfg.store else None)
     print(to_json(obj) if args.json else render.task_lines(obj))
     return OK
 
@@ -552,6 +563,30 @@ def cmd_shutdown(home: Home, args: argparse.Namespace) -> int:
     raise KugetsuError(f"the service (pid {pid}) did not stop within 15s")
 
 
+def cmd_hosts(home: Home, args: argparse.Namespace) -> int:
+    rows = ops.hosts(home)
+    if args.json:
+        print(to_json(rows))
+        return OK
+    from kugetsu import render
+
+    print(render.hosts_table(rows) if rows else "no machine has joined yet: run `kugetsu serve` on each machine")
+    return OK
+
+
+def cmd_store(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu.cluster import migrate
+
+    if args.action == "migrate":
+        print(migrate.migrate(home, args.url))
+        return OK
+    url = load_config(home).store
+    if url is None:
+        raise UsageError("store export: this machine is not in a cluster (config `store` is not set)")
+    print(migrate.export(url, Home(args.dir)))
+    return OK
+
+
 def cmd_clean(home: Home, args: argparse.Namespace) -> int:
     gone = ops.clean(home, args.older_than)
     print(f"removed {len(gone)} finished task{'s' if len(gone) != 1 else ''} from the index")
@@ -669,4 +704,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "demo": ("see kugetsu work on a throw-away home, with a simulated agent", _no_args, cmd_demo),
     "telegram": ("the Telegram bot: check its set-up (docs/telegram.md)", _telegram_args, cmd_telegram),
     "mcp": ("serve the commands as MCP tools for agents (stdio, or --http)", _mcp_args, cmd_mcp),
+    "hosts": ("cluster mode: the machines, their slots, running tasks, last heartbeat", _json_only, cmd_hosts),
+    "store": ("cluster mode: move a file home into PostgreSQL (migrate URL), or back out (export DIR)", _store_args,
+              cmd_store),
 }

@@ -439,6 +439,13 @@ def load_config(home: Home) -> Config:
     return cluster_config(home, raw, store_for(str(url)).read_config())
 
 
+def host_name(cfg: Config) -> str:
+    """This machine's name in a cluster: config `host`, else its hostname."""
+    import socket
+
+    return cfg.host or socket.gethostname()
+
+
 def store_url(home: Home) -> str | None:
     """The cluster's database, when this machine is in one (env KUGETSU_STORE, config `store`)."""
     url = os.environ.get(STORE_ENV) or read_raw(home).get("store")

@@ -30,7 +30,9 @@ def wake(home: Home, cfg: Config | None = None, message: bytes = b"wake") -> boo
     if isinstance(sent, KugetsuError):  # no socket directory we can use: a service could not bind either
         _warn_unwoken(sent)
         return False
-    if cfg is not None and cfg.autostart:
+    # In a cluster the machines that run agents run `kugetsu serve` (DESIGN section 10): a
+    # command on any other machine must not make it one, and the database wakes the others.
+    if cfg is not None and cfg.autostart and cfg.store is None:
         try:
             # A new service replaces whatever sits at the socket's path (it holds the lock).
             if start_service(home) is not None or sent is False:

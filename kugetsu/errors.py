@@ -72,3 +72,11 @@ class QueueFull(Rejected):
         super().__init__(f"queue full: {queued}/{max_queue} waiting, {active}/{max_agents} running;"
                          " try again when a task finishes")
         self.queued, self.max_queue, self.active, self.max_agents = queued, max_queue, active, max_agents
+
+
+class NotClustered(UsageError):
+    """Something only a cluster has (a host to pin to, the list of hosts), asked of one machine."""
+
+    def __init__(self, what: str):
+        super().__init__(f"{what} needs cluster mode (a shared PostgreSQL store)")
+        self.what = what

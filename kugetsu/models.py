@@ -95,6 +95,10 @@ class Task(msgspec.Struct, kw_only=True):
     worktree: str | None = None
     base_commit: str | None = None
     worktree_state: Literal["active", "kept", "removed", "pruned"] | None = None
+    # Cluster mode (DESIGN section 10): the machine it runs (or ran) on, and the one it must
+    # run on (`delegate --host`).
+    host: str | None = None
+    pinned_host: str | None = None
 
 
 class Event(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -116,6 +120,7 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True):
     branch: str | None = None
     worktree: str | None = None
     worktree_state: str | None = None  # `worktree` events of a task's end: kept or removed
+    host: str | None = None  # cluster mode: the machine a task started on
 
 
 class SourceMark(msgspec.Struct, kw_only=True):

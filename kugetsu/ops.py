@@ -16,10 +16,10 @@ from typing import Any
 
 import msgspec
 
-from kugetsu import pm, runner
+from kugetsu import placement, pm, runner
 from kugetsu.control import check_wakeable, wake
-from kugetsu.config import Config, format_size, load_config, mask_secrets, read_raw, save_raw, validate, with_value
-from kugetsu.errors import KugetsuError, UsageError
+from kugetsu.config import LOCAL_KEYS, Config, cluster_config, format_size, host_name, load_config, mask_secrets, read_raw, save_raw, validate, with_value
+from kugetsu.errors import KugetsuError, NotClustered, UsageError
 from kugetsu.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home, write_new
 from kugetsu.store import open_store, Txn
@@ -36,7 +36,15 @@ def _locked(home: Home) -> Iterator[tuple[Txn, Config]]:
     max_agents overshot by one start)."""
     check_wakeable(home)  # every transaction here ends with a wake
     with open_store(home).transaction() as txn:
-        yield txn, load_config(home)
+        yield txn, config_in(home, txn)
+
+
+def config_in(home: Home, txn: Txn) -> Config:
+    """The config as the transaction sees it: in a cluster, the shared part came with the
+    queue row (under its lock), so both are of one moment."""
+    if not txn.shared_config:
+        return load_config(home)
+    return cluster_config(home, read_raw(home), msgspec.json.decode(txn.shared_config))
 
 
 def settle(txn: Txn, cfg: Config) -> None:
@@ -195,7 +203,9 @@ def cancel(home: Home, refs: list[str], *, everything: bool = False, reason: str
         for task in tasks:
             txn.emit(pm.cancel(txn.index, task, txn.now, cfg.kill_grace_s, reason))
         settle(txn, cfg)
-    for task in tasks:
+    # In a cluster the task's own machine signals it (pm.tick: its service is woken by the
+    # commit); on one machine the signal goes now, as a service may not be running.
+    for task in tasks if cfg.store is None else []:
         if task.state is TaskState.RUNNING:
             runner.kill_group(task.pid, task.pid_start, signal.SIGTERM)
     wake(home, cfg)
@@ -224,13 +234,36 @@ def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Con
     check_wakeable(home)
     store = open_store(home)
     with store.transaction() as txn:  # the index lock also orders config writes
-        raw = with_value(read_raw(home), key, value, remove=remove)
-        cfg = validate(raw, f"cannot set {key}: {home.config}", hint="\nNothing was changed.")
-        save_raw(home, raw)
+        local = read_raw(home)
+        if key == "store" and not remove and not txn.shared_config:
+            _check_joinable(home, local, txn.index)
+        if txn.shared_config and key.split(".")[0] not in LOCAL_KEYS:
+            # A cluster: the shared config is in the queue row, written in this transaction.
+            shared = with_value(msgspec.json.decode(txn.shared_config), key, value, remove=remove)
+            cfg = cluster_config(home, local, shared)
+            txn.new_config = msgspec.json.encode(shared)
+        else:
+            raw = with_value(local, key, value, remove=remove)
+            if txn.shared_config:
+                cfg = cluster_config(home, raw, msgspec.json.decode(txn.shared_config))
+            else:
+                cfg = validate(raw, f"cannot set {key}: {home.config}", hint="\nNothing was changed.")
+            save_raw(home, raw)
         txn.emit([Event(type="config", at=txn.now, key=key, value=None if remove else mask_secrets(value, key))])
         settle(txn, cfg)
     wake(home, cfg)
     return cfg
+
+
+def _check_joinable(home: Home, local: dict[str, Any], index: Index) -> None:
+    """`config set store URL` joins this machine to a cluster as it is: a home with its own
+    queue or config would silently lose them from view; `store migrate` moves them."""
+    own = [k for k in local if k not in LOCAL_KEYS]
+    if index.live() or own:
+        what = f"{len(index.live())} queued or running task(s)" if index.live() else f"config keys {', '.join(own)}"
+        raise UsageError(f"this home has {what}, which a cluster would not see: `kugetsu store migrate URL`"
+                         f" moves them into an empty database; to join an existing cluster, remove them from"
+                         f" {home.config} (or let the tasks finish) first")
 
 
 # ---- clean -------------------------------------------------------------------------------
@@ -374,6 +407,7 @@ class Listing(msgspec.Struct):
     index: Index
     now: datetime
     finished: list[Task] | None  # latest first; None unless asked for
+    here: str | None = None  # this machine's name, in a cluster
 
     @property
     def positions(self) -> dict[int, int]:
@@ -383,7 +417,8 @@ class Listing(msgspec.Struct):
 def listing(cfg: Config, index: Index, finished: bool = False) -> Listing:
     t = now()
     latest = list(reversed(index.finished[-20:])) if finished else None
-    return Listing(pm.queue_view(index, cfg, t, measure(cfg)), index, t, latest)
+    here = host_name(cfg) if cfg.store else None
+    return Listing(pm.queue_view(index, cfg, t, measure(cfg)), index, t, latest, here)
 
 
 def queue_json(listed: Listing) -> dict[str, Any]:
@@ -391,7 +426,7 @@ def queue_json(listed: Listing) -> dict[str, Any]:
     view = listed.view
     out: dict[str, Any] = {
         "max_agents": view.capacity.max_agents,
-        "active": [task_json(t, None) for t in listed.index.active],
+        "active": [task_json(t, None, listed.here) for t in listed.index.active],
         "queued": [task_json(t, view.positions[t.id]) | {"waiting_for": view.waiting_for.get(t.id)} for t in view.queued],
         "groups": view.groups,
     }
@@ -403,8 +438,9 @@ def queue_json(listed: Listing) -> dict[str, Any]:
 _PRIVATE_FIELDS = frozenset(("id", "name", "state", "env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers"))
 
 
-def task_json(task: Task, position: int | None) -> dict[str, Any]:
-    """The public task object of DESIGN section 5."""
+def task_json(task: Task, position: int | None, here: str | None = None) -> dict[str, Any]:
+    """The public task object of DESIGN section 5. `here`: this machine's name in a cluster
+    (a process on another machine cannot be looked at from this one)."""
     import msgspec
 
     out = msgspec.to_builtins(task)
@@ -412,5 +448,39 @@ def task_json(task: Task, position: int | None) -> dict[str, Any]:
         k: v for k, v in out.items() if k not in _PRIVATE_FIELDS
     }
     # `pid` is the wrapper's (its process group is the task's); `agent_pid` the agent's own.
-    out["agent_pid"] = runner.agent_pid(task.pid, task.pid_start) if task.state is TaskState.RUNNING else None
+    local = task.host is None or task.host == here
+    out["agent_pid"] = runner.agent_pid(task.pid, task.pid_start) if task.state is TaskState.RUNNING and local else None
+    return out
+
+
+# ---- cluster -----------------------------------------------------------------------------
+
+
+def hosts(home: Home) -> list[dict[str, Any]]:
+    """`kugetsu hosts`: every machine of the cluster, its slots, running tasks, last heartbeat."""
+    cfg = load_config(home)
+    if cfg.store is None:
+        raise NotClustered("`kugetsu hosts`")
+    from kugetsu.cluster import hosts as H
+    from kugetsu.cluster.store import store_for
+
+    store = store_for(cfg.store)
+    index = store.read()
+    t = store.now()
+    out = []
+    for row in H.rows(store.conn):
+        running = [x for x in index.active if x.host == row.name]
+        out.append({
+            "name": row.name,
+            "state": placement.host_state(row.heartbeat_at, row.gone, t, cfg.cluster.lease_s),
+            "max_agents": row.max_agents,
+            "running": len(running),
+            "tasks": [x.name for x in running],
+            "heartbeat_at": row.heartbeat_at.isoformat(),
+            "heartbeat_age": round((t - row.heartbeat_at).total_seconds(), 1),
+            "joined_at": row.joined_at.isoformat(),
+            "epoch": row.epoch,
+            "pid": row.pid,
+            "this": row.name == host_name(cfg),
+        })
     return out

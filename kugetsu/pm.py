@@ -16,8 +16,10 @@ import msgspec
 from datetime import datetime, timedelta
 
 from kugetsu.config import Config, format_duration
-from kugetsu.errors import NeedsPrompt, NoSuchTask, QueueFull, Rejected, UnknownGroup, UsageError
+from kugetsu.errors import NeedsPrompt, NoSuchTask, NotClustered, QueueFull, Rejected, UnknownGroup, UsageError
 from kugetsu.models import PRIORITIES, Event, Index, SourceMark, Task, TaskState, valid_name
+from kugetsu import placement
+from kugetsu.placement import Here, ours, starts_anywhere
 # Resources and guard_hold are also used by the front ends, through pm.
 from kugetsu.policy import Board, Resources, guard_hold, simple_order, task_key  # noqa: F401
 
@@ -28,12 +30,20 @@ def free_slots(index: Index, cfg: Config) -> int:
     return max(0, cfg.max_agents - len(index.active))
 
 
-def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> list[Task]:
+def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
+                here: Here | None = None) -> list[Task]:
     """Every queued task that may start now, in order, without changing the index.
-    `resources`: the machine's readings for the resource guard (None: no guard check)."""
+    `resources`: the machine's readings for the resource guard (None: no guard check).
+    `here`: in a cluster, the machine deciding: only what can run there, within its slots."""
+    if not starts_anywhere(cfg, here):
+        return []
+    room = None
+    if here is not None:
+        room = placement.room(index, here)
+        index = placement.candidates(index, here)
     board = Board(index, cfg, now, resources)
-    started = []
-    while (task := board.pick()) is not None:
+    started: list[Task] = []
+    while (room is None or len(started) < room) and (task := board.pick()) is not None:
         board.take(task)
         started.append(task)
     return started
@@ -58,6 +68,7 @@ def successor(index: Index, cfg: Config) -> Successor | None:
     or when one exit frees no slot (more running than max_agents after a lowering)."""
     if (
         not index.queued
+        or cfg.store is not None  # a cluster: the next slot may free on another machine
         or len(index.active) != cfg.max_agents
         or cfg.resource_guard.enabled
         or not simple_order(index, cfg)
@@ -195,6 +206,7 @@ class Request(msgspec.Struct, kw_only=True):
     worktree: bool | None = None
     base: str | None = None
     repo: str | None = None
+    pinned_host: str | None = None  # cluster mode: the machine it must run on
     token: str | None = None  # the task's process token (runner.new_token); ops makes it
     # Where {prompt_file} points (the caller writes the prompt there: pm does no I/O); only
     # for a preset that uses it (wants_prompt_file).
@@ -246,6 +258,8 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         raise UsageError(f"invalid priority {req.priority!r}; choose one of {', '.join(PRIORITIES)}")
     if req.group is not None and req.group not in cfg.groups:
         raise UnknownGroup(req.group, sorted(cfg.groups))
+    if req.pinned_host is not None and cfg.store is None:
+        raise NotClustered("a task pinned to a host")
     agent, template, env = resolve_agent(cfg, req)
     limit = cfg.max_queued_per_source
     if limit is not None:
@@ -291,6 +305,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         repo=req.repo,
         base=req.base if req.repo else None,
         branch=f"kugetsu/{name}" if req.repo else None,
+        pinned_host=req.pinned_host,
     )
     index.next_id += 1
     index.queued.append(task)
@@ -338,10 +353,12 @@ def _check_argv(command: list[str], cwd: str) -> None:
 # ---- transitions -----------------------------------------------------------------------
 
 
-def start(index: Index, task: Task, now: datetime) -> list[Event]:
-    """queued -> running in the lowest free slot. The caller spawns the process and records its pid."""
+def start(index: Index, task: Task, now: datetime, host: str | None = None) -> list[Event]:
+    """queued -> running in the lowest free slot (on `host`, in a cluster). The caller spawns
+    the process and records its pid."""
     index.queued.remove(task)
     task.state = TaskState.RUNNING
+    task.host = host
     task.slot = lowest_free_slot(index)
     task.started_at = now
     index.active.append(task)
@@ -349,7 +366,7 @@ def start(index: Index, task: Task, now: datetime) -> list[Event]:
     index.last_start.pop(task.source, None)  # keeps the dict in start order, oldest first
     index.last_start[task.source] = SourceMark(at=now, n=index.starts)
     _forget_sources(index)
-    return [_event("started", task, now, slot=task.slot)]
+    return [_event("started", task, now, slot=task.slot, host=host)]
 
 
 def record_spawn(index: Index, task: Task, at: datetime) -> None:
@@ -560,6 +577,8 @@ class Observations(msgspec.Struct, kw_only=True):
     found: list[Found] = []
     adopted: list[Adopted] = []
     resources: Resources | None = None  # the machine's readings, for the resource guard
+    here: Here | None = None  # in a cluster: the machine this service decides for
+    hosts: list[placement.HostSeen] = []  # in a cluster: every machine's lease, as the database has it
 
 
 class Plan(msgspec.Struct, kw_only=True):
@@ -571,6 +590,7 @@ class Plan(msgspec.Struct, kw_only=True):
     signal_groups: list[tuple[Task, int]] = []  # a signal for the task's process group
     signal_leftovers: dict[int, int] = {}  # ending task id -> the signal for what it left running
     strays: list[Adopted] = []  # processes let go for tasks that are final by now: end them
+    gone: list[str] = []  # in a cluster: machines whose lease ran out (their tasks are lost now)
     wake_at: datetime | None = None  # the next moment something falls due
 
 
@@ -580,7 +600,8 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
     what to do and when to look again. Exits come before adoptions: a start recovered after
     a crash comes after the exit that freed its slot, in the slots and in the events."""
     plan = Plan()
-    live = {t.id: t for t in index.active}
+    here = obs.here
+    live = {t.id: t for t in index.active if ours(t, here)}  # another machine's processes are its own
     for e in obs.exits:
         task = live.get(e.task)
         if task is None or task.ended_at is not None:
@@ -599,12 +620,20 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
             plan.signal_leftovers[task.id] = 9 if kill else 15  # SIGKILL after the grace, else SIGTERM
         else:
             plan.events += finish(index, task, now, task.exit_code, task.reason if task.exit_code else None)
-    adopted = adopt(index, now, obs.adopted)
+    adopted = adopt(index, now, obs.adopted, here)
     plan.events += adopted.events
     plan.strays = adopted.strays
-    plan.signal_groups += [(t, 15) for t in timeouts_due(index, now, cfg.kill_grace_s)]
-    plan.signal_groups += [(t, 9) for t in kills_due(index, now) if t.ended_at is None]
-    settled = settle(index, cfg, now, obs.resources)
+    if here is not None:
+        plan.gone = placement.gone_hosts(obs.hosts, here, now, cfg.cluster.lease_s)
+        for name in plan.gone:
+            for task in [t for t in index.active if t.host == name]:
+                plan.events += finish(index, task, now, None, f"host {name} stopped answering (lease expired)")
+    plan.signal_groups += [(t, 15) for t in timeouts_due(index, now, cfg.kill_grace_s) if ours(t, here)]
+    if here is not None:  # a stop asked for on another machine (cancel there): its SIGTERM is ours to send
+        plan.signal_groups += [(t, 15) for t in live.values() if t.stop is not None and t.pid is not None
+                               and t.ended_at is None and t.kill_at is not None and now < t.kill_at]
+    plan.signal_groups += [(t, 9) for t in kills_due(index, now) if t.ended_at is None and ours(t, here)]
+    settled = settle(index, cfg, now, obs.resources, here)
     plan.events += settled.events
     plan.archive = settled.archive
     plan.start = settled.start
@@ -612,7 +641,7 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
     return plan
 
 
-def adopt(index: Index, now: datetime, found: list[Adopted]) -> Plan:
+def adopt(index: Index, now: datetime, found: list[Adopted], here: Here | None = None) -> Plan:
     """Record processes no committed index knew of: a queued task's start, a running task's
     pid; a task that is final by now gets its process ended instead (a stray)."""
     plan = Plan()
@@ -623,7 +652,7 @@ def adopt(index: Index, now: datetime, found: list[Adopted]) -> Plan:
             plan.strays.append(a)
             continue
         if task.state is TaskState.QUEUED:
-            plan.events += start(index, task, now)
+            plan.events += start(index, task, now, here.name if here else None)
         if task.pid is None:
             task.pid, task.pid_start, task.log = a.pid, a.pid_start, a.log
             record_spawn(index, task, min(a.at, now))
@@ -632,19 +661,20 @@ def adopt(index: Index, now: datetime, found: list[Adopted]) -> Plan:
     return plan
 
 
-def settle(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> Plan:
+def settle(index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
+           here: Here | None = None) -> Plan:
     """The scheduling every transaction runs: a task cancelled before its process existed
     ends, queued tasks past their deadline expire, free slots go to the next tasks (they are
     `running` from here; the service spawns them), finished tasks past history_limit leave
     the index. `start` lists every running task still without a process."""
     plan = Plan()
-    for task in [t for t in index.active if t.pid is None and t.stop is not None]:
+    for task in [t for t in index.active if t.pid is None and t.stop is not None and ours(t, here)]:
         plan.events += finish(index, task, now, None)
     plan.events += expire_due(index, now)
-    for task in plan_starts(index, cfg, now, resources):
-        plan.events += start(index, task, now)
+    for task in plan_starts(index, cfg, now, resources, here):
+        plan.events += start(index, task, now, here.name if here else None)
     plan.archive = trim_history(index, cfg.history_limit)
-    plan.start = [t for t in index.active if t.pid is None and t.ended_at is None]
+    plan.start = [t for t in index.active if t.pid is None and t.ended_at is None and ours(t, here)]
     return plan
 
 

@@ -40,13 +40,20 @@ def summary(cap: Capacity) -> str:
     return f"{cap.active}/{cap.max_agents} running, {cap.free} free, {cap.queued} queued (max {cap.max_queue})"
 
 
-def running_table(tasks: list[Task], now: datetime) -> str:
+def running_table(tasks: list[Task], now: datetime, here: str | None = None) -> str:
+    """`here`: this machine, in a cluster: another machine's agents are shown by their
+    wrapper's pid there (this machine's /proc knows nothing of them)."""
     rows = [
         [str(t.slot or "-"), str(t.id), t.name, t.source, t.agent or "-", since(t.started_at, now),
-         str(runner.agent_pid(t.pid, t.pid_start) or t.pid or "starting"), "stopping" if t.stop else ""]
+         str((runner.agent_pid(t.pid, t.pid_start) if t.host in (None, here) else None) or t.pid or "starting"),
+         "stopping" if t.stop else ""]
         for t in tasks
     ]
     headers = ["SLOT", "ID", "NAME", "SOURCE", "AGENT", "ELAPSED", "PID", ""]
+    if any(t.host for t in tasks):  # a cluster: which machine runs it
+        headers.insert(1, "HOST")
+        for row, t in zip(rows, tasks):
+            row.insert(1, t.host or "-")
     if any(t.branch for t in tasks):  # worktree tasks: where their work goes
         headers.insert(-1, "BRANCH")
         for row, t in zip(rows, tasks):
@@ -113,7 +120,7 @@ def queue_text(listed: Any, service_running: bool = True) -> str:
     if view.groups:
         parts.append(groups_line(view.groups))
     if view.running:
-        parts.append("\nRUNNING\n" + running_table(view.running, now))
+        parts.append("\nRUNNING\n" + running_table(view.running, now, listed.here))
     if view.queued:
         parts.append("\nQUEUED\n" + queued_table(view.queued, view.positions, now, view.waiting_for))
     if listed.finished:
@@ -160,3 +167,10 @@ def _quote(arg: str) -> str:
     import shlex
 
     return shlex.quote(arg)
+
+
+def hosts_table(rows: list[dict[str, Any]]) -> str:
+    """`kugetsu hosts`: one row per machine."""
+    body = [[r["name"] + (" *" if r["this"] else ""), r["state"], f"{r['running']}/{r['max_agents']}",
+             format_duration(r["heartbeat_age"]) + " ago", ", ".join(r["tasks"]) or "-"] for r in rows]
+    return table(["HOST", "STATE", "RUNNING", "HEARTBEAT", "TASKS"], body)

@@ -84,6 +84,12 @@ class PgStore:
         row = self._execute("SELECT config FROM kugetsu.state WHERE id = 1").fetchone()
         return msgspec.json.decode(bytes(row[0])) if row and row[0] else {}
 
+    def now(self) -> datetime:
+        """The database's clock: the one every machine of the cluster goes by."""
+        row = self._execute("SELECT clock_timestamp()").fetchone()
+        assert row is not None
+        return row[0]
+
     def read_events(self, after: int = 0) -> list[Event]:
         rows = self._execute("SELECT body FROM kugetsu.events WHERE seq > %s ORDER BY seq", (after,)).fetchall()
         return [_event_decoder.decode(bytes(r[0])) for r in rows]

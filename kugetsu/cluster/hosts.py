@@ -1,0 +1,87 @@
+"""The machines of a cluster: who they are, their leases (heartbeats), and fencing.
+
+A service joins with a new `epoch` and renews its lease with heartbeats (every third of
+`cluster.lease`), from a thread: a database that does not answer never stalls the service's
+loop. Another service that finds a machine silent past the lease marks it gone, in the same
+transaction that ends its running tasks as lost (pm.tick decides; placement.gone_hosts).
+A machine that comes back finds itself gone: before it starts anything it kills what it
+still runs of those tasks, then joins again with a new epoch (Service._fence).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+
+import msgspec
+import psycopg
+
+from kugetsu.placement import HostSeen
+
+
+class HostRow(msgspec.Struct, frozen=True, kw_only=True):
+    """A machine as `kugetsu hosts` shows it."""
+
+    name: str
+    epoch: int
+    heartbeat_at: datetime
+    max_agents: int
+    pid: int | None
+    joined_at: datetime
+    gone: bool
+
+
+def join(conn: psycopg.Connection, name: str, max_agents: int) -> tuple[int, datetime]:
+    """This machine's service is up: a new epoch, a fresh lease. Returns (epoch, the database's now)."""
+    row = conn.execute(
+        "INSERT INTO kugetsu.hosts (name, epoch, heartbeat_at, max_agents, pid, joined_at, gone)"
+        " VALUES (%s, 1, clock_timestamp(), %s, %s, clock_timestamp(), false)"
+        " ON CONFLICT (name) DO UPDATE SET epoch = kugetsu.hosts.epoch + 1, heartbeat_at = clock_timestamp(),"
+        " max_agents = excluded.max_agents, pid = excluded.pid, joined_at = clock_timestamp(), gone = false"
+        " RETURNING epoch, heartbeat_at",
+        (name, max_agents, os.getpid())).fetchone()
+    assert row is not None
+    return row[0], row[1]
+
+
+def heartbeat(conn: psycopg.Connection, name: str, epoch: int, max_agents: int) -> bool:
+    """Renew the lease. False: this machine was declared gone (or another service took its
+    name) meanwhile, and must fence itself before it does anything else."""
+    row = conn.execute(
+        "UPDATE kugetsu.hosts SET heartbeat_at = clock_timestamp(), max_agents = %s"
+        " WHERE name = %s AND epoch = %s AND NOT gone RETURNING 1",
+        (max_agents, name, epoch)).fetchone()
+    return row is not None
+
+
+def seen(conn: psycopg.Connection) -> list[HostSeen]:
+    rows = conn.execute("SELECT name, heartbeat_at, gone FROM kugetsu.hosts").fetchall()
+    return [HostSeen(name=r[0], heartbeat_at=r[1], gone=r[2]) for r in rows]
+
+
+def mine(conn: psycopg.Connection, name: str) -> tuple[int, bool] | None:
+    """(epoch, gone) of this machine's row, or None."""
+    row = conn.execute("SELECT epoch, gone FROM kugetsu.hosts WHERE name = %s", (name,)).fetchone()
+    return (row[0], row[1]) if row else None
+
+
+def mark_gone(conn: psycopg.Connection, names: list[str]) -> None:
+    """In the transaction that ends their tasks as lost: the new epoch fences them."""
+    conn.execute("UPDATE kugetsu.hosts SET gone = true, epoch = epoch + 1 WHERE name = ANY(%s)", (names,))
+
+
+def rejoin(conn: psycopg.Connection, name: str, max_agents: int) -> int:
+    """After fencing, in a transaction: back with a new epoch."""
+    row = conn.execute(
+        "UPDATE kugetsu.hosts SET gone = false, epoch = epoch + 1, heartbeat_at = clock_timestamp(),"
+        " joined_at = clock_timestamp(), max_agents = %s, pid = %s WHERE name = %s RETURNING epoch",
+        (max_agents, os.getpid(), name)).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def rows(conn: psycopg.Connection) -> list[HostRow]:
+    got = conn.execute(
+        "SELECT name, epoch, heartbeat_at, max_agents, pid, joined_at, gone FROM kugetsu.hosts ORDER BY name").fetchall()
+    return [HostRow(name=r[0], epoch=r[1], heartbeat_at=r[2], max_agents=r[3], pid=r[4], joined_at=r[5], gone=r[6])
+            for r in got]
