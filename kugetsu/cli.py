@@ -355,7 +355,8 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
 
     store = open_store(home)
     task = pm.find(store.read(), args.task)
-    path = home.log(task.id)
+    cfg = load_config(home)
+    path = ops.log_path(home, cfg, task)
     out = sys.stdout.buffer
     try:
         f = open(path, "rb", opener=nofollow)
@@ -378,6 +379,7 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
         print(f"(waiting: {task.name} is queued" + (f", position {position})" if position else ")"), file=sys.stderr)
     while args.follow:
         task = pm.find(store.read(), str(task.id))
+        path = ops.log_path(home, cfg, task)  # in a cluster: what the task's machine shipped since
         if f is None and path.exists():
             f = open(path, "rb", opener=nofollow)
         if f is not None:

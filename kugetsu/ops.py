@@ -484,3 +484,17 @@ def hosts(home: Home) -> list[dict[str, Any]]:
             "this": row.name == host_name(cfg),
         })
     return out
+
+
+def log_path(home: Home, cfg: Config, task: Task) -> Path:
+    """Where this machine reads a task's output: its log, or in a cluster, for a task that ran
+    on another machine, the local mirror of what that machine shipped (brought up to date
+    by this call: a follower calls it again for more)."""
+    if cfg.store is None or task.host is None or task.host == host_name(cfg):
+        return home.log(task.id)
+    from kugetsu.cluster import logs
+    from kugetsu.cluster.store import store_for
+
+    path = home.mirror_log(task.id)
+    logs.mirror(store_for(cfg.store).conn, task.id, path)
+    return path

@@ -72,6 +72,10 @@ class Home:
     def log(self, task_id: int) -> Path:
         return self.logs / f"{task_id}.log"
 
+    def mirror_log(self, task_id: int) -> Path:
+        """Cluster mode: the output of a task that ran on another machine, as shipped from there."""
+        return self.root / "mirror" / f"{task_id}.log"
+
     def prompt_file(self, task_id: int) -> Path:
         """The prompt of a preset with {prompt_file}: 0600, so it is not in the agent's argv."""
         return self.logs / f"{task_id}.prompt"

@@ -6,7 +6,9 @@ Every failure to reach the database becomes `Unreachable` (exit 1, `database unr
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,6 +28,11 @@ class Unreachable(KugetsuError):
         super().__init__(f"database unreachable: {redact(url)}: {why}. Running agents are not affected;"
                          " check that PostgreSQL runs and the store URL (`kugetsu config get store`) is right.")
         self.url = url
+
+
+def process_tag() -> str:
+    """What this process's commits NOTIFY with: a service ignores the wake-ups of its own commits."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def redact(url: str) -> str:

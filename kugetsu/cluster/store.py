@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import psycopg
 
-from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, errors, redact
+from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, errors, process_tag, redact
 from kugetsu.errors import FileError
 from kugetsu.models import INDEX_VERSION, Event, Index, check_index
 from kugetsu.store import Txn, _index_decoder, _encoder, encode_index
@@ -182,7 +182,7 @@ class PgStore:
                         "INSERT INTO kugetsu.history (id, body) VALUES (%s, %s)",
                         [(t.id, _encoder.encode(t)) for t in txn.archive])
             if data != txn.before or txn.events or txn.new_config is not None:
-                self._execute("SELECT pg_notify(%s, '')", (NOTIFY_CHANNEL,))
+                self._execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, process_tag()))
             self._execute("COMMIT")
             self._committed = (data, index)
         except BaseException:

@@ -429,9 +429,9 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         """The end of a task's output (its agent's stdout and stderr), bounded: the last `lines`
         lines within the last `max_bytes` bytes (16 KiB by default). Read it when a task
         failed, before you retry it or fix the issue yourself. A queued task has no output yet."""
-        _, index = ops.read(home)
+        cfg, index = ops.read(home)
         found = pm.find(index, task)
-        path = home.log(found.id)
+        path = ops.log_path(home, cfg, found)
         try:
             size = os.stat(path).st_size
         except FileNotFoundError:

@@ -26,6 +26,7 @@ from telegram.error import BadRequest, Forbidden, InvalidToken, RetryAfter, Tele
 
 from kugetsu.config import Config
 from kugetsu.models import Event, Task
+from kugetsu import ops
 from kugetsu.ops import now
 from kugetsu.paths import Home, atomic_write, nofollow, read_file
 from kugetsu.store import open_store, decode_events
@@ -262,7 +263,7 @@ class Notifier:
         task = self._task(event.task) if event.task is not None else None
         tail = None
         if event.type in ("failed", "lost") and event.task is not None:
-            tail = _log_tail(self.home.log(event.task))
+            tail = _log_tail(self.home.log(event.task) if task is None else ops.log_path(self.home, self.get_cfg(), task))
         return text.notification(event, task, self.get_cfg(), tail)
 
     def _task(self, task_id: int) -> Task | None:

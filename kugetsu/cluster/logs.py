@@ -1,0 +1,67 @@
+"""Agents' output across machines: each service ships the logs of its running agents to the
+database in bounded chunks; a command on another machine mirrors them into a local file, so
+`logs` (and --follow), the dashboard's output pane, the bot's excerpts and the MCP `logs`
+tool read a file as they do on one machine.
+
+A chunk is (task, pos, data): `pos` is the byte offset in the agent's log, so a chunk sent
+twice (a retry after a lost reply) is the same row, and a mirror knows where it stands by
+its own size. At most `cluster.log_max_size` of a task's output is shipped; beyond it the
+log stays on its machine, and the mirror says so.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import psycopg
+
+from kugetsu.paths import open_file
+
+CHUNK = 64 * 1024  # bytes per row: a burst of output is a few rows, not one huge one
+
+
+def shipped(conn: psycopg.Connection, task: int) -> int:
+    """How much of a task's log the database has: where shipping resumes after a restart."""
+    row = conn.execute("SELECT coalesce(max(pos + length(data)), 0) FROM kugetsu.log_chunks WHERE task = %s",
+                       (task,)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def ship(conn: psycopg.Connection, task: int, path: Path, start: int, cap: int) -> int:
+    """Send what the log has past `start`, up to `cap` bytes in all. Returns the new offset."""
+    if start >= cap:
+        return start
+    try:
+        fd = open_file(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return start
+    rows = []
+    with os.fdopen(fd, "rb") as f:
+        f.seek(start)
+        data = f.read(cap - start)
+    for i in range(0, len(data), CHUNK):
+        rows.append((task, start + i, data[i : i + CHUNK]))
+    if rows:
+        with conn.cursor() as cur:
+            cur.executemany("INSERT INTO kugetsu.log_chunks (task, pos, data) VALUES (%s, %s, %s)"
+                            " ON CONFLICT DO NOTHING", rows)
+    return start + len(data)
+
+
+def mirror(conn: psycopg.Connection, task: int, path: Path) -> int:
+    """Bring the local mirror of a task's log up to what the database has. Returns its size."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = open_file(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
+    with os.fdopen(fd, "r+b") as f:
+        have = os.fstat(f.fileno()).st_size
+        rows = conn.execute(
+            "SELECT pos, data FROM kugetsu.log_chunks WHERE task = %s AND pos + length(data) > %s ORDER BY pos",
+            (task, have)).fetchall()
+        for pos, data in rows:
+            if pos > have:
+                break  # a gap (a chunk still on its way): the next look fills it
+            data = bytes(data)[have - pos :]
+            f.write(data)
+            have += len(data)
+        return have

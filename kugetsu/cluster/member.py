@@ -1,0 +1,151 @@
+"""A service's membership in a cluster: its lease, its wake-ups, fencing.
+
+Two threads, so that a slow or unreachable database never stalls the service's loop:
+- heartbeats renew the lease every third of `cluster.lease`; a failed one is retried with
+  backoff and logged once; `since` (from when the heartbeats have come through without a
+  gap) feeds placement.gone_hosts;
+- a LISTEN connection wakes the service at once when another process commits (the store's
+  NOTIFY), and once more after each reconnect (a notification may have been missed).
+What the service does with a lease (ending a silent machine's tasks, fencing itself) is
+decided by pm in its tick; this module only reads and writes the hosts table.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from datetime import datetime
+
+import psycopg
+
+from kugetsu.cluster import hosts
+from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, process_tag
+from kugetsu.placement import Here, HostSeen
+
+log = logging.getLogger("kugetsu.cluster")
+
+BACKOFF_FIRST, BACKOFF_MAX = 0.2, 5.0  # seconds between attempts to reach a database that is away
+
+
+class Member:
+    def __init__(self, url: str, name: str, max_agents: int, lease: float, wake: Callable[[], None]):
+        self.url, self.name, self.max_agents, self.lease = url, name, max_agents, lease
+        self.wake = wake  # thread-safe: schedules a tick on the service's loop
+        self.epoch: int | None = None
+        self.since: datetime | None = None  # heartbeats have come through without a gap since then
+        self.fenced = False  # the lease was taken from us: fence before anything else
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._listen_conn: psycopg.Connection | None = None
+
+    # ---- the threads -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.join()
+        for target in (self._heartbeats, self._listen):
+            thread = threading.Thread(target=target, name=f"kugetsu-{target.__name__.strip('_')}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        conn = self._listen_conn
+        if conn is not None:
+            try:
+                conn.cancel_safe()  # ends a notifies() wait at once (psycopg >= 3.2)
+            except (psycopg.Error, AttributeError):
+                pass
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def join(self) -> None:
+        """Join (or rejoin) with a new epoch: the database's clock is `since`."""
+        conn = connect(self.url)
+        try:
+            self.epoch, self.since = hosts.join(conn, self.name, self.max_agents)
+        finally:
+            conn.close()
+        self.fenced = False
+        log.info("joined the cluster as %s (epoch %d, %d slots)", self.name, self.epoch, self.max_agents)
+
+    def _heartbeats(self) -> None:
+        conn: psycopg.Connection | None = None
+        failing: str | None = None
+        delay = BACKOFF_FIRST
+        while not self._stop.wait(self.lease / 3 if failing is None else delay):
+            try:
+                if conn is None or conn.closed:
+                    conn = connect(self.url)
+                ok = hosts.heartbeat(conn, self.name, self.epoch or 0, self.max_agents)
+            except (Unreachable, psycopg.Error) as err:
+                if conn is not None:
+                    conn.close()
+                conn = None
+                self.since = None  # a gap: others' silence is no proof until a whole lease passes again
+                if str(err) != failing:
+                    log.error("heartbeat failed: %s; retrying with backoff (running agents are not affected)", err)
+                failing = str(err)
+                delay = min(delay * 2, BACKOFF_MAX)
+                continue
+            if failing is not None:
+                log.info("the database answers again")
+                failing, delay = None, BACKOFF_FIRST
+                self.wake()
+            if not ok:
+                if not self.fenced:
+                    log.warning("this machine was declared gone (its lease ran out): fencing")
+                self.fenced = True
+                self.wake()
+            elif self.since is None:
+                self.since = _now(conn)
+        if conn is not None:
+            conn.close()
+
+    def _listen(self) -> None:
+        tag = process_tag()
+        delay = BACKOFF_FIRST
+        while not self._stop.is_set():
+            try:
+                conn = self._listen_conn = connect(self.url)
+                conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                delay = BACKOFF_FIRST
+                self.wake()  # whatever was committed while we were not listening
+                for note in conn.notifies():
+                    if self._stop.is_set():
+                        break
+                    if note.payload != tag:
+                        self.wake()
+            except (Unreachable, psycopg.Error):
+                if self._stop.wait(delay):
+                    break
+                delay = min(delay * 2, BACKOFF_MAX)
+            finally:
+                if self._listen_conn is not None:
+                    self._listen_conn.close()
+                    self._listen_conn = None
+
+    # ---- in the service's transaction ----------------------------------------------------
+
+    def here(self, missing: frozenset[str]) -> Here:
+        return Here(name=self.name, max_agents=self.max_agents, missing=missing, since=self.since)
+
+    def observe(self, conn: psycopg.Connection) -> list[HostSeen]:
+        """Every machine's lease, and whether ours was taken (then `fenced`)."""
+        seen = hosts.mine(conn, self.name)
+        if seen is None or seen[0] != self.epoch or seen[1]:
+            self.fenced = True
+        return hosts.seen(conn)
+
+    def rejoin(self, conn: psycopg.Connection) -> None:
+        """After fencing, in the same transaction: back, with a new epoch."""
+        self.epoch = hosts.rejoin(conn, self.name, self.max_agents)
+        self.since = _now(conn)
+        self.fenced = False
+        log.info("rejoined the cluster as %s (epoch %d)", self.name, self.epoch)
+
+
+def _now(conn: psycopg.Connection) -> datetime:
+    row = conn.execute("SELECT clock_timestamp()").fetchone()
+    assert row is not None
+    return row[0]
