@@ -19,6 +19,10 @@ from kugetsu.errors import KugetsuError
 SCHEMA_VERSION = 1
 NOTIFY_CHANNEL = "kugetsu"
 CONNECT_TIMEOUT = 5  # seconds: a database that does not answer is reported, not waited for
+# A network that drops packets (a cable, a firewall) would leave a query waiting for minutes;
+# with these, a silent connection fails within about 10 s and is made afresh.
+KEEPALIVE = {"keepalives": 1, "keepalives_idle": 3, "keepalives_interval": 2, "keepalives_count": 2,
+             "tcp_user_timeout": 10000}
 
 
 class Unreachable(KugetsuError):
@@ -48,7 +52,7 @@ def _why(err: Exception) -> str:
 def connect(url: str, *, autocommit: bool = True) -> psycopg.Connection:
     try:
         conn = psycopg.connect(url, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT,
-                               application_name="kugetsu")
+                               application_name="kugetsu", **KEEPALIVE)
     except psycopg.Error as err:
         raise Unreachable(url, _why(err)) from None
     ensure_schema(conn, url)

@@ -1,0 +1,196 @@
+"""Cluster mode (DESIGN section 10) with a real PostgreSQL, real services and real agents:
+several "machines" are homes on this one, each with its own service and host name, sharing
+one database. The agents record their own times in one shared directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import Kugetsu, wait_for
+
+Machine = Callable[..., Kugetsu]
+
+
+@pytest.fixture
+def machines(tmp_path: Path, pg_url: str) -> Iterator[Machine]:
+    made: list[Kugetsu] = []
+
+    def make(name: str, slots: int = 2, url: str = pg_url, serve: bool = True) -> Kugetsu:
+        k = Kugetsu(tmp_path / name)
+        k.config(store=url, host=name, host_max_agents=slots)
+        made.append(k)
+        if serve:
+            k.ok("serve", "--detach")
+        return k
+
+    yield make
+    for k in made:
+        k.cleanup()
+
+
+def overlap(spans: list[tuple[float, float]]) -> int:
+    """The most spans open at one instant."""
+    points = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+    top = cur = 0
+    for _, d in points:
+        cur += d
+        top = max(top, cur)
+    return top
+
+
+def final(k: Kugetsu, names: list[str], timeout: float = 30) -> dict[str, dict]:
+    def done() -> dict[str, dict] | None:
+        tasks = {t["name"]: t for t in k.json("queue", "--all")["finished"]}  # type: ignore[index]
+        return tasks if all(n in tasks for n in names) else None
+    return wait_for(done, timeout, f"{names} to finish")  # type: ignore[return-value]
+
+
+def test_one_capacity_across_machines_never_exceeded_and_each_machine_within_its_slots(machines: Machine):
+    a, b = machines("m1", slots=2), machines("m2", slots=2)
+    a.ok("config", "set", "max_agents", "3")
+    a.ok("config", "set", "history_limit", "100")
+    names = [f"t{i}" for i in range(9)]
+    for i, n in enumerate(names):
+        (a if i % 2 else b).delegate(n, 0.4)
+    tasks = final(a, names)
+    assert {t["state"] for t in tasks.values()} == {"succeeded"}
+    spans = {n: (a.times(n)["start"], a.times(n)["end"]) for n in names}
+    assert overlap(list(spans.values())) <= 3
+    assert overlap(list(spans.values())) == 3, "a free slot of the cluster was left unused"
+    for host in ("m1", "m2"):
+        mine = [spans[n] for n in names if tasks[n]["host"] == host]
+        assert mine and overlap(mine) <= 2
+
+
+def test_a_pinned_task_runs_on_its_machine_and_hosts_lists_the_machines(machines: Machine):
+    a, b = machines("m1"), machines("m2")
+    a.delegate("pinned", 0.0, 0, "--host", "m2")
+    a.delegate("long", 30.0, 0, "--host", "m1")
+    assert a.wait_state("pinned", "succeeded")["host"] == "m2"
+    a.wait_state("long", "running")
+    rows = {r["name"]: r for r in a.json("hosts")}  # type: ignore[union-attr]
+    assert rows["m1"]["state"] == rows["m2"]["state"] == "up"
+    assert rows["m1"]["running"] == 1 and rows["m1"]["tasks"] == ["long"] and rows["m1"]["this"]
+    assert rows["m2"]["running"] == 0 and not rows["m2"]["this"]
+    text = b.ok("hosts")
+    assert "m1" in text and "m2 *" in text and "long" in text
+    out = b.ok("queue")
+    assert "HOST" in out and "m1" in out
+
+
+def test_a_cancel_on_one_machine_stops_an_agent_on_another_within_a_second(machines: Machine):
+    a, b = machines("m1"), machines("m2")
+    gate = a.rec / "never"
+    a.delegate("far", 0.0, 0, "--host", "m2", gate=gate)
+    b.wait_state("far", "running")
+    wait_for(lambda: a.times("far").get("start"), 10, "the agent to start")
+    a.ok("cancel", "far")
+    t0 = time.monotonic()
+    wait_for(lambda: not b.wrappers(), 5, "the agent on m2 to be stopped")
+    assert time.monotonic() - t0 < 1.0, "the cancel took more than a second to reach the other machine"
+    assert a.wait_state("far", "cancelled", timeout=10)["reason"] == "cancelled by cli"
+
+
+def test_config_set_on_one_machine_applies_on_every_machine(machines: Machine):
+    a, b = machines("m1", serve=False), machines("m2", serve=False)
+    a.ok("config", "set", "max_agents", "5")
+    assert b.json("capacity")["max_agents"] == 5  # type: ignore[index]
+    assert b.ok("config", "get", "max_agents").strip() == "5"
+    assert a.ok("config", "get", "host").strip() == "m1" and b.ok("config", "get", "host").strip() == "m2"
+
+
+def test_output_of_an_agent_on_another_machine_is_read_from_anywhere(machines: Machine):
+    a, b = machines("m1"), machines("m2")
+    a.ok("delegate", "talk", "--host", "m2", "--", "sh", "-c", "for i in 1 2 3; do echo line $i; done")
+    a.wait_state("talk", "succeeded")
+    wait_for(lambda: "line 3" in a.ok("logs", "talk"), 10, "the output to be shipped")
+    assert a.ok("logs", "talk") == "line 1\nline 2\nline 3\n"
+    assert a.ok("logs", "talk", "-n", "1") == "line 3\n"
+
+
+def test_a_silent_machine_loses_its_tasks_within_the_lease_and_is_fenced_when_it_returns(machines: Machine):
+    a, b = machines("m1", slots=1), machines("m2", slots=1)
+    a.ok("config", "set", "cluster.lease", "3s")
+    a.ok("config", "set", "max_agents", "2")
+    b.delegate("victim", 0.0, 0, "--host", "m2", gate=b.rec / "never")
+    b.wait_state("victim", "running")
+    wait_for(lambda: a.times("victim").get("start"), 10, "the agent to start")
+    pid = b.service_pid()
+    assert pid
+    os.kill(pid, signal.SIGSTOP)  # its service is frozen: no heartbeats, no database
+    try:
+        t0 = time.time()
+        task = a.wait_state("victim", "lost", timeout=20)
+        assert "m2" in task["reason"] and time.time() - t0 < 12
+        assert b.wrappers(), "the agent runs on while its machine is away"
+        a.delegate("after", 0.0, 0, "--host", "m1")
+        a.wait_state("after", "succeeded")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # back: it kills what it still runs of the lost task before anything else
+    wait_for(lambda: not b.wrappers(), 15, "the fenced machine to end its lost agent")
+    rows = {r["name"]: r for r in a.json("hosts")}  # type: ignore[union-attr]
+    wait_for(lambda: {r["name"]: r for r in a.json("hosts")}["m2"]["state"] == "up", 10, "m2 to rejoin")  # type: ignore[index]
+    assert rows["m2"]["epoch"] >= 2
+    b.delegate("again", 0.0, 0, "--host", "m2")
+    b.wait_state("again", "succeeded")
+
+
+def test_an_unreachable_database_is_one_line_and_exit_1(tmp_path: Path):
+    k = Kugetsu(tmp_path / "h")
+    k.env["KUGETSU_STORE"] = "postgresql://127.0.0.1:1/nothing"
+    for args in (["queue"], ["delegate", "x", "--", "true"], ["capacity", "--json"], ["hosts"]):
+        r = k.run(*args)
+        assert r.returncode == 1, (args, r.stdout, r.stderr)
+        assert r.stderr.startswith("kugetsu: database unreachable: postgresql://127.0.0.1:1/nothing"), r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_hosts_and_host_pinning_need_a_cluster(kg: Kugetsu):
+    r = kg.run("hosts")
+    assert r.returncode == 2 and "needs cluster mode" in r.stderr
+    r = kg.run("delegate", "x", "--host", "m1", "--", "true")
+    assert r.returncode == 2 and "needs cluster mode" in r.stderr
+
+
+def test_store_migrate_moves_a_file_home_and_refuses_when_busy(kg: Kugetsu, pg_url: str, tmp_path: Path):
+    kg.config(max_agents=2, history_limit=1)
+    for n in ("one", "two", "three"):
+        kg.delegate(n)
+        kg.wait_state(n, "succeeded")
+    r = kg.run("store", "migrate", pg_url)
+    assert r.returncode == 1 and "service of this home is running" in r.stderr
+    kg.ok("shutdown")
+    out = kg.ok("store", "migrate", pg_url)
+    assert "moved 1 finished task(s), 2 archived" in out
+    assert json.loads(kg.home.config.read_text()) == {"store": pg_url}
+    other = Kugetsu(tmp_path / "other")
+    other.config(store=pg_url, host="other")
+    assert other.json("capacity")["max_agents"] == 2  # type: ignore[index]
+    assert [t["name"] for t in other.json("queue", "--all")["finished"]] == ["three"]  # type: ignore[index]
+    again = Kugetsu(tmp_path / "again")
+    again.config(max_agents=1)
+    r = again.run("store", "migrate", pg_url)
+    assert r.returncode == 1 and "already holds a kugetsu queue" in r.stderr
+    exported = tmp_path / "exported"
+    kg.ok("store", "export", str(exported))
+    assert json.loads((exported / "config.json").read_text()) == {"max_agents": 2, "history_limit": 1}
+    back = Kugetsu(exported)
+    assert [t["name"] for t in back.json("queue", "--all")["finished"]] == ["three"]  # type: ignore[index]
+    back.delegate("four")
+    assert back.wait_state("four", "succeeded")["id"] == 4
+    back.cleanup()
+
+
+def test_joining_a_cluster_with_a_queue_or_config_of_its_own_is_refused(kg: Kugetsu, pg_url: str):
+    kg.config(max_agents=2)
+    r = kg.run("config", "set", "store", pg_url)
+    assert r.returncode == 2 and "store migrate" in r.stderr and "max_agents" in r.stderr
+    assert json.loads(kg.home.config.read_text()) == {"max_agents": 2}
