@@ -41,7 +41,7 @@ async def test_a_burst_shares_commits_and_a_cli_command_waits_for_it(kg, monkeyp
     monkeypatch.setattr(svc.store, "commit", lambda txn: (commits.append(len(txn.events)), real_commit(txn)))
     serving = asyncio.create_task(svc.main())
     try:
-        await wait_for_async(lambda: svc.successor and 2 in svc.warm, what="blocker running and t0 warm")
+        await wait_for_async(lambda: svc.successor and 2 in svc.procs.warm, what="blocker running and t0 warm")
         before = len(commits)
         gate.touch()
         # Every agent runs, one after the other, while the index still says none has ended:

@@ -10,7 +10,7 @@ import signal
 
 from conftest import agent_wrappers, wait_for, wait_for_async  # noqa: F401
 
-from kugetsu import pm, runner, service
+from kugetsu import pm, processes, runner
 from kugetsu.service import Service
 
 
@@ -62,13 +62,13 @@ async def test_only_the_first_warm_ahead_tasks_wait_warm(kg, monkeypatch):
     await asyncio.to_thread(kg.delegate, "blocker", 0, gate=gate)
     for name in ("a", "b", "c", "d"):
         await asyncio.to_thread(kg.delegate, name, 0)
-    monkeypatch.setattr(service, "WARM_AHEAD", 2)
+    monkeypatch.setattr(processes, "WARM_AHEAD", 2)
     svc = Service(kg.home)
     serving = asyncio.create_task(svc.main())
     try:
-        await wait_for_async(lambda: set(svc.warm) == {2, 3}, what="a and b warm")
+        await wait_for_async(lambda: set(svc.procs.warm) == {2, 3}, what="a and b warm")
         await asyncio.to_thread(kg.ok, "cancel", "a")  # c moves up: it is warmed, a's wrapper goes
-        await wait_for_async(lambda: set(svc.warm) == {3, 4}, what="b and c warm")
+        await wait_for_async(lambda: set(svc.procs.warm) == {3, 4}, what="b and c warm")
         await wait_for_async(lambda: set(kg.wrappers()) == {1, 3, 4}, what="a's wrapper to exit")
         gate.touch()
         await wait_for_async(lambda: len(kg.index()["finished"]) == 5, what="the queue to drain")
@@ -160,13 +160,13 @@ async def test_a_task_let_go_early_but_not_started_by_pm_is_recorded_not_run_twi
     svc = Service(kg.home)
     serving = asyncio.create_task(svc.main())
     try:
-        await wait_for_async(lambda: svc.successor and 2 in svc.warm, what="blocker running and next warm")
+        await wait_for_async(lambda: svc.successor and 2 in svc.procs.warm, what="blocker running and next warm")
         assert svc.successor.task.name == "next"
-        warm_pid = svc.warm[2].pid
+        warm_pid = svc.procs.warm[2].pid
         real_settle, skipped = pm.settle, []
 
         def settle_but_not_at_the_exit(index, cfg, now, resources=None):
-            if svc.exited and not skipped:
+            if svc.exits.exited and not skipped:
                 skipped.append(now)
                 return pm.Plan()
             return real_settle(index, cfg, now, resources)

@@ -1,0 +1,181 @@
+"""The agents' processes as the service holds them: the wrappers it spawned (reaped to learn
+how they ended), the warm wrappers started ahead of their turn, the starts no committed index
+records yet, and the agents adopted at start-up after a crash. How a wrapper is started,
+identified and signalled is in runner.py; when to start what is decided by pm.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from kugetsu import ops, pm, runner, worktree
+from kugetsu.config import Config
+from kugetsu.models import Index, Task, TaskState
+from kugetsu.paths import Home
+from kugetsu.store import Txn
+
+if TYPE_CHECKING:  # only for the types: runner imports it when it first spawns
+    import subprocess
+
+log = logging.getLogger("kugetsu.service")
+
+WARM_AHEAD = 100  # queued tasks whose wrapper waits, started ahead (sync_warm)
+
+_FINAL = frozenset(s.value for s in TaskState if s.final)
+
+
+class LetGo(msgspec.Struct):
+    """An agent this service let go, not yet in a committed index."""
+
+    pid: int
+    start: int | None
+    at: datetime  # when it was let go: its started_at
+
+
+class Processes:
+    def __init__(self, home: Home):
+        self.home = home
+        self.children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> Popen of the wrappers this service spawned
+        # Agents let go (spawned, or a warm wrapper released) that no committed index records
+        # yet: should the commit fail (a full disk), the next transaction records them from
+        # here, and never starts them a second time. Cleared by every commit that succeeds.
+        self.let_go: dict[int, LetGo] = {}
+        self.returncodes: dict[int, int] = {}  # pid -> how a reaped wrapper ended, until committed
+        self.warm: dict[int, runner.Spawned] = {}  # task id -> its wrapper, started ahead, waiting
+        self.dropped: list[subprocess.Popen[bytes]] = []  # warm wrappers let go, to reap once they exit
+
+    def committed(self) -> None:
+        """The index on disk now records everything let go and every exit reaped so far."""
+        self.let_go.clear()
+        self.returncodes.clear()
+
+    def close(self) -> None:
+        """The service stops: warm wrappers exit without running anything."""
+        for warm in self.warm.values():
+            runner.drop(warm)
+
+    def ours(self) -> set[int]:
+        """The pids of the wrappers this service started (its children that are no orphans)."""
+        return set(self.children) | {w.pid for w in self.warm.values()} | {p.pid for p in self.dropped}
+
+    # ---- starting ----------------------------------------------------------------------
+
+    def start(self, task: Task, cwd: str, env: dict[str, str], released: bool) -> runner.Spawned:
+        """The task's warm wrapper if it has one (a promotion is then one write to a pipe),
+        else a new process. `released`: its warm wrapper was let go already."""
+        warm = self.warm.pop(task.id, None)
+        if warm is not None:
+            if released:
+                return warm
+            if warm.gate is not None and runner.alive(warm.pid, warm.start):
+                runner.release(warm)
+                return warm
+            self.drop(warm)
+        return runner.spawn(self.home, task.id, task.name, task.command, cwd, env, token=task.token)
+
+    def sync_warm(self, index: Index, cfg: Config) -> None:
+        """Keep the wrappers of the first WARM_AHEAD queued tasks in start order started and
+        waiting, while every slot is busy (with a free slot, tasks start at once anyway): a
+        promotion is then one write to a pipe, and no process is started while agents end
+        in quick succession (task-spooler's waiting clients do the same). Who starts is still
+        decided by pm in the tick; this only prepares the likely ones. Worktree tasks are not
+        warmed: their working directory only exists once they start."""
+        want: list[Task] = []
+        if index.queued and pm.free_slots(index, cfg) == 0:
+            order = pm.start_order(index, cfg, ops.now())[:WARM_AHEAD]
+            want = [t for t in order if not t.repo and t.token]
+        wanted = {t.id for t in want}
+        for task_id in [i for i in self.warm if i not in wanted]:
+            self.drop(self.warm.pop(task_id))
+        for task in want:
+            if task.id in self.warm:
+                continue
+            try:
+                self.warm[task.id] = runner.spawn(
+                    self.home, task.id, task.name, task.command, task.cwd, task.env, warm=True, token=task.token
+                )
+            except (OSError, ValueError):
+                pass  # it gets a normal start, and its error, when its turn comes
+
+    def drop(self, spawned: runner.Spawned) -> None:
+        runner.drop(spawned)
+        self.dropped.append(spawned.popen)
+
+    def forget_dropped(self) -> None:
+        """Dropped warm wrappers that have exited (poll reaps them) need no more looking at."""
+        self.dropped = [p for p in self.dropped if p.poll() is None]
+
+    # ---- how a wrapper ended -------------------------------------------------------------
+
+    def reap(self, task: Task) -> None:
+        """Reap the task's wrapper, if this service spawned it; how it ended is kept until the
+        index records the task's end (should that commit fail, the next one needs it)."""
+        popen = self.children.pop(task.pid, None)  # type: ignore[arg-type]
+        if popen is None:
+            return
+        try:
+            # It has exited: this only reaps it (poll: wait(timeout) costs a sleep loop).
+            returncode = popen.poll()
+            if returncode is None:
+                returncode = popen.wait(timeout=5)
+            self.returncodes[popen.pid] = returncode
+        except Exception:
+            log.warning("wrapper of %s (#%d) did not reap; continuing", task.name, task.id)
+
+    def exit_status(self, task: Task) -> tuple[int | None, str | None]:
+        self.reap(task)
+        code = runner.read_exit(self.home, task.id)
+        if code is not None:
+            return code, None
+        returncode = self.returncodes.get(task.pid)  # type: ignore[arg-type]
+        if returncode is not None and returncode < 0:
+            name = signal.Signals(-returncode).name
+            return 128 - returncode, f"killed by {name}"
+        return None, None
+
+    # ---- starts no committed index records -------------------------------------------------
+
+    def let_go_seen(self) -> list[pm.Adopted]:
+        """What this service let go since its last successful commit: a task it started runs,
+        whether or not the commit that said so reached the disk, and pm records it (never
+        starting it a second time)."""
+        return [pm.Adopted(task_id, go.pid, go.start, go.at, str(self.home.log(task_id)))
+                for task_id, go in self.let_go.items()]
+
+    def recovered(self, txn: Txn) -> list[pm.Adopted]:
+        """At start-up, after a crash between starting a task's wrapper and committing it: a
+        wrapper of ours (same user, the task's token) that runs its agent (a warm one that
+        was never released has no child, and exits when it sees its pipe closed), or the
+        exit status it recorded, for a queued task or a running one without a pid."""
+        candidates = {t.id: t.token for t in txn.index.queued if self.home.log(t.id).exists()}
+        unrecorded = [t for t in txn.index.active if t.pid is None and t.stop is None]
+        candidates.update((t.id, t.token) for t in unrecorded)
+        if not candidates:
+            return []
+        for task in unrecorded:
+            worktree.recover(self.home, task)  # a worktree created just before the crash
+        wrappers = runner.find_wrappers(self.home, candidates)  # one look at /proc for the lot
+        # Its start is unknown: at the latest exit recorded here (the slot it took), if that
+        # was before its own end.
+        ends = [t for e in txn.events if e.task is not None and e.state in _FINAL
+                if (t := runner.exit_time(self.home, e.task)) is not None]
+        out = []
+        for task_id in candidates:
+            found = wrappers.get(task_id)
+            running = found is not None and runner.has_children(found[0])
+            code = runner.read_exit(self.home, task_id) if not running else None
+            if not running and code is None:
+                continue
+            end = runner.exit_time(self.home, task_id) if code is not None else None
+            before = [t for t in ends if end is None or t <= end]
+            at = max(before) if before else (end or txn.now)
+            pid, start = found if running else (None, None)
+            out.append(pm.Adopted(task_id, pid, start, at, str(self.home.log(task_id)), code))
+            if running:
+                log.info("re-adopted task #%d, pid %d, started before a crash", task_id, pid)
+        return out
