@@ -20,6 +20,7 @@ import msgspec
 
 from kugetsu import pm, runner
 from kugetsu.models import Index, Task
+from kugetsu.placement import ours
 from kugetsu.processes import Processes
 from kugetsu.store import Txn
 
@@ -46,6 +47,7 @@ class Exits:
         self.clean: set[int] = set()  # exited tasks this tick found to leave nothing running
         self.endings: dict[int, Ending] = {}  # task id -> its leftover processes being ended
         self._zombies: set[int] = set()  # orphans seen dead at the last look, reaped at the next
+        self.host: str | None = None  # in a cluster, this machine: other machines' agents are theirs to watch
 
     def ticked(self) -> None:
         """The exits seen so far are in the transaction just made."""
@@ -63,7 +65,7 @@ class Exits:
     def sync_watches(self, index: Index) -> None:
         # (A task whose agent has ended while it ends its leftovers has no process to watch.)
         loop = asyncio.get_running_loop()
-        active = {t.id: t for t in index.active if t.pid is not None and t.ended_at is None}
+        active = {t.id: t for t in index.active if t.pid is not None and t.ended_at is None and ours(t, self.host)}
         for task_id in [i for i in self.watches if i not in active]:
             fd = self.watches.pop(task_id)
             loop.remove_reader(fd)
@@ -141,7 +143,7 @@ class Exits:
         """Tasks whose agent has ended while processes it started still run: look for them (a
         /proc scan by the task's token, in a worker thread) whenever nothing signalled is
         left to wait for, or the grace is over; report what each finished look found."""
-        live = {t.id: t for t in txn.index.active if t.ended_at is not None}
+        live = {t.id: t for t in txn.index.active if t.ended_at is not None and ours(t, self.host)}
         for task_id in [i for i in self.endings if i not in live]:
             self._close_ending(self.endings.pop(task_id))
         found = []

@@ -55,9 +55,9 @@ def starts_anywhere(cfg: Config, here: Here | None) -> bool:
     return cfg.store is None or here is not None
 
 
-def ours(task: Task, here: Here | None) -> bool:
-    """Is the task's process on this machine (always, outside a cluster)?"""
-    return here is None or task.host == here.name
+def ours(task: Task, host: str | None) -> bool:
+    """Is the task's process on this machine, `host` in a cluster (None: one machine, always)?"""
+    return host is None or task.host == host
 
 
 def placement_note(task: Task, alive: set[str] | None) -> str | None:

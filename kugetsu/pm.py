@@ -601,7 +601,8 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
     a crash comes after the exit that freed its slot, in the slots and in the events."""
     plan = Plan()
     here = obs.here
-    live = {t.id: t for t in index.active if ours(t, here)}  # another machine's processes are its own
+    me = here.name if here else None
+    live = {t.id: t for t in index.active if ours(t, me)}  # another machine's processes are its own
     for e in obs.exits:
         task = live.get(e.task)
         if task is None or task.ended_at is not None:
@@ -628,11 +629,11 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
         for name in plan.gone:
             for task in [t for t in index.active if t.host == name]:
                 plan.events += finish(index, task, now, None, f"host {name} stopped answering (lease expired)")
-    plan.signal_groups += [(t, 15) for t in timeouts_due(index, now, cfg.kill_grace_s) if ours(t, here)]
+    plan.signal_groups += [(t, 15) for t in timeouts_due(index, now, cfg.kill_grace_s) if ours(t, me)]
     if here is not None:  # a stop asked for on another machine (cancel there): its SIGTERM is ours to send
         plan.signal_groups += [(t, 15) for t in live.values() if t.stop is not None and t.pid is not None
                                and t.ended_at is None and t.kill_at is not None and now < t.kill_at]
-    plan.signal_groups += [(t, 9) for t in kills_due(index, now) if t.ended_at is None and ours(t, here)]
+    plan.signal_groups += [(t, 9) for t in kills_due(index, now) if t.ended_at is None and ours(t, me)]
     settled = settle(index, cfg, now, obs.resources, here)
     plan.events += settled.events
     plan.archive = settled.archive
@@ -668,13 +669,14 @@ def settle(index: Index, cfg: Config, now: datetime, resources: Resources | None
     `running` from here; the service spawns them), finished tasks past history_limit leave
     the index. `start` lists every running task still without a process."""
     plan = Plan()
-    for task in [t for t in index.active if t.pid is None and t.stop is not None and ours(t, here)]:
+    me = here.name if here else None
+    for task in [t for t in index.active if t.pid is None and t.stop is not None and ours(t, me)]:
         plan.events += finish(index, task, now, None)
     plan.events += expire_due(index, now)
     for task in plan_starts(index, cfg, now, resources, here):
         plan.events += start(index, task, now, here.name if here else None)
     plan.archive = trim_history(index, cfg.history_limit)
-    plan.start = [t for t in index.active if t.pid is None and t.ended_at is None and ours(t, here)]
+    plan.start = [t for t in index.active if t.pid is None and t.ended_at is None and ours(t, me)]
     return plan
 
 

@@ -17,6 +17,7 @@ from kugetsu import ops, pm, runner, worktree
 from kugetsu.config import Config
 from kugetsu.models import Index, Task, TaskState
 from kugetsu.paths import Home
+from kugetsu.placement import ours
 from kugetsu.store import Txn
 
 if TYPE_CHECKING:  # only for the types: runner imports it when it first spawns
@@ -48,6 +49,7 @@ class Processes:
         self.returncodes: dict[int, int] = {}  # pid -> how a reaped wrapper ended, until committed
         self.warm: dict[int, runner.Spawned] = {}  # task id -> its wrapper, started ahead, waiting
         self.dropped: list[subprocess.Popen[bytes]] = []  # warm wrappers let go, to reap once they exit
+        self.host: str | None = None  # in a cluster, this machine: other machines' tasks are theirs
 
     def committed(self) -> None:
         """The index on disk now records everything let go and every exit reaped so far."""
@@ -153,7 +155,7 @@ class Processes:
         was never released has no child, and exits when it sees its pipe closed), or the
         exit status it recorded, for a queued task or a running one without a pid."""
         candidates = {t.id: t.token for t in txn.index.queued if self.home.log(t.id).exists()}
-        unrecorded = [t for t in txn.index.active if t.pid is None and t.stop is None]
+        unrecorded = [t for t in txn.index.active if t.pid is None and t.stop is None and ours(t, self.host)]
         candidates.update((t.id, t.token) for t in unrecorded)
         if not candidates:
             return []

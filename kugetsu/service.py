@@ -22,10 +22,10 @@ import os
 import signal
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kugetsu import control, ops, pm, runner
-from kugetsu.config import Config, format_size, load_config
+from kugetsu import control, ops, placement, pm, runner
+from kugetsu.config import Config, format_size, host_name, load_config
 from kugetsu.deadlines import DeadlineTimer
 from kugetsu.errors import DiskFull, KugetsuError
 from kugetsu.exits import Ending, Exits
@@ -35,6 +35,9 @@ from kugetsu.processes import WARM_AHEAD, LetGo, Processes
 from kugetsu.store import Txn, open_store
 from kugetsu.wakeup import WakeSocket
 from kugetsu.worktree_worker import WorktreeWorker, workplace
+
+if TYPE_CHECKING:  # psycopg is imported in cluster mode only
+    from kugetsu.cluster.member import Member
 
 __all__ = ["COMMIT_DELAY", "GUARD_RECHECK", "RECONCILE_EVERY", "WARM_AHEAD", "Ending", "LetGo", "Service", "serve"]
 
@@ -72,6 +75,8 @@ class Service:
         self._config_stamp: object = ...  # what config.json looked like when last read (... = never)
         self._stopping: asyncio.Event | None = None
         self._disk_check = True  # worktrees.max_disk: look at start, then whenever one is kept
+        self.member: Member | None = None  # cluster mode: this machine's lease, wake-ups, shipped output
+        self._termed: set[int] = set()  # cluster mode: tasks whose stop this service has signalled
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -95,6 +100,7 @@ class Service:
             # A damaged index stops the service here, before its pid file says it is up;
             # the pid file comes before the first tick, which may already start agents.
             self.store.read()
+            self._join_cluster()
             atomic_write(self.home.service_pid, f"{os.getpid()}\n".encode())
             self.tick()
             log.info("kugetsu service up (pid %d, home %s, max_agents %d)", os.getpid(), self.home.root, self.cfg.max_agents)
@@ -104,6 +110,8 @@ class Service:
         finally:
             self._flush()
             await self._stop_extensions()
+            if self.member is not None:
+                await asyncio.to_thread(self.member.stop)
             self._reconcile_handle.cancel()
             self.timer.cancel()
             self.worktrees.shutdown()
@@ -180,18 +188,24 @@ class Service:
         transaction open, lock and all, for COMMIT_DELAY, so that the exits that follow in a
         burst share its commit (`_hold`)."""
         self._tick_pending = False
+        hold = hold and self.member is None  # a cluster's row lock is every machine's: never held
         txn = self._begin()
+        deferred = False
         try:
             # Under the index lock, which `config set` holds while it writes config.json:
             # read before it, a lowering of max_agents committed meanwhile was overshot.
-            config_changed = self._reload_config()
+            config_changed = self._reload_config(txn)
             cfg, index = self.cfg, txn.index
             obs = pm.Observations(resources=ops.measure(cfg))
+            committed_running = {t.id for t in index.active}
+            if self.member is not None:
+                self._observe_cluster(txn, obs)
+            here = self.member.name if self.member is not None else None
             obs.adopted += self.procs.let_go_seen()  # only after a failed commit
             if self.exits.exited and txn.unchanged and not config_changed and self.failing is None:
                 self._release_successor(txn)
             obs.exits = [self.exits.seen(t, self._first_tick) for t in list(index.active)
-                         if t.ended_at is None and t.pid is not None
+                         if t.ended_at is None and t.pid is not None and placement.ours(t, here)
                          and (t.id in self.exits.exited or not runner.alive(t.pid, t.pid_start))]
             if self.exits.endings or any(t.ended_at is not None for t in index.active):
                 obs.found = self.exits.look_for_leftovers(txn)
@@ -201,9 +215,21 @@ class Service:
                 self._disk_check = True
             plan = pm.tick(index, cfg, txn.now, obs)
             self._take(txn, plan)
-            # While commits fail, nothing new is let go: what starts is committed first.
-            while self.failing is None and self._spawn(txn, plan.start):
-                plan.start = self._take(txn, pm.settle(index, cfg, txn.now, obs.resources)).start
+            if plan.gone:
+                self._declare_gone(txn, plan.gone)
+            if self.member is None:
+                # While commits fail, nothing new is let go: what starts is committed first.
+                while self.failing is None and self._spawn(txn, plan.start):
+                    plan.start = self._take(txn, pm.settle(index, cfg, txn.now, obs.resources)).start
+            else:
+                # A cluster: only a start already committed as this machine's is spawned. Were
+                # it spawned before its commit, a commit lost with the connection would leave it
+                # queued in the database, for another machine to start a second time.
+                ready = [t for t in plan.start if t.id in committed_running]
+                deferred = len(ready) < len(plan.start)
+                if self.failing is None and self._spawn(txn, ready):
+                    self._take(txn, pm.settle(index, cfg, txn.now, obs.resources, obs.here))
+                    deferred = True
             if self._released is not None:
                 self._record_released(txn)
             if hold:
@@ -224,7 +250,13 @@ class Service:
             self.worktrees.drop_unwanted(self.index)
         self._first_tick = False
         for task, sig in plan.signal_groups:
+            if sig == signal.SIGTERM and self.member is not None:
+                if task.id in self._termed:
+                    continue  # a stop asked for elsewhere is signalled once, not at every tick
+                self._termed.add(task.id)
             runner.kill_group(task.pid, task.pid_start, signal.Signals(sig))
+        if self._termed:
+            self._termed &= {t.id for t in self.index.active}
         for stray in plan.strays:
             # Let go before a commit that failed, for a task final by now: it must not run on.
             log.warning("task #%d was let go but is no longer queued or running; stopping it", stray.task)
@@ -232,9 +264,14 @@ class Service:
         self.exits.signal_leftovers(plan, self.index)
         self.exits.sync_watches(self.index)
         self._sync_jobs()
-        self.procs.sync_warm(self.index, self.cfg)
+        if self.member is None:  # in a cluster the next task may start on another machine
+            self.procs.sync_warm(self.index, self.cfg)
+        else:
+            self.member.shipping({t.id: self.home.log(t.id) for t in self.index.active if t.host == self.member.name})
         if not hold:
             self._committed(txn.events)
+        if deferred:
+            self.request_tick()  # the starts this tick committed: spawned by the next one
 
     def _take(self, txn: Txn, plan: pm.Plan) -> pm.Plan:
         """Put a plan's events and archive into the transaction."""
@@ -306,18 +343,21 @@ class Service:
         if size is not None:
             log.info("events.jsonl reached %s: it is events.jsonl.1 now, and a new one begins", format_size(size))
 
-    def _reload_config(self) -> bool:
-        """Re-read config.json when it changed (it is replaced by rename: a new inode).
-        Returns whether it changed."""
+    def _reload_config(self, txn: Txn | None = None) -> bool:
+        """Re-read config.json when it changed (it is replaced by rename: a new inode), and in
+        a cluster the shared config when the transaction brought a new one. Returns whether
+        it changed."""
         try:
             st = os.stat(self.home.config)
             stamp: object = (st.st_ino, st.st_mtime_ns, st.st_size)
         except FileNotFoundError:
             stamp = None
+        if txn is not None and txn.shared_config:
+            stamp = (stamp, txn.shared_config)
         if stamp == self._config_stamp:
             return False
         try:
-            self.cfg = load_config(self.home)
+            self.cfg = ops.config_in(self.home, txn) if txn is not None else load_config(self.home)
             self._config_stamp = stamp
         except KugetsuError as err:
             log.error("%s\nKeeping the last valid config.", err)
@@ -403,6 +443,54 @@ class Service:
             if spawned.start is None:  # it exited before we could look at it
                 self.exits.exited.add(task.id)
         return freed
+
+    # ---- cluster mode (DESIGN section 10) ------------------------------------------------
+
+    def _join_cluster(self) -> None:
+        cfg = load_config(self.home)
+        if cfg.store is None:
+            return
+        from kugetsu.cluster.member import Member  # psycopg: cluster mode only
+
+        slots = cfg.host_max_agents if cfg.host_max_agents is not None else cfg.max_agents
+        loop = self.loop
+        self.member = Member(cfg.store, host_name(cfg), slots, cfg.cluster.lease_s, self.home,
+                             cfg.cluster.log_max_bytes, lambda: loop.call_soon_threadsafe(self.request_tick))
+        self.member.start()
+        self.procs.host = self.exits.host = self.member.name
+
+    def _observe_cluster(self, txn: Txn, obs: pm.Observations) -> None:
+        """Every machine's lease, and the directories queued tasks need that this machine
+        lacks; first of all, if this machine was declared gone while it was away, fence."""
+        member = self.member
+        assert member is not None
+        conn = self.store.conn  # type: ignore[attr-defined]  (a PgStore: the transaction's connection)
+        obs.hosts = member.observe(conn)
+        if member.fenced:
+            self._fence(txn)
+            member.rejoin(conn)
+            obs.hosts = member.observe(conn)
+        needed = {placement.needs_dir(t) for t in txn.index.queued}
+        obs.here = member.here(frozenset(d for d in needed if not os.path.isdir(d)))
+
+    def _fence(self, txn: Txn) -> None:
+        """This machine was declared gone: the tasks it ran were ended as lost and their slots
+        given away. Whatever of them still runs here is killed now, before anything starts."""
+        assert self.member is not None
+        mine = {t.id for t in txn.index.active if t.host == self.member.name}
+        stale = [t for t in self.index.active if t.host == self.member.name and t.id not in mine and t.pid]
+        for task in stale:
+            log.warning("%s (#%d) was ended as lost while this machine was away: killing it", task.name, task.id)
+            runner.kill_group(task.pid, task.pid_start, signal.SIGKILL)
+            if task.token:
+                for pid, start in runner.scan_token(task.token).items():
+                    runner.signal_pid(pid, start, signal.SIGKILL)
+
+    def _declare_gone(self, txn: Txn, names: list[str]) -> None:
+        from kugetsu.cluster import hosts
+
+        log.warning("machine(s) %s stopped answering (lease expired): their running tasks are lost", ", ".join(names))
+        hosts.mark_gone(self.store.conn, names)  # type: ignore[attr-defined]
 
     def _enforce_max_disk(self, cfg: Config) -> None:
         try:

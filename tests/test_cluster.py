@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Kugetsu, wait_for
+from conftest import Kugetsu, agent_wrappers, wait_for
 
 Machine = Callable[..., Kugetsu]
 
@@ -57,8 +57,12 @@ def test_one_capacity_across_machines_never_exceeded_and_each_machine_within_its
     a.ok("config", "set", "max_agents", "3")
     a.ok("config", "set", "history_limit", "100")
     names = [f"t{i}" for i in range(9)]
+    gate = a.rec / "gate"
     for i, n in enumerate(names):
-        (a if i % 2 else b).delegate(n, 0.4)
+        (a if i % 2 else b).delegate(n, 0.1, 0, gate=gate)
+    running = wait_for(lambda: len(r := a.json("queue")["active"]) == 3 and r, 10, "3 running")  # type: ignore[index]
+    assert sorted(t["host"] for t in running) in (["m1", "m1", "m2"], ["m1", "m2", "m2"])
+    gate.touch()
     tasks = final(a, names)
     assert {t["state"] for t in tasks.values()} == {"succeeded"}
     spans = {n: (a.times(n)["start"], a.times(n)["end"]) for n in names}
@@ -93,7 +97,7 @@ def test_a_cancel_on_one_machine_stops_an_agent_on_another_within_a_second(machi
     wait_for(lambda: a.times("far").get("start"), 10, "the agent to start")
     a.ok("cancel", "far")
     t0 = time.monotonic()
-    wait_for(lambda: not b.wrappers(), 5, "the agent on m2 to be stopped")
+    wait_for(lambda: not agent_wrappers(b.home), 5, "the agent on m2 to be stopped")
     assert time.monotonic() - t0 < 1.0, "the cancel took more than a second to reach the other machine"
     assert a.wait_state("far", "cancelled", timeout=10)["reason"] == "cancelled by cli"
 
@@ -129,13 +133,13 @@ def test_a_silent_machine_loses_its_tasks_within_the_lease_and_is_fenced_when_it
         t0 = time.time()
         task = a.wait_state("victim", "lost", timeout=20)
         assert "m2" in task["reason"] and time.time() - t0 < 12
-        assert b.wrappers(), "the agent runs on while its machine is away"
+        assert agent_wrappers(b.home), "the agent runs on while its machine is away"
         a.delegate("after", 0.0, 0, "--host", "m1")
         a.wait_state("after", "succeeded")
     finally:
         os.kill(pid, signal.SIGCONT)
     # back: it kills what it still runs of the lost task before anything else
-    wait_for(lambda: not b.wrappers(), 15, "the fenced machine to end its lost agent")
+    wait_for(lambda: not agent_wrappers(b.home), 15, "the fenced machine to end its lost agent")
     rows = {r["name"]: r for r in a.json("hosts")}  # type: ignore[union-attr]
     wait_for(lambda: {r["name"]: r for r in a.json("hosts")}["m2"]["state"] == "up", 10, "m2 to rejoin")  # type: ignore[index]
     assert rows["m2"]["epoch"] >= 2

@@ -16,46 +16,49 @@ import logging
 import threading
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 
 import psycopg
 
-from kugetsu.cluster import hosts
+from kugetsu.cluster import hosts, logs
 from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, process_tag
+from kugetsu.paths import Home
 from kugetsu.placement import Here, HostSeen
 
 log = logging.getLogger("kugetsu.cluster")
 
 BACKOFF_FIRST, BACKOFF_MAX = 0.2, 5.0  # seconds between attempts to reach a database that is away
+SHIP_EVERY = 0.5  # seconds between shipments of agents' new output
+LISTEN_POLL = 0.5  # seconds: how long the listener waits for a notification before it looks at `stop`
 
 
 class Member:
-    def __init__(self, url: str, name: str, max_agents: int, lease: float, wake: Callable[[], None]):
+    def __init__(self, url: str, name: str, max_agents: int, lease: float, home: Home, log_cap: int,
+                 wake: Callable[[], None]):
         self.url, self.name, self.max_agents, self.lease = url, name, max_agents, lease
+        self.home, self.log_cap = home, log_cap
         self.wake = wake  # thread-safe: schedules a tick on the service's loop
+        self._logs: dict[int, Path] = {}  # the running agents' logs (set by the service)
+        self._pending: dict[int, Path] = {}  # every log with output still to ship
+        self._lock = threading.Lock()
+        self._shipped: dict[int, int] = {}  # task id -> bytes of its log the database has
         self.epoch: int | None = None
         self.since: datetime | None = None  # heartbeats have come through without a gap since then
         self.fenced = False  # the lease was taken from us: fence before anything else
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._listen_conn: psycopg.Connection | None = None
 
     # ---- the threads -------------------------------------------------------------------
 
     def start(self) -> None:
         self.join()
-        for target in (self._heartbeats, self._listen):
+        for target in (self._heartbeats, self._listen, self._ship):
             thread = threading.Thread(target=target, name=f"kugetsu-{target.__name__.strip('_')}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
     def stop(self) -> None:
         self._stop.set()
-        conn = self._listen_conn
-        if conn is not None:
-            try:
-                conn.cancel_safe()  # ends a notifies() wait at once (psycopg >= 3.2)
-            except (psycopg.Error, AttributeError):
-                pass
         for thread in self._threads:
             thread.join(timeout=5)
 
@@ -106,24 +109,57 @@ class Member:
         tag = process_tag()
         delay = BACKOFF_FIRST
         while not self._stop.is_set():
+            conn: psycopg.Connection | None = None
             try:
-                conn = self._listen_conn = connect(self.url)
+                conn = connect(self.url)
                 conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                 delay = BACKOFF_FIRST
                 self.wake()  # whatever was committed while we were not listening
-                for note in conn.notifies():
-                    if self._stop.is_set():
-                        break
-                    if note.payload != tag:
+                while not self._stop.is_set():
+                    # A bounded wait, so that a stop is seen within LISTEN_POLL seconds.
+                    if any(note.payload != tag for note in conn.notifies(timeout=LISTEN_POLL)):
                         self.wake()
             except (Unreachable, psycopg.Error):
                 if self._stop.wait(delay):
                     break
                 delay = min(delay * 2, BACKOFF_MAX)
             finally:
-                if self._listen_conn is not None:
-                    self._listen_conn.close()
-                    self._listen_conn = None
+                if conn is not None:
+                    conn.close()
+
+    def shipping(self, running: dict[int, Path]) -> None:
+        """The logs of this machine's running agents, after each tick. Every task seen here is
+        shipped until its last output is, even one that ran between two shipments."""
+        with self._lock:
+            self._logs = running
+            self._pending.update(running)
+
+    def _ship(self) -> None:
+        """Every SHIP_EVERY seconds: the new output of each agent, up to the cap; a task no
+        longer running gets the rest of its output shipped, then is forgotten."""
+        conn: psycopg.Connection | None = None
+        while not self._stop.wait(SHIP_EVERY):
+            with self._lock:
+                pending, running = dict(self._pending), set(self._logs)
+            try:
+                if conn is None or conn.closed:
+                    conn = connect(self.url)
+                for task_id, path in pending.items():
+                    start = self._shipped.get(task_id)
+                    if start is None:
+                        start = logs.shipped(conn, task_id)
+                    self._shipped[task_id] = logs.ship(conn, task_id, path, start, self.log_cap)
+                    if task_id not in running:  # it has ended: that was the last of it
+                        with self._lock:
+                            if task_id not in self._logs:
+                                self._pending.pop(task_id, None)
+                                self._shipped.pop(task_id, None)
+            except (Unreachable, psycopg.Error):
+                if conn is not None:
+                    conn.close()
+                conn = None  # the heartbeat thread says so in the log; the next round retries
+        if conn is not None:
+            conn.close()
 
     # ---- in the service's transaction ----------------------------------------------------
 
