@@ -233,6 +233,10 @@ def _fix(err: KugetsuError) -> str:
         return f"; define it with `kugetsu config set groups.{err.group} '{{\"max_agents\": 1}}'`"
     if isinstance(err, E.QueueFull):
         return " (`kugetsu capacity`)"
+    from kugetsu.config import InvalidConfig
+
+    if isinstance(err, InvalidConfig) and err.setting and err.key == err.setting and (err.suggestion or "").startswith('"'):
+        return f"\nOn the command line: kugetsu config set {err.key} '{err.suggestion}'"
     return ""
 
 

@@ -225,7 +225,7 @@ def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Con
     store = Store(home)
     with store.transaction() as txn:  # the index lock also orders config writes
         raw = with_value(read_raw(home), key, value, remove=remove)
-        cfg = validate(raw, f"cannot set {key}: {home.config}", hint="\nNothing was changed.")
+        cfg = validate(raw, home.config, hint="\nNothing was changed.", setting=key)
         save_raw(home, raw)
         txn.emit([Event(type="config", at=txn.now, key=key, value=None if remove else mask_secrets(value, key))])
         settle(txn, cfg)
