@@ -58,3 +58,77 @@ def test_config_file_with_the_error_names_the_file_and_the_key(kg):
     kg.config(strategy="lifo")
     r = kg.run("config", "check")
     assert r.returncode == 2 and "'strategy'" in r.stderr and "fifo, priority, fair" in r.stderr
+
+
+def _columns(text: str, header_word: str) -> tuple[str, list[str]]:
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(header_word))
+    rows = []
+    for line in lines[at + 1 :]:
+        if not line.strip():
+            break
+        rows.append(line)
+    return lines[at], rows
+
+
+def test_a_stopping_task_says_so_inside_a_column_of_queue(kg):
+    import subprocess
+    import sys
+
+    from conftest import wait_for
+
+    kg.config(kill_grace="20s")
+    kg.ok("delegate", "calm", "--", "sleep", "30")
+    kg.ok("delegate", "stubborn", "--", "sh", "-c", "trap '' TERM; sleep 30")
+    canceller = subprocess.Popen([sys.executable, "-m", "kugetsu", "cancel", "stubborn"], env=kg.env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: "stopping" in kg.ok("queue"), 10, "stubborn to be stopping")
+        header, rows = _columns(kg.ok("queue"), "SLOT")
+        assert header.split()[-1] == "STATE"
+        state_at = header.index("STATE")
+        for row in rows:  # the word sits under its header, not past the last column
+            assert row[state_at:].split()[0] in ("running", "stopping"), (header, row)
+        assert [row[state_at:].split()[0] for row in rows] == ["running", "stopping"]
+    finally:
+        canceller.kill()
+        canceller.wait()
+
+
+def test_status_prints_a_multiline_prompt_once_indented_and_no_queue_deadline_once_running(kg):
+    kg.config(agents={"x": {"command": ["sh", "-c", "sleep 30", "{prompt}"]}})
+    kg.ok("delegate", "t1", "--agent", "x", "--prompt", "line one\nline two\nline three")
+    kg.wait_state("t1", "running")
+    out = kg.ok("status", "t1")
+    assert out.count("line two") == 1, out
+    lines = out.splitlines()
+    first = next(line for line in lines if line.startswith("prompt"))
+    indent = first.index("line one")
+    after = lines[lines.index(first) + 1 : lines.index(first) + 3]
+    assert after == [" " * indent + "line two", " " * indent + "line three"], out
+    assert "expires_at" not in out
+    assert "{prompt}" in next(line for line in lines if line.startswith("command"))
+    kg.ok("delegate", "q", "--", "true")  # still queued? no: 3 slots; a queued one keeps its deadline
+    kg.config(max_agents=1, agents={"x": {"command": ["sh", "-c", "sleep 30", "{prompt}"]}})
+    kg.ok("delegate", "waits", "--", "true")
+    assert "expires_at" in kg.ok("status", "waits")
+
+
+def test_queue_all_cuts_a_long_reason_with_an_ellipsis(kg):
+    from kugetsu.models import Index, Task, TaskState
+    from kugetsu.paths import atomic_write
+    from kugetsu.store import encode_index
+
+    from datetime import datetime, timezone
+
+    reason = "the process vanished and no exit status could be recovered after the service restarted"
+    kg.config(autostart=False)
+    kg.home.ensure()
+    at = datetime.now(timezone.utc)
+    atomic_write(kg.home.index, encode_index(Index(next_id=2, finished=[Task(
+        id=1, name="gone", state=TaskState.LOST, command=["x"], cwd="/", created_at=at, started_at=at,
+        finished_at=at, reason=reason)])))
+    out = kg.ok("queue", "--all")
+    row = next(line for line in out.splitlines() if "gone" in line)
+    assert row.endswith("…") and reason[:40] in row, row
+    assert reason in kg.ok("status", "gone")  # whole where there is room
