@@ -132,3 +132,32 @@ def test_queue_all_cuts_a_long_reason_with_an_ellipsis(kg):
     row = next(line for line in out.splitlines() if "gone" in line)
     assert row.endswith("…") and reason[:40] in row, row
     assert reason in kg.ok("status", "gone")  # whole where there is room
+
+
+def test_delegate_checks_the_agent_on_the_services_path_not_the_clis(kg, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "mybin"
+    bin_dir.mkdir()
+    agent = bin_dir / "my-agent"
+    agent.write_text("#!/bin/sh\necho ran\n")
+    agent.chmod(0o755)
+    kg.config(agents={"mine": {"command": ["my-agent", "{prompt}"]}}, default_agent="mine")
+    # The service starts from a shell without mybin on its PATH (a login shell, a unit file).
+    service_path = os.environ["PATH"]
+    subprocess.run([sys.executable, "-m", "kugetsu", "serve", "--detach"], env={**kg.env, "PATH": service_path},
+                   check=True, capture_output=True, timeout=30)
+    cli_env = {**kg.env, "PATH": f"{bin_dir}{os.pathsep}{service_path}"}
+    r = subprocess.run([sys.executable, "-m", "kugetsu", "delegate", "t", "--prompt", "hi"], env=cli_env,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "my-agent" in r.stderr and "service" in r.stderr and str(kg.service_pid()) in r.stderr
+    assert str(agent) in r.stderr  # where this shell finds it, to say why it is refused anyway
+    assert "Traceback" not in r.stderr
+    assert kg.json("queue")["active"] == [] and kg.json("queue")["queued"] == []
+    # With a full path (or PATH in the preset's env) it runs.
+    kg.ok("config", "set", "agents.mine.command", json.dumps([str(agent), "{prompt}"]))
+    kg.ok("delegate", "t2", "--prompt", "hi")
+    assert kg.wait_state("t2", "succeeded", "failed")["state"] == "succeeded"
