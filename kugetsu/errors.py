@@ -72,3 +72,14 @@ class QueueFull(Rejected):
         super().__init__(f"queue full: {queued}/{max_queue} waiting, {active}/{max_agents} running;"
                          " try again when a task finishes")
         self.queued, self.max_queue, self.active, self.max_agents = queued, max_queue, active, max_agents
+
+
+class CommandNotFound(UsageError):
+    """The agent's command is not where it would run. `looked`: which PATH was searched;
+    `elsewhere`: where the caller's own PATH finds it (the service's lacks it), if it does."""
+
+    def __init__(self, exe: str, preset: str | None, looked: str, elsewhere: str | None = None):
+        what = f"{exe!r}" + (f" (agent preset {preset!r})" if preset else "")
+        super().__init__(f"command not found: {what} (looked on {looked})"
+                         + (f"; the caller's PATH finds it at {elsewhere}" if elsewhere else ""))
+        self.exe, self.preset, self.looked, self.elsewhere = exe, preset, looked, elsewhere

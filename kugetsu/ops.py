@@ -186,28 +186,22 @@ def _check_runnable(cfg: Config, req: pm.Request, runs_on: AgentsPath | None = N
     found = shutil.which(exe, path=path) if os.sep not in exe else shutil.which(os.path.join(req.cwd, exe))
     if found is not None:
         return
-    hint = f" (agent preset {req.agent or cfg.default_agent!r})" if not req.command else ""
+    from kugetsu.errors import CommandNotFound
+
+    preset = None if req.command else req.agent or cfg.default_agent
     here = shutil.which(exe) if os.sep not in exe and "PATH" not in env else None
-    if runs_on.service_pid is not None and runs_on.readable and "PATH" not in env and here:
-        raise UsageError(
-            f"command not found where it would run: {exe!r}{hint} is not on the PATH of the kugetsu service"
-            f" (pid {runs_on.service_pid}), which starts agents with its own environment (PATH={path});"
-            f" this shell finds it at {here}. Give its full path, set PATH in the preset's env, or restart"
-            " the service from this shell (`kugetsu shutdown`; the next command starts it)"
-        )
     if "PATH" in env:
         looked = "the PATH of the preset's env"
     elif runs_on.service_pid is None:
-        looked = "this shell's PATH, which the service it starts inherits"
+        looked = "the PATH here, which a service started from here inherits"
     elif runs_on.readable:
-        looked = f"the PATH of the kugetsu service (pid {runs_on.service_pid}), which starts the agents"
+        looked = (f"the PATH of the kugetsu service (pid {runs_on.service_pid}), which starts agents with its own"
+                  f" environment: {path}")
     else:
-        looked = (f"this shell's PATH: the kugetsu service (pid {runs_on.service_pid}) starts agents with"
-                  " its own, which is not ours to read")
-    raise UsageError(
-        f"command not found: {exe!r}{hint} (looked on {looked}); install it, pick another preset with --agent,"
-        " or give the command after --"
-    )
+        here = None
+        looked = (f"this PATH: the kugetsu service (pid {runs_on.service_pid}) starts agents with its own,"
+                  " which is not ours to read")
+    raise CommandNotFound(exe, preset, looked, here if runs_on.service_pid is not None else None)
 
 
 def _check_worktree(cfg: Config, req: pm.Request) -> None:

@@ -82,3 +82,28 @@ async def test_a_stopping_task_is_named_stopping_in_the_running_pane(tmp_path):
         await pilot.pause()
         line = next(line for line in screen_text(app) if "bot-fix" in line)
         assert "stopping" in line, line
+
+
+async def test_delegate_form_errors_speak_the_forms_terms_not_the_clis(tmp_path):
+    from dashboard_data import settled
+
+    from kugetsu.tui.screens import DelegateForm
+
+    home = busy_home(tmp_path / "home", agents={"sim": {"command": ["sh", "-c", "echo {prompt}"]},
+                                                "gone": {"command": ["no-such-agent-kg", "{prompt}"]}})
+    app = app_for(home)
+    async with app.run_test(size=(110, 36)) as pilot:
+        await pilot.press("d")
+        form = app.screen
+        assert isinstance(form, DelegateForm)
+        await until(pilot, lambda: form.query_one("#name").has_focus, what="the form")
+        await pilot.press(*"t1", "enter")  # no prompt
+        await settled(pilot)
+        shown = str(form.query_one("#error").render())
+        assert "Prompt field" in shown and "--" not in shown, shown
+        form.query_one("#agent").value = "gone"
+        form.query_one("#prompt").value = "hi"
+        await pilot.press("enter")
+        await settled(pilot)
+        shown = str(form.query_one("#error").render())
+        assert "no-such-agent-kg" in shown and "another agent preset" in shown and "--" not in shown, shown
