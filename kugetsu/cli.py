@@ -243,6 +243,15 @@ def _fix(err: KugetsuError) -> str:
         return f"; define it with `kugetsu config set groups.{err.group} '{{\"max_agents\": 1}}'`"
     if isinstance(err, E.QueueFull):
         return " (`kugetsu capacity`)"
+    if isinstance(err, E.CommandNotFound) and err.elsewhere:
+        return (". Give its full path, set PATH in the preset's env, or restart the service from this shell"
+                " (`kugetsu shutdown`; the next command starts it)")
+    if isinstance(err, E.CommandNotFound):
+        return "; install it, pick another preset with --agent, or give the command after --"
+    from kugetsu.config import InvalidConfig
+
+    if isinstance(err, InvalidConfig) and err.setting and err.key == err.setting and (err.suggestion or "").startswith('"'):
+        return f"\nOn the command line: kugetsu config set {err.key} '{err.suggestion}'"
     return ""
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from kugetsu import control, ops, pm, render
-from kugetsu.config import Config, save_raw
+from kugetsu.config import Config, format_duration, save_raw
 from kugetsu.paths import Home
 from kugetsu.store import open_store
 
@@ -63,8 +63,12 @@ def run_demo() -> int:
             req = pm.Request(cwd=str(root), name=name, source="demo", expire_after=expiry,
                              command=[sys.executable, "-m", "kugetsu.demo", str(seconds), "fail" if fail else "ok"])
             adm = ops.delegate(home, cfg, req)
-            say(f"$ kugetsu delegate {name}  ->  " + (
-                f"started in slot {adm.task.slot}/2" if adm.position is None else f"queued, position {adm.position}"))
+            # The command as a user would type it (the simulated agent abbreviated), and what it prints.
+            expire = f" --expire-after {format_duration(expiry)}" if expiry else ""
+            say(f"$ kugetsu delegate {name} --source demo{expire} -- <simulated agent: {seconds}s"
+                + (", fails>" if fail else ">"))
+            print(" " * 9 + render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for),
+                  flush=True)
         seen = 0
         cancelled = False
         while True:

@@ -80,3 +80,14 @@ class NotClustered(UsageError):
     def __init__(self, what: str):
         super().__init__(f"{what} needs cluster mode (a shared PostgreSQL store)")
         self.what = what
+
+
+class CommandNotFound(UsageError):
+    """The agent's command is not where it would run. `looked`: which PATH was searched;
+    `elsewhere`: where the caller's own PATH finds it (the service's lacks it), if it does."""
+
+    def __init__(self, exe: str, preset: str | None, looked: str, elsewhere: str | None = None):
+        what = f"{exe!r}" + (f" (agent preset {preset!r})" if preset else "")
+        super().__init__(f"command not found: {what} (looked on {looked})"
+                         + (f"; the caller's PATH finds it at {elsewhere}" if elsewhere else ""))
+        self.exe, self.preset, self.looked, self.elsewhere = exe, preset, looked, elsewhere

@@ -96,10 +96,11 @@ def delegate_many(home: Home, cfg: Config, reqs: list[pm.Request]) -> list[Admis
     long-lived front end (the MCP server) admits concurrent calls this way."""
     out: list[Admission | KugetsuError | None] = [None] * len(reqs)
     todo = []
+    runs_on = _agents_path(home)
     for i, req in enumerate(reqs):
         try:
             _check_request(req)
-            _check_runnable(cfg, req)
+            _check_runnable(cfg, req, runs_on)
             _check_worktree(cfg, req)
         except KugetsuError as err:
             out[i] = err
@@ -158,22 +159,57 @@ def _check_request(req: pm.Request) -> None:
         raise UsageError("--source must be 1-64 printable characters, e.g. pm or telegram:123")
 
 
-def _check_runnable(cfg: Config, req: pm.Request) -> None:
-    """Refuse at admission what could never start: a missing cwd or command."""
+class AgentsPath(msgspec.Struct, frozen=True):
+    """The PATH agents will be looked up on: the running service's own (agents get its
+    environment), else this process's (the service it would start inherits it)."""
+
+    path: str | None
+    service_pid: int | None = None
+    readable: bool = True  # False: a service runs, but its environment is not ours to read
+
+
+def _agents_path(home: Home) -> AgentsPath:
+    from kugetsu.control import service_pid
+
+    pid = service_pid(home)
+    if pid is None:
+        return AgentsPath(os.environ.get("PATH"))
+    path = runner.environment_variable(pid, "PATH")
+    if path is None:  # another user's service (or it just ended): the best guess is ours
+        return AgentsPath(os.environ.get("PATH"), pid, readable=False)
+    return AgentsPath(path, pid)
+
+
+def _check_runnable(cfg: Config, req: pm.Request, runs_on: AgentsPath | None = None) -> None:
+    """Refuse at admission what could never start: a missing cwd or command. The command is
+    looked up where it will run: on the PATH of the service that starts it, not the caller's."""
     if not os.path.isdir(req.cwd):
         raise UsageError(f"--cwd {req.cwd!r} is not a directory")
     _, argv, env = pm.resolve_agent(cfg, req)
-    path = env.get("PATH", os.environ.get("PATH"))
+    runs_on = runs_on or AgentsPath(os.environ.get("PATH"))
+    path = env.get("PATH", runs_on.path)
     exe = argv[0]
     import shutil
 
     found = shutil.which(exe, path=path) if os.sep not in exe else shutil.which(os.path.join(req.cwd, exe))
-    if found is None:
-        hint = f" (agent preset {req.agent or cfg.default_agent!r})" if not req.command else ""
-        raise UsageError(
-            f"command not found: {exe!r}{hint}; install it, pick another preset with --agent,"
-            " or give the command after --"
-        )
+    if found is not None:
+        return
+    from kugetsu.errors import CommandNotFound
+
+    preset = None if req.command else req.agent or cfg.default_agent
+    here = shutil.which(exe) if os.sep not in exe and "PATH" not in env else None
+    if "PATH" in env:
+        looked = "the PATH of the preset's env"
+    elif runs_on.service_pid is None:
+        looked = "the PATH here, which a service started from here inherits"
+    elif runs_on.readable:
+        looked = (f"the PATH of the kugetsu service (pid {runs_on.service_pid}), which starts agents with its own"
+                  f" environment: {path}")
+    else:
+        here = None
+        looked = (f"this PATH: the kugetsu service (pid {runs_on.service_pid}) starts agents with its own,"
+                  " which is not ours to read")
+    raise CommandNotFound(exe, preset, looked, here if runs_on.service_pid is not None else None)
 
 
 def _check_worktree(cfg: Config, req: pm.Request) -> None:
@@ -240,14 +276,14 @@ def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Con
         if txn.shared_config and key.split(".")[0] not in LOCAL_KEYS:
             # A cluster: the shared config is in the queue row, written in this transaction.
             shared = with_value(msgspec.json.decode(txn.shared_config), key, value, remove=remove)
-            cfg = cluster_config(home, local, shared)
+            cfg = cluster_config(home, local, shared, setting=key)
             txn.new_config = msgspec.json.encode(shared)
         else:
             raw = with_value(local, key, value, remove=remove)
             if txn.shared_config:
-                cfg = cluster_config(home, raw, msgspec.json.decode(txn.shared_config))
+                cfg = cluster_config(home, raw, msgspec.json.decode(txn.shared_config), setting=key)
             else:
-                cfg = validate(raw, f"cannot set {key}: {home.config}", hint="\nNothing was changed.")
+                cfg = validate(raw, home.config, hint="\nNothing was changed.", setting=key)
             save_raw(home, raw)
         txn.emit([Event(type="config", at=txn.now, key=key, value=None if remove else mask_secrets(value, key))])
         settle(txn, cfg)

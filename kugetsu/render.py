@@ -26,6 +26,12 @@ def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset
     return "\n".join([line(headers)] + [line(r) for r in rows])
 
 
+def cut(text: str, width: int) -> str:
+    """`text` in at most `width` characters, a cut one ending in "…" (it says there is more:
+    `status TASK` shows it whole)."""
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def since(t: datetime | None, now: datetime | None) -> str:
     return format_duration((now - t).total_seconds()) if t and now else "-"
 
@@ -46,10 +52,10 @@ def running_table(tasks: list[Task], now: datetime, here: str | None = None) -> 
     rows = [
         [str(t.slot or "-"), str(t.id), t.name, t.source, t.agent or "-", since(t.started_at, now),
          str((runner.agent_pid(t.pid, t.pid_start) if t.host in (None, here) else None) or t.pid or "starting"),
-         "stopping" if t.stop else ""]
+         "stopping" if t.stop else "running"]
         for t in tasks
     ]
-    headers = ["SLOT", "ID", "NAME", "SOURCE", "AGENT", "ELAPSED", "PID", ""]
+    headers = ["SLOT", "ID", "NAME", "SOURCE", "AGENT", "ELAPSED", "PID", "STATE"]
     if any(t.host for t in tasks):  # a cluster: which machine runs it
         headers.insert(1, "HOST")
         for row, t in zip(rows, tasks):
@@ -89,7 +95,7 @@ def finished_table(tasks: list[Task], now: datetime) -> str:
     rows = [
         [str(t.id), t.name, t.state.value, "-" if t.exit_code is None else str(t.exit_code),
          since(t.started_at, t.finished_at) if t.started_at and t.finished_at else "-",
-         since(t.finished_at, now) + " ago", (t.reason or "")[:60]]
+         since(t.finished_at, now) + " ago", cut(t.reason or "", 60)]
         for t in tasks
     ]
     headers = ["ID", "NAME", "STATE", "EXIT", "RAN", "ENDED", "REASON"]
@@ -97,7 +103,7 @@ def finished_table(tasks: list[Task], now: datetime) -> str:
         headers.insert(-1, "WORKTREE")
         for row, t in zip(rows, tasks):
             row.insert(-1, f"{t.worktree_state} {t.branch}" if t.worktree_state else (t.branch or "-"))
-            row[-1] = (t.reason or "")[:90]  # "work kept on branch ..." is worth the width
+            row[-1] = cut(t.reason or "", 90)  # "work kept on branch ..." is worth the width
     return table(headers, rows, right={0})
 
 
@@ -151,15 +157,21 @@ def cancelled(tasks: list[Task]) -> str:
 
 
 def task_lines(task: dict[str, Any]) -> str:
-    """`kugetsu status`: one field a line, the command as a list."""
+    """`kugetsu status`: one field a line, the command as a list. The prompt is shown once
+    (the command names it `{prompt}`), its further lines indented under its first; a
+    deadline to start (expires_at) only while the task can still expire."""
     width = max(len(k) for k in task)
+    prompt = task.get("prompt") or None
     out = []
     for key, value in task.items():
         if value is None or value == {} or value == []:
             continue
+        if key == "expires_at" and task.get("state") not in ("queued", "expired"):
+            continue
         if isinstance(value, list):
-            value = " ".join(_quote(v) for v in value)
-        out.append(f"{key.ljust(width)}  {value}")
+            value = " ".join("{prompt}" if prompt and v == prompt else _quote(v) for v in value)
+        text = str(value).replace("\n", "\n" + " " * (width + 2))
+        out.append(f"{key.ljust(width)}  {text}")
     return "\n".join(out)
 
 

@@ -215,6 +215,21 @@ def process_start(pid: int) -> int | None:
     return int(fields[19])
 
 
+def environment_variable(pid: int, name: str) -> str | None:
+    """One variable of a process's environment as it was started (/proc/PID/environ), or
+    None: not set, no such process, or not ours to read (another user's)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    want = name.encode() + b"="
+    for entry in data.split(b"\0"):
+        if entry.startswith(want):
+            return entry[len(want) :].decode(errors="surrogateescape")
+    return None
+
+
 def is_zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:

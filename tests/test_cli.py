@@ -112,7 +112,7 @@ def test_queue_full_is_exit_3_and_writes_nothing(kg):
         (["cancel", "nope"], 1, "no task 'nope'"),
         (["cancel"], 2, "name the tasks to cancel"),
         (["wait", "nope"], 1, "no task 'nope'"),
-        (["config", "set", "max_agents", "65"], 2, "Expected `int` <= 64"),
+        (["config", "set", "max_agents", "65"], 2, "expected a whole number at most 64, got 65"),
         (["config", "set", "nope", "1"], 2, "unknown config key 'nope'"),
         (["config", "set", "queue_timeout", "tomorrow"], 2, "'tomorrow' is not a duration"),
     ],

@@ -19,7 +19,9 @@ def test_demo_shows_the_whole_job_and_leaves_nothing_behind(kg, tmp_path):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert took < 45
-    for expected in ("started in slot 1/2", "queued, position 4", "cancelled issue-2", "expired   issue-4",
+    # The delegate lines are the real command (the expiry that issue-4 is given too) and its real answer.
+    for expected in ("$ kugetsu delegate issue-4 --source demo --expire-after 4s -- ", "started issue-1 (#1), slot 1/2",
+                     "queued issue-6 (#6), position 4 of 4", "cancelled issue-2", "expired   issue-4",
                      "failed    issue-5", "SUMMARY", "at most 2 running at once (max_agents 2)"):
         assert expected in out, expected
     # positions move: issue-5 is position 3 at admission, position 1 after the cancel and the expiry

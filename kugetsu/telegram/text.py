@@ -197,4 +197,6 @@ def fix(err: Exception) -> str:
         return "; /queue lists the tasks"
     if isinstance(err, E.QueueFull):
         return " (/capacity)"
+    if isinstance(err, E.CommandNotFound):
+        return ": install it where the service runs, or set the preset's command to its full path"
     return ""

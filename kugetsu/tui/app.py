@@ -32,7 +32,7 @@ from kugetsu.tui.screens import SOURCE, ConfirmCancel, DelegateForm, HelpScreen,
 from kugetsu.tui.widgets import LogView, StateTable, TaskTable
 
 EVENTS_SHOWN = 100
-NOTHING_SELECTED = "(no task selected; d delegates one)"
+NOTHING_SELECTED = "(no task selected;\nd delegates one)"  # two lines: the pane is 31 columns wide at 80
 Stamp = tuple[int, int, int]
 
 
@@ -48,6 +48,9 @@ class Dashboard(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "kugetsu"
     ENABLE_COMMAND_PALETTE = False
+    # Below 100 columns the Events pane takes more of the bottom row (app.tcss): its four
+    # columns do not fit in half of 80.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
     BINDINGS = [
         Binding("c", "cancel", "cancel"),
         Binding("d", "delegate", "delegate"),
@@ -88,10 +91,10 @@ class Dashboard(App[None]):
         with Vertical(id="tables"):
             yield TaskTable(view.RUNNING_COLUMNS, key_column="id", id="running")
             yield TaskTable(view.QUEUE_COLUMNS, key_column="id", id="queue")
-            yield TaskTable(view.FINISHED_COLUMNS, key_column="id", id="finished")
+            yield TaskTable(view.FINISHED_COLUMNS, key_column="id", fill_column="reason", id="finished")
         with Horizontal(id="bottom"):
             yield LogView(poll=self.poll, id="output")
-            yield StateTable(view.EVENT_COLUMNS, id="events", show_cursor=False)
+            yield StateTable(view.EVENT_COLUMNS, fill_column="reason", squeeze_column="task", id="events", show_cursor=False)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -102,9 +105,9 @@ class Dashboard(App[None]):
         self.finished = self.query_one("#finished", TaskTable)
         self.events_table = self.query_one("#events", StateTable)
         self.output = self.query_one("#output", LogView)
-        for widget, title in ((self.running, "Running"), (self.queue, "Queue"), (self.finished, "Finished"),
-                              (self.events_table, "Events"), (self.output, "Output")):
+        for widget, title in ((self.events_table, "Events"), (self.output, "Output")):
             widget.border_title = title
+        self._count_hidden()
         self.refresh_view(force=True)
         first = next((t for t in self._task_tables() if t.row_count), self.running)
         first.focus()
@@ -156,11 +159,29 @@ class Dashboard(App[None]):
         self.finished.sync(view.finished_rows(self.index, now))
         events = self.events_table
         before = events.row_count and events.keys[-1]
+        # The newest event is at the bottom: keep it in view, unless the user scrolled up to
+        # read older ones (then the pane stays where they put it).
+        following = not events.row_count or events.scroll_y >= events.max_scroll_y
         events.sync(view.event_rows(self.events, now, self.tz))
-        if events.row_count and events.keys[-1] != before and not events.has_focus:
-            events.scroll_end(animate=False, immediate=True)  # the newest is at the bottom: keep it in view
+        if events.row_count and events.keys[-1] != before and following:
+            # After the next layout: only then does the table know its new height.
+            self.call_after_refresh(events.scroll_end, animate=False, immediate=True)
         self._follow_selection()
         self.output.border_title = view.task_title(self.selected_task())
+        self.call_after_refresh(self._count_hidden)
+
+    TABLE_TITLES = {"running": "Running", "queue": "Queue", "finished": "Finished"}
+
+    def _count_hidden(self) -> None:
+        """Each task pane's title says how many of its rows do not fit ("Queue · +3 more")."""
+        for table in self._task_tables():
+            hidden = table.rows_hidden
+            title = self.TABLE_TITLES[str(table.id)] + (f" · +{hidden} more" if hidden else "")
+            if table.border_title != title:
+                table.border_title = title
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self._count_hidden)
 
     # ---- selection -------------------------------------------------------------------
 

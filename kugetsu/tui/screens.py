@@ -30,6 +30,10 @@ def describe_error(err: BaseException) -> str:
 
     if isinstance(err, NeedsPrompt):
         return f"{err}: fill in the Prompt field (or give a command)"
+    from kugetsu.errors import CommandNotFound
+
+    if isinstance(err, CommandNotFound):
+        return f"{err}: install it, or pick another agent preset"
     return str(err) if isinstance(err, KugetsuError) else f"{type(err).__name__}: {err}"
 
 

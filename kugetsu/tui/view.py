@@ -24,7 +24,7 @@ class Row:
 
 
 RUNNING_COLUMNS = (("id", "ID"), ("name", "NAME"), ("source", "SOURCE"), ("agent", "AGENT"),
-                   ("started", "STARTED"), ("elapsed", "ELAPSED"), ("pid", "PID"))
+                   ("started", "STARTED"), ("elapsed", "ELAPSED"), ("pid", "PID"), ("state", "STATE"))
 QUEUE_COLUMNS = (("pos", "POS"), ("id", "ID"), ("name", "NAME"), ("priority", "PRIORITY"),
                  ("source", "SOURCE"), ("waiting", "WAITING"), ("expires", "EXPIRES IN"))
 FINISHED_COLUMNS = (("id", "ID"), ("name", "NAME"), ("state", "STATE"), ("exit", "EXIT"),
@@ -47,7 +47,8 @@ def task_style(task: Task) -> str:
 def running_rows(queue: pm.QueueView, now: datetime, tz: tzinfo | None) -> list[Row]:
     return [
         Row(str(t.id), task_style(t), (str(t.id), t.name, t.source, t.agent or "-", clock_time(t.started_at, now, tz),
-                                       since(t.started_at, now), str(t.pid) if t.pid else "starting"))
+                                       since(t.started_at, now), str(t.pid) if t.pid else "starting",
+                                       task_style(t)))
         for t in queue.running
     ]
 

@@ -27,11 +27,51 @@ class StateTable(DataTable):
 
     COMPONENT_CLASSES = DataTable.COMPONENT_CLASSES | {f"state--{s}" for s in STATES}
 
-    def __init__(self, columns: tuple[tuple[str, str], ...], *, key_column: str | None = None, **kw: object):
+    def __init__(self, columns: tuple[tuple[str, str], ...], *, key_column: str | None = None,
+                 fill_column: str | None = None, squeeze_column: str | None = None, **kw: object):
         super().__init__(cursor_type="row", zebra_stripes=False, **kw)  # type: ignore[arg-type]
         self._columns = columns
         self._key_column = key_column  # a column whose text is the row key: lets `sort` reorder by key
+        # A column (the last: a reason, a detail) that takes the width the others leave and cuts
+        # its text with "…", rather than running past the pane's edge (cut mid-word, unseen).
+        self._fill_column = fill_column
+        # A column that gives up width (down to SQUEEZE_MIN, its cells cut with "…") when the
+        # fill column would otherwise be too narrow to read.
+        self._squeeze_column = squeeze_column
         self._shown: dict[str, Row] = {}
+
+    FILL_MIN = 8  # the fill column never narrower than this: below it the table scrolls sideways
+    FILL_WANTED = 16  # ... and a squeeze column gives up width until it has this much
+    SQUEEZE_MIN = 10
+
+    def on_resize(self) -> None:
+        self.fit_fill_column()
+
+    def fit_fill_column(self) -> None:
+        if self._fill_column is None or self._fill_column not in self.columns:
+            return
+        fill = self.columns[self._fill_column]  # type: ignore[index]
+        room = self.scrollable_content_region.width - 2 * self.cell_padding
+        squeeze = self.columns.get(self._squeeze_column) if self._squeeze_column else None  # type: ignore[call-overload]
+        if squeeze is not None:
+            others = sum(c.get_render_width(self) for k, c in self.columns.items() if c not in (fill, squeeze))
+            spare = room - others - 2 * self.cell_padding - self.FILL_WANTED
+            width = max(self.SQUEEZE_MIN, min(squeeze.content_width, spare))
+            if (squeeze.auto_width or squeeze.width != width) and not (squeeze.auto_width and width == squeeze.content_width):
+                squeeze.auto_width, squeeze.width = width == squeeze.content_width, width
+                self._require_update_dimensions = True
+        others = sum(c.get_render_width(self) for k, c in self.columns.items() if c is not fill)
+        width = max(self.FILL_MIN, room - others)
+        if fill.auto_width or fill.width != width:
+            fill.auto_width, fill.width = False, width
+            self._require_update_dimensions = True
+            self.refresh()
+
+    @property
+    def rows_hidden(self) -> int:
+        """Rows that do not fit in the pane's height (the user scrolls to see them)."""
+        visible = self.scrollable_content_region.height - (self.header_height if self.show_header else 0)
+        return max(0, self.row_count - max(0, visible))
 
     def on_mount(self) -> None:
         for key, label in self._columns:
@@ -76,6 +116,7 @@ class StateTable(DataTable):
             self._reorder(order)
         if cursor is not None:
             self.select_key(cursor)
+        self.fit_fill_column()  # the other columns may have grown or shrunk
 
     def _reorder(self, order: list[str]) -> None:
         if self._key_column is None:  # no key in the cells: rebuild (rare: these tables only append)
@@ -172,6 +213,6 @@ class LogView(Log):
         self.write(text)
 
     def _show_placeholder(self) -> None:
-        if self._empty and self.lines != [self._placeholder]:
+        if self._empty and self.lines != self._placeholder.split("\n"):
             self.clear()
             self.write(self._placeholder)
