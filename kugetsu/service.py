@@ -538,6 +538,22 @@ class Service:
         if not token:
             log.info("telegram bot off: no token (config telegram.token or env KUGETSU_TELEGRAM_TOKEN)")
             return
+        if self.member is not None:  # a cluster: only the machine holding the bot's lease runs it
+            loop = self.loop
+            self.member.want_bot(lambda held: loop.call_soon_threadsafe(
+                lambda: asyncio.ensure_future(self._bot_lease_changed(held, token))))
+            return
+        self._start_bot(token)
+
+    async def _bot_lease_changed(self, held: bool, token: str) -> None:
+        if held and self.telegram is None:
+            self._start_bot(token)
+        elif not held and self.telegram is not None:
+            bot, self.telegram = self.telegram, None
+            self.listeners.remove(bot.on_events)
+            await bot.stop()
+
+    def _start_bot(self, token: str) -> None:
         try:
             from kugetsu.telegram.bot import TelegramBot  # the heavy import, only with a token
 

@@ -198,3 +198,42 @@ def test_joining_a_cluster_with_a_queue_or_config_of_its_own_is_refused(kg: Kuge
     r = kg.run("config", "set", "store", pg_url)
     assert r.returncode == 2 and "store migrate" in r.stderr and "max_agents" in r.stderr
     assert json.loads(kg.home.config.read_text()) == {"max_agents": 2}
+
+
+def test_exactly_one_machine_runs_the_telegram_bot_and_another_takes_over(machines: Machine, pg_url: str):
+    from fakebot import TOKEN, FakeBotAPI
+    from test_telegram_bot import ME
+
+    api = FakeBotAPI().start()
+    try:
+        a, b = machines("m1", serve=False), machines("m2", serve=False)
+        a.ok("config", "set", "cluster.lease", "3s")
+        a.ok("config", "set", "telegram", json.dumps({"token": TOKEN, "api_base_url": api.base_url,
+                                                       "allowed_chat_ids": [ME], "notify_chat_ids": [ME]}))
+        a.ok("serve", "--detach")
+        wait_for(lambda: api.calls_to("getUpdates"), 15, "the bot to poll")
+        b.ok("serve", "--detach")
+        a.delegate("first", 0.0, 0, "--host", "m2")
+        wait_for(lambda: api.with_text(ME, "<b>first</b> (#1) succeeded"), 15, "the first notification")
+
+        def holders() -> list[str]:
+            return [k.home.root.name for k in (a, b) if "holding the Telegram bot's lease" in k.home.service_log.read_text()]
+        assert holders() == ["m1"]
+        # Delivery is at least once: a crash between a send and its cursor write repeats that
+        # one message. Kill the holder once the cursor has moved past the first task's end.
+        import psycopg
+
+        with psycopg.connect(pg_url, autocommit=True) as db:
+            last = db.execute("SELECT max(seq) FROM kugetsu.events").fetchone()[0]  # the first task's end
+            wait_for(lambda: (db.execute("SELECT seq FROM kugetsu.cursors").fetchone() or [0])[0] >= last, 10,
+                     "the cursor to pass the first task's end")
+        pid = a.service_pid()
+        assert pid
+        os.kill(pid, signal.SIGKILL)  # the holder dies: its lease runs out, m2 takes the bot
+        wait_for(lambda: "holding the Telegram bot's lease" in b.home.service_log.read_text(), 15, "m2 to take the bot")
+        b.delegate("second", 0.0, 0, "--host", "m2")
+        wait_for(lambda: api.with_text(ME, "<b>second</b> (#2) succeeded"), 15, "the second notification")
+        for needle in ("<b>first</b> (#1) succeeded", "started <b>first</b>", "<b>second</b> (#2) succeeded"):
+            assert len(api.with_text(ME, needle)) == 1, "\n".join(f"{c.at} {c.params['text']}" for c in api.sent(ME))
+    finally:
+        api.close()

@@ -102,6 +102,7 @@ CREATE TABLE IF NOT EXISTS kugetsu.log_chunks (
     PRIMARY KEY (task, pos)
 );
 CREATE TABLE IF NOT EXISTS kugetsu.leases (name text PRIMARY KEY, holder text NOT NULL, until timestamptz NOT NULL);
+CREATE TABLE IF NOT EXISTS kugetsu.cursors (chat bigint PRIMARY KEY, seq bigint NOT NULL);
 """
 
 

@@ -85,3 +85,21 @@ def rows(conn: psycopg.Connection) -> list[HostRow]:
         "SELECT name, epoch, heartbeat_at, max_agents, pid, joined_at, gone FROM kugetsu.hosts ORDER BY name").fetchall()
     return [HostRow(name=r[0], epoch=r[1], heartbeat_at=r[2], max_agents=r[3], pid=r[4], joined_at=r[5], gone=r[6])
             for r in got]
+
+
+def take_lease(conn: psycopg.Connection, name: str, holder: str, seconds: float) -> bool:
+    """Take or renew the lease `name` (the Telegram bot's: exactly one machine runs it) for
+    `seconds`; True if `holder` has it now. A lease whose holder stopped renewing it passes
+    to the next machine that asks once it has run out."""
+    row = conn.execute(
+        "INSERT INTO kugetsu.leases (name, holder, until)"
+        " VALUES (%s, %s, clock_timestamp() + make_interval(secs => %s))"
+        " ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, until = excluded.until"
+        " WHERE kugetsu.leases.holder = excluded.holder OR kugetsu.leases.until < clock_timestamp()"
+        " RETURNING holder", (name, holder, seconds)).fetchone()
+    return row is not None
+
+
+def drop_lease(conn: psycopg.Connection, name: str, holder: str) -> None:
+    """Let a lease go at once (a clean stop): the next machine need not wait for it to run out."""
+    conn.execute("DELETE FROM kugetsu.leases WHERE name = %s AND holder = %s", (name, holder))

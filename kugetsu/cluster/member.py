@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -29,6 +30,7 @@ log = logging.getLogger("kugetsu.cluster")
 
 BACKOFF_FIRST, BACKOFF_MAX = 0.2, 5.0  # seconds between attempts to reach a database that is away
 SHIP_EVERY = 0.5  # seconds between shipments of agents' new output
+BOT_LEASE = "telegram"  # the lease of the one machine that runs the Telegram bot
 LISTEN_POLL = 0.5  # seconds: how long the listener waits for a notification before it looks at `stop`
 
 
@@ -41,6 +43,11 @@ class Member:
         self._logs: dict[int, Path] = {}  # the running agents' logs (set by the service)
         self._pending: dict[int, Path] = {}  # every log with output still to ship
         self._lock = threading.Lock()
+        # The Telegram bot's lease, when this machine wants it (a token is configured):
+        # on_bot(True) once it holds it, on_bot(False) once it may no longer count on it.
+        self.on_bot: Callable[[bool], None] | None = None
+        self.holds_bot = False
+        self._bot_renewed = 0.0  # time.monotonic() of the last renewal
         self._shipped: dict[int, int] = {}  # task id -> bytes of its log the database has
         self.epoch: int | None = None
         self.since: datetime | None = None  # heartbeats have come through without a gap since then
@@ -86,6 +93,7 @@ class Member:
                     conn.close()
                 conn = None
                 self.since = None  # a gap: others' silence is no proof until a whole lease passes again
+                self._bot_lease(None)
                 if str(err) != failing:
                     log.error("heartbeat failed: %s; retrying with backoff (running agents are not affected)", err)
                 failing = str(err)
@@ -102,8 +110,47 @@ class Member:
                 self.wake()
             elif self.since is None:
                 self.since = _now(conn)
+            self._bot_lease(conn if ok else None)
         if conn is not None:
+            if self.holds_bot:
+                try:
+                    hosts.drop_lease(conn, BOT_LEASE, self.name)
+                except psycopg.Error:
+                    pass  # it runs out by itself
             conn.close()
+
+    def want_bot(self, on_bot: Callable[[bool], None]) -> None:
+        """Compete for the Telegram bot's lease from now on (the first try is at once)."""
+        self.on_bot = on_bot
+        try:
+            conn = connect(self.url)
+            try:
+                self._bot_lease(conn)
+            finally:
+                conn.close()
+        except Unreachable:
+            pass  # the heartbeats try again
+
+    def _bot_lease(self, conn: psycopg.Connection | None) -> None:
+        """Renew (or try to take) the bot's lease; without a connection, give the bot up once
+        the lease may have run out, before another machine can take it."""
+        if self.on_bot is None:
+            return
+        held = self.holds_bot
+        if conn is not None:
+            try:
+                held = hosts.take_lease(conn, BOT_LEASE, self.name, self.lease)
+            except psycopg.Error:
+                conn = None
+            else:
+                if held:
+                    self._bot_renewed = time.monotonic()
+        if conn is None and held and time.monotonic() - self._bot_renewed > self.lease * 2 / 3:
+            held = False
+        if held != self.holds_bot:
+            self.holds_bot = held
+            log.info("%s the Telegram bot's lease", "holding" if held else "gave up")
+            self.on_bot(held)
 
     def _listen(self) -> None:
         tag = process_tag()

@@ -17,6 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,6 +32,9 @@ from kugetsu.ops import now
 from kugetsu.paths import Home, atomic_write, nofollow, read_file
 from kugetsu.store import open_store, decode_events
 from kugetsu.telegram import text
+
+if TYPE_CHECKING:  # cluster mode only: psycopg
+    from kugetsu.cluster.feeds import DbCursors, DbTail
 
 log = logging.getLogger("kugetsu.telegram")
 
@@ -152,10 +156,21 @@ class Notifier:
         self.store = open_store(home)
         self.bot = bot
         self.get_cfg = get_cfg
-        self.cursors = Cursors(cursor_path(home))
+        # In a cluster the cursors and the feed are in the database: the bot may move to
+        # another machine (its lease), and delivers from where the last holder stopped.
+        self.cluster = get_cfg().store
+        self.cursors: Cursors | DbCursors
+        self._tail: Callable[[], EventTail | DbTail]
+        if self.cluster is None:
+            self.cursors, self._tail = Cursors(cursor_path(home)), lambda: EventTail(home)
+        else:
+            from kugetsu.cluster.feeds import DbCursors, DbTail
+
+            url = self.cluster
+            self.cursors, self._tail = DbCursors(url), lambda: DbTail(url)
         self.feeds: dict[int, asyncio.Task[None]] = {}
         self.wakes: dict[int, asyncio.Event] = {}
-        self.tails: dict[int, EventTail] = {}
+        self.tails: dict[int, EventTail | DbTail] = {}
         self._said_no_chats = False
         self._watcher: asyncio.Task[None] | None = None
 
@@ -177,7 +192,7 @@ class Notifier:
         for chat in chats - set(self.feeds):
             self.wakes[chat] = asyncio.Event()
             self.wakes[chat].set()
-            self.tails[chat] = EventTail(self.home)
+            self.tails[chat] = self._tail()
             self.feeds[chat] = asyncio.create_task(self._feed(chat), name=f"telegram-notify-{chat}")
 
     def wake(self) -> None:
@@ -252,7 +267,9 @@ class Notifier:
         cut = now() - FIRST_RUN_WINDOW
         return max((e.seq for e in events if e.at < cut), default=0)
 
-    def _stamp(self) -> tuple[int, int]:
+    def _stamp(self) -> object:
+        if self.cluster is not None:
+            return self.store.tail_events(1)  # the last event: new ones change it
         try:
             st = os.stat(self.home.events)
             return st.st_size, st.st_mtime_ns
