@@ -590,8 +590,15 @@ def host_name(cfg: Config) -> str:
 
 
 def store_url(home: Home) -> str | None:
-    """The cluster's database, when this machine is in one (env KUGETSU_STORE, config `store`)."""
-    url = os.environ.get(STORE_ENV) or read_raw(home).get("store")
+    """The cluster's database, when this machine is in one (env KUGETSU_STORE, config `store`).
+    A config.json that does not parse names no store here: every command that goes on to read
+    the config stops on it (with its message), and `doctor` reports it and checks the rest."""
+    url = os.environ.get(STORE_ENV)
+    if not url:
+        try:
+            url = read_raw(home).get("store")
+        except FileError:
+            return None
     return str(url) if url else None
 
 
