@@ -237,3 +237,23 @@ def test_exactly_one_machine_runs_the_telegram_bot_and_another_takes_over(machin
             assert len(api.with_text(ME, needle)) == 1, "\n".join(f"{c.at} {c.params['text']}" for c in api.sent(ME))
     finally:
         api.close()
+
+
+async def test_the_dashboard_on_one_machine_shows_the_cluster_and_another_machine_s_output(machines: Machine):
+    import asyncio
+
+    from dashboard_data import until
+
+    from kugetsu.tui.app import make_app
+
+    watcher, worker = machines("m1", serve=False), machines("m2")
+    go = worker.rec / "go"
+    agent = ["sh", "-c", 'echo hello from m2; while [ ! -e "$0" ]; do sleep 0.05; done; echo all done', str(go)]
+    app = make_app(watcher.home, cwd=str(watcher.home.root.parent))
+    async with app.run_test() as pilot:
+        await asyncio.to_thread(watcher.ok, "delegate", "far", "--host", "m2", "--", *agent)
+        await until(pilot, lambda: app.running.keys == ["1"], timeout=10, what="the task in Running")
+        await until(pilot, lambda: "hello from m2" in app.output.lines, timeout=10, what="its shipped output")
+        go.touch()
+        await until(pilot, lambda: "1" in app.finished.keys, timeout=10, what="the task in Finished")
+        await until(pilot, lambda: "all done" in app.output.lines, timeout=10, what="the end of its output")

@@ -84,6 +84,12 @@ class PgStore:
         row = self._execute("SELECT config FROM kugetsu.state WHERE id = 1").fetchone()
         return msgspec.json.decode(bytes(row[0])) if row and row[0] else {}
 
+    def stamp(self) -> str:
+        """Changes whenever a transaction commits a change (the queue row's version): a cheap
+        look for a view that refreshes itself."""
+        row = self._execute("SELECT xmin::text FROM kugetsu.state WHERE id = 1").fetchone()
+        return row[0] if row else ""
+
     def now(self) -> datetime:
         """The database's clock: the one every machine of the cluster goes by."""
         row = self._execute("SELECT clock_timestamp()").fetchone()

@@ -22,7 +22,7 @@ from textual.reactive import reactive
 from textual.widgets import DataTable, Footer, Static
 
 from kugetsu import control, ops, pm
-from kugetsu.config import Config, load_config
+from kugetsu.config import Config, host_name, load_config
 from kugetsu.errors import KugetsuError
 from kugetsu.models import Event, Index, Task
 from kugetsu.paths import Home
@@ -123,10 +123,9 @@ class Dashboard(App[None]):
 
     def refresh_view(self, force: bool = False) -> None:
         """Re-read what changed on disk and bring every pane up to date (called each second)."""
-        stamps = {"index": _stamp(self.home.index), "config": _stamp(self.home.config),
-                  "events": _stamp(self.home.events)}
-        changed = {k for k, v in stamps.items() if force or self._stamps.get(k) != v}
         try:
+            stamps = self._stamps_now()
+            changed = {k for k, v in stamps.items() if force or self._stamps.get(k) != v}
             if changed & {"index", "config"}:
                 self.cfg, self.index = load_config(self.home), self.store.read()
             if "events" in changed:
@@ -140,6 +139,24 @@ class Dashboard(App[None]):
                 self.notify("the files read cleanly again", title="recovered")
         self.service_pid = control.service_pid(self.home)
         self._show()
+
+    def _stamps_now(self) -> dict[str, object]:
+        """What tells that the index, the config or the events changed since the last look."""
+        if self.cfg.store is None:
+            return {"index": _stamp(self.home.index), "config": _stamp(self.home.config),
+                    "events": _stamp(self.home.events)}
+        # A cluster: the queue row's version stands for all three (events and the shared
+        # config are committed with it).
+        row = self.store.stamp()  # type: ignore[attr-defined]
+        self._sync_remote_log()
+        return {"index": row, "config": (row, _stamp(self.home.config)), "events": row}
+
+    def _sync_remote_log(self) -> None:
+        """A task that runs on another machine of the cluster: bring its mirrored output up to
+        date (the output pane follows the mirror file)."""
+        task = self.selected_task()
+        if task is not None and task.host is not None and task.host != host_name(self.cfg):
+            ops.log_path(self.home, self.cfg, task)
 
     def _report(self, message: str) -> None:
         if message != self.error:  # once per problem, not once a second
@@ -228,8 +245,9 @@ class Dashboard(App[None]):
 
     def watch_selected(self, selected: int | None) -> None:
         output = self.output
-        output.follow(None if selected is None else self.home.log(selected),
-                      NOTHING_SELECTED if selected is None else "(no output yet)")
+        task = self.selected_task()
+        path = None if selected is None else self.home.log(selected) if task is None else ops.log_path(self.home, self.cfg, task)
+        output.follow(path, NOTHING_SELECTED if selected is None else "(no output yet)")
         output.border_title = view.task_title(self.selected_task())
 
     # ---- actions ---------------------------------------------------------------------
