@@ -91,3 +91,19 @@ class CommandNotFound(UsageError):
         super().__init__(f"command not found: {what} (looked on {looked})"
                          + (f"; the caller's PATH finds it at {elsewhere}" if elsewhere else ""))
         self.exe, self.preset, self.looked, self.elsewhere = exe, preset, looked, elsewhere
+
+
+class Unreachable(KugetsuError):
+    """Cluster mode: the database cannot be reached (exit 1). The URL is shown without its password."""
+
+    def __init__(self, url: str, why: str):
+        super().__init__(f"database unreachable: {redact_url(url)}: {why}. Running agents are not affected;"
+                         " check that PostgreSQL runs and the store URL (`kugetsu config get store`) is right.")
+        self.url = url
+
+
+def redact_url(url: str) -> str:
+    """A database URL with its password hidden: URLs end up in messages and logs."""
+    import re
+
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)

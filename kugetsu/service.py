@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from kugetsu import control, ops, placement, pm, runner
 from kugetsu.config import Config, format_size, host_name, load_config
 from kugetsu.deadlines import DeadlineTimer
-from kugetsu.errors import DiskFull, KugetsuError
+from kugetsu.errors import DiskFull, KugetsuError, Unreachable
 from kugetsu.exits import Ending, Exits
 from kugetsu.models import Event, Index, Task
 from kugetsu.paths import Home, atomic_write
@@ -158,6 +158,8 @@ class Service:
         is on disk, what it let go is in `let_go`. Say so once, not on every retry, and try
         again with backoff; running agents are not affected."""
         what = str(err) if isinstance(err, KugetsuError) else f"{type(err).__name__}: {err}"
+        if isinstance(err, Unreachable) and self.failing is not None and self.failing.startswith("database unreachable"):
+            what = self.failing  # one outage, however each attempt words its failure
         if what != self.failing:
             if isinstance(err, KugetsuError):  # e.g. index.json damaged by hand: say what, no traceback
                 log.error("%s\nRetrying with backoff; running agents are not affected.", err)

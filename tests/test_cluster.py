@@ -257,3 +257,10 @@ async def test_the_dashboard_on_one_machine_shows_the_cluster_and_another_machin
         go.touch()
         await until(pilot, lambda: "1" in app.finished.keys, timeout=10, what="the task in Finished")
         await until(pilot, lambda: "all done" in app.output.lines, timeout=10, what="the end of its output")
+
+
+def test_a_password_in_the_store_url_is_never_shown(tmp_path: Path):
+    k = Kugetsu(tmp_path / "h")
+    k.env["KUGETSU_STORE"] = "postgresql://kugetsu:hunter2@127.0.0.1:1/nothing"
+    r = k.run("queue")
+    assert r.returncode == 1 and "hunter2" not in r.stderr and "kugetsu:***@127.0.0.1:1" in r.stderr

@@ -14,7 +14,8 @@ from contextlib import contextmanager
 
 import psycopg
 
-from kugetsu.errors import KugetsuError
+from kugetsu.errors import KugetsuError, Unreachable
+from kugetsu.errors import redact_url as redact
 
 SCHEMA_VERSION = 1
 NOTIFY_CHANNEL = "kugetsu"
@@ -25,23 +26,9 @@ KEEPALIVE = {"keepalives": 1, "keepalives_idle": 3, "keepalives_interval": 2, "k
              "tcp_user_timeout": 10000}
 
 
-class Unreachable(KugetsuError):
-    """The database cannot be reached (exit 1)."""
-
-    def __init__(self, url: str, why: str):
-        super().__init__(f"database unreachable: {redact(url)}: {why}. Running agents are not affected;"
-                         " check that PostgreSQL runs and the store URL (`kugetsu config get store`) is right.")
-        self.url = url
-
-
 def process_tag() -> str:
     """What this process's commits NOTIFY with: a service ignores the wake-ups of its own commits."""
     return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def redact(url: str) -> str:
-    """The URL with its password hidden: URLs end up in messages and logs."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
 def _why(err: Exception) -> str:

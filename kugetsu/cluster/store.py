@@ -189,7 +189,9 @@ class PgStore:
                         [(t.id, _encoder.encode(t)) for t in txn.archive])
             if data != txn.before or txn.events or txn.new_config is not None:
                 self._execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, process_tag()))
-            self._execute("COMMIT")
+            done = self._execute("COMMIT")
+            if done.statusmessage != "COMMIT":  # the server rolled back (a statement failed in it)
+                raise RuntimeError(f"the transaction was rolled back by the database ({done.statusmessage})")
             self._committed = (data, index)
         except BaseException:
             self._rollback()

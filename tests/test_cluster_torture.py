@@ -1,0 +1,203 @@
+"""Cluster mode under fire, on a real PostgreSQL with real services and agents: clients on
+three machines delegate and cancel while services are killed -9 and restarted, and the
+database goes away mid-drain. Seeded (printed; KUGETSU_TORTURE_SEED replays);
+KUGETSU_TORTURE=long runs longer."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import Kugetsu, agent_wrappers, wait_for
+from tcpproxy import Proxy
+from test_cluster import Machine, machines, overlap  # noqa: F401  (machines is a fixture)
+
+LONG = os.environ.get("KUGETSU_TORTURE") == "long"
+pytestmark = pytest.mark.torture
+
+
+def _starts(k: Kugetsu, name: str) -> int:
+    try:
+        return sum(1 for line in (k.rec / name).read_text().splitlines() if line.startswith("start"))
+    except FileNotFoundError:
+        return 0
+
+
+def _check(k: Kugetsu, tasks: dict[str, dict], max_agents: int, slots: dict[str, int]) -> None:
+    """Nothing ran twice, limits held on the agents' own clocks, each machine within its slots."""
+    spans: dict[str, tuple[float, float]] = {}
+    for name, task in tasks.items():
+        runs = _starts(k, name)
+        assert runs <= 1, f"{name} ran {runs} times"
+        times = k.times(name)
+        if "start" in times:
+            spans[name] = (times["start"], times.get("end", time.time()))
+        if task["state"] == "succeeded":
+            assert runs == 1 and "end" in times, name
+    assert overlap(list(spans.values())) <= max_agents
+    for host, n in slots.items():
+        mine = [spans[t] for t, task in tasks.items() if task.get("host") == host and t in spans]
+        assert overlap(mine) <= n, f"{host} ran more than {n} at once"
+
+
+def _final(k: Kugetsu, names: set[str], timeout: float) -> dict[str, dict]:
+    """Every task, once all of `names` are final (read from the database: `queue --all` shows
+    the latest 20 finished only)."""
+    import json
+
+    import msgspec
+
+    from kugetsu.cluster.store import PgStore
+
+    store = PgStore(json.loads(k.home.config.read_text())["store"])
+
+    def tasks() -> dict[str, dict]:
+        index = store.read()
+        return {t.name: msgspec.to_builtins(t) for t in index.all_tasks()}
+
+    def done() -> dict[str, dict] | None:
+        now = tasks()
+        return now if all(n in now and now[n]["state"] not in ("queued", "running") for n in names) else None
+
+    try:
+        return wait_for(done, timeout, "every task to be final")  # type: ignore[return-value]
+    except AssertionError:
+        now = tasks()
+        live = [(n, now[n]["state"], now[n].get("host")) for n in names if n in now and now[n]["state"] in ("queued", "running")]
+        raise AssertionError(f"not final: {live}; unknown: {sorted(names - set(now))}; hosts: {k.json('hosts')}") from None
+    finally:
+        store.close()
+
+
+def test_clients_on_three_machines_while_services_are_killed_and_restarted(machines: Machine):
+    seed = int(os.environ.get("KUGETSU_TORTURE_SEED") or random.randrange(1 << 30))
+    print(f"KUGETSU_TORTURE_SEED={seed}")
+    rng = random.Random(seed)
+    slots = {"m1": 2, "m2": 2, "m3": 1}
+    ms = [machines(name, slots=n) for name, n in slots.items()]
+    ms[0].ok("config", "set", "max_agents", "4")
+    ms[0].ok("config", "set", "history_limit", "1000")
+    clients, per_client = (20, 8) if LONG else (6, 4)
+    names: set[str] = set()
+    cancelled: set[str] = set()
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def client(i: int) -> None:
+        r = random.Random(seed + i)
+        mine: list[str] = []
+        for j in range(per_client):
+            k = r.choice(ms)
+            name = f"c{i}-{j}"
+            res = k.run("delegate", name, "--", *k.agent(name, r.choice([0.05, 0.2, 0.5])))
+            if res.returncode != 0:
+                errors.append(f"{name}: {res.returncode} {res.stderr}")
+                continue
+            with lock:
+                names.add(name)
+            mine.append(name)
+            if r.random() < 0.2:
+                victim = r.choice(mine)
+                res = r.choice(ms).run("cancel", victim)
+                if res.returncode == 0:
+                    with lock:
+                        cancelled.add(victim)
+
+    def chaos() -> None:
+        while not stop.wait(rng.uniform(0.5, 1.5)):
+            k = rng.choice(ms)
+            pid = k.service_pid()
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                wait_for(lambda: not k.home.service_pid.exists() or k.service_pid() != pid or True, 1)
+            k.run("serve", "--detach")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    killer = threading.Thread(target=chaos)
+    killer.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    killer.join()
+    for k in ms:  # every machine has its service again
+        k.run("serve", "--detach")
+    assert not errors, errors
+    tasks = _final(ms[0], names, 120 if LONG else 60)
+    states = Counter(t["state"] for t in tasks.values())
+    assert states["lost"] == 0 and states["failed"] == 0, (states, [t for t in tasks.values() if t["state"] in ("lost", "failed")])
+    assert {n for n, t in tasks.items() if t["state"] == "cancelled"} <= cancelled
+    _check(ms[0], tasks, 4, slots)
+
+
+def test_the_database_going_away_mid_drain_loses_nothing_and_runs_nothing_twice(machines: Machine, pg_url: str):
+    """Services reach the database through a proxy the test cuts: connections reset and new
+    ones refused (the database restarting) for a few seconds, twice, while tasks drain."""
+    admin = pg_url.rsplit("/", 1)
+    proxy = Proxy(("127.0.0.1", int(os.environ.get("KUGETSU_TEST_PG_PORT", "5432"))))
+    try:
+        url = proxy.url(admin[1])
+        a, b = machines("m1", slots=2, url=url), machines("m2", slots=2, url=url)
+        direct = Kugetsu(a.home.root.parent / "direct")  # a client that does not go through the proxy
+        direct.config(store=pg_url, host="direct")
+        direct.ok("config", "set", "max_agents", "3")
+        names = [f"d{i}" for i in range(12 if not LONG else 40)]
+        gate = direct.rec / "gate"
+        for n in names:
+            direct.ok("delegate", n, "--", *direct.agent(n, 1.0, 0, gate))
+        for _ in range(2):
+            wait_for(lambda: len(direct.json("queue")["active"]) >= 2, 15, "agents running")  # type: ignore[index]
+            proxy.cut("refuse")
+            r = a.run("queue")
+            assert r.returncode == 1 and "database unreachable" in r.stderr and "Traceback" not in r.stderr
+            gate.touch()  # the running agents end while their services cannot book it
+            time.sleep(3)  # the outage itself
+            proxy.restore()
+        tasks = _final(direct, set(names), 60)
+        assert Counter(t["state"] for t in tasks.values()) == {"succeeded": len(names)}
+        _check(direct, tasks, 3, {"m1": 2, "m2": 2})
+        for k in (a, b):
+            log = k.home.service_log.read_text()
+            # once per outage by the service's loop (and once by its heartbeat thread), not per retry
+            assert log.count("ERROR") <= 2 * 2 + 1, log
+            assert "Traceback" not in log
+        assert not agent_wrappers(a.home) and not agent_wrappers(b.home)
+    finally:
+        proxy.close()
+
+
+def test_a_whole_machine_killed_loses_its_tasks_within_the_lease_and_its_slots_go_to_others(machines: Machine):
+    a, b = machines("m1", slots=1), machines("m2", slots=1)
+    a.ok("config", "set", "cluster.lease", "3s")
+    a.ok("config", "set", "max_agents", "2")
+    for k in (a, b):  # the lease setting reaches running services at their next tick; restart for the heartbeat period
+        k.ok("shutdown")
+        k.ok("serve", "--detach")
+    b.delegate("doomed", 30.0, 0, "--host", "m2")
+    b.wait_state("doomed", "running")
+    wait_for(lambda: b.times("doomed").get("start"), 10, "the agent to start")
+    a.delegate("waiting", 0.0, 0, "--host", "m1")
+    a.delegate("blocked", 0.0, 0)  # the cluster has room; m1 runs it after "waiting"
+    # the whole machine dies: its service and its agents
+    pid = b.service_pid()
+    for w in agent_wrappers(b.home):
+        os.killpg(w, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    task = a.wait_state("doomed", "lost", timeout=20)
+    assert time.monotonic() - t0 < 3 * 2 + 5 and "m2 stopped answering" in task["reason"]
+    assert {r["name"]: r["state"] for r in a.json("hosts")}["m2"] == "gone"  # type: ignore[union-attr]
+    a.delegate("after", 0.0, 0)
+    assert a.wait_state("after", "succeeded")["host"] == "m1"
