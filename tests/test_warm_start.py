@@ -165,11 +165,11 @@ async def test_a_task_let_go_early_but_not_started_by_pm_is_recorded_not_run_twi
         warm_pid = svc.procs.warm[2].pid
         real_settle, skipped = pm.settle, []
 
-        def settle_but_not_at_the_exit(index, cfg, now, resources=None):
+        def settle_but_not_at_the_exit(index, cfg, now, resources=None, here=None):
             if svc.exits.exited and not skipped:
                 skipped.append(now)
                 return pm.Plan()
-            return real_settle(index, cfg, now, resources)
+            return real_settle(index, cfg, now, resources, here)
 
         monkeypatch.setattr(pm, "settle", settle_but_not_at_the_exit)
         caplog.set_level(logging.ERROR, logger="kugetsu.service")

@@ -58,6 +58,8 @@ class TaskOut(BaseModel):
     base_commit: OptStr
     worktree_state: Annotated[Literal["active", "kept", "removed", "pruned"] | None,
                               WithJsonSchema({"enum": ["active", "kept", "removed", "pruned", None]})]
+    host: OptStr = Field(description="cluster mode: the machine it runs (or ran) on")
+    pinned_host: OptStr = Field(description="cluster mode: the machine it must run on")
 
 
 class QueuedTaskOut(TaskOut):
