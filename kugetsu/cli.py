@@ -48,7 +48,9 @@ def _delegate_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--group", metavar="NAME", help="run in this pool (config `groups`): it needs a slot there too")
     d.add_argument("--expire-after", metavar="DUR", type=_duration, help="expire if still queued after DUR")
     d.add_argument("--timeout", metavar="DUR", type=_duration, help="stop the agent after running DUR")
-    d.add_argument("--json", action="store_true", help="print the task object")
+    d.add_argument("--json", action="store_true", help="print the task object (with --wait: once it is final)")
+    d.add_argument("--wait", action="store_true",
+                   help="once admitted, block until the task is final; exit codes of `kugetsu wait`")
     wt = d.add_mutually_exclusive_group()
     wt.add_argument("--worktree", action="store_true", default=None,
                     help="run the agent in its own git worktree on branch kugetsu/NAME")
@@ -233,6 +235,9 @@ def _fix(err: KugetsuError) -> str:
         return f"; define it with `kugetsu config set groups.{err.group} '{{\"max_agents\": 1}}'`"
     if isinstance(err, E.QueueFull):
         return " (`kugetsu capacity`)"
+    if isinstance(err, E.AmbiguousName):
+        return (f"; wait on an id, e.g. `kugetsu wait #{err.ids[-1]}` (`delegate --json` prints the id of the task"
+                " it admitted; `delegate --wait` waits for it)")
     return ""
 
 
@@ -293,12 +298,20 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     )
     adm = ops.delegate(home, cfg, req)
     _priority_ignored(cfg.strategy, args.priority)
-    if args.json:
-        print(to_json(ops.task_json(adm.task, adm.position)))
-    else:
+    if not args.json:
         from kugetsu import render
 
-        print(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for))
+        print(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for), flush=True)
+    if args.wait:  # the task just admitted, by id: never an older task of the same name
+        code = _wait_for(home, [adm.task.id], None)
+        if args.json:
+            from kugetsu.store import Store
+
+            final = next(t for t in Store(home).read().all_tasks() if t.id == adm.task.id)
+            print(to_json(ops.task_json(final, None)))
+        return code
+    if args.json:
+        print(to_json(ops.task_json(adm.task, adm.position)))
     return OK
 
 
@@ -384,19 +397,27 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
 
 
 def cmd_wait(home: Home, args: argparse.Namespace) -> int:
-    from kugetsu.store import Store
-
-    store = Store(home)
     cfg, index = ops.read(home)
     control.ensure_service(home, cfg, index)
-    ids = [pm.find(index, ref).id for ref in args.tasks]
-    from kugetsu import waiting
+    tasks = [pm.find_to_wait(index, ref) for ref in args.tasks]
+    for ref, t in zip(args.tasks, tasks):
+        if t.state.final and not ref.strip().lstrip("#").isdigit():  # the name may have meant a newer task
+            print(f"kugetsu: note: {ref} is task #{t.id}, which had already finished ({t.state.value}) before this"
+                  f" wait; `kugetsu wait #{t.id}` names it for sure", file=sys.stderr)
+    return _wait_for(home, [t.id for t in tasks], args.timeout)
 
-    done = waiting.wait_final(home, ids, args.timeout, settle=True)
+
+def _wait_for(home: Home, ids: list[int], timeout: float | None) -> int:
+    """Block until the tasks are final: 0 all succeeded, 1 otherwise (each failure on
+    stderr), 124 on timeout. `wait` and `delegate --wait`."""
+    from kugetsu import waiting
+    from kugetsu.store import Store
+
+    done = waiting.wait_final(home, ids, timeout, settle=True)
     if not done:
-        print(f"kugetsu: timed out after {format_duration(args.timeout)}", file=sys.stderr)
+        print(f"kugetsu: timed out after {format_duration(timeout or 0)}", file=sys.stderr)
         return TIMED_OUT
-    tasks = {t.id: t for t in store.read().all_tasks()}
+    tasks = {t.id: t for t in Store(home).read().all_tasks()}
     bad = [tasks[i] for i in ids if tasks[i].state is not TaskState.SUCCEEDED]
     for t in bad:
         print(f"{t.name} (#{t.id}) {t.state.value}" + (f": {t.reason}" if t.reason else ""), file=sys.stderr)

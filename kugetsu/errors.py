@@ -72,3 +72,14 @@ class QueueFull(Rejected):
         super().__init__(f"queue full: {queued}/{max_queue} waiting, {active}/{max_agents} running;"
                          " try again when a task finishes")
         self.queued, self.max_queue, self.active, self.max_agents = queued, max_queue, active, max_agents
+
+
+class AmbiguousName(UsageError):
+    """A name that no live task bears and several finished ones do: which one a wait means
+    is a guess (pm.find_to_wait)."""
+
+    def __init__(self, name: str, ids: list[int]):
+        listed = ", ".join(f"#{i}" for i in ids)
+        super().__init__(f"name {name!r} is ambiguous: no queued or running task has it, and finished tasks"
+                         f" {listed} do; the latest, #{ids[-1]}, ended before this call")
+        self.name, self.ids = name, ids

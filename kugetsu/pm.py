@@ -16,7 +16,7 @@ import msgspec
 from datetime import datetime, timedelta
 
 from kugetsu.config import Config, format_duration
-from kugetsu.errors import NeedsPrompt, NoSuchTask, QueueFull, Rejected, UnknownGroup, UsageError
+from kugetsu.errors import AmbiguousName, NeedsPrompt, NoSuchTask, QueueFull, Rejected, UnknownGroup, UsageError
 from kugetsu.models import PRIORITIES, Event, Index, SourceMark, Task, TaskState, valid_name
 # Resources and guard_hold are also used by the front ends, through pm.
 from kugetsu.policy import Board, Resources, guard_hold, simple_order, task_key  # noqa: F401
@@ -171,6 +171,23 @@ def find(index: Index, ref: str) -> Task:
         if task.name == ref:
             return task
     raise NoSuchTask(ref)
+
+
+def find_to_wait(index: Index, ref: str) -> Task:
+    """`wait TASK`: as find, but a name that no live task bears and more than one finished
+    task does is refused (AmbiguousName): the latest of them ended before the wait began,
+    and a delegate of that name that was refused (queue full) leaves no trace to tell it
+    from a task that really ran. One task of the name is not ambiguous: `delegate x; wait x`
+    for a task that ended in between must keep working, and the index cannot tell that
+    from a refused re-delegation either; waiting on the id (`delegate --json`) or
+    `delegate --wait` names the one task meant (README, "For PM agents")."""
+    task = find(index, ref)
+    by_id = ref.strip().lstrip("#").isascii() and ref.strip().lstrip("#").isdigit()
+    if task.state.final and not by_id:
+        same = [t.id for t in index.finished if t.name == task.name]
+        if len(same) > 1:
+            raise AmbiguousName(task.name, same)
+    return task
 
 
 # ---- admission -------------------------------------------------------------------------
