@@ -93,6 +93,11 @@ def _priority_args(pr: argparse.ArgumentParser) -> None:
     pr.add_argument("--json", action="store_true")
 
 
+def _pause_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--group", metavar="NAME", help="only this pool's tasks (config `groups`)")
+    p.add_argument("--json", action="store_true", help="print the capacity after it")
+
+
 def _json_only(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
@@ -443,6 +448,34 @@ def cmd_priority(home: Home, args: argparse.Namespace) -> int:
     return OK
 
 
+def cmd_pause(home: Home, args: argparse.Namespace) -> int:
+    return _pause(home, args, True)
+
+
+def cmd_resume(home: Home, args: argparse.Namespace) -> int:
+    return _pause(home, args, False)
+
+
+def _pause(home: Home, args: argparse.Namespace, on: bool) -> int:
+    changed, cap = ops.pause(home, args.group, on)
+    if args.json:
+        print(to_json(cap))
+        return OK
+    what = f"group {args.group}" if args.group else "kugetsu"
+    if on:
+        print(f"{what} {'paused' if changed else 'was already paused'}: no queued task"
+              f"{' of group ' + args.group if args.group else ''} starts, running ones go on;"
+              f" `kugetsu resume{' --group ' + args.group if args.group else ''}` lets them start again")
+    else:
+        print(f"{what} {'resumed' if changed else 'was not paused'}: {cap.active}/{cap.max_agents} running,"
+              f" {cap.queued} queued")
+        if cap.paused or cap.paused_groups:
+            from kugetsu import render
+
+            print(f"still{render.paused_note(cap).replace(' · ', ' ', 1)}")
+    return OK
+
+
 def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
     from kugetsu import render
 
@@ -677,6 +710,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "wait": ("block until tasks are final (exit 0: all succeeded)", _wait_args, cmd_wait),
     "priority": ("change a queued task's priority", _priority_args, cmd_priority),
     "capacity": ("slots and queue: what a PM agent checks before delegating", _json_only, cmd_capacity),
+    "pause": ("start no queued task (of --group G) until resume; running ones go on", _pause_args, cmd_pause),
+    "resume": ("undo pause: queued tasks start again", _pause_args, cmd_resume),
     "config": ("read and tune config.json", _config_args, cmd_config),
     "serve": ("run the service (foreground unless --detach)", _serve_args, cmd_serve),
     "shutdown": ("stop the service (agents keep running)", _no_args, cmd_shutdown),

@@ -138,6 +138,10 @@ class Index(msgspec.Struct, kw_only=True):
     # Scheduling memory that must outlive `clean` and history trimming (rate limits, fair).
     starts: int = 0
     last_start: dict[str, SourceMark] = {}
+    # `kugetsu pause`: no queued task starts (running ones go on); `pause --group G`: none of
+    # group G. Here, not in the config: a pause outlives restarts and is undone by `resume`.
+    paused: bool = False
+    paused_groups: list[str] = []
     # The events of the last transaction, committed with it: if the process dies between
     # the index rename and the events.jsonl append, the next transaction appends them.
     outbox: list[Event] = []

@@ -216,6 +216,21 @@ def set_priority(home: Home, ref: str, level: str) -> tuple[Task, int | None]:
     return task, position
 
 
+# ---- pause -------------------------------------------------------------------------------
+
+
+def pause(home: Home, group: str | None, on: bool) -> tuple[bool, pm.Capacity]:
+    """`kugetsu pause` / `resume` (of one group, or of every start): whether it changed
+    anything, and the capacity after it (resuming starts queued tasks at once)."""
+    with _locked(home) as (txn, cfg):
+        events = pm.pause(txn.index, cfg, txn.now, group, on)
+        txn.emit(events)
+        settle(txn, cfg)
+        cap = pm.capacity(txn.index, cfg)
+    wake(home, cfg)
+    return bool(events), cap
+
+
 # ---- config ------------------------------------------------------------------------------
 
 
@@ -394,6 +409,8 @@ def queue_json(listed: Listing) -> dict[str, Any]:
         "active": [task_json(t, None) for t in listed.index.active],
         "queued": [task_json(t, view.positions[t.id]) | {"waiting_for": view.waiting_for.get(t.id)} for t in view.queued],
         "groups": view.groups,
+        "paused": view.capacity.paused,
+        "paused_groups": view.capacity.paused_groups,
     }
     if listed.finished is not None:
         out["finished"] = [task_json(t, None) for t in listed.finished]

@@ -58,6 +58,7 @@ def successor(index: Index, cfg: Config) -> Successor | None:
     or when one exit frees no slot (more running than max_agents after a lowering)."""
     if (
         not index.queued
+        or index.paused
         or len(index.active) != cfg.max_agents
         or cfg.resource_guard.enabled
         or not simple_order(index, cfg)
@@ -86,7 +87,7 @@ def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources |
     board = Board(index, cfg, now, resources)
     out = {}
     for (source, group), lane in board.lanes.items():
-        reason = board.hold or board.why(source, group)
+        reason = board.pause or board.hold or board.why(source, group)
         if reason is not None:
             out.update((t.id, reason) for _, t in lane)
     return out
@@ -100,12 +101,32 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     queued: int
     free: int
     max_queue: int
+    paused: bool = False  # `kugetsu pause`: no queued task starts until `resume`
+    paused_groups: list[str] = []  # `pause --group G`: none of these groups' tasks starts
 
 
 def capacity(index: Index, cfg: Config) -> Capacity:
     """Counts only: cheap at any queue length (no order is computed)."""
     return Capacity(max_agents=cfg.max_agents, active=len(index.active), queued=len(index.queued),
-                    free=free_slots(index, cfg), max_queue=cfg.max_queue)
+                    free=free_slots(index, cfg), max_queue=cfg.max_queue, paused=index.paused,
+                    paused_groups=sorted(index.paused_groups))
+
+
+def pause(index: Index, cfg: Config, now: datetime, group: str | None, on: bool) -> list[Event]:
+    """`pause` (on) / `resume`, of every start or of one group's. Running tasks go on. No
+    event when nothing changes (pausing what is paused)."""
+    if group is None:
+        if index.paused == on:
+            return []
+        index.paused = on
+    else:
+        if on and group not in cfg.groups:
+            raise UnknownGroup(group, sorted(cfg.groups))
+        if (group in index.paused_groups) == on:
+            return []
+        index.paused_groups = sorted(set(index.paused_groups) | {group}) if on else [
+            g for g in index.paused_groups if g != group]
+    return [Event(type="paused" if on else "resumed", at=now, value=group)]
 
 
 class QueueView(msgspec.Struct, frozen=True, kw_only=True):

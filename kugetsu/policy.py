@@ -70,6 +70,9 @@ class Board:
         self.cfg = cfg
         self.now = now
         self.hold = guard_hold(cfg, resources)
+        # `kugetsu pause`: like the guard, it holds every start alike (see drain).
+        self.pause: str | None = "paused" if index.paused else None
+        self.paused_groups = frozenset(index.paused_groups)
         self.fair = cfg.strategy == "fair"
         self.source_limit = cfg.max_active_per_source
         self.caps = {name: g.max_agents for name, g in cfg.groups.items()}
@@ -102,6 +105,8 @@ class Board:
             return False
         if self.interval is not None and source in self.ready and self.ready[source] > self.now:
             return False
+        if group is not None and group in self.paused_groups:
+            return False
         return group is None or self.by_group[group] < self.caps[group]
 
     def why(self, source: str, group: str | None) -> str | None:
@@ -112,6 +117,8 @@ class Board:
         if self.interval is not None and source in self.ready and self.ready[source] > self.now:
             wait = math.ceil((self.ready[source] - self.now).total_seconds())
             return f"rate limit: source {source} may start again in {format_duration(wait)}"
+        if group is not None and group in self.paused_groups:
+            return f"group {group} paused"
         if group is not None and self.by_group[group] >= self.caps[group]:
             return f"group {group} full ({self.by_group[group]}/{self.caps[group]} running)"
         return None
@@ -121,7 +128,7 @@ class Board:
 
         fifo and priority: the smallest task key among the lanes that may start; fair: the
         same, after the source whose last start is oldest (round-robin)."""
-        if self.hold is not None or len(self.running) >= self.cfg.max_agents:
+        if self.hold is not None or self.pause is not None or len(self.running) >= self.cfg.max_agents:
             return None
         best: Task | None = None
         best_key: tuple = ()
@@ -179,7 +186,9 @@ class Board:
         soon as they are free; when none is free the oldest running task ends; when one is
         free but every waiting task is held by a rate limit, time moves on to its end.
         The resource guard holds every task alike, so it changes when, never the order: a
-        Board for positions is built without readings."""
+        Board for positions is built without readings; a global pause likewise is lifted here.
+        A paused group holds its tasks while others pass them: they come last."""
+        self.pause = None
         order: list[Task] = []
         while self.queued_left():
             task = self.pick()

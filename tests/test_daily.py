@@ -72,3 +72,52 @@ def test_the_readmes_pm_recipe_never_reports_work_that_did_not_run(kg, tmp_path)
                        + kg.env["PATH"]}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, (r.stdout, r.stderr)  # the new issue-16 failed: said so
     assert kg.task("#3")["state"] == "failed"
+
+
+# ---- item 9: pause and resume -----------------------------------------------------------
+
+
+def test_pause_holds_every_start_across_a_restart_and_resume_lets_them_go(kg):
+    kg.config(max_agents=2)
+    gate = kg.rec / "go"
+    kg.delegate("running", 0, gate=gate)
+    out = kg.ok("pause")
+    assert out.startswith("kugetsu paused: no queued task starts, running ones go on"), out
+    assert "was already paused" in kg.ok("pause")
+    out = kg.delegate("held", 0)
+    assert out.strip() == "queued held (#2), position 1 of 1; waiting for: paused", out
+    kg.delegate("held2", 0)
+    cap = kg.json("capacity")
+    assert cap["paused"] is True and cap["paused_groups"] == [] and cap["free"] == 1
+    q = kg.json("queue")
+    assert q["paused"] is True
+    assert [(t["name"], t["position"], t["waiting_for"]) for t in q["queued"]] == [
+        ("held", 1, "paused"), ("held2", 2, "paused")]
+    assert "paused: no queued task starts" in kg.ok("queue").splitlines()[0]
+    gate.touch()  # the running one goes on and ends; its slot is not given away
+    kg.wait_state("running", "succeeded")
+    kg.ok("shutdown")
+    kg.ok("serve", "--detach")
+    assert kg.task("held")["state"] == "queued" and kg.json("capacity")["paused"] is True
+    out = kg.ok("resume")
+    assert out.startswith("kugetsu resumed:"), out
+    kg.wait_state("held", "succeeded")
+    kg.wait_state("held2", "succeeded")
+    assert [e["type"] for e in kg.events() if e["type"] in ("paused", "resumed")] == ["paused", "resumed"]
+
+
+def test_pause_of_a_group_holds_only_its_tasks_and_others_pass_them(kg):
+    kg.config(max_agents=2, groups={"gpu": {"max_agents": 1}})
+    kg.ok("pause", "--group", "gpu")
+    out = kg.ok("delegate", "train", "--group", "gpu", "--", "true")
+    assert "waiting for: group gpu paused" in out, out
+    kg.delegate("lint", 0)
+    kg.wait_state("lint", "succeeded")
+    t = kg.task("train")
+    assert t["state"] == "queued" and t["position"] == 1
+    assert kg.json("capacity")["paused_groups"] == ["gpu"]
+    assert "paused: group gpu" in kg.ok("queue")
+    r = kg.run("pause", "--group", "nope")
+    assert r.returncode == 2 and "unknown group 'nope'" in r.stderr, r
+    kg.ok("resume", "--group", "gpu")
+    kg.wait_state("train", "succeeded")

@@ -92,7 +92,10 @@ def _event_detail(e: Event) -> str:
 
 def summary(cap: pm.Capacity, service_pid: int | None) -> str:
     service = f"service running (pid {service_pid})" if service_pid else "service not running"
-    return f"{cap.active}/{cap.max_agents} running · {cap.queued} queued · max queue {cap.max_queue} · {service}"
+    from kugetsu.render import paused_note
+
+    return (f"{cap.active}/{cap.max_agents} running · {cap.queued} queued · max queue {cap.max_queue}"
+            f"{paused_note(cap)} · {service}")
 
 
 def task_title(task: Task | None) -> str:
