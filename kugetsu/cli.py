@@ -49,6 +49,8 @@ def _delegate_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--expire-after", metavar="DUR", type=_duration, help="expire if still queued after DUR")
     d.add_argument("--timeout", metavar="DUR", type=_duration, help="stop the agent after running DUR")
     d.add_argument("--json", action="store_true", help="print the task object (with --wait: once it is final)")
+    d.add_argument("--after", metavar="TASK[,TASK...]", action="append", default=[],
+                   help="start only once these tasks have succeeded; if one ends otherwise, this one is cancelled")
     d.add_argument("--wait", action="store_true",
                    help="once admitted, block until the task is final; exit codes of `kugetsu wait`")
     wt = d.add_mutually_exclusive_group()
@@ -240,6 +242,8 @@ def _fix(err: KugetsuError) -> str:
         return f"; define it with `kugetsu config set groups.{err.group} '{{\"max_agents\": 1}}'`"
     if isinstance(err, E.QueueFull):
         return " (`kugetsu capacity`)"
+    if isinstance(err, E.UnknownDependency):
+        return "; --after takes ids (#12) or names of tasks kugetsu knows (`kugetsu queue --all`)"
     if isinstance(err, E.AmbiguousName):
         return (f"; wait on an id, e.g. `kugetsu wait #{err.ids[-1]}` (`delegate --json` prints the id of the task"
                 " it admitted; `delegate --wait` waits for it)")
@@ -300,6 +304,7 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         timeout=args.timeout,
         worktree=args.worktree,
         base=args.base,
+        after=_after_refs(args.after),
     )
     adm = ops.delegate(home, cfg, req)
     _priority_ignored(cfg.strategy, args.priority)
@@ -318,6 +323,14 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(ops.task_json(adm.task, adm.position)))
     return OK
+
+
+def _after_refs(values: list[str]) -> list[str]:
+    """--after A,B --after C: the task refs, in order."""
+    refs = [ref.strip() for value in values if isinstance(value, str) for ref in value.split(",")]
+    if any(not isinstance(v, str) for v in values) or any(not ref for ref in refs):
+        raise UsageError("--after: give task ids or names separated by commas, e.g. --after issue-16,#12")
+    return refs
 
 
 def cmd_queue(home: Home, args: argparse.Namespace) -> int:

@@ -83,3 +83,11 @@ class AmbiguousName(UsageError):
         super().__init__(f"name {name!r} is ambiguous: no queued or running task has it, and finished tasks"
                          f" {listed} do; the latest, #{ids[-1]}, ended before this call")
         self.name, self.ids = name, ids
+
+
+class UnknownDependency(UsageError):
+    """A task to run after that kugetsu does not know (pm.admit)."""
+
+    def __init__(self, ref: str):
+        super().__init__(f"unknown dependency {ref!r}: no task has that id or name")
+        self.ref = ref

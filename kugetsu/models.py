@@ -95,6 +95,9 @@ class Task(msgspec.Struct, kw_only=True):
     worktree: str | None = None
     base_commit: str | None = None
     worktree_state: Literal["active", "kept", "removed", "pruned"] | None = None
+    # `delegate --after`: ids of the tasks that must succeed before this one starts; if one
+    # ends otherwise, this one is cancelled (pm.dependencies_failed).
+    after: list[int] = []
 
 
 class Event(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -16,7 +16,8 @@ import msgspec
 from datetime import datetime, timedelta
 
 from kugetsu.config import Config, format_duration
-from kugetsu.errors import AmbiguousName, NeedsPrompt, NoSuchTask, QueueFull, Rejected, UnknownGroup, UsageError
+from kugetsu.errors import (AmbiguousName, NeedsPrompt, NoSuchTask, QueueFull, Rejected, UnknownDependency,
+                            UnknownGroup, UsageError)
 from kugetsu.models import PRIORITIES, Event, Index, SourceMark, Task, TaskState, valid_name
 # Resources and guard_hold are also used by the front ends, through pm.
 from kugetsu.policy import Board, Resources, guard_hold, simple_order, task_key  # noqa: F401
@@ -90,6 +91,9 @@ def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources |
         reason = board.pause or board.hold or board.why(source, group)
         if reason is not None:
             out.update((t.id, reason) for _, t in lane)
+    if board.parked:  # `delegate --after`: the dependencies still to end, by name
+        names = {t.id: t.name for t in index.live()}
+        out.update((t.id, ", ".join(names[d] for d in t.after if d in waits)) for t, waits in board.parked.values())
     return out
 
 
@@ -237,6 +241,7 @@ class Request(msgspec.Struct, kw_only=True):
     # Where {prompt_file} points (the caller writes the prompt there: pm does no I/O); only
     # for a preset that uses it (wants_prompt_file).
     prompt_path: str | None = None
+    after: list[str] = []  # tasks (ids or names) that must succeed before this one starts
 
 
 _PLACEHOLDER = re.compile(r"\{(prompt|prompt_file|name|id)\}")
@@ -285,6 +290,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     if req.group is not None and req.group not in cfg.groups:
         raise UnknownGroup(req.group, sorted(cfg.groups))
     agent, template, env = resolve_agent(cfg, req)
+    after = dependencies(index, req.after)
     limit = cfg.max_queued_per_source
     if limit is not None:
         mine = sum(1 for t in index.queued if t.source == req.source)
@@ -329,11 +335,48 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         repo=req.repo,
         base=req.base if req.repo else None,
         branch=f"kugetsu/{name}" if req.repo else None,
+        after=after,
     )
     index.next_id += 1
     index.queued.append(task)
     position = positions(index, cfg, now)[task.id]
     return task, events + [_event("queued", task, now, position=position)]
+
+
+def dependencies(index: Index, refs: list[str]) -> list[int]:
+    """The ids of the tasks named to run after (duplicates dropped). One kugetsu does not
+    know, or one that has already ended otherwise than succeeded, is refused: this task
+    could never start."""
+    ids: list[int] = []
+    for ref in refs:
+        try:
+            dep = find(index, ref)
+        except NoSuchTask:
+            raise UnknownDependency(ref) from None
+        if dep.state.final and dep.state is not TaskState.SUCCEEDED:
+            raise UsageError(f"dependency {dep.name} (#{dep.id}) {_stands(dep)}: a task after it could never start")
+        if dep.id not in ids:
+            ids.append(dep.id)
+    return ids
+
+
+def dependencies_failed(index: Index, now: datetime) -> list[Event]:
+    """Queued tasks one of whose dependencies ended otherwise than succeeded are cancelled,
+    each with its own event (`dependency issue-16 failed`). In id order: a dependency is
+    always older than its dependent, so a whole chain ends in one pass."""
+    waiting = [t for t in index.queued if t.after]
+    if not waiting:
+        return []
+    ended = {t.id: t for t in index.finished}
+    events = []
+    for task in sorted(waiting, key=lambda t: t.id):
+        bad = next((ended[d] for d in task.after if d in ended and ended[d].state is not TaskState.SUCCEEDED), None)
+        if bad is not None:
+            index.queued.remove(task)
+            task.reason = f"dependency {bad.name} {bad.state.value}"
+            events.append(_close(index, task, TaskState.CANCELLED, now))
+            ended[task.id] = task
+    return events
 
 
 def set_priority(index: Index, task: Task, level: str, now: datetime) -> list[Event]:
@@ -679,6 +722,7 @@ def settle(index: Index, cfg: Config, now: datetime, resources: Resources | None
     for task in [t for t in index.active if t.pid is None and t.stop is not None]:
         plan.events += finish(index, task, now, None)
     plan.events += expire_due(index, now)
+    plan.events += dependencies_failed(index, now)
     for task in plan_starts(index, cfg, now, resources):
         plan.events += start(index, task, now)
     plan.archive = trim_history(index, cfg.history_limit)

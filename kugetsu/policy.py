@@ -60,6 +60,7 @@ def simple_order(index: Index, cfg: Config) -> bool:
         and cfg.max_active_per_source is None
         and cfg.min_start_interval_s is None
         and not any(t.group is not None and t.group in cfg.groups for t in index.queued)
+        and not any(t.after for t in index.queued)
     )
 
 
@@ -87,8 +88,17 @@ class Board:
         self.running: deque[tuple[str, str | None]] = deque((t.source, self.group_of(t)) for t in index.active)
         self.by_source = Counter(s for s, _ in self.running)
         self.by_group = Counter(g for _, g in self.running if g is not None)
+        # `delegate --after`: a task whose dependencies are still live is parked outside the
+        # lanes (it must not hold up the tasks behind it in its lane) until they have ended.
+        self.running_ids: deque[int] = deque(t.id for t in index.active)
+        self.parked: dict[int, tuple[Task, set[int]]] = {}
+        live = {t.id for t in index.live()} if any(t.after for t in index.queued) else set()
         lanes: dict[tuple[str, str | None], list[tuple[tuple[int, int], Task]]] = {}
         for t in index.queued:
+            waits = {d for d in t.after if d in live}
+            if waits:
+                self.parked[t.id] = (t, waits)
+                continue
             lanes.setdefault((t.source, self.group_of(t)), []).append((task_key(cfg, t), t))
         # Lanes are never empty: a lane leaves the dict with its last task.
         self.lanes = {k: deque(sorted(v, key=lambda kt: kt[0])) for k, v in lanes.items()}
@@ -155,6 +165,7 @@ class Board:
         if not lane:
             del self.lanes[lane_id]
         self.running.append(lane_id)
+        self.running_ids.append(task.id)
         self.by_source[task.source] += 1
         if group is not None:
             self.by_group[group] += 1
@@ -164,10 +175,19 @@ class Board:
             self.ready[task.source] = self.now + self.interval
 
     def finish_oldest(self) -> None:
+        """The oldest running task ends (as a success: a forecast cannot know better)."""
         source, group = self.running.popleft()
         self.by_source[source] -= 1
         if group is not None:
             self.by_group[group] -= 1
+        done = self.running_ids.popleft()
+        for tid, (task, waits) in list(self.parked.items()):
+            waits.discard(done)
+            if not waits:  # its dependencies have all ended: it joins its lane
+                del self.parked[tid]
+                key = task_key(self.cfg, task)
+                lane = self.lanes.setdefault((task.source, self.group_of(task)), deque())
+                lane.insert(next((i for i, (k, _) in enumerate(lane) if k > key), len(lane)), (key, task))
 
     def next_release(self) -> datetime | None:
         """The earliest moment a rate limit that holds a queued task runs out."""
@@ -177,7 +197,7 @@ class Board:
         return min(times, default=None)
 
     def queued_left(self) -> bool:
-        return bool(self.lanes)
+        return bool(self.lanes) or bool(self.parked)
 
     # ---- playing forward ----------------------------------------------------------------
 
@@ -202,5 +222,7 @@ class Board:
             elif self.running:
                 self.finish_oldest()
             else:  # nothing can ever free it; not reachable with limits >= 1, but never loop
-                return order + [t for _, t in sorted(kt for lane in self.lanes.values() for kt in lane)]
+                parked = [(task_key(self.cfg, t), t) for t, _ in self.parked.values()]
+                return order + [t for _, t in sorted([kt for lane in self.lanes.values() for kt in lane] + parked,
+                                                     key=lambda kt: kt[0])]
         return order

@@ -121,3 +121,44 @@ def test_pause_of_a_group_holds_only_its_tasks_and_others_pass_them(kg):
     assert r.returncode == 2 and "unknown group 'nope'" in r.stderr, r
     kg.ok("resume", "--group", "gpu")
     kg.wait_state("train", "succeeded")
+
+
+# ---- item 10: dependencies --------------------------------------------------------------
+
+
+def test_after_chains_implement_review_test_and_a_failure_cancels_the_rest(kg):
+    kg.config(max_agents=3)
+    gate = kg.rec / "go"
+    kg.delegate("impl", 0, gate=gate)
+    out = kg.delegate("review", 0, 0, "--after", "impl")
+    assert out.strip() == "queued review (#2), position 1 of 1; waiting for: impl", out
+    kg.delegate("test", 0, 0, "--after", "review,#1")
+    q = kg.json("queue")
+    assert [(t["name"], t["position"], t["waiting_for"], t["after"]) for t in q["queued"]] == [
+        ("review", 1, "impl", [1]), ("test", 2, "review, impl", [2, 1])]
+    assert "review, impl" in kg.ok("queue")
+    gate.touch()
+    kg.wait_state("test", "succeeded")
+    starts = [kg.times(n)["start"] for n in ("review", "test")]
+    assert kg.times("impl")["end"] <= starts[0] and kg.times("review")["end"] <= starts[1]
+    # A failure: what comes after it is cancelled, each with its own event and reason.
+    gate2 = kg.rec / "go2"
+    kg.delegate("issue-16", 0, 1, gate=gate2)
+    kg.delegate("review-16", 0, 0, "--after", "issue-16")
+    kg.delegate("test-16", 0, 0, "--after", "review-16")
+    gate2.touch()
+    assert kg.wait_state("test-16", "cancelled")["reason"] == "dependency review-16 cancelled"
+    assert kg.task("review-16")["reason"] == "dependency issue-16 failed"
+    cancelled = [(e["name"], e["reason"]) for e in kg.events("cancelled")]
+    assert cancelled == [("review-16", "dependency issue-16 failed"), ("test-16", "dependency review-16 cancelled")]
+    assert not (kg.rec / "review-16").exists()
+
+
+def test_after_an_unknown_or_failed_task_is_refused_and_writes_nothing(kg):
+    kg.config(autostart=False)
+    r = kg.run("delegate", "x", "--after", "nope", "--", "true")
+    assert r.returncode == 2 and "unknown dependency 'nope'" in r.stderr and "--after takes ids" in r.stderr, r
+    assert r.stderr.count("\n") == 1
+    r = kg.run("delegate", "x", "--after", "a,,b", "--", "true")
+    assert r.returncode == 2 and "--after: give task ids or names" in r.stderr, r
+    assert not kg.home.index.exists() or kg.index()["queued"] == []

@@ -23,6 +23,11 @@ def admit(index, cfg, name=None, now=T0, **kw):
     return pm.admit(index, cfg, now, req(name, **kw))[0]
 
 
+def started(index, cfg, now=T0):
+    """The names of the tasks a settle starts."""
+    return [e.name for e in pm.settle(index, cfg, now).events if e.type == "started"]
+
+
 def run_to_end(index, cfg, task, code=0, now=T0):
     pm.settle(index, cfg, now)
     assert task.state is TaskState.RUNNING
@@ -57,14 +62,14 @@ def test_pause_holds_every_start_but_positions_stay_the_order_after_resume():
     assert [e.type for e in pm.pause(index, cfg, T0, None, True)] == ["paused"]
     assert pm.pause(index, cfg, T0, None, True) == []  # already paused: nothing to say
     pm.finish(index, a, T0, 0)
-    assert pm.settle(index, cfg, T0).start == []  # a free slot, and nothing starts
+    assert started(index, cfg) == []  # a free slot, and nothing starts
     assert pm.successor(index, cfg) is None
     view = pm.queue_view(index, cfg, T0)
     assert view.positions == {b.id: 1, c.id: 2}
     assert view.waiting_for == {b.id: "paused", c.id: "paused"}
     assert view.capacity.paused and view.capacity.free == 1
     pm.pause(index, cfg, T0, None, False)
-    assert [t.name for t in pm.settle(index, cfg, T0).start] == ["b"]
+    assert started(index, cfg) == ["b"]
 
 
 def test_a_paused_group_lets_the_others_pass_and_comes_last():
@@ -83,11 +88,11 @@ def test_a_paused_group_lets_the_others_pass_and_comes_last():
     assert view.waiting_for == {train.id: "group gpu paused"}
     assert view.capacity.paused_groups == ["gpu"]
     pm.finish(index, blocker, T0, 0)
-    assert [t.name for t in pm.settle(index, cfg, T0).start] == ["lint"]
+    assert started(index, cfg) == ["lint"]
     pm.finish(index, lint, T0, 0)
-    assert pm.settle(index, cfg, T0).start == []
+    assert started(index, cfg) == []
     pm.pause(index, cfg, T0, "gpu", False)
-    assert [t.name for t in pm.settle(index, cfg, T0).start] == ["train"]
+    assert started(index, cfg) == ["train"]
 
 
 def test_every_front_ends_summary_says_paused():
@@ -103,3 +108,107 @@ def test_every_front_ends_summary_says_paused():
     grouped = pm.capacity(Index(paused_groups=["gpu"]), cfg)
     assert render.summary(grouped).endswith(" · paused: group gpu")
     assert render.summary(pm.capacity(Index(), cfg)).endswith("(max 50)")
+
+
+# ---- dependencies -------------------------------------------------------------------------
+
+
+def test_a_task_after_others_starts_once_they_succeeded_and_positions_say_when():
+    index, cfg = Index(), Config(max_agents=2)
+    impl = admit(index, cfg, "impl")
+    review = admit(index, cfg, "review", after=["impl"])
+    other = admit(index, cfg, "other")
+    test = admit(index, cfg, "test", after=["review", f"#{impl.id}"])
+    assert review.after == [impl.id] and test.after == [review.id, impl.id]
+    pm.settle(index, cfg, T0)
+    assert [t.name for t in index.active] == ["impl", "other"]  # review may not pass impl's end
+    view = pm.queue_view(index, cfg, T0)
+    assert view.positions == {review.id: 1, test.id: 2}
+    assert view.waiting_for == {review.id: "impl", test.id: "review, impl"}
+    assert pm.successor(index, cfg) is None  # which task ends decides
+    pm.finish(index, other, T0, 0)
+    assert started(index, cfg) == []  # a free slot, and review still waits for impl
+    pm.finish(index, impl, T0, 0)
+    assert started(index, cfg) == ["review"]
+    assert pm.queue_view(index, cfg, T0).waiting_for == {test.id: "review"}
+    pm.finish(index, review, T0, 0)
+    assert started(index, cfg) == ["test"]
+
+
+def test_a_failed_dependency_cancels_the_chain_each_with_its_own_event():
+    index, cfg = Index(), Config(max_agents=1)
+    impl = admit(index, cfg, "issue-16")
+    review = admit(index, cfg, "review", after=["issue-16"])
+    test = admit(index, cfg, "test", after=["review"])
+    pm.settle(index, cfg, T0)
+    pm.finish(index, impl, T0, 1)
+    events = pm.settle(index, cfg, T0).events
+    assert [(e.type, e.name, e.reason) for e in events] == [
+        ("cancelled", "review", "dependency issue-16 failed"), ("cancelled", "test", "dependency review cancelled")]
+    assert review.state is test.state is TaskState.CANCELLED
+
+
+@pytest.mark.parametrize("end", ["cancel", "expire", "lost"])
+def test_a_dependency_that_is_cancelled_expires_or_is_lost_cancels_the_task(end):
+    index, cfg = Index(), Config(max_agents=1)
+    blocker = admit(index, cfg, "blocker")
+    dep = admit(index, cfg, "dep", now=T0, **({"expire_after": 5} if end == "expire" else {}))
+    task = admit(index, cfg, "task", after=["dep"])
+    pm.settle(index, cfg, T0)
+    later = T0 + timedelta(seconds=10)
+    if end == "cancel":
+        pm.cancel(index, dep, T0, 0)
+    elif end == "lost":
+        pm.finish(index, blocker, T0, 0)
+        pm.settle(index, cfg, T0)
+        pm.finish(index, dep, T0, None)
+    pm.settle(index, cfg, later)
+    state = {"cancel": "cancelled", "expire": "expired", "lost": "lost"}[end]
+    assert task.state is TaskState.CANCELLED and task.reason == f"dependency dep {state}"
+
+
+def test_an_unknown_or_failed_dependency_is_refused_at_admission():
+    from kugetsu.errors import UsageError
+
+    index, cfg = Index(), Config(max_agents=1)
+    with pytest.raises(UsageError, match="unknown dependency 'nope'") as err:
+        admit(index, cfg, "x", after=["nope"])
+    assert err.value.code == 2 and index.queued == [] and index.next_id == 1
+    bad = admit(index, cfg, "bad")
+    run_to_end(index, cfg, bad, 1)
+    with pytest.raises(UsageError, match="dependency bad \\(#1\\) has already failed"):
+        admit(index, cfg, "x", after=["bad"])
+    good = admit(index, cfg, "good")
+    run_to_end(index, cfg, good, 0)
+    x = admit(index, cfg, "x", after=["good"])  # already succeeded: nothing to wait for
+    assert started(index, cfg) == ["x"] and x.after == [good.id]
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 30), max_size=2), min_size=1, max_size=15), st.integers(1, 4),
+       st.booleans())
+def test_positions_with_dependencies_predict_the_real_start_order(deps, max_agents, pause_first):
+    """Each task may name earlier ones; the oldest running task ends first, successfully:
+    the order the positions gave is the order they really start, paused or not."""
+    cfg = Config(max_agents=max_agents, max_queue=1000)
+    index = Index()
+    for i, picks in enumerate(deps):
+        after = sorted({f"#{p % i + 1}" for p in picks}) if i else []
+        admit(index, cfg, f"t{i}", after=after)
+    if pause_first:
+        pm.pause(index, cfg, T0, None, True)
+    predicted = [t.id for t in pm.queue_view(index, cfg, T0).queued]
+    pm.pause(index, cfg, T0, None, False)
+    actual = [t.id for t in pm.plan_starts(index, cfg, T0)]
+    for task in pm.plan_starts(index, cfg, T0):
+        pm.start(index, task, T0)
+    while index.active:
+        pm.finish(index, index.active[0], T0, 0)
+        for task in pm.plan_starts(index, cfg, T0):
+            pm.start(index, task, T0)
+            actual.append(task.id)
+    assert actual == predicted and not index.queued
