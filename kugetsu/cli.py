@@ -78,8 +78,8 @@ def _cancel_args(c: argparse.ArgumentParser) -> None:
 
 
 def _logs_args(lg: argparse.ArgumentParser) -> None:
-    lg.add_argument("task", metavar="TASK")
-    lg.add_argument("--follow", "-f", action="store_true", help="keep printing until the task ends")
+    lg.add_argument("tasks", metavar="TASK", nargs="+", help="several: each line prefixed with its task's name")
+    lg.add_argument("--follow", "-f", action="store_true", help="keep printing until the tasks end")
     lg.add_argument("--lines", "-n", type=_positive_int, metavar="N", help="only the last N lines")
 
 
@@ -93,6 +93,18 @@ def _priority_args(pr: argparse.ArgumentParser) -> None:
     pr.add_argument("task", metavar="TASK")
     pr.add_argument("level", choices=PRIORITIES)
     pr.add_argument("--json", action="store_true")
+
+
+def _edit_args(e: argparse.ArgumentParser) -> None:
+    e.add_argument("task", metavar="TASK")
+    g = e.add_mutually_exclusive_group()
+    g.add_argument("--prompt", help="a new prompt (a task of an agent preset)")
+    g.add_argument("--prompt-file", metavar="F", help="the new prompt from a file (- for stdin)")
+    e.add_argument("--priority", choices=PRIORITIES)
+    e.add_argument("--expire-after", metavar="DUR", type=_duration, help="expire if still queued DUR from now")
+    e.add_argument("--timeout", metavar="DUR", type=_duration, help="stop the agent after running DUR")
+    e.add_argument("--group", metavar="NAME", help="run in this pool (config `groups`)")
+    e.add_argument("--json", action="store_true", help="print the task object")
 
 
 def _pause_args(p: argparse.ArgumentParser) -> None:
@@ -272,19 +284,7 @@ def _undo_dashdash(args: argparse.Namespace) -> None:
 
 def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     cfg = load_config(home)
-    prompt = args.prompt
-    if args.prompt_file:
-        try:  # bytes, decoded as they are: no newline translation, the prompt arrives verbatim
-            if args.prompt_file == "-":
-                data = sys.stdin.buffer.read()
-            else:
-                with open(args.prompt_file, "rb") as f:
-                    data = f.read()
-            prompt = data.decode("utf-8")
-        except OSError as err:
-            raise UsageError(f"cannot read --prompt-file: {err}") from None
-        except UnicodeDecodeError as err:
-            raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    prompt = _read_prompt(args)
     if prompt == "":
         raise UsageError("the prompt is empty: an agent given nothing to do would start for nothing;"
                          " give --prompt TEXT with the task in it")
@@ -322,6 +322,43 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         return code
     if args.json:
         print(to_json(ops.task_json(adm.task, adm.position)))
+    return OK
+
+
+def _read_prompt(args: argparse.Namespace) -> str | None:
+    """--prompt TEXT, or the text of --prompt-file F (- for stdin), or None."""
+    if not args.prompt_file:
+        return args.prompt  # type: ignore[no-any-return]
+    try:  # bytes, decoded as they are: no newline translation, the prompt arrives verbatim
+        if args.prompt_file == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(args.prompt_file, "rb") as f:
+                data = f.read()
+        return data.decode("utf-8")
+    except OSError as err:
+        raise UsageError(f"cannot read --prompt-file: {err}") from None
+    except UnicodeDecodeError as err:
+        raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def cmd_edit(home: Home, args: argparse.Namespace) -> int:
+    change = pm.Edit(prompt=_read_prompt(args), priority=args.priority, expire_after=args.expire_after,
+                     timeout=args.timeout, group=args.group)
+    if all(v is None for v in (change.prompt, change.priority, change.expire_after, change.timeout, change.group)):
+        raise UsageError("nothing to change: give --prompt, --prompt-file, --priority, --expire-after, --timeout"
+                         " or --group")
+    if change.prompt == "":
+        raise UsageError("the prompt is empty: an agent given nothing to do would start for nothing;"
+                         " give --prompt TEXT with the task in it")
+    task, position, changed = ops.edit(home, args.task, change)
+    if args.priority:
+        _priority_ignored(load_config(home).strategy, args.priority)
+    if args.json:
+        print(to_json(ops.task_json(task, position)))
+        return OK
+    where = f"position {position}" if position is not None else "started"
+    print(f"{'edited' if changed else 'unchanged'} {task.name} (#{task.id}), {where}")
     return OK
 
 
@@ -374,7 +411,9 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.store import Store
 
     store = Store(home)
-    task = pm.find(store.read(), args.task)
+    if len(args.tasks) > 1:
+        return _logs_of_several(home, args)
+    task = pm.find(store.read(), args.tasks[0])
     path = home.log(task.id)
     out = sys.stdout.buffer
     try:
@@ -411,6 +450,65 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
         from kugetsu import waiting
 
         waiting.wait_change(home, [task], 1.0)
+    return OK
+
+
+def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
+    """`logs A B ...`: each task's output, every line prefixed `NAME | `; with --follow,
+    lines as they come, whole lines only (a task's last partial line once it has ended)."""
+    from kugetsu import waiting
+    from kugetsu.store import Store
+
+    store = Store(home)
+    index = store.read()
+    tasks = list({t.id: t for t in (pm.find(index, ref) for ref in args.tasks)}.values())
+    names = [t.name for t in tasks]
+    prefix = {t.id: (f"{t.name}#{t.id}" if names.count(t.name) > 1 else t.name).encode() + b" | " for t in tasks}
+    out = sys.stdout.buffer
+    files: dict[int, Any] = {}
+    partial = {t.id: b"" for t in tasks}
+
+    def emit(task_id: int, data: bytes, last: bool) -> None:
+        lines = (partial[task_id] + data).split(b"\n")
+        tail = lines.pop()  # after the last newline: a line still being written
+        if last and tail:
+            lines.append(tail)
+        partial[task_id] = b"" if last else tail
+        out.write(b"".join(prefix[task_id] + line + b"\n" for line in lines))
+
+    try:
+        for t in tasks:
+            try:
+                files[t.id] = open(home.log(t.id), "rb", opener=nofollow)
+            except FileNotFoundError:
+                pass
+            data = files[t.id].read() if t.id in files else b""
+            if not data and not args.follow:
+                print(f"(no output yet: {t.name} is {t.state.value})", file=sys.stderr)
+            if data and args.lines is not None:
+                data = b"".join(data.splitlines(keepends=True)[-args.lines:]) if args.lines else b""
+            emit(t.id, data, last=not args.follow or t.state.final)
+        out.flush()
+        live = [t for t in tasks if not t.state.final] if args.follow else []
+        while live:
+            now_index = {t.id: t for t in store.read().all_tasks()}
+            wrote = False
+            for t in list(live):
+                state = now_index.get(t.id, t)
+                if t.id not in files and home.log(t.id).exists():
+                    files[t.id] = open(home.log(t.id), "rb", opener=nofollow)
+                data = files[t.id].read() if t.id in files else b""
+                if data or state.state.final:
+                    emit(t.id, data, last=state.state.final and not data)
+                    wrote = wrote or bool(data)
+                if state.state.final and not data:
+                    live.remove(t)
+            out.flush()
+            if live and not wrote:
+                waiting.wait_change(home, [now_index.get(t.id, t) for t in live], 1.0)
+    finally:
+        for f in files.values():
+            f.close()
     return OK
 
 
@@ -722,6 +820,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "logs": ("a task's output", _logs_args, cmd_logs),
     "wait": ("block until tasks are final (exit 0: all succeeded)", _wait_args, cmd_wait),
     "priority": ("change a queued task's priority", _priority_args, cmd_priority),
+    "edit": ("change a queued task: prompt, priority, expiry, timeout, group", _edit_args, cmd_edit),
     "capacity": ("slots and queue: what a PM agent checks before delegating", _json_only, cmd_capacity),
     "pause": ("start no queued task (of --group G) until resume; running ones go on", _pause_args, cmd_pause),
     "resume": ("undo pause: queued tasks start again", _pause_args, cmd_resume),

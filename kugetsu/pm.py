@@ -393,6 +393,63 @@ def set_priority(index: Index, task: Task, level: str, now: datetime) -> list[Ev
     return [_event("priority", task, now, value=level)]
 
 
+class Edit(msgspec.Struct, kw_only=True):
+    """What `kugetsu edit` changes of a queued task; None leaves a field as it is."""
+
+    prompt: str | None = None
+    priority: str | None = None
+    expire_after: float | None = None  # seconds from now; 0: never expires
+    timeout: float | None = None  # run timeout in seconds; 0: no limit
+    group: str | None = None
+    prompt_path: str | None = None  # where a {prompt_file} preset's prompt is (ops knows; pm does no I/O)
+
+
+def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> list[Event]:
+    """Change a queued task: checks everything first, then changes it, one `edited` event
+    naming the fields (the prompt's text stays out of the event log)."""
+    if task.state is not TaskState.QUEUED:
+        raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}; only a queued task can be edited", code=1)
+    if change.priority is not None and change.priority not in PRIORITIES:
+        raise UsageError(f"invalid priority {change.priority!r}; choose one of {', '.join(PRIORITIES)}")
+    if change.group is not None and change.group not in cfg.groups:
+        raise UnknownGroup(change.group, sorted(cfg.groups))
+    for what, value in (("expiry", change.expire_after), ("timeout", change.timeout)):
+        if value is not None and value < 0:
+            raise UsageError(f"a negative {what} ({value:g}s) makes no sense; 0 means none")
+    command = None
+    if change.prompt is not None:
+        if change.prompt == "":
+            raise UsageError("the prompt is empty: an agent given nothing to do would start for nothing")
+        preset = cfg.agents.get(task.agent) if task.agent else None
+        values = {"prompt": task.prompt or "", "prompt_file": change.prompt_path or "", "name": task.name,
+                  "id": str(task.id)}
+        # Only a command made from its preset's template can be made again with a new prompt:
+        # one given at delegation (`-- CMD`) or from a preset changed since cannot.
+        if preset is None or render_command(preset.command, values) != task.command:
+            raise UsageError(f"task {task.name} (#{task.id}) runs a command given at delegation, not its agent"
+                             " preset's with the prompt, so its prompt cannot change; cancel it and delegate again")
+        command = render_command(preset.command, {**values, "prompt": change.prompt})
+        _check_argv(command, task.cwd)
+    changed: dict[str, object] = {}
+    if command is not None and change.prompt != task.prompt:
+        task.command, task.prompt = command, change.prompt
+        changed["prompt"] = f"{len(change.prompt or '')} characters"
+    if change.priority is not None and change.priority != task.priority:
+        task.priority = change.priority  # type: ignore[assignment]
+        changed["priority"] = change.priority
+    if change.group is not None and change.group != task.group:
+        task.group = changed["group"] = change.group
+    if change.expire_after is not None:
+        task.expires_at = now + timedelta(seconds=change.expire_after) if change.expire_after else None
+        changed["expires_at"] = task.expires_at.isoformat() if task.expires_at else None
+    if change.timeout is not None and (change.timeout or None) != task.timeout:
+        task.timeout = change.timeout or None
+        changed["timeout"] = task.timeout
+    if not changed:
+        return []
+    return [_event("edited", task, now, key=",".join(changed), value=changed)]
+
+
 # Linux refuses a single argv element of 32 pages (MAX_ARG_STRLEN) or more at exec.
 MAX_ARG_BYTES = 128 * 1024 - 1
 

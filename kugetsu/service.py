@@ -576,7 +576,7 @@ class Service:
         if warm is not None:
             if task.id == self._released:
                 return warm
-            if warm.gate is not None and runner.alive(warm.pid, warm.start):
+            if warm.gate is not None and warm.argv == task.command and runner.alive(warm.pid, warm.start):
                 runner.release(warm)
                 return warm
             self._drop(warm)
@@ -598,7 +598,9 @@ class Service:
             self._drop(self.warm.pop(task_id))
         for task in want:
             if task.id in self.warm:
-                continue
+                if self.warm[task.id].argv == task.command:
+                    continue
+                self._drop(self.warm.pop(task.id))  # its prompt was edited: it would run the old one
             try:
                 self.warm[task.id] = runner.spawn(
                     self.home, task.id, task.name, task.command, task.cwd, task.env, warm=True, token=task.token

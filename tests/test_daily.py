@@ -162,3 +162,64 @@ def test_after_an_unknown_or_failed_task_is_refused_and_writes_nothing(kg):
     r = kg.run("delegate", "x", "--after", "a,,b", "--", "true")
     assert r.returncode == 2 and "--after: give task ids or names" in r.stderr, r
     assert not kg.home.index.exists() or kg.index()["queued"] == []
+
+
+# ---- item 11: edit, and logs of several tasks -------------------------------------------
+
+
+def test_edit_changes_a_queued_task_even_one_whose_wrapper_waits_warm(kg, tmp_path):
+    said = kg.rec / "said"
+    kg.config(max_agents=1, strategy="priority", groups={"gpu": {"max_agents": 1}}, agents={
+        "echo": {"command": ["sh", "-c", 'printf "%s\\n" "$1" >> "$0"', str(said), "{prompt}"]},
+        "file": {"command": ["sh", "-c", 'cat "$1" >> "$0"; echo >> "$0"', str(said), "{prompt_file}"]}})
+    gate = kg.rec / "go"
+    kg.delegate("blocker", 0, gate=gate)
+    kg.ok("delegate", "a", "--agent", "echo", "--prompt", "old words")
+    kg.ok("delegate", "b", "--agent", "file", "--prompt", "old file words")
+    wait_for(lambda: kg.wrappers().get(2), what="a's wrapper to wait warm")
+    out = kg.ok("edit", "a", "--prompt", "new words; $(no shell)")
+    assert out.strip() == "edited a (#2), position 1", out
+    kg.ok("edit", "b", "--prompt", "new file words")
+    t = kg.json("edit", "b", "--priority", "urgent", "--timeout", "1h", "--expire-after", "2h")
+    assert (t["position"], t["priority"], t["timeout"]) == (1, "urgent", 3600.0)
+    assert t["expires_at"] < kg.task("a")["expires_at"]  # 2h from now, not 24h
+    assert "unchanged" in kg.ok("edit", "b", "--priority", "urgent")
+    edited = [e for e in kg.events("edited")]
+    assert [(e["name"], e["key"]) for e in edited] == [("a", "prompt"), ("b", "prompt"),
+                                                       ("b", "priority,expires_at,timeout")]
+    assert "new" not in json.dumps(edited)  # the prompt's text stays out of the event log
+    gate.touch()
+    kg.wait_state("a", "succeeded")
+    assert said.read_text() == "new file words\nnew words; $(no shell)\n"
+    # Refused, and nothing written: a running or finished task, a command's prompt, bad values.
+    for args, code, says in [
+        (["edit", "a", "--priority", "high"], 1, "task a (#2) has already succeeded; only a queued task"),
+        (["edit", "blocker", "--timeout", "1m"], 1, "only a queued task can be edited"),
+        (["edit", "nope", "--priority", "high"], 1, "no task 'nope'"),
+        (["edit", "a"], 2, "nothing to change"),
+    ]:
+        r = kg.run(*args)
+        assert r.returncode == code and says in r.stderr and r.stderr.count("\n") == 1, r
+    kg.delegate("gated", 0, gate=kg.rec / "never")
+    kg.delegate("cmd", 0)
+    for args, says in [(["--prompt", "x"], "runs a command given at delegation"),
+                       (["--group", "cpu"], "unknown group 'cpu'"), (["--prompt", ""], "the prompt is empty")]:
+        r = kg.run("edit", "cmd", *args)
+        assert r.returncode == 2 and says in r.stderr, r
+    before = kg.index()
+    assert kg.ok("edit", "cmd", "--group", "gpu").strip() == "edited cmd (#5), position 1"
+    assert kg.task("cmd")["group"] == "gpu" and before["next_seq"] < kg.index()["next_seq"]
+    kg.ok("cancel", "--all")
+
+
+def test_logs_of_several_tasks_prefixed_and_followed(kg):
+    kg.config(max_agents=2)
+    kg.ok("delegate", "one", "--", "sh", "-c", "echo a1; sleep 0.3; echo a2")
+    kg.ok("delegate", "two", "--", "sh", "-c", "echo b1; sleep 0.3; printf b2")
+    follow = kg.run("logs", "one", "two", "--follow")
+    assert follow.returncode == 0, follow
+    lines = follow.stdout.splitlines()
+    assert sorted(lines) == ["one | a1", "one | a2", "two | b1", "two | b2"], lines
+    assert lines.index("one | a1") < lines.index("one | a2") and lines.index("two | b1") < lines.index("two | b2")
+    assert kg.ok("logs", "one", "#2", "--lines", "1") == "one | a2\ntwo | b2\n"
+    assert kg.ok("logs", "one") == "a1\na2\n"  # one task: as it is, no prefix
