@@ -58,6 +58,7 @@ class TaskOut(BaseModel):
     base_commit: OptStr
     worktree_state: Annotated[Literal["active", "kept", "removed", "pruned"] | None,
                               WithJsonSchema({"enum": ["active", "kept", "removed", "pruned", None]})]
+    after: list[int] = Field(description="ids of the tasks that must succeed before it starts (`delegate --after`)")
 
 
 class QueuedTaskOut(TaskOut):
