@@ -212,3 +212,55 @@ def test_positions_with_dependencies_predict_the_real_start_order(deps, max_agen
             pm.start(index, task, T0)
             actual.append(task.id)
     assert actual == predicted and not index.queued
+
+
+def test_the_dashboards_events_pane_says_what_pause_and_edit_did():
+    from kugetsu.models import Event
+    from kugetsu.tui import view
+
+    index, cfg = Index(), Config()
+    task = admit(index, cfg, "a")
+    events = pm.pause(index, cfg, T0, None, True) + pm.edit(index, cfg, task, T0, pm.Edit(priority="high", timeout=60))
+    events.append(Event(type="resumed", at=T0, value="gpu"))
+    rows = view.event_rows(events, T0, timezone.utc)
+    assert [r.cells[1:] for r in rows] == [("paused", "-", "every start"), ("edited", "#1 a", "changed priority, timeout"),
+                                           ("resumed", "-", "group gpu")]
+
+
+# ---- edit ---------------------------------------------------------------------------------
+
+
+def test_edit_changes_only_a_queued_task_and_remakes_a_presets_command():
+    from kugetsu.errors import UnknownGroup, UsageError
+
+    cfg = msgspec.convert({"max_agents": 1, "groups": {"gpu": {"max_agents": 1}},
+                           "agents": {"echo": {"command": ["echo", "--name={name}", "{prompt}"]}}}, Config)
+    index = Index()
+    running = admit(index, cfg, "running")
+    pm.settle(index, cfg, T0)
+    task = pm.admit(index, cfg, T0, pm.Request(cwd="/tmp", name="p", agent="echo", prompt="old"))[0]
+    cmd = admit(index, cfg, "cmd")
+    later = T0 + timedelta(hours=1)
+    events = pm.edit(index, cfg, task, later, pm.Edit(prompt="new {name} words", priority="urgent",
+                                                      expire_after=60, timeout=0, group="gpu"))
+    assert task.command == ["echo", "--name=p", "new {name} words"] and task.prompt == "new {name} words"
+    assert (task.priority, task.group, task.expires_at) == ("urgent", "gpu", later + timedelta(seconds=60))
+    assert [(e.type, e.key) for e in events] == [("edited", "prompt,priority,group,expires_at")]  # timeout was none
+    assert "new" not in str(events[0].value)
+    assert pm.edit(index, cfg, task, later, pm.Edit(priority="urgent")) == []
+    before = msgspec.json.encode(index)
+    for target, change, error, text in [
+        (running, pm.Edit(priority="high"), UsageError, "is running; only a queued task can be edited"),
+        (cmd, pm.Edit(prompt="x"), UsageError, "runs a command given at delegation"),
+        (task, pm.Edit(prompt=""), UsageError, "the prompt is empty"),
+        (task, pm.Edit(group="cpu", priority="low"), UnknownGroup, "unknown group 'cpu'"),
+        (task, pm.Edit(priority="top"), UsageError, "invalid priority 'top'"),
+        (task, pm.Edit(prompt="\0", priority="low"), UsageError, "NUL"),
+    ]:
+        with pytest.raises(error, match=text):
+            pm.edit(index, cfg, target, later, change)
+    assert msgspec.json.encode(index) == before  # a refused edit changes nothing
+    pm.finish(index, running, later, 0)
+    with pytest.raises(UsageError, match="has already succeeded") as err:
+        pm.edit(index, cfg, running, later, pm.Edit(priority="high"))
+    assert err.value.code == 1

@@ -85,6 +85,10 @@ def _event_detail(e: Event) -> str:
         return f"position {e.position}"
     if e.type == "started" and e.slot is not None:
         return f"slot {e.slot}"
+    if e.type in ("paused", "resumed"):  # `kugetsu pause` / `resume`: of a group, or of every start
+        return f"group {e.value}" if e.value else "every start"
+    if e.type == "edited" and e.key:
+        return f"changed {e.key.replace(',', ', ')}"
     if e.type == "worktree" and not e.reason and e.worktree_state:
         return f"worktree {e.worktree_state}"
     return e.reason or ""
