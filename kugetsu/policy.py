@@ -95,8 +95,7 @@ class Board:
         live = {t.id for t in index.live()} if any(t.after for t in index.queued) else set()
         lanes: dict[tuple[str, str | None], list[tuple[tuple[int, int], Task]]] = {}
         for t in index.queued:
-            waits = {d for d in t.after if d in live}
-            if waits:
+            if t.after and (waits := {d for d in t.after if d in live}):
                 self.parked[t.id] = (t, waits)
                 continue
             lanes.setdefault((t.source, self.group_of(t)), []).append((task_key(cfg, t), t))
