@@ -490,6 +490,12 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
             emit(t.id, data, last=not args.follow or t.state.final)
         out.flush()
         live = [t for t in tasks if not t.state.final] if args.follow else []
+        queued = [t for t in live if t.state is TaskState.QUEUED]
+        if queued:  # nothing to show of them until they start: say why
+            cfg = load_config(home)
+            positions = pm.positions(index, cfg, ops.now())
+            print("(waiting: " + ", ".join(f"{t.name} is queued, position {positions.get(t.id, '-')}" for t in queued)
+                  + ")", file=sys.stderr)
         while live:
             now_index = {t.id: t for t in store.read().all_tasks()}
             wrote = False

@@ -220,7 +220,7 @@ class Board:
                 self.now = release
             elif self.running:
                 self.finish_oldest()
-            else:  # nothing can ever free it; not reachable with limits >= 1, but never loop
+            else:  # nothing can ever free them: a paused group's tasks, and those after them
                 parked = [(task_key(self.cfg, t), t) for t, _ in self.parked.values()]
                 return order + [t for _, t in sorted([kt for lane in self.lanes.values() for kt in lane] + parked,
                                                      key=lambda kt: kt[0])]

@@ -223,3 +223,19 @@ def test_logs_of_several_tasks_prefixed_and_followed(kg):
     assert lines.index("one | a1") < lines.index("one | a2") and lines.index("two | b1") < lines.index("two | b2")
     assert kg.ok("logs", "one", "#2", "--lines", "1") == "one | a2\ntwo | b2\n"
     assert kg.ok("logs", "one") == "a1\na2\n"  # one task: as it is, no prefix
+
+
+def test_logs_follow_of_several_says_which_are_queued_then_follows_them(kg):
+    kg.config(max_agents=1)
+    gate = kg.rec / "go"
+    kg.ok("delegate", "first", "--", "sh", "-c", f"echo f; while [ ! -e {gate} ]; do sleep 0.05; done")
+    kg.ok("delegate", "second", "--", "sh", "-c", "echo s")
+    follow = subprocess.Popen([sys.executable, "-m", "kugetsu", "logs", "--follow", "first", "second"], env=kg.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert follow.stderr.readline().strip() == "(waiting: second is queued, position 1)"
+        gate.touch()
+        out, _ = follow.communicate(timeout=15)
+    finally:
+        follow.kill()
+    assert out == "first | f\nsecond | s\n" and follow.returncode == 0
