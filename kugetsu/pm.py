@@ -303,11 +303,13 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     excess = waiting_after - cfg.max_queue
     if excess > 0 and (cfg.on_queue_full != "drop_oldest" or excess > len(index.queued)):
         raise QueueFull(len(index.queued), cfg.max_queue, len(index.active), cfg.max_agents)
+    victims = sorted(index.queued, key=lambda t: t.id)[:excess] if excess > 0 else []
+    if any(v.id in after for v in victims):  # it would be cancelled at once, its dependency dropped
+        raise QueueFull(len(index.queued), cfg.max_queue, len(index.active), cfg.max_agents)
     # Nothing was refused: from here on the index changes.
     events = []
-    if excess > 0:  # drop_oldest: the longest-waiting tasks make room, their delegators are told
-        for victim in sorted(index.queued, key=lambda t: t.id)[:excess]:
-            events += cancel(index, victim, now, 0.0, "dropped: queue full")
+    for victim in victims:  # drop_oldest: the longest-waiting tasks make room, their delegators are told
+        events += cancel(index, victim, now, 0.0, "dropped: queue full")
     task_id = index.next_id
     name = req.name or f"task-{task_id}"
     expire_after = req.expire_after if req.expire_after is not None else cfg.queue_timeout_s

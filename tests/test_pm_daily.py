@@ -264,3 +264,17 @@ def test_edit_changes_only_a_queued_task_and_remakes_a_presets_command():
     with pytest.raises(UsageError, match="has already succeeded") as err:
         pm.edit(index, cfg, running, later, pm.Edit(priority="high"))
     assert err.value.code == 1
+
+
+def test_a_task_after_one_that_drop_oldest_would_drop_is_rejected_not_cancelled_at_once():
+    from kugetsu.errors import QueueFull
+
+    cfg = Config(max_agents=1, max_queue=1, on_queue_full="drop_oldest")
+    index = Index()
+    admit(index, cfg, "running")
+    pm.settle(index, cfg, T0)
+    admit(index, cfg, "oldest")
+    with pytest.raises(QueueFull):
+        admit(index, cfg, "x", after=["oldest"])
+    assert [t.name for t in index.queued] == ["oldest"]
+    assert admit(index, cfg, "y").name == "y" and [t.name for t in index.queued] == ["y"]
