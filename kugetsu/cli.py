@@ -48,7 +48,11 @@ def _delegate_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--group", metavar="NAME", help="run in this pool (config `groups`): it needs a slot there too")
     d.add_argument("--expire-after", metavar="DUR", type=_duration, help="expire if still queued after DUR")
     d.add_argument("--timeout", metavar="DUR", type=_duration, help="stop the agent after running DUR")
-    d.add_argument("--json", action="store_true", help="print the task object")
+    d.add_argument("--json", action="store_true", help="print the task object (with --wait: once it is final)")
+    d.add_argument("--after", metavar="TASK[,TASK...]", action="append", default=[],
+                   help="start only once these tasks have succeeded; if one ends otherwise, this one is cancelled")
+    d.add_argument("--wait", action="store_true",
+                   help="once admitted, block until the task is final; exit codes of `kugetsu wait`")
     wt = d.add_mutually_exclusive_group()
     wt.add_argument("--worktree", action="store_true", default=None,
                     help="run the agent in its own git worktree on branch kugetsu/NAME")
@@ -75,8 +79,8 @@ def _cancel_args(c: argparse.ArgumentParser) -> None:
 
 
 def _logs_args(lg: argparse.ArgumentParser) -> None:
-    lg.add_argument("task", metavar="TASK")
-    lg.add_argument("--follow", "-f", action="store_true", help="keep printing until the task ends")
+    lg.add_argument("tasks", metavar="TASK", nargs="+", help="several: each line prefixed with its task's name")
+    lg.add_argument("--follow", "-f", action="store_true", help="keep printing until the tasks end")
     lg.add_argument("--lines", "-n", type=_positive_int, metavar="N", help="only the last N lines")
 
 
@@ -90,6 +94,23 @@ def _priority_args(pr: argparse.ArgumentParser) -> None:
     pr.add_argument("task", metavar="TASK")
     pr.add_argument("level", choices=PRIORITIES)
     pr.add_argument("--json", action="store_true")
+
+
+def _edit_args(e: argparse.ArgumentParser) -> None:
+    e.add_argument("task", metavar="TASK")
+    g = e.add_mutually_exclusive_group()
+    g.add_argument("--prompt", help="a new prompt (a task of an agent preset)")
+    g.add_argument("--prompt-file", metavar="F", help="the new prompt from a file (- for stdin)")
+    e.add_argument("--priority", choices=PRIORITIES)
+    e.add_argument("--expire-after", metavar="DUR", type=_duration, help="expire if still queued DUR from now")
+    e.add_argument("--timeout", metavar="DUR", type=_duration, help="stop the agent after running DUR")
+    e.add_argument("--group", metavar="NAME", help="run in this pool (config `groups`)")
+    e.add_argument("--json", action="store_true", help="print the task object")
+
+
+def _pause_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--group", metavar="NAME", help="only this pool's tasks (config `groups`)")
+    p.add_argument("--json", action="store_true", help="print the capacity after it")
 
 
 def _json_only(p: argparse.ArgumentParser) -> None:
@@ -252,6 +273,11 @@ def _fix(err: KugetsuError) -> str:
 
     if isinstance(err, InvalidConfig) and err.setting and err.key == err.setting and (err.suggestion or "").startswith('"'):
         return f"\nOn the command line: kugetsu config set {err.key} '{err.suggestion}'"
+    if isinstance(err, E.UnknownDependency):
+        return "; --after takes ids (#12) or names of tasks kugetsu knows (`kugetsu queue --all`)"
+    if isinstance(err, E.AmbiguousName):
+        return (f"; wait on an id, e.g. `kugetsu wait #{err.ids[-1]}` (`delegate --json` prints the id of the task"
+                " it admitted; `delegate --wait` waits for it)")
     return ""
 
 
@@ -277,19 +303,7 @@ def _undo_dashdash(args: argparse.Namespace) -> None:
 
 def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     cfg = load_config(home)
-    prompt = args.prompt
-    if args.prompt_file:
-        try:  # bytes, decoded as they are: no newline translation, the prompt arrives verbatim
-            if args.prompt_file == "-":
-                data = sys.stdin.buffer.read()
-            else:
-                with open(args.prompt_file, "rb") as f:
-                    data = f.read()
-            prompt = data.decode("utf-8")
-        except OSError as err:
-            raise UsageError(f"cannot read --prompt-file: {err}") from None
-        except UnicodeDecodeError as err:
-            raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    prompt = _read_prompt(args)
     if prompt == "":
         raise UsageError("the prompt is empty: an agent given nothing to do would start for nothing;"
                          " give --prompt TEXT with the task in it")
@@ -310,16 +324,70 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         worktree=args.worktree,
         base=args.base,
         pinned_host=args.host,
+        after=_after_refs(args.after),
     )
     adm = ops.delegate(home, cfg, req)
     _priority_ignored(cfg.strategy, args.priority)
-    if args.json:
-        print(to_json(ops.task_json(adm.task, adm.position)))
-    else:
+    if not args.json:
         from kugetsu import render
 
-        print(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for))
+        print(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for), flush=True)
+    if args.wait:  # the task just admitted, by id: never an older task of the same name
+        code = _wait_for(home, [adm.task.id], None)
+        if args.json:
+            from kugetsu.store import open_store
+
+            final = next(t for t in open_store(home).read().all_tasks() if t.id == adm.task.id)
+            print(to_json(ops.task_json(final, None)))
+        return code
+    if args.json:
+        print(to_json(ops.task_json(adm.task, adm.position)))
     return OK
+
+
+def _read_prompt(args: argparse.Namespace) -> str | None:
+    """--prompt TEXT, or the text of --prompt-file F (- for stdin), or None."""
+    if not args.prompt_file:
+        return args.prompt  # type: ignore[no-any-return]
+    try:  # bytes, decoded as they are: no newline translation, the prompt arrives verbatim
+        if args.prompt_file == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(args.prompt_file, "rb") as f:
+                data = f.read()
+        return data.decode("utf-8")
+    except OSError as err:
+        raise UsageError(f"cannot read --prompt-file: {err}") from None
+    except UnicodeDecodeError as err:
+        raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def cmd_edit(home: Home, args: argparse.Namespace) -> int:
+    change = pm.Edit(prompt=_read_prompt(args), priority=args.priority, expire_after=args.expire_after,
+                     timeout=args.timeout, group=args.group)
+    if all(v is None for v in (change.prompt, change.priority, change.expire_after, change.timeout, change.group)):
+        raise UsageError("nothing to change: give --prompt, --prompt-file, --priority, --expire-after, --timeout"
+                         " or --group")
+    if change.prompt == "":
+        raise UsageError("the prompt is empty: an agent given nothing to do would start for nothing;"
+                         " give --prompt TEXT with the task in it")
+    task, position, changed = ops.edit(home, args.task, change)
+    if args.priority:
+        _priority_ignored(load_config(home).strategy, args.priority)
+    if args.json:
+        print(to_json(ops.task_json(task, position)))
+        return OK
+    where = f"position {position}" if position is not None else "started"
+    print(f"{'edited' if changed else 'unchanged'} {task.name} (#{task.id}), {where}")
+    return OK
+
+
+def _after_refs(values: list[str]) -> list[str]:
+    """--after A,B --after C: the task refs, in order."""
+    refs = [ref.strip() for value in values if isinstance(value, str) for ref in value.split(",")]
+    if any(not isinstance(v, str) for v in values) or any(not ref for ref in refs):
+        raise UsageError("--after: give task ids or names separated by commas, e.g. --after issue-16,#12")
+    return refs
 
 
 def cmd_queue(home: Home, args: argparse.Namespace) -> int:
@@ -363,7 +431,9 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.store import open_store
 
     store = open_store(home)
-    task = pm.find(store.read(), args.task)
+    if len(args.tasks) > 1:
+        return _logs_of_several(home, args)
+    task = pm.find(store.read(), args.tasks[0])
     cfg = load_config(home)
     path = ops.log_path(home, cfg, task)
     out = sys.stdout.buffer
@@ -405,20 +475,94 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     return OK
 
 
-def cmd_wait(home: Home, args: argparse.Namespace) -> int:
+def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
+    """`logs A B ...`: each task's output, every line prefixed `NAME | `; with --follow,
+    lines as they come, whole lines only (a task's last partial line once it has ended)."""
+    from kugetsu import waiting
     from kugetsu.store import open_store
 
     store = open_store(home)
+    index = store.read()
+    tasks = list({t.id: t for t in (pm.find(index, ref) for ref in args.tasks)}.values())
+    names = [t.name for t in tasks]
+    prefix = {t.id: (f"{t.name}#{t.id}" if names.count(t.name) > 1 else t.name).encode() + b" | " for t in tasks}
+    out = sys.stdout.buffer
+    files: dict[int, Any] = {}
+    partial = {t.id: b"" for t in tasks}
+
+    def emit(task_id: int, data: bytes, last: bool) -> None:
+        lines = (partial[task_id] + data).split(b"\n")
+        tail = lines.pop()  # after the last newline: a line still being written
+        if last and tail:
+            lines.append(tail)
+        partial[task_id] = b"" if last else tail
+        out.write(b"".join(prefix[task_id] + line + b"\n" for line in lines))
+
+    cfg = load_config(home)
+    try:
+        for t in tasks:
+            try:
+                files[t.id] = open(ops.log_path(home, cfg, t), "rb", opener=nofollow)
+            except FileNotFoundError:
+                pass
+            data = files[t.id].read() if t.id in files else b""
+            if not data and not args.follow:
+                print(f"(no output yet: {t.name} is {t.state.value})", file=sys.stderr)
+            if data and args.lines is not None:
+                data = b"".join(data.splitlines(keepends=True)[-args.lines:]) if args.lines else b""
+            emit(t.id, data, last=not args.follow or t.state.final)
+        out.flush()
+        live = [t for t in tasks if not t.state.final] if args.follow else []
+        queued = [t for t in live if t.state is TaskState.QUEUED]
+        if queued:  # nothing to show of them until they start: say why
+            positions = pm.positions(index, cfg, ops.now())
+            print("(waiting: " + ", ".join(f"{t.name} is queued, position {positions.get(t.id, '-')}" for t in queued)
+                  + ")", file=sys.stderr)
+        while live:
+            now_index = {t.id: t for t in store.read().all_tasks()}
+            wrote = False
+            for t in list(live):
+                state = now_index.get(t.id, t)
+                path = ops.log_path(home, cfg, state)  # in a cluster: what its machine shipped since
+                if t.id not in files and path.exists():
+                    files[t.id] = open(path, "rb", opener=nofollow)
+                data = files[t.id].read() if t.id in files else b""
+                if data or state.state.final:
+                    emit(t.id, data, last=state.state.final and not data)
+                    wrote = wrote or bool(data)
+                if state.state.final and not data:
+                    live.remove(t)
+            out.flush()
+            if live and not wrote:
+                waiting.wait_change(home, [now_index.get(t.id, t) for t in live], 1.0)
+    finally:
+        for f in files.values():
+            f.close()
+    return OK
+
+
+def cmd_wait(home: Home, args: argparse.Namespace) -> int:
     cfg, index = ops.read(home)
     control.ensure_service(home, cfg, index)
-    ids = [pm.find(index, ref).id for ref in args.tasks]
-    from kugetsu import waiting
+    tasks = [pm.find_to_wait(index, ref) for ref in args.tasks]
+    for ref, t in zip(args.tasks, tasks):
+        if t.state.final and not ref.strip().lstrip("#").isdigit():  # the name may have meant a newer task
+            print(f"kugetsu: note: {ref} is task #{t.id}, which had already finished ({t.state.value}) before this"
+                  f" wait; `kugetsu wait #{t.id}` names it for sure", file=sys.stderr)
+    return _wait_for(home, [t.id for t in tasks], args.timeout)
 
-    done = waiting.wait_final(home, ids, args.timeout, settle=True)
+
+def _wait_for(home: Home, ids: list[int], timeout: float | None) -> int:
+    """Block until the tasks are final: 0 all succeeded, 1 otherwise (each failure on
+    stderr), 124 on timeout. `wait` and `delegate --wait`."""
+    from kugetsu import waiting
+    from kugetsu.store import open_store
+
+    done = waiting.wait_final(home, ids, timeout, settle=True)
     if not done:
-        print(f"kugetsu: timed out after {format_duration(args.timeout)}", file=sys.stderr)
+        print(f"kugetsu: timed out after {format_duration(timeout or 0)}", file=sys.stderr)
         return TIMED_OUT
-    tasks = {t.id: t for t in store.read().all_tasks()}
+    tasks = {t.id: t for t in open_store(home).read().all_tasks()}
     bad = [tasks[i] for i in ids if tasks[i].state is not TaskState.SUCCEEDED]
     for t in bad:
         print(f"{t.name} (#{t.id}) {t.state.value}" + (f": {t.reason}" if t.reason else ""), file=sys.stderr)
@@ -441,6 +585,34 @@ def cmd_priority(home: Home, args: argparse.Namespace) -> int:
         from kugetsu import render
 
         print(render.priority_changed(task, position))
+    return OK
+
+
+def cmd_pause(home: Home, args: argparse.Namespace) -> int:
+    return _pause(home, args, True)
+
+
+def cmd_resume(home: Home, args: argparse.Namespace) -> int:
+    return _pause(home, args, False)
+
+
+def _pause(home: Home, args: argparse.Namespace, on: bool) -> int:
+    changed, cap = ops.pause(home, args.group, on)
+    if args.json:
+        print(to_json(cap))
+        return OK
+    what = f"group {args.group}" if args.group else "kugetsu"
+    if on:
+        print(f"{what} {'paused' if changed else 'was already paused'}: no queued task"
+              f"{' of group ' + args.group if args.group else ''} starts, running ones go on;"
+              f" `kugetsu resume{' --group ' + args.group if args.group else ''}` lets them start again")
+    else:
+        print(f"{what} {'resumed' if changed else 'was not paused'}: {cap.active}/{cap.max_agents} running,"
+              f" {cap.queued} queued")
+        if cap.paused or cap.paused_groups:
+            from kugetsu import render
+
+            print(f"still{render.paused_note(cap).replace(' · ', ' ', 1)}")
     return OK
 
 
@@ -701,7 +873,10 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "logs": ("a task's output", _logs_args, cmd_logs),
     "wait": ("block until tasks are final (exit 0: all succeeded)", _wait_args, cmd_wait),
     "priority": ("change a queued task's priority", _priority_args, cmd_priority),
+    "edit": ("change a queued task: prompt, priority, expiry, timeout, group", _edit_args, cmd_edit),
     "capacity": ("slots and queue: what a PM agent checks before delegating", _json_only, cmd_capacity),
+    "pause": ("start no queued task (of --group G) until resume; running ones go on", _pause_args, cmd_pause),
+    "resume": ("undo pause: queued tasks start again", _pause_args, cmd_resume),
     "config": ("read and tune config.json", _config_args, cmd_config),
     "serve": ("run the service (foreground unless --detach)", _serve_args, cmd_serve),
     "shutdown": ("stop the service (agents keep running)", _no_args, cmd_shutdown),

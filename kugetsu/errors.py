@@ -107,3 +107,22 @@ def redact_url(url: str) -> str:
     import re
 
     return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+class AmbiguousName(UsageError):
+    """A name that no live task bears and several finished ones do: which one a wait means
+    is a guess (pm.find_to_wait)."""
+
+    def __init__(self, name: str, ids: list[int]):
+        listed = ", ".join(f"#{i}" for i in ids)
+        super().__init__(f"name {name!r} is ambiguous: no queued or running task has it, and finished tasks"
+                         f" {listed} do; the latest, #{ids[-1]}, ended before this call")
+        self.name, self.ids = name, ids
+
+
+class UnknownDependency(UsageError):
+    """A task to run after that kugetsu does not know (pm.admit)."""
+
+    def __init__(self, ref: str):
+        super().__init__(f"unknown dependency {ref!r}: no task has that id or name")
+        self.ref = ref

@@ -95,6 +95,9 @@ class Task(msgspec.Struct, kw_only=True):
     worktree: str | None = None
     base_commit: str | None = None
     worktree_state: Literal["active", "kept", "removed", "pruned"] | None = None
+    # `delegate --after`: ids of the tasks that must succeed before this one starts; if one
+    # ends otherwise, this one is cancelled (pm.dependencies_failed).
+    after: list[int] = []
     # Cluster mode (DESIGN section 10): the machine it runs (or ran) on, and the one it must
     # run on (`delegate --host`).
     host: str | None = None
@@ -143,6 +146,10 @@ class Index(msgspec.Struct, kw_only=True):
     # Scheduling memory that must outlive `clean` and history trimming (rate limits, fair).
     starts: int = 0
     last_start: dict[str, SourceMark] = {}
+    # `kugetsu pause`: no queued task starts (running ones go on); `pause --group G`: none of
+    # group G. Here, not in the config: a pause outlives restarts and is undone by `resume`.
+    paused: bool = False
+    paused_groups: list[str] = []
     # The events of the last transaction, committed with it: if the process dies between
     # the index rename and the events.jsonl append, the next transaction appends them.
     outbox: list[Event] = []

@@ -262,6 +262,59 @@ def set_priority(home: Home, ref: str, level: str) -> tuple[Task, int | None]:
     return task, position
 
 
+# ---- edit --------------------------------------------------------------------------------
+
+
+def edit(home: Home, ref: str, change: pm.Edit) -> tuple[Task, int | None, bool]:
+    """Change a queued task (pm.edit) in one transaction; returns it, its position (None:
+    it started as part of the change) and whether anything changed. A {prompt_file}
+    preset's file is rewritten under the same lock, before the commit (no agent of a
+    queued task has read it yet), and put back if the commit fails."""
+    path: Path | None = None
+    old: bytes | None = None
+    try:
+        with _locked(home) as (txn, cfg):
+            task = pm.find(txn.index, ref)
+            path = home.prompt_file(task.id)
+            change.prompt_path = str(path)
+            events = pm.edit(txn.index, cfg, task, txn.now, change)
+            if change.prompt is not None and path.exists() and any(e.key and "prompt" in e.key.split(",")
+                                                                   for e in events):
+                old = path.read_bytes()
+                _replace_prompt(path, change.prompt.encode())
+            txn.emit(events)
+            settle(txn, cfg)
+            position = pm.positions(txn.index, cfg, txn.now).get(task.id)
+    except BaseException:
+        if old is not None and path is not None:
+            _replace_prompt(path, old)
+        raise
+    wake(home, cfg)
+    return task, position, bool(events)
+
+
+def _replace_prompt(path: Path, data: bytes) -> None:
+    """A prompt file's new content, whole or not at all (a new 0600 file renamed over it)."""
+    tmp = path.with_name(path.name + ".new")
+    write_new(tmp, data)
+    os.replace(tmp, path)
+
+
+# ---- pause -------------------------------------------------------------------------------
+
+
+def pause(home: Home, group: str | None, on: bool) -> tuple[bool, pm.Capacity]:
+    """`kugetsu pause` / `resume` (of one group, or of every start): whether it changed
+    anything, and the capacity after it (resuming starts queued tasks at once)."""
+    with _locked(home) as (txn, cfg):
+        events = pm.pause(txn.index, cfg, txn.now, group, on)
+        txn.emit(events)
+        settle(txn, cfg)
+        cap = pm.capacity(txn.index, cfg)
+    wake(home, cfg)
+    return bool(events), cap
+
+
 # ---- config ------------------------------------------------------------------------------
 
 
@@ -465,6 +518,8 @@ def queue_json(listed: Listing) -> dict[str, Any]:
         "active": [task_json(t, None, listed.here) for t in listed.index.active],
         "queued": [task_json(t, view.positions[t.id]) | {"waiting_for": view.waiting_for.get(t.id)} for t in view.queued],
         "groups": view.groups,
+        "paused": view.capacity.paused,
+        "paused_groups": view.capacity.paused_groups,
     }
     if listed.finished is not None:
         out["finished"] = [task_json(t, None) for t in listed.finished]

@@ -16,7 +16,8 @@ import msgspec
 from datetime import datetime, timedelta
 
 from kugetsu.config import Config, format_duration
-from kugetsu.errors import NeedsPrompt, NoSuchTask, NotClustered, QueueFull, Rejected, UnknownGroup, UsageError
+from kugetsu.errors import (AmbiguousName, NeedsPrompt, NoSuchTask, NotClustered, QueueFull, Rejected,
+                            UnknownDependency, UnknownGroup, UsageError)
 from kugetsu.models import PRIORITIES, Event, Index, SourceMark, Task, TaskState, valid_name
 from kugetsu import placement
 from kugetsu.placement import Here, ours, starts_anywhere
@@ -69,6 +70,7 @@ def successor(index: Index, cfg: Config) -> Successor | None:
     if (
         not index.queued
         or cfg.store is not None  # a cluster: the next slot may free on another machine
+        or index.paused
         or len(index.active) != cfg.max_agents
         or cfg.resource_guard.enabled
         or not simple_order(index, cfg)
@@ -97,9 +99,12 @@ def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources |
     board = Board(index, cfg, now, resources)
     out = {}
     for (source, group), lane in board.lanes.items():
-        reason = board.hold or board.why(source, group)
+        reason = board.pause or board.hold or board.why(source, group)
         if reason is not None:
             out.update((t.id, reason) for _, t in lane)
+    if board.parked:  # `delegate --after`: the dependencies still to end, by name
+        names = {t.id: t.name for t in index.live()}
+        out.update((t.id, ", ".join(names[d] for d in t.after if d in waits)) for t, waits in board.parked.values())
     return out
 
 
@@ -111,12 +116,32 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     queued: int
     free: int
     max_queue: int
+    paused: bool = False  # `kugetsu pause`: no queued task starts until `resume`
+    paused_groups: list[str] = []  # `pause --group G`: none of these groups' tasks starts
 
 
 def capacity(index: Index, cfg: Config) -> Capacity:
     """Counts only: cheap at any queue length (no order is computed)."""
     return Capacity(max_agents=cfg.max_agents, active=len(index.active), queued=len(index.queued),
-                    free=free_slots(index, cfg), max_queue=cfg.max_queue)
+                    free=free_slots(index, cfg), max_queue=cfg.max_queue, paused=index.paused,
+                    paused_groups=sorted(index.paused_groups))
+
+
+def pause(index: Index, cfg: Config, now: datetime, group: str | None, on: bool) -> list[Event]:
+    """`pause` (on) / `resume`, of every start or of one group's. Running tasks go on. No
+    event when nothing changes (pausing what is paused)."""
+    if group is None:
+        if index.paused == on:
+            return []
+        index.paused = on
+    else:
+        if on and group not in cfg.groups:
+            raise UnknownGroup(group, sorted(cfg.groups))
+        if (group in index.paused_groups) == on:
+            return []
+        index.paused_groups = sorted(set(index.paused_groups) | {group}) if on else [
+            g for g in index.paused_groups if g != group]
+    return [Event(type="paused" if on else "resumed", at=now, value=group)]
 
 
 class QueueView(msgspec.Struct, frozen=True, kw_only=True):
@@ -184,6 +209,23 @@ def find(index: Index, ref: str) -> Task:
     raise NoSuchTask(ref)
 
 
+def find_to_wait(index: Index, ref: str) -> Task:
+    """`wait TASK`: as find, but a name that no live task bears and more than one finished
+    task does is refused (AmbiguousName): the latest of them ended before the wait began,
+    and a delegate of that name that was refused (queue full) leaves no trace to tell it
+    from a task that really ran. One task of the name is not ambiguous: `delegate x; wait x`
+    for a task that ended in between must keep working, and the index cannot tell that
+    from a refused re-delegation either; waiting on the id (`delegate --json`) or
+    `delegate --wait` names the one task meant (README, "For PM agents")."""
+    task = find(index, ref)
+    by_id = ref.strip().lstrip("#").isascii() and ref.strip().lstrip("#").isdigit()
+    if task.state.final and not by_id:
+        same = [t.id for t in index.finished if t.name == task.name]
+        if len(same) > 1:
+            raise AmbiguousName(task.name, same)
+    return task
+
+
 # ---- admission -------------------------------------------------------------------------
 
 
@@ -211,6 +253,7 @@ class Request(msgspec.Struct, kw_only=True):
     # Where {prompt_file} points (the caller writes the prompt there: pm does no I/O); only
     # for a preset that uses it (wants_prompt_file).
     prompt_path: str | None = None
+    after: list[str] = []  # tasks (ids or names) that must succeed before this one starts
 
 
 _PLACEHOLDER = re.compile(r"\{(prompt|prompt_file|name|id)\}")
@@ -261,6 +304,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     if req.pinned_host is not None and cfg.store is None:
         raise NotClustered("a task pinned to a host")
     agent, template, env = resolve_agent(cfg, req)
+    after = dependencies(index, req.after)
     limit = cfg.max_queued_per_source
     if limit is not None:
         mine = sum(1 for t in index.queued if t.source == req.source)
@@ -273,11 +317,13 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     excess = waiting_after - cfg.max_queue
     if excess > 0 and (cfg.on_queue_full != "drop_oldest" or excess > len(index.queued)):
         raise QueueFull(len(index.queued), cfg.max_queue, len(index.active), cfg.max_agents)
+    victims = sorted(index.queued, key=lambda t: t.id)[:excess] if excess > 0 else []
+    if any(v.id in after for v in victims):  # it would be cancelled at once, its dependency dropped
+        raise QueueFull(len(index.queued), cfg.max_queue, len(index.active), cfg.max_agents)
     # Nothing was refused: from here on the index changes.
     events = []
-    if excess > 0:  # drop_oldest: the longest-waiting tasks make room, their delegators are told
-        for victim in sorted(index.queued, key=lambda t: t.id)[:excess]:
-            events += cancel(index, victim, now, 0.0, "dropped: queue full")
+    for victim in victims:  # drop_oldest: the longest-waiting tasks make room, their delegators are told
+        events += cancel(index, victim, now, 0.0, "dropped: queue full")
     task_id = index.next_id
     name = req.name or f"task-{task_id}"
     expire_after = req.expire_after if req.expire_after is not None else cfg.queue_timeout_s
@@ -306,11 +352,48 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         base=req.base if req.repo else None,
         branch=f"kugetsu/{name}" if req.repo else None,
         pinned_host=req.pinned_host,
+        after=after,
     )
     index.next_id += 1
     index.queued.append(task)
     position = positions(index, cfg, now)[task.id]
     return task, events + [_event("queued", task, now, position=position)]
+
+
+def dependencies(index: Index, refs: list[str]) -> list[int]:
+    """The ids of the tasks named to run after (duplicates dropped). One kugetsu does not
+    know, or one that has already ended otherwise than succeeded, is refused: this task
+    could never start."""
+    ids: list[int] = []
+    for ref in refs:
+        try:
+            dep = find(index, ref)
+        except NoSuchTask:
+            raise UnknownDependency(ref) from None
+        if dep.state.final and dep.state is not TaskState.SUCCEEDED:
+            raise UsageError(f"dependency {dep.name} (#{dep.id}) {_stands(dep)}: a task after it could never start")
+        if dep.id not in ids:
+            ids.append(dep.id)
+    return ids
+
+
+def dependencies_failed(index: Index, now: datetime) -> list[Event]:
+    """Queued tasks one of whose dependencies ended otherwise than succeeded are cancelled,
+    each with its own event (`dependency issue-16 failed`). In id order: a dependency is
+    always older than its dependent, so a whole chain ends in one pass."""
+    waiting = [t for t in index.queued if t.after]
+    if not waiting:
+        return []
+    ended = {t.id: t for t in index.finished}
+    events = []
+    for task in sorted(waiting, key=lambda t: t.id):
+        bad = next((ended[d] for d in task.after if d in ended and ended[d].state is not TaskState.SUCCEEDED), None)
+        if bad is not None:
+            index.queued.remove(task)
+            task.reason = f"dependency {bad.name} {bad.state.value}"
+            events.append(_close(index, task, TaskState.CANCELLED, now))
+            ended[task.id] = task
+    return events
 
 
 def set_priority(index: Index, task: Task, level: str, now: datetime) -> list[Event]:
@@ -325,6 +408,63 @@ def set_priority(index: Index, task: Task, level: str, now: datetime) -> list[Ev
         return []
     task.priority = level  # type: ignore[assignment]
     return [_event("priority", task, now, value=level)]
+
+
+class Edit(msgspec.Struct, kw_only=True):
+    """What `kugetsu edit` changes of a queued task; None leaves a field as it is."""
+
+    prompt: str | None = None
+    priority: str | None = None
+    expire_after: float | None = None  # seconds from now; 0: never expires
+    timeout: float | None = None  # run timeout in seconds; 0: no limit
+    group: str | None = None
+    prompt_path: str | None = None  # where a {prompt_file} preset's prompt is (ops knows; pm does no I/O)
+
+
+def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> list[Event]:
+    """Change a queued task: checks everything first, then changes it, one `edited` event
+    naming the fields (the prompt's text stays out of the event log)."""
+    if task.state is not TaskState.QUEUED:
+        raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}; only a queued task can be edited", code=1)
+    if change.priority is not None and change.priority not in PRIORITIES:
+        raise UsageError(f"invalid priority {change.priority!r}; choose one of {', '.join(PRIORITIES)}")
+    if change.group is not None and change.group not in cfg.groups:
+        raise UnknownGroup(change.group, sorted(cfg.groups))
+    for what, value in (("expiry", change.expire_after), ("timeout", change.timeout)):
+        if value is not None and value < 0:
+            raise UsageError(f"a negative {what} ({value:g}s) makes no sense; 0 means none")
+    command = None
+    if change.prompt is not None:
+        if change.prompt == "":
+            raise UsageError("the prompt is empty: an agent given nothing to do would start for nothing")
+        preset = cfg.agents.get(task.agent) if task.agent else None
+        values = {"prompt": task.prompt or "", "prompt_file": change.prompt_path or "", "name": task.name,
+                  "id": str(task.id)}
+        # Only a command made from its preset's template can be made again with a new prompt:
+        # one given at delegation (`-- CMD`) or from a preset changed since cannot.
+        if preset is None or render_command(preset.command, values) != task.command:
+            raise UsageError(f"task {task.name} (#{task.id}) runs a command given at delegation, not its agent"
+                             " preset's with the prompt, so its prompt cannot change; cancel it and delegate again")
+        command = render_command(preset.command, {**values, "prompt": change.prompt})
+        _check_argv(command, task.cwd)
+    changed: dict[str, object] = {}
+    if command is not None and change.prompt != task.prompt:
+        task.command, task.prompt = command, change.prompt
+        changed["prompt"] = f"{len(change.prompt or '')} characters"
+    if change.priority is not None and change.priority != task.priority:
+        task.priority = change.priority  # type: ignore[assignment]
+        changed["priority"] = change.priority
+    if change.group is not None and change.group != task.group:
+        task.group = changed["group"] = change.group
+    if change.expire_after is not None:
+        task.expires_at = now + timedelta(seconds=change.expire_after) if change.expire_after else None
+        changed["expires_at"] = task.expires_at.isoformat() if task.expires_at else None
+    if change.timeout is not None and (change.timeout or None) != task.timeout:
+        task.timeout = change.timeout or None
+        changed["timeout"] = task.timeout
+    if not changed:
+        return []
+    return [_event("edited", task, now, key=",".join(changed), value=changed)]
 
 
 # Linux refuses a single argv element of 32 pages (MAX_ARG_STRLEN) or more at exec.
@@ -673,6 +813,7 @@ def settle(index: Index, cfg: Config, now: datetime, resources: Resources | None
     for task in [t for t in index.active if t.pid is None and t.stop is not None and ours(t, me)]:
         plan.events += finish(index, task, now, None)
     plan.events += expire_due(index, now)
+    plan.events += dependencies_failed(index, now)
     for task in plan_starts(index, cfg, now, resources, here):
         plan.events += start(index, task, now, here.name if here else None)
     plan.archive = trim_history(index, cfg.history_limit)

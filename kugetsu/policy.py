@@ -60,6 +60,7 @@ def simple_order(index: Index, cfg: Config) -> bool:
         and cfg.max_active_per_source is None
         and cfg.min_start_interval_s is None
         and not any(t.group is not None and t.group in cfg.groups for t in index.queued)
+        and not any(t.after for t in index.queued)
     )
 
 
@@ -70,6 +71,9 @@ class Board:
         self.cfg = cfg
         self.now = now
         self.hold = guard_hold(cfg, resources)
+        # `kugetsu pause`: like the guard, it holds every start alike (see drain).
+        self.pause: str | None = "paused" if index.paused else None
+        self.paused_groups = frozenset(index.paused_groups)
         self.fair = cfg.strategy == "fair"
         self.source_limit = cfg.max_active_per_source
         self.caps = {name: g.max_agents for name, g in cfg.groups.items()}
@@ -84,8 +88,16 @@ class Board:
         self.running: deque[tuple[str, str | None]] = deque((t.source, self.group_of(t)) for t in index.active)
         self.by_source = Counter(s for s, _ in self.running)
         self.by_group = Counter(g for _, g in self.running if g is not None)
+        # `delegate --after`: a task whose dependencies are still live is parked outside the
+        # lanes (it must not hold up the tasks behind it in its lane) until they have ended.
+        self.running_ids: deque[int] = deque(t.id for t in index.active)
+        self.parked: dict[int, tuple[Task, set[int]]] = {}
+        live = {t.id for t in index.live()} if any(t.after for t in index.queued) else set()
         lanes: dict[tuple[str, str | None], list[tuple[tuple[int, int], Task]]] = {}
         for t in index.queued:
+            if t.after and (waits := {d for d in t.after if d in live}):
+                self.parked[t.id] = (t, waits)
+                continue
             lanes.setdefault((t.source, self.group_of(t)), []).append((task_key(cfg, t), t))
         # Lanes are never empty: a lane leaves the dict with its last task.
         self.lanes = {k: deque(sorted(v, key=lambda kt: kt[0])) for k, v in lanes.items()}
@@ -102,6 +114,8 @@ class Board:
             return False
         if self.interval is not None and source in self.ready and self.ready[source] > self.now:
             return False
+        if group is not None and group in self.paused_groups:
+            return False
         return group is None or self.by_group[group] < self.caps[group]
 
     def why(self, source: str, group: str | None) -> str | None:
@@ -112,6 +126,8 @@ class Board:
         if self.interval is not None and source in self.ready and self.ready[source] > self.now:
             wait = math.ceil((self.ready[source] - self.now).total_seconds())
             return f"rate limit: source {source} may start again in {format_duration(wait)}"
+        if group is not None and group in self.paused_groups:
+            return f"group {group} paused"
         if group is not None and self.by_group[group] >= self.caps[group]:
             return f"group {group} full ({self.by_group[group]}/{self.caps[group]} running)"
         return None
@@ -121,7 +137,7 @@ class Board:
 
         fifo and priority: the smallest task key among the lanes that may start; fair: the
         same, after the source whose last start is oldest (round-robin)."""
-        if self.hold is not None or len(self.running) >= self.cfg.max_agents:
+        if self.hold is not None or self.pause is not None or len(self.running) >= self.cfg.max_agents:
             return None
         best: Task | None = None
         best_key: tuple = ()
@@ -148,6 +164,7 @@ class Board:
         if not lane:
             del self.lanes[lane_id]
         self.running.append(lane_id)
+        self.running_ids.append(task.id)
         self.by_source[task.source] += 1
         if group is not None:
             self.by_group[group] += 1
@@ -157,10 +174,19 @@ class Board:
             self.ready[task.source] = self.now + self.interval
 
     def finish_oldest(self) -> None:
+        """The oldest running task ends (as a success: a forecast cannot know better)."""
         source, group = self.running.popleft()
         self.by_source[source] -= 1
         if group is not None:
             self.by_group[group] -= 1
+        done = self.running_ids.popleft()
+        for tid, (task, waits) in list(self.parked.items()):
+            waits.discard(done)
+            if not waits:  # its dependencies have all ended: it joins its lane
+                del self.parked[tid]
+                key = task_key(self.cfg, task)
+                lane = self.lanes.setdefault((task.source, self.group_of(task)), deque())
+                lane.insert(next((i for i, (k, _) in enumerate(lane) if k > key), len(lane)), (key, task))
 
     def next_release(self) -> datetime | None:
         """The earliest moment a rate limit that holds a queued task runs out."""
@@ -170,7 +196,7 @@ class Board:
         return min(times, default=None)
 
     def queued_left(self) -> bool:
-        return bool(self.lanes)
+        return bool(self.lanes) or bool(self.parked)
 
     # ---- playing forward ----------------------------------------------------------------
 
@@ -179,7 +205,9 @@ class Board:
         soon as they are free; when none is free the oldest running task ends; when one is
         free but every waiting task is held by a rate limit, time moves on to its end.
         The resource guard holds every task alike, so it changes when, never the order: a
-        Board for positions is built without readings."""
+        Board for positions is built without readings; a global pause likewise is lifted here.
+        A paused group holds its tasks while others pass them: they come last."""
+        self.pause = None
         order: list[Task] = []
         while self.queued_left():
             task = self.pick()
@@ -192,6 +220,8 @@ class Board:
                 self.now = release
             elif self.running:
                 self.finish_oldest()
-            else:  # nothing can ever free it; not reachable with limits >= 1, but never loop
-                return order + [t for _, t in sorted(kt for lane in self.lanes.values() for kt in lane)]
+            else:  # nothing can ever free them: a paused group's tasks, and those after them
+                parked = [(task_key(self.cfg, t), t) for t, _ in self.parked.values()]
+                return order + [t for _, t in sorted([kt for lane in self.lanes.values() for kt in lane] + parked,
+                                                     key=lambda kt: kt[0])]
         return order

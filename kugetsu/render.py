@@ -43,7 +43,17 @@ def until(t: datetime | None, now: datetime) -> str:
 
 
 def summary(cap: Capacity) -> str:
-    return f"{cap.active}/{cap.max_agents} running, {cap.free} free, {cap.queued} queued (max {cap.max_queue})"
+    return (f"{cap.active}/{cap.max_agents} running, {cap.free} free, {cap.queued} queued (max {cap.max_queue})"
+            + paused_note(cap))
+
+
+def paused_note(cap: Capacity) -> str:
+    """` · paused ...` when `kugetsu pause` holds starts (every front end's summary says it)."""
+    if cap.paused:
+        return " · paused: no queued task starts"
+    if cap.paused_groups:
+        return f" · paused: group {', '.join(cap.paused_groups)}"
+    return ""
 
 
 def running_table(tasks: list[Task], now: datetime, here: str | None = None) -> str:

@@ -66,6 +66,7 @@ class Spawned(msgspec.Struct):
     popen: Any  # subprocess.Popen: the spawner reaps it to learn how the wrapper ended
     gate: int | None = None  # a warm wrapper's pipe: write a line to start it, close to drop it
     exit_file: Path | None = None
+    argv: list[str] = []  # what it runs: a warm wrapper whose task's command changed since (`edit`) is stale
 
 
 def agent_env(home: Home, task_id: int, name: str, token: str | None, env: dict[str, str]) -> dict[str, str]:
@@ -127,7 +128,7 @@ def spawn(
         os.close(fd)
         if gate_r is not None:
             os.close(gate_r)
-    return Spawned(popen.pid, process_start(popen.pid), popen, gate_w, exit_file)
+    return Spawned(popen.pid, process_start(popen.pid), popen, gate_w, exit_file, list(argv))
 
 
 def release(spawned: Spawned) -> None:

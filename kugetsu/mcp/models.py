@@ -60,6 +60,7 @@ class TaskOut(BaseModel):
                               WithJsonSchema({"enum": ["active", "kept", "removed", "pruned", None]})]
     host: OptStr = Field(description="cluster mode: the machine it runs (or ran) on")
     pinned_host: OptStr = Field(description="cluster mode: the machine it must run on")
+    after: list[int] = Field(description="ids of the tasks that must succeed before it starts (`delegate --after`)")
 
 
 class QueuedTaskOut(TaskOut):

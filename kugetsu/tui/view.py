@@ -86,6 +86,10 @@ def _event_detail(e: Event) -> str:
         return f"position {e.position}"
     if e.type == "started" and e.slot is not None:
         return f"slot {e.slot}"
+    if e.type in ("paused", "resumed"):  # `kugetsu pause` / `resume`: of a group, or of every start
+        return f"group {e.value}" if e.value else "every start"
+    if e.type == "edited" and e.key:
+        return f"changed {e.key.replace(',', ', ')}"
     if e.type == "worktree" and not e.reason and e.worktree_state:
         return f"worktree {e.worktree_state}"
     return e.reason or ""
@@ -93,7 +97,10 @@ def _event_detail(e: Event) -> str:
 
 def summary(cap: pm.Capacity, service_pid: int | None) -> str:
     service = f"service running (pid {service_pid})" if service_pid else "service not running"
-    return f"{cap.active}/{cap.max_agents} running · {cap.queued} queued · max queue {cap.max_queue} · {service}"
+    from kugetsu.render import paused_note
+
+    return (f"{cap.active}/{cap.max_agents} running · {cap.queued} queued · max queue {cap.max_queue}"
+            f"{paused_note(cap)} · {service}")
 
 
 def task_title(task: Task | None) -> str:
