@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Cluster mode beside the file store, in one run (issue 15): the same scenarios on one
+machine's files and on PostgreSQL.
+
+    python tools/bench/cluster.py [--json] [--quick] [--pg postgresql://127.0.0.1/postgres]
+
+  admission   8 processes delegating 5 tasks each at once into a paused queue, tasks/s
+  promotion   one slot, 30 trivial tasks: the end of one to the start of the next, from the
+              tasks' own timestamps (p50 / p95 ms)
+  drain       N trivial tasks (300; --quick 60) queued while paused, then resumed: from the
+              first start to the last end. The file store with one machine of 6 slots; the
+              cluster with one machine of 6 slots and with 3 machines of 2 slots (three homes,
+              three services, on this one box: they share its 2 cores, so this measures the
+              coordination, not more hardware)
+
+A database of its own is created on the given server and dropped afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import PY, TASK_SCRIPT, Kg, pct, read_stamps, wait_until  # noqa: E402
+
+import psycopg  # noqa: E402
+
+
+class Db:
+    def __init__(self, admin: str):
+        self.admin = admin
+        self.name = f"kgbench_{uuid.uuid4().hex[:10]}"
+        with psycopg.connect(admin, autocommit=True) as c:
+            c.execute(f'CREATE DATABASE "{self.name}"')
+        self.url = admin.rsplit("/", 1)[0] + "/" + self.name
+
+    def drop(self) -> None:
+        with psycopg.connect(self.admin, autocommit=True) as c:
+            c.execute(f'DROP DATABASE "{self.name}" WITH (FORCE)')
+
+
+def machines(root: Path, url: str | None, slots: list[int], **shared: object) -> list[Kg]:
+    """Homes (each a machine when `url`): the first one sets the shared config."""
+    if url is None:
+        return [Kg(root / "m0", max_agents=slots[0], max_queue=100000, history_limit=100000, **shared)]
+    out = []
+    for i, n in enumerate(slots):
+        kg = Kg(root / f"m{i}", store=url, host=f"m{i}", host_max_agents=n)
+        out.append(kg)
+    out[0].run("config", "set", "max_agents", str(sum(slots)))
+    out[0].run("config", "set", "max_queue", "100000")
+    out[0].run("config", "set", "history_limit", "100000")
+    for key, value in shared.items():
+        out[0].run("config", "set", key, json.dumps(value))
+    return out
+
+
+def state(kg: Kg) -> dict:
+    return json.loads(kg.run("queue", "--json").stdout)
+
+
+def admission(root: Path, url: str | None, procs: int = 8, each: int = 5) -> float:
+    kg = machines(root, url, [2])[0]
+    kg.run("pause")
+    script = " ".join(f"{PY} -m kugetsu delegate -- true >/dev/null || exit 1;" for _ in range(each))
+    t0 = time.monotonic()
+    ps = [subprocess.Popen(["sh", "-c", script], env=kg.env) for _ in range(procs)]
+    codes = [p.wait() for p in ps]
+    wall = time.monotonic() - t0
+    assert codes == [0] * procs, codes
+    assert len(state(kg)["queued"]) == procs * each
+    return procs * each / wall
+
+
+def _queue(kgs: list[Kg], stamps: Path, n: int) -> None:
+    kgs[0].run("pause")
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda i: kgs[i % len(kgs)].run("delegate", f"t{i}", "--", "sh", "-c", TASK_SCRIPT, str(stamps), str(i)),
+                      range(n)))
+
+
+def run_drain(root: Path, url: str | None, slots: list[int], n: int) -> dict:
+    kgs = machines(root, url, slots)
+    stamps = root / "stamps"
+    try:
+        for kg in kgs:
+            kg.start_service()
+        _queue(kgs, stamps, n)
+        kgs[0].run("resume")
+        wait_until(lambda: len(read_stamps(stamps)[1]) == n, 300, "the drain")
+        starts, ends = read_stamps(stamps)
+        order = sorted(starts, key=starts.get)
+        gaps = [starts[b] - ends[a] for a, b in zip(order, order[1:])]
+        return {"drain_s": max(ends.values()) - min(starts.values()), "gaps_ms": [g * 1000 for g in gaps]}
+    finally:
+        for kg in kgs:
+            kg.stop()
+
+
+def measure(admin: str, quick: bool) -> dict:
+    n = 60 if quick else 300
+    out: dict = {"n": n}
+    db = Db(admin)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
+            out["admission_file"] = admission(Path(tmp) / "a", None)
+            out["admission_cluster"] = admission(Path(tmp) / "b", db.url)
+    finally:
+        db.drop()
+    for label, url_needed, slots, count in (("promotion_file", False, [1], 30), ("promotion_cluster", True, [1], 30),
+                                            ("drain_file_1x6", False, [6], n), ("drain_cluster_1x6", True, [6], n),
+                                            ("drain_cluster_3x2", True, [2, 2, 2], n)):
+        db = Db(admin) if url_needed else None
+        try:
+            with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
+                out[label] = run_drain(Path(tmp), db.url if db else None, slots, count)
+        finally:
+            if db:
+                db.drop()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="a drain of 60 instead of 300")
+    ap.add_argument("--pg", default="postgresql://127.0.0.1:5432/postgres", help="a server where a database may be made")
+    args = ap.parse_args()
+    res = measure(args.pg, args.quick)
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return 0
+    print(f"admission, tasks/s      file {res['admission_file']:7.1f}   cluster {res['admission_cluster']:7.1f}"
+          f"   ratio {res['admission_cluster'] / res['admission_file']:.2f}")
+    for kind in ("file", "cluster"):
+        g = res[f"promotion_{kind}"]["gaps_ms"]
+        print(f"promotion {kind:<8}     p50 {statistics.median(g):6.1f} ms   p95 {pct(g, 95):6.1f} ms")
+    base = res["drain_file_1x6"]["drain_s"]
+    for label in ("drain_file_1x6", "drain_cluster_1x6", "drain_cluster_3x2"):
+        d = res[label]["drain_s"]
+        print(f"{label:<22} {res['n']} tasks {d:6.2f} s   vs file 1x6 {d / base:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
