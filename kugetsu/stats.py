@@ -147,6 +147,11 @@ class Window:
 
 def load(home: Home, cfg: Config, index: Index, seconds: float, now: datetime) -> Window:
     start = now - timedelta(seconds=seconds)
+    if cfg.store is not None:  # a cluster: events and history are rows of the database
+        from kugetsu.cluster.store import store_for
+
+        store = store_for(cfg.store)
+        return Window(start, now, cfg, index, store.events_since(start), store.history_since(start), None)
     events, prior = events_since(home, start)
     return Window(start, now, cfg, index, events, history_since(home, start), prior)
 

@@ -68,8 +68,9 @@ CREATE TABLE IF NOT EXISTS kugetsu.state (
     doc bytea NOT NULL,
     config bytea NOT NULL DEFAULT '{}'
 );
-CREATE TABLE IF NOT EXISTS kugetsu.events (seq bigint PRIMARY KEY, task bigint, body bytea NOT NULL);
-CREATE TABLE IF NOT EXISTS kugetsu.history (id bigint NOT NULL, body bytea NOT NULL);
+CREATE TABLE IF NOT EXISTS kugetsu.events (seq bigint PRIMARY KEY, task bigint, at timestamptz NOT NULL, body bytea NOT NULL);
+CREATE INDEX IF NOT EXISTS events_at ON kugetsu.events (at);
+CREATE TABLE IF NOT EXISTS kugetsu.history (id bigint NOT NULL, finished_at timestamptz, body bytea NOT NULL);
 CREATE INDEX IF NOT EXISTS history_id ON kugetsu.history (id);
 -- Machines: a lease renewed by heartbeats; `epoch` grows each time a machine (re)joins or is
 -- declared gone, and fences what it still runs of the tasks taken from it.

@@ -8,7 +8,6 @@ database that already holds a queue (two queues cannot be merged without renumbe
 
 from __future__ import annotations
 
-import json
 import os
 from datetime import datetime
 
@@ -19,9 +18,12 @@ from kugetsu.cluster.store import PgStore
 from kugetsu.config import LOCAL_KEYS, read_raw, save_raw, validate
 from kugetsu.control import service_holds_lock
 from kugetsu.errors import KugetsuError, UsageError
-from kugetsu.models import Index
+from kugetsu.models import Index, Task
 from kugetsu.paths import Home, atomic_write
 from kugetsu.store import Store, _encoder, encode_index
+
+
+_task_decoder = msgspec.json.Decoder(Task)
 
 
 class Busy(KugetsuError):
@@ -61,9 +63,9 @@ def migrate(home: Home, url: str) -> str:
             conn.execute("UPDATE kugetsu.state SET doc = %s, config = %s WHERE id = 1",
                          (encode_index(index), msgspec.json.encode(shared)))
             with conn.cursor() as cur:
-                cur.executemany("INSERT INTO kugetsu.events (seq, task, body) VALUES (%s, %s, %s)",
-                                [(e.seq, e.task, _encoder.encode(e)) for e in events])
-                cur.executemany("INSERT INTO kugetsu.history (id, body) VALUES (%s, %s)", history)
+                cur.executemany("INSERT INTO kugetsu.events (seq, task, at, body) VALUES (%s, %s, %s, %s)",
+                                [(e.seq, e.task, e.at, _encoder.encode(e)) for e in events])
+                cur.executemany("INSERT INTO kugetsu.history (id, finished_at, body) VALUES (%s, %s, %s)", history)
     finally:
         conn.close()
     # The database holds it all now: this machine follows it, and the file index is kept
@@ -77,7 +79,7 @@ def migrate(home: Home, url: str) -> str:
             " on each machine that runs agents.")
 
 
-def _history_lines(home: Home) -> list[tuple[int, bytes]]:
+def _history_lines(home: Home) -> list[tuple[int, datetime | None, bytes]]:
     out = []
     try:
         with open(home.history, "rb") as f:
@@ -86,9 +88,10 @@ def _history_lines(home: Home) -> list[tuple[int, bytes]]:
                 if not line:
                     continue
                 try:
-                    out.append((int(json.loads(line)["id"]), line))
-                except (ValueError, KeyError, TypeError):
+                    task = _task_decoder.decode(line)
+                except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
                     continue  # a line torn by a crash
+                out.append((task.id, task.finished_at, line))
     except FileNotFoundError:
         pass
     return out

@@ -22,10 +22,11 @@ import psycopg
 
 from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, errors, process_tag, redact
 from kugetsu.errors import FileError
-from kugetsu.models import INDEX_VERSION, Event, Index, check_index
+from kugetsu.models import INDEX_VERSION, Event, Index, Task, check_index
 from kugetsu.store import Txn, _index_decoder, _encoder, encode_index
 
 _event_decoder = msgspec.json.Decoder(Event)
+_task_decoder = msgspec.json.Decoder(Task)
 _FIX = "\nNothing was changed. Restore the database from a backup, or ask for help with the row."
 
 
@@ -180,13 +181,13 @@ class PgStore:
             if txn.events:
                 with errors(self.url):
                     self.conn.cursor().executemany(
-                        "INSERT INTO kugetsu.events (seq, task, body) VALUES (%s, %s, %s)",
-                        [(e.seq, e.task, _encoder.encode(e)) for e in txn.events])
+                        "INSERT INTO kugetsu.events (seq, task, at, body) VALUES (%s, %s, %s, %s)",
+                        [(e.seq, e.task, e.at, _encoder.encode(e)) for e in txn.events])
             if txn.archive:
                 with errors(self.url):
                     self.conn.cursor().executemany(
-                        "INSERT INTO kugetsu.history (id, body) VALUES (%s, %s)",
-                        [(t.id, _encoder.encode(t)) for t in txn.archive])
+                        "INSERT INTO kugetsu.history (id, finished_at, body) VALUES (%s, %s, %s)",
+                        [(t.id, t.finished_at, _encoder.encode(t)) for t in txn.archive])
             if data != txn.before or txn.events or txn.new_config is not None:
                 self._execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, process_tag()))
             done = self._execute("COMMIT")
@@ -216,6 +217,17 @@ class PgStore:
             self.close()  # a broken connection: the server rolls back when it goes
 
     # ---- history (tasks moved out of the document) ----------------------------------------
+
+    def events_since(self, start: datetime) -> list[Event]:
+        """Events at or after `start`, oldest first (`kugetsu stats`)."""
+        rows = self._execute("SELECT body FROM kugetsu.events WHERE at >= %s ORDER BY seq", (start,)).fetchall()
+        return [_event_decoder.decode(bytes(r[0])) for r in rows]
+
+    def history_since(self, start: datetime) -> list[Task]:
+        """Archived tasks that finished at or after `start` (`kugetsu stats`)."""
+        rows = self._execute("SELECT body FROM kugetsu.history WHERE finished_at >= %s ORDER BY id",
+                             (start,)).fetchall()
+        return list({t.id: t for t in (_task_decoder.decode(bytes(r[0])) for r in rows)}.values())
 
     def history(self) -> list[bytes]:
         rows = self._execute("SELECT body FROM kugetsu.history ORDER BY id").fetchall()
