@@ -483,6 +483,28 @@ def next_deadline(index: Index) -> datetime | None:
     return min(times, default=None)
 
 
+GUARD_RECHECK = 2.0  # seconds between resource readings while the guard holds queued tasks
+
+
+def policy_wakeups(index: Index, cfg: Config, now: datetime, resources: Resources | None,
+                   before: dict[str, datetime]) -> dict[str, datetime]:
+    """Wake-ups the scheduling policies need, beside next_deadline: when a rate limit that
+    holds a task runs out (so it starts on time), and a fresh resource reading while the
+    guard holds. `before`: what the last call returned."""
+    if not index.queued or free_slots(index, cfg) == 0:
+        return {}
+    jobs = {}
+    release = next_release(index, cfg, now)
+    if release is not None:
+        jobs["rate-limit"] = release
+    if guard_hold(cfg, resources) is not None:
+        # The re-check already set stands until it has come (else every tick would push
+        # it back); once it has, the next one is GUARD_RECHECK later, not at once again.
+        recheck = before.get("resource-guard")
+        jobs["resource-guard"] = recheck if recheck is not None and recheck > now else now + timedelta(seconds=GUARD_RECHECK)
+    return jobs
+
+
 def kills_due(index: Index, now: datetime) -> list[Task]:
     """Tasks asked to stop whose grace is over: their group gets SIGKILL."""
     return [t for t in index.active if t.kill_at is not None and t.kill_at <= now]

@@ -4,18 +4,18 @@ strategies, drained for real (pm.next_to_start + pm.start + pm.finish, an inject
 from __future__ import annotations
 
 from collections import Counter
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import T0
+
 from kugetsu import pm
 from kugetsu.config import Config
 from kugetsu.models import PRIORITIES, Index
 from kugetsu.policy import Board, simple_order, task_key
-
-T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
 
 task_st = st.tuples(st.sampled_from("abcd"), st.sampled_from(PRIORITIES), st.sampled_from([None, None, "g1", "g2"]))
 config_st = st.fixed_dictionaries({
@@ -38,8 +38,7 @@ def build(raw: dict, first: list, later: list, gap: int) -> tuple[Config, Index,
     for batch in (first, later):
         for source, priority, group in batch:
             pm.admit(index, cfg, now, pm.Request(cwd="/", command=["true"], source=source, priority=priority, group=group))
-        for task in pm.plan_starts(index, cfg, now):
-            pm.start(index, task, now)
+        pm.settle(index, cfg, now)
         now = T0 + timedelta(seconds=gap)
     return cfg, index, now
 
