@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -395,6 +394,8 @@ def load_config(home: Home) -> Config:
 def save_raw(home: Home, raw: dict[str, Any]) -> None:
     home.ensure()
     try:
+        import json  # only `config set`: not on every command's path
+
         atomic_write(home.config, json.dumps(raw, indent=2, ensure_ascii=False).encode() + b"\n")
     except OSError as err:
         if err.errno in DISK_FULL:  # atomic_write removed its temp file: config.json is as it was
@@ -407,6 +408,8 @@ def save_raw(home: Home, raw: dict[str, Any]) -> None:
 
 def parse_value(text: str) -> object:
     """A command-line value: JSON when it parses (5, true, null, [1,2]), else the plain string."""
+    import json
+
     try:
         return json.loads(text)
     except ValueError:
@@ -439,6 +442,8 @@ def get_value(cfg: Config, key: str) -> object:
 
 def with_value(raw: dict[str, Any], key: str, value: object, *, remove: bool = False) -> dict[str, Any]:
     """A copy of the raw config with `key` set to `value` (or removed, back to its default)."""
+    import json
+
     parts = _check_key(key)
     new = json.loads(json.dumps(raw))
     node = new

@@ -31,6 +31,8 @@ def free_slots(index: Index, cfg: Config) -> int:
 def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> list[Task]:
     """Every queued task that may start now, in order, without changing the index.
     `resources`: the machine's readings for the resource guard (None: no guard check)."""
+    if len(index.active) >= cfg.max_agents or guard_hold(cfg, resources) is not None:
+        return []  # what Board.pick says at once, without sorting the whole queue into lanes
     board = Board(index, cfg, now, resources)
     started = []
     while (task := board.pick()) is not None:
@@ -80,15 +82,40 @@ def positions(index: Index, cfg: Config, now: datetime) -> dict[int, int]:
     return {t.id: i for i, t in enumerate(start_order(index, cfg, now), 1)}
 
 
+def position(index: Index, cfg: Config, now: datetime, task: Task) -> int | None:
+    """positions(...).get(task.id), for one task: without sorting the queue when the start
+    order is a plain sort (a count of the tasks that sort before it)."""
+    if task.state is not TaskState.QUEUED:
+        return None
+    if simple_order(index, cfg):
+        key = task_key(cfg, task)
+        return 1 + sum(1 for t in index.queued if task_key(cfg, t) < key)
+    return positions(index, cfg, now).get(task.id)
+
+
+def waiting_for_one(index: Index, cfg: Config, now: datetime, task: Task, resources: Resources | None = None) -> str | None:
+    """waiting_for(...).get(task.id), for one queued task: the reason of its lane only."""
+    board = Board(index, cfg, now, resources, lanes=False)
+    return board.hold or board.why(task.source, board.group_of(task))
+
+
 def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> dict[int, str]:
     """Task id -> why that queued task waits, when it is not simply behind others (a source
     or group limit, a rate limit, the resource guard). Tasks without a reason are left out."""
-    board = Board(index, cfg, now, resources)
+    board = Board(index, cfg, now, resources, lanes=False)  # the reasons need no order
+    if board.hold is not None:
+        return {t.id: board.hold for t in index.queued}
+    if board.source_limit is None and board.interval is None and not board.caps:
+        return {}  # no limit that could hold a task
     out = {}
-    for (source, group), lane in board.lanes.items():
-        reason = board.hold or board.why(source, group)
+    reasons: dict[tuple[str, str | None], str | None] = {}  # one per lane (source, group)
+    for t in index.queued:
+        lane = (t.source, board.group_of(t))
+        if lane not in reasons:
+            reasons[lane] = board.why(*lane)
+        reason = reasons[lane]
         if reason is not None:
-            out.update((t.id, reason) for _, t in lane)
+            out[t.id] = reason
     return out
 
 
@@ -294,8 +321,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     )
     index.next_id += 1
     index.queued.append(task)
-    position = positions(index, cfg, now)[task.id]
-    return task, events + [_event("queued", task, now, position=position)]
+    return task, events + [_event("queued", task, now, position=position(index, cfg, now, task))]
 
 
 def set_priority(index: Index, task: Task, level: str, now: datetime) -> list[Event]:
