@@ -356,7 +356,8 @@ def _print_json(obj: object) -> None:
     import msgspec
 
     sys.stdout.flush()
-    out.write(msgspec.json.format(msgspec.json.encode(obj), indent=2) + b"\n")
+    out.write(msgspec.json.format(msgspec.json.encode(obj), indent=2))
+    out.write(b"\n")  # not appended to the JSON: that would copy it once more
     out.flush()
 
 
