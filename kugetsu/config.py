@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 from typing import Annotated, Any, Literal
@@ -458,6 +457,8 @@ _PATH_PART = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
 def _explain_invalid(raw: dict[str, Any], text: str) -> tuple[str | None, str, str | None]:
     """msgspec's validation message -> (the dotted key, what is wrong in plain words, a
     suggested JSON value or None)."""
+    import json  # only when a config does not validate
+
     m = re.match(r"(.*) - at `\$(.*)`$", text, re.DOTALL)
     message, masked = (m.group(1), m.group(2)) if m else (text, "")
     parts = _real_path(raw, masked, text)
@@ -505,6 +506,8 @@ def _explain_invalid(raw: dict[str, Any], text: str) -> tuple[str | None, str, s
 def _real_path(raw: dict[str, Any], masked: str, text: str) -> list[str]:
     """msgspec's path with each `[...]` (a dict key it does not name) replaced by the key:
     the first key whose entry alone makes the config fail the same way is the one it met."""
+    import json  # only when a config does not validate
+
     parts: list[str] = []
     for name, index in _PATH_PART.findall(masked):
         if index != "...":
@@ -619,6 +622,8 @@ def cluster_config(home: Home, local: dict[str, Any], shared: dict[str, Any], se
 def save_raw(home: Home, raw: dict[str, Any]) -> None:
     home.ensure()
     try:
+        import json  # only `config set`: not on every command's path
+
         atomic_write(home.config, json.dumps(raw, indent=2, ensure_ascii=False).encode() + b"\n")
     except OSError as err:
         if err.errno in DISK_FULL:  # atomic_write removed its temp file: config.json is as it was
@@ -631,6 +636,8 @@ def save_raw(home: Home, raw: dict[str, Any]) -> None:
 
 def parse_value(text: str) -> object:
     """A command-line value: JSON when it parses (5, true, null, [1,2]), else the plain string."""
+    import json
+
     try:
         return json.loads(text)
     except ValueError:
@@ -663,6 +670,8 @@ def get_value(cfg: Config, key: str) -> object:
 
 def with_value(raw: dict[str, Any], key: str, value: object, *, remove: bool = False) -> dict[str, Any]:
     """A copy of the raw config with `key` set to `value` (or removed, back to its default)."""
+    import json
+
     parts = _check_key(key)
     new = json.loads(json.dumps(raw))
     node = new

@@ -70,12 +70,14 @@ def send(home: Home, message: bytes) -> bool:
 
 def _send(home: Home, message: bytes) -> bool | Exception:
     """True: sent; False: no service listens; else what went wrong."""
-    import socket  # only here: 10+ ms of import the read-only commands skip
-
     try:
         path = str(home.socket)
     except KugetsuError as err:
         return err
+    if not os.path.lexists(path):
+        return False  # what sendto says (ENOENT), without importing socket
+    import socket  # only here: 10+ ms of import the read-only commands skip
+
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         sock.sendto(message, path)

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import stat
 from pathlib import Path
 
 from kugetsu.errors import DiskFull, KugetsuError, UsageError
+
+try:  # the builtin SHA-256: hashlib would load OpenSSL first, 2 ms of every CLI command
+    from _sha256 import sha256  # Python 3.11
+except ImportError:
+    try:
+        from _sha2 import sha256  # type: ignore[no-redef]  # 3.12+
+    except ImportError:
+        from hashlib import sha256
 
 # sun_path is 108 bytes on Linux and 104 on macOS; keep a margin.
 _MAX_SOCKET_PATH = 100
@@ -34,7 +41,7 @@ class Home:
     @property
     def key(self) -> str:
         """A short stable hash of the home, for names that must be unique per home."""
-        return hashlib.sha256(str(self.root).encode()).hexdigest()[:12]
+        return sha256(str(self.root).encode()).hexdigest()[:12]
 
     @property
     def socket(self) -> Path:

@@ -38,6 +38,8 @@ def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources |
     `here`: in a cluster, the machine deciding: only what can run there, within its slots."""
     if not starts_anywhere(cfg, here):
         return []
+    if len(index.active) >= cfg.max_agents or index.paused or guard_hold(cfg, resources) is not None:
+        return []  # what Board.pick says at once, without sorting the whole queue into lanes
     room = None
     if here is not None:
         room = placement.room(index, here)
@@ -93,9 +95,33 @@ def positions(index: Index, cfg: Config, now: datetime) -> dict[int, int]:
     return {t.id: i for i, t in enumerate(start_order(index, cfg, now), 1)}
 
 
+def position(index: Index, cfg: Config, now: datetime, task: Task) -> int | None:
+    """positions(...).get(task.id), for one task: without sorting the queue when the start
+    order is a plain sort (a count of the tasks that sort before it)."""
+    if task.state is not TaskState.QUEUED:
+        return None
+    if simple_order(index, cfg):
+        key = task_key(cfg, task)
+        return 1 + sum(1 for t in index.queued if task_key(cfg, t) < key)
+    return positions(index, cfg, now).get(task.id)
+
+
+def waiting_for_one(index: Index, cfg: Config, now: datetime, task: Task, resources: Resources | None = None) -> str | None:
+    """waiting_for(...).get(task.id), for one queued task: the reason of its lane only."""
+    if task.after:  # its dependencies, by name: the full look
+        return waiting_for(index, cfg, now, resources).get(task.id)
+    board = Board(index, cfg, now, resources, lanes=False)
+    return board.pause or board.hold or board.why(task.source, board.group_of(task))
+
+
 def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> dict[int, str]:
     """Task id -> why that queued task waits, when it is not simply behind others (a source
-    or group limit, a rate limit, the resource guard). Tasks without a reason are left out."""
+    or group limit, a rate limit, the resource guard, a pause, its dependencies). Tasks
+    without a reason are left out."""
+    quick = Board(index, cfg, now, resources, lanes=False)  # the counts only, no order
+    if (quick.pause is None and quick.hold is None and quick.source_limit is None and quick.interval is None
+            and not quick.caps and not any(t.after for t in index.queued)):
+        return {}  # nothing that could hold a task
     board = Board(index, cfg, now, resources)
     out = {}
     for (source, group), lane in board.lanes.items():
@@ -356,8 +382,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     )
     index.next_id += 1
     index.queued.append(task)
-    position = positions(index, cfg, now)[task.id]
-    return task, events + [_event("queued", task, now, position=position)]
+    return task, events + [_event("queued", task, now, position=position(index, cfg, now, task))]
 
 
 def dependencies(index: Index, refs: list[str]) -> list[int]:
@@ -638,6 +663,28 @@ def next_deadline(index: Index) -> datetime | None:
         elif task.timeout and task.started_at and task.stop is None:
             times.append(task.started_at + timedelta(seconds=task.timeout))
     return min(times, default=None)
+
+
+GUARD_RECHECK = 2.0  # seconds between resource readings while the guard holds queued tasks
+
+
+def policy_wakeups(index: Index, cfg: Config, now: datetime, resources: Resources | None,
+                   before: dict[str, datetime]) -> dict[str, datetime]:
+    """Wake-ups the scheduling policies need, beside next_deadline: when a rate limit that
+    holds a task runs out (so it starts on time), and a fresh resource reading while the
+    guard holds. `before`: what the last call returned."""
+    if not index.queued or free_slots(index, cfg) == 0:
+        return {}
+    jobs = {}
+    release = next_release(index, cfg, now)
+    if release is not None:
+        jobs["rate-limit"] = release
+    if guard_hold(cfg, resources) is not None:
+        # The re-check already set stands until it has come (else every tick would push
+        # it back); once it has, the next one is GUARD_RECHECK later, not at once again.
+        recheck = before.get("resource-guard")
+        jobs["resource-guard"] = recheck if recheck is not None and recheck > now else now + timedelta(seconds=GUARD_RECHECK)
+    return jobs
 
 
 def kills_due(index: Index, now: datetime) -> list[Task]:

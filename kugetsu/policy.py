@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from dataclasses import dataclass
 from datetime import datetime, timedelta
+
+import msgspec
 
 from kugetsu.config import Config, format_duration, format_size
 from kugetsu.models import PRIORITIES, Index, Task
@@ -24,9 +25,9 @@ RANK = {p: i for i, p in enumerate(PRIORITIES)}
 NEVER = -1  # the start counter of a source that never started: oldest of all under `fair`
 
 
-@dataclass(frozen=True)
-class Resources:
-    """Machine readings, measured by the caller (the service, the CLI) and passed in."""
+class Resources(msgspec.Struct, frozen=True):
+    """Machine readings, measured by the caller (the service, the CLI) and passed in. (A
+    Struct, not a dataclass: importing dataclasses costs every CLI command 1 ms.)"""
 
     available_memory: int | None = None  # bytes
     load_per_cpu: float | None = None  # 1-minute load average / CPUs
@@ -67,7 +68,8 @@ def simple_order(index: Index, cfg: Config) -> bool:
 class Board:
     """What the selection needs from an Index, in a form cheap to play forward."""
 
-    def __init__(self, index: Index, cfg: Config, now: datetime, resources: Resources | None = None):
+    def __init__(self, index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
+                 lanes: bool = True):
         self.cfg = cfg
         self.now = now
         self.hold = guard_hold(cfg, resources)
@@ -90,17 +92,18 @@ class Board:
         self.by_group = Counter(g for _, g in self.running if g is not None)
         # `delegate --after`: a task whose dependencies are still live is parked outside the
         # lanes (it must not hold up the tasks behind it in its lane) until they have ended.
+        # lanes=False: a Board for `why` alone, which needs only the counts (pm.waiting_for_one).
         self.running_ids: deque[int] = deque(t.id for t in index.active)
         self.parked: dict[int, tuple[Task, set[int]]] = {}
-        live = {t.id for t in index.live()} if any(t.after for t in index.queued) else set()
-        lanes: dict[tuple[str, str | None], list[tuple[tuple[int, int], Task]]] = {}
-        for t in index.queued:
+        live = {t.id for t in index.live()} if lanes and any(t.after for t in index.queued) else set()
+        queued: dict[tuple[str, str | None], list[tuple[tuple[int, int], Task]]] = {}
+        for t in index.queued if lanes else ():
             if t.after and (waits := {d for d in t.after if d in live}):
                 self.parked[t.id] = (t, waits)
                 continue
-            lanes.setdefault((t.source, self.group_of(t)), []).append((task_key(cfg, t), t))
+            queued.setdefault((t.source, self.group_of(t)), []).append((task_key(cfg, t), t))
         # Lanes are never empty: a lane leaves the dict with its last task.
-        self.lanes = {k: deque(sorted(v, key=lambda kt: kt[0])) for k, v in lanes.items()}
+        self.lanes = {k: deque(sorted(v, key=lambda kt: kt[0])) for k, v in queued.items()}
 
     def group_of(self, task: Task) -> str | None:
         # A group removed from the config no longer limits the tasks that named it.

@@ -21,7 +21,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from kugetsu import control, ops, placement, pm, runner
@@ -30,6 +30,7 @@ from kugetsu.deadlines import DeadlineTimer
 from kugetsu.errors import DiskFull, KugetsuError, Unreachable
 from kugetsu.exits import Ending, Exits
 from kugetsu.models import Event, Index, Task
+from kugetsu.pm import GUARD_RECHECK
 from kugetsu.paths import Home, atomic_write
 from kugetsu.processes import WARM_AHEAD, LetGo, Processes
 from kugetsu.store import Txn, open_store
@@ -44,7 +45,6 @@ __all__ = ["COMMIT_DELAY", "GUARD_RECHECK", "RECONCILE_EVERY", "WARM_AHEAD", "En
 log = logging.getLogger("kugetsu.service")
 
 RECONCILE_EVERY = 5.0  # seconds: a safety net; exits and deadlines do not wait for it
-GUARD_RECHECK = 2.0  # seconds between resource readings while the guard holds queued tasks
 COMMIT_DELAY = 0.02  # seconds an exit's transaction stays open for the exits that follow (_hold)
 RETRY_FIRST, RETRY_MAX = 0.1, 5.0  # seconds: backoff while transactions fail (a full disk)
 
@@ -506,26 +506,10 @@ class Service:
     def _sync_jobs(self) -> None:
         """Set the one deadline timer (deadlines.py) at the earliest moment anything falls due:
         pm's deadlines (expiry, run timeouts, SIGKILL after the grace) and the policies'."""
-        self.jobs = self._policy_jobs()
+        now = ops.now()
+        self.jobs = pm.policy_wakeups(self.index, self.cfg, now, ops.measure(self.cfg), self.jobs)
         due = min(filter(None, [pm.next_deadline(self.index), *self.jobs.values()]), default=None)
-        self.timer.set(due, ops.now())
-
-    def _policy_jobs(self) -> dict[str, datetime]:
-        """Wake-ups the scheduling policies need: when a rate limit that holds a task runs
-        out (so it starts on time), and a fresh resource reading while the guard holds."""
-        index, cfg, now = self.index, self.cfg, ops.now()
-        if not index.queued or pm.free_slots(index, cfg) == 0:
-            return {}
-        jobs = {}
-        release = pm.next_release(index, cfg, now)
-        if release is not None:
-            jobs["rate-limit"] = release
-        if pm.guard_hold(cfg, ops.measure(cfg)) is not None:
-            # The re-check already set stands until it has come (else every tick would push
-            # it back); once it has, the next one is GUARD_RECHECK later, not at once again.
-            recheck = self.jobs.get("resource-guard")
-            jobs["resource-guard"] = recheck if recheck is not None and recheck > now else now + timedelta(seconds=GUARD_RECHECK)
-        return jobs
+        self.timer.set(due, now)
 
     # ---- extensions (the Telegram bot) -----------------------------------------------
 

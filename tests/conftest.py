@@ -4,13 +4,15 @@ real agent processes that record their own start and end times, the real service
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,8 @@ sys.path.insert(0, str(REPO))
 
 from kugetsu.paths import Home  # noqa: E402
 from pg import pg_url  # noqa: E402,F401  (the cluster tests' real PostgreSQL)
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)  # the injected clock of the pure tests (pm, policy, store)
 
 # Everything the tests talk to is on 127.0.0.1 (the fake Bot API server): never through a
 # proxy that a CI machine may set for the package registries.
@@ -47,6 +51,22 @@ async def wait_for_async(condition: Callable[[], object], timeout: float = 10.0,
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.02)
     return value
+
+
+@contextlib.asynccontextmanager
+async def service_in_process(home: Home) -> AsyncIterator[None]:
+    """The real service, run on the test's own event loop (so that a test can patch what it
+    calls), stopped at the end. Tests look at what it does (wrappers, the index, events,
+    the agents' own times), not at its fields."""
+    from kugetsu.service import Service
+
+    svc = Service(home)
+    serving = asyncio.create_task(svc.main())
+    try:
+        yield
+    finally:
+        svc.stop()
+        await serving
 
 
 class Kugetsu:

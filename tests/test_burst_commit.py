@@ -10,10 +10,10 @@ import signal
 import subprocess
 import sys
 
-from conftest import wait_for, wait_for_async
+from conftest import service_in_process, wait_for, wait_for_async
 
 from kugetsu import service
-from kugetsu.service import Service
+from kugetsu.store import Store
 
 CODES = [0, 1, 2, 0, 3, 0, 1, 0]  # each task's own exit status
 
@@ -35,19 +35,17 @@ async def test_a_burst_shares_commits_and_a_cli_command_waits_for_it(kg, monkeyp
     names = [f"t{i}" for i in range(len(CODES))]
     gate = await asyncio.to_thread(_queue_behind_a_gated_blocker, kg, names)
     monkeypatch.setattr(service, "COMMIT_DELAY", 5.0)  # the whole burst fits in one hold
-    svc = Service(kg.home)
     commits = []
-    real_commit = svc.store.commit
-    monkeypatch.setattr(svc.store, "commit", lambda txn: (commits.append(len(txn.events)), real_commit(txn)))
-    serving = asyncio.create_task(svc.main())
-    try:
-        await wait_for_async(lambda: svc.successor and 2 in svc.procs.warm, what="blocker running and t0 warm")
+    real_commit = Store.commit  # the CLI runs in subprocesses: only the service's commits count here
+    monkeypatch.setattr(Store, "commit", lambda store, txn: (commits.append(len(txn.events)), real_commit(store, txn)))
+    async with service_in_process(kg.home):
+        await wait_for_async(lambda: 2 in kg.wrappers(), what="blocker running and t0 warm")
         before = len(commits)
         gate.touch()
         # Every agent runs, one after the other, while the index still says none has ended:
         # promotion does not wait for the commit.
         await wait_for_async(lambda: len(_ended(kg, names)) == len(names), what="the whole burst to run")
-        assert svc.held is not None and len(commits) == before
+        assert len(commits) == before  # none committed yet: the exits' transaction is held
         assert [t["name"] for t in kg.index()["queued"]] == names  # the lock-free view: the last commit
         # A CLI transaction waits for the held one (the lock), then builds on it.
         late = await asyncio.to_thread(kg.ok, "delegate", "late", "--", "true")
@@ -55,9 +53,6 @@ async def test_a_burst_shares_commits_and_a_cli_command_waits_for_it(kg, monkeyp
         finished = [t["name"] for t in kg.index()["finished"] if t["name"] != "late"]
         assert finished == ["blocker", *names]
         assert commits[before] == 1 + 2 * len(names)  # nine exits (finished, started), one commit
-    finally:
-        svc.stop()
-        await serving
     finished = {t["name"]: t for t in kg.index()["finished"]}
     for name, code in zip(names, CODES):
         assert finished[name]["exit_code"] == code

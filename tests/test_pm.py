@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 
 import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import T0
+
 from kugetsu import pm
 from kugetsu.config import Config
 from kugetsu.errors import NotFound, Rejected, UsageError
 from kugetsu.models import Index, TaskState, check_index
-
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
 def req(name=None, **kw):
@@ -23,11 +23,6 @@ def req(name=None, **kw):
 
 def admit_all(index, cfg, names, now=T0):
     return [pm.admit(index, cfg, now, req(n))[0] for n in names]
-
-
-def settle(index, cfg, now=T0):
-    for task in pm.plan_starts(index, cfg, now):
-        pm.start(index, task, now)
 
 
 def test_admit_assigns_increasing_ids_and_default_names():
@@ -40,7 +35,7 @@ def test_admit_assigns_increasing_ids_and_default_names():
 def test_fifo_positions_follow_admission_order():
     index, cfg = Index(), Config(max_agents=1)
     tasks = admit_all(index, cfg, ["a", "b", "c", "d"])
-    settle(index, cfg)
+    pm.settle(index, cfg, T0)
     assert [t.name for t in index.active] == ["a"]
     assert pm.positions(index, cfg, T0) == {tasks[1].id: 1, tasks[2].id: 2, tasks[3].id: 3}
 
@@ -48,11 +43,11 @@ def test_fifo_positions_follow_admission_order():
 def test_start_takes_lowest_free_slot():
     index, cfg = Index(), Config(max_agents=3)
     a, b, c = admit_all(index, cfg, ["a", "b", "c"])
-    settle(index, cfg)
+    pm.settle(index, cfg, T0)
     assert (a.slot, b.slot, c.slot) == (1, 2, 3)
     pm.finish(index, b, T0, 0)
     d, = admit_all(index, cfg, ["d"])
-    settle(index, cfg)
+    pm.settle(index, cfg, T0)
     assert d.slot == 2
 
 
@@ -61,7 +56,7 @@ def test_duplicate_live_name_is_refused_but_finished_name_may_return():
     a, = admit_all(index, cfg, ["a"])
     with pytest.raises(UsageError, match="already queued or running"):
         pm.admit(index, cfg, T0, req("a"))
-    settle(index, cfg)
+    pm.settle(index, cfg, T0)
     pm.finish(index, a, T0, 0)
     b, _ = pm.admit(index, cfg, T0, req("a"))
     assert b.id == 2
@@ -78,7 +73,7 @@ def test_invalid_names_are_refused(name):
 def test_queue_full_is_rejected_with_numbers_and_nothing_changes():
     index, cfg = Index(), Config(max_agents=1, max_queue=2)
     admit_all(index, cfg, ["a", "b", "c"])
-    settle(index, cfg)
+    pm.settle(index, cfg, T0)
     before = (index.next_id, len(index.queued))
     with pytest.raises(Rejected, match=r"queue full: 2/2 waiting, 1/1 running"):
         pm.admit(index, cfg, T0, req("d"))
@@ -88,7 +83,7 @@ def test_queue_full_is_rejected_with_numbers_and_nothing_changes():
 def test_a_free_slot_admits_even_when_max_queue_is_zero():
     index, cfg = Index(), Config(max_agents=1, max_queue=0)
     pm.admit(index, cfg, T0, req("a"))
-    settle(index, cfg)
+    pm.settle(index, cfg, T0)
     with pytest.raises(Rejected):
         pm.admit(index, cfg, T0, req("b"))
 
@@ -110,7 +105,7 @@ def test_preset_needs_a_prompt_and_must_exist():
 def test_finish_states():
     index, cfg = Index(), Config()
     a, b, c = admit_all(index, cfg, ["a", "b", "c"])
-    settle(index, cfg)
+    pm.settle(index, cfg, T0)
     pm.finish(index, a, T0, 0)
     pm.finish(index, b, T0, 137)
     pm.finish(index, c, T0, None)
@@ -122,7 +117,7 @@ def test_finish_states():
 def test_cancel_queued_is_immediate_and_running_waits_for_the_process():
     index, cfg = Index(), Config(max_agents=1)
     a, b = admit_all(index, cfg, ["a", "b"])
-    settle(index, cfg)
+    pm.settle(index, cfg, T0)
     events = pm.cancel(index, b, T0, grace=10)
     assert b.state is TaskState.CANCELLED and [e.type for e in events] == ["cancelled"]
     assert pm.cancel(index, a, T0, grace=10) == []
@@ -139,7 +134,7 @@ def test_cancel_queued_is_immediate_and_running_waits_for_the_process():
 def test_expiry_is_exact_to_the_deadline():
     index, cfg = Index(), Config(max_agents=1, queue_timeout="1h")
     a, b = admit_all(index, cfg, ["a", "b"])
-    settle(index, cfg)
+    pm.settle(index, cfg, T0)
     assert pm.expire_due(index, T0 + timedelta(minutes=59, seconds=59)) == []
     events = pm.expire_due(index, T0 + timedelta(hours=1))
     assert [e.type for e in events] == ["expired"] and b.state is TaskState.EXPIRED
@@ -150,7 +145,7 @@ def test_expiry_is_exact_to_the_deadline():
 def test_run_timeout_marks_failed_stop_once():
     index, cfg = Index(), Config(run_timeout="90s")
     a, = admit_all(index, cfg, ["a"])
-    settle(index, cfg)
+    pm.settle(index, cfg, T0)
     assert pm.timeouts_due(index, T0 + timedelta(seconds=89), grace=5) == []
     assert pm.timeouts_due(index, T0 + timedelta(seconds=90), grace=5) == [a]
     assert pm.timeouts_due(index, T0 + timedelta(seconds=95), grace=5) == []  # already stopping
@@ -161,16 +156,16 @@ def test_run_timeout_marks_failed_stop_once():
 def test_lowering_max_agents_never_stops_running_tasks():
     index = Index()
     admit_all(index, Config(max_agents=3), ["a", "b", "c", "d"])
-    settle(index, Config(max_agents=3))
+    pm.settle(index, Config(max_agents=3), T0)
     low = Config(max_agents=1)
-    settle(index, low)
+    pm.settle(index, low, T0)
     assert len(index.active) == 3 and pm.free_slots(index, low) == 0
 
 
 def test_trim_history_keeps_the_newest():
     index, cfg = Index(), Config(max_agents=5)
     tasks = admit_all(index, cfg, list("abcde"))
-    settle(index, cfg)
+    pm.settle(index, cfg, T0)
     for t in tasks:
         pm.finish(index, t, T0, 0)
     gone = pm.trim_history(index, 2)
@@ -216,13 +211,9 @@ def test_invariants_hold_under_any_sequence(steps, max_agents):
         elif op == "max":
             cfg = Config(max_agents=arg, max_queue=1000, queue_timeout="2h")
         elif op == "tick":
-            now += timedelta(seconds=arg)
-            pm.expire_due(index, now)
+            now += timedelta(seconds=arg)  # settle expires what is due by then
         before = len(index.active)
-        planned = pm.plan_starts(index, cfg, now)
-        for task in planned:
-            pm.start(index, task, now)
-            started.append(task.id)
+        started += [e.task for e in pm.settle(index, cfg, now).events if e.type == "started"]
         assert len(index.active) <= max(cfg.max_agents, before)
         assert check_index(index) is None
         pos = pm.positions(index, cfg, now)
@@ -237,21 +228,19 @@ def test_positions_predict_the_real_start_order(n, max_agents):
     cfg = Config(max_agents=max_agents, max_queue=1000)
     index = Index()
     admit_all(index, cfg, [f"t{i}" for i in range(n)])
-    settle(index, cfg)
+    pm.settle(index, cfg, T0)
     predicted = sorted(pm.positions(index, cfg, T0), key=pm.positions(index, cfg, T0).get)
     actual = []
     while index.active:
         pm.finish(index, index.active[0], T0, 0)
-        for task in pm.plan_starts(index, cfg, T0):
-            pm.start(index, task, T0)
-            actual.append(task.id)
+        actual += [e.task for e in pm.settle(index, cfg, T0).events if e.type == "started"]
     assert actual == predicted
 
 
 def test_successor_only_where_one_exit_frees_a_slot_whichever_it_is():
     index, cfg = Index(), Config(max_agents=2)
     admit_all(index, cfg, ["a", "b", "c", "d"])
-    settle(index, cfg)
+    pm.settle(index, cfg, T0)
     assert pm.successor(index, cfg).task.name == "c"
     assert pm.successor(index, Config(max_agents=1)) is None  # over capacity: an exit frees nothing
     assert pm.successor(index, Config(max_agents=3)) is None  # a free slot: starts happen at once
@@ -278,8 +267,7 @@ def test_queue_view_is_the_one_view_every_front_end_renders():
     ix = Index()
     for i, src in enumerate(["a", "a", "b", "a"], 1):
         pm.admit(ix, cfg, T0, pm.Request(cwd="/", name=f"t{i}", command=["x"], source=src))
-    for task in pm.plan_starts(ix, cfg, T0):
-        pm.start(ix, task, T0)
+    pm.settle(ix, cfg, T0)
     ix.active.reverse()
     view = pm.queue_view(ix, cfg, T0)
     assert [t.slot for t in view.running] == [1, 2]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime
 
 from conftest import wait_for
+
+from kugetsu import pm
 
 
 def queued(kg) -> list[dict]:
@@ -73,7 +76,9 @@ def test_rate_limit_starts_on_time_and_delays_no_other_source(kg):
     assert kg.delegate("b1", 0, 0, "--source", "b").startswith("started b1")
     waiting = queued(kg)
     assert waiting and waiting[0]["waiting_for"].startswith("rate limit: source a may start again in")
-    kg.wait_state("a2", "succeeded", timeout=10)
+    # Waiting on the agent's own record, not the CLI: a CLI command wakes the service, which
+    # would hide a missing wake-up (pm.policy_wakeups).
+    wait_for(lambda: "end" in kg.times("a2"), 10, "a2 to run")
     gap = started_at(kg, "a2") - started_at(kg, "a1")
     assert 2.0 <= gap < 3.0, gap  # not before the limit, and on time (a job, not the 5 s reconcile)
     assert kg.times("b1")["start"] - kg.times("a1")["start"] < 1.5
@@ -94,8 +99,12 @@ def test_resource_guard_rechecks_by_itself(kg):
     kg.delegate("x", 0)
     assert kg.task("x")["state"] == "queued"
     # Relax the bound behind the service's back (no wake-up): its own re-check starts x.
+    relaxed = time.time()
     kg.home.config.write_text(json.dumps({"resource_guard": {"min_available_memory": "1MiB"}}))
-    kg.wait_state("x", "succeeded", timeout=6)
+    # At its own re-check (pm.GUARD_RECHECK), not at the 5 s reconcile. Waiting on the agent's
+    # own record, not the CLI: a CLI command wakes the service, which would hide a missing one.
+    wait_for(lambda: "start" in kg.times("x"), 6, "x to start")
+    assert kg.times("x")["start"] - relaxed < pm.GUARD_RECHECK + 1.5
 
 
 def test_groups_need_a_slot_in_the_group(kg):
@@ -132,36 +141,3 @@ def test_policy_config_keys(kg):
     assert shown["resource_guard"] == {"min_available_memory": "2GiB", "max_load_per_cpu": None}
     r = kg.run("config", "set", "resource_guard.min_available_memory", "lots")
     assert r.returncode == 2 and "is not a size" in r.stderr
-
-
-def test_service_schedules_policy_wakeups(tmp_path):
-    # The reconcile every 5 s would hide a missing job in the end-to-end tests above; this
-    # checks the service asks for the two wake-ups itself.
-    from datetime import timedelta
-
-    import msgspec
-
-    from kugetsu import ops, pm
-    from kugetsu.config import Config
-    from kugetsu.models import Index
-    from kugetsu.paths import Home
-    from kugetsu.service import GUARD_RECHECK, Service
-
-    svc = Service(Home(tmp_path / "h"))
-    svc.cfg = msgspec.convert({"max_agents": 2, "min_start_interval_per_source": "1m"}, Config)
-    now = ops.now()
-    for name in ("a1", "a2"):
-        pm.admit(svc.index, svc.cfg, now, pm.Request(cwd="/", name=name, command=["true"], source="a"))
-    pm.start(svc.index, pm.next_to_start(svc.index, svc.cfg, now), now)
-    assert svc._policy_jobs() == {"rate-limit": now + timedelta(minutes=1)}
-
-    svc.cfg = msgspec.convert({"resource_guard": {"min_available_memory": "1024TiB"}}, Config)
-    jobs = svc._policy_jobs()
-    assert set(jobs) == {"resource-guard"}
-    assert 0 < (jobs["resource-guard"] - ops.now()).total_seconds() <= GUARD_RECHECK
-    svc.jobs["resource-guard"] = jobs["resource-guard"]
-    assert svc._policy_jobs() == jobs  # kept, not pushed back by every tick
-    svc.jobs["resource-guard"] = ops.now() - timedelta(seconds=1)  # it has come and the guard still holds
-    assert svc._policy_jobs()["resource-guard"] > ops.now()  # the next one, not a timer due at once forever
-    svc.index = Index()
-    assert svc._policy_jobs() == {}  # nothing waits: no wake-ups

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 import msgspec
 import pytest
+
+from conftest import T0
 
 from kugetsu import pm
 from kugetsu.config import Config, parse_size
 from kugetsu.errors import Rejected, UsageError
 from kugetsu.models import Index, TaskState
-
-T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
 
 
 def cfg(**kw: object) -> Config:
@@ -27,10 +27,8 @@ def add(index: Index, c: Config, name: str, source: str = "cli", priority: str =
 
 
 def settle(index: Index, c: Config, now: datetime = T0, res: pm.Resources | None = None) -> list[str]:
-    started = pm.plan_starts(index, c, now, res)
-    for t in started:
-        pm.start(index, t, now)
-    return [t.name for t in started]
+    """pm.settle; the names of the tasks it started, in order."""
+    return [e.name for e in pm.settle(index, c, now, res).events if e.type == "started"]
 
 
 def order(index: Index, c: Config, now: datetime = T0) -> list[str]:
@@ -255,6 +253,26 @@ def test_resource_guard_off_by_default_ignores_readings():
     c, ix = cfg(), Index()
     add(ix, c, "a")
     assert settle(ix, c, res=pm.Resources(available_memory=1, load_per_cpu=99.0)) == ["a"]
+
+
+def test_policy_wakeups_at_a_rate_limits_end_and_a_guard_recheck_that_is_never_pushed_back():
+    # The reconcile every 5 s would hide a missing wake-up in the end-to-end tests.
+    c, ix = cfg(max_agents=2, min_start_interval_per_source="1m"), Index()
+    add(ix, c, "a1", source="a")
+    add(ix, c, "a2", source="a")
+    assert settle(ix, c) == ["a1"]
+    assert pm.policy_wakeups(ix, c, T0, None, {}) == {"rate-limit": T0 + timedelta(minutes=1)}
+
+    c = cfg(max_agents=2, resource_guard={"min_available_memory": "2GiB"})
+    low_mem = pm.Resources(available_memory=1024**3, load_per_cpu=0.1)
+    jobs = pm.policy_wakeups(ix, c, T0, low_mem, {})
+    assert jobs == {"resource-guard": T0 + timedelta(seconds=pm.GUARD_RECHECK)}
+    later = T0 + timedelta(seconds=1)
+    assert pm.policy_wakeups(ix, c, later, low_mem, jobs) == jobs  # kept, not pushed back by every tick
+    due = T0 + timedelta(seconds=pm.GUARD_RECHECK)  # it has come and the guard still holds: the next one
+    assert pm.policy_wakeups(ix, c, due, low_mem, jobs) == {"resource-guard": due + timedelta(seconds=pm.GUARD_RECHECK)}
+    assert pm.policy_wakeups(ix, c, T0, pm.Resources(available_memory=4 * 1024**3, load_per_cpu=0.1), {}) == {}
+    assert pm.policy_wakeups(Index(), c, T0, low_mem, jobs) == {}  # nothing waits: no wake-ups
 
 
 def test_policy_config_keys_are_checked():

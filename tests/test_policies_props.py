@@ -4,18 +4,18 @@ strategies, drained for real (pm.next_to_start + pm.start + pm.finish, an inject
 from __future__ import annotations
 
 from collections import Counter
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import T0
+
 from kugetsu import pm
 from kugetsu.config import Config
 from kugetsu.models import PRIORITIES, Index
 from kugetsu.policy import Board, simple_order, task_key
-
-T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
 
 task_st = st.tuples(st.sampled_from("abcd"), st.sampled_from(PRIORITIES), st.sampled_from([None, None, "g1", "g2"]))
 config_st = st.fixed_dictionaries({
@@ -38,8 +38,7 @@ def build(raw: dict, first: list, later: list, gap: int) -> tuple[Config, Index,
     for batch in (first, later):
         for source, priority, group in batch:
             pm.admit(index, cfg, now, pm.Request(cwd="/", command=["true"], source=source, priority=priority, group=group))
-        for task in pm.plan_starts(index, cfg, now):
-            pm.start(index, task, now)
+        pm.settle(index, cfg, now)
         now = T0 + timedelta(seconds=gap)
     return cfg, index, now
 
@@ -167,3 +166,29 @@ def test_successor_is_what_the_next_free_slot_starts(raw, simple, first, later, 
             pm.finish(after, after.active[ending], at, 0)
             pm.expire_due(after, at)
             assert [t.id for t in pm.plan_starts(after, cfg, at)][:1] == [succ.task.id]
+
+
+@settings(max_examples=150, deadline=None)
+@given(config_st, st.lists(task_st, max_size=8), st.lists(task_st, max_size=16), st.integers(0, 6),
+       st.booleans(), st.booleans(), st.sampled_from([None, pm.Resources(available_memory=1, load_per_cpu=99.0)]))
+def test_the_quick_answers_for_one_task_are_the_full_ones(raw, first, later, gap, groups, guard, res):
+    """The CLI's hot path asks for one task's position and reason, and settles without a
+    free slot: the short cuts give what the full computations give (the Board's lanes)."""
+    if guard:
+        raw = {**raw, "resource_guard": {"max_load_per_cpu": 1.0}}
+    cfg, index, now = build(raw, first, later, gap)
+    if not groups:  # removed from the config since: they limit nothing any more
+        cfg = msgspec.convert({**raw, "groups": {}}, Config)
+    board = Board(index, cfg, now, res)
+    lanes = {t.id: board.hold or board.why(s, g) for (s, g), lane in board.lanes.items() for _, t in lane}
+    assert pm.waiting_for(index, cfg, now, res) == {i: why for i, why in lanes.items() if why is not None}
+    full = pm.positions(index, cfg, now)
+    for task in index.queued + index.active:
+        assert pm.position(index, cfg, now, task) == full.get(task.id)
+    for task in index.queued:
+        assert pm.waiting_for_one(index, cfg, now, task, res) == lanes[task.id]
+    picked = []
+    while (task := board.pick()) is not None:
+        board.take(task)
+        picked.append(task)
+    assert pm.plan_starts(index, cfg, now, res) == picked

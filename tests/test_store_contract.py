@@ -14,13 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, T0
 
 from kugetsu.models import Event, Task
 from kugetsu.paths import Home
 from kugetsu.store import Store, StoreProtocol
-
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
 def file_store(tmp: Path, request: pytest.FixtureRequest) -> StoreProtocol:

@@ -8,10 +8,9 @@ import logging
 import os
 import signal
 
-from conftest import agent_wrappers, wait_for, wait_for_async  # noqa: F401
+from conftest import agent_wrappers, service_in_process, wait_for, wait_for_async  # noqa: F401
 
 from kugetsu import pm, processes, runner
-from kugetsu.service import Service
 
 
 def _warm_for(kg, task_id):
@@ -63,18 +62,12 @@ async def test_only_the_first_warm_ahead_tasks_wait_warm(kg, monkeypatch):
     for name in ("a", "b", "c", "d"):
         await asyncio.to_thread(kg.delegate, name, 0)
     monkeypatch.setattr(processes, "WARM_AHEAD", 2)
-    svc = Service(kg.home)
-    serving = asyncio.create_task(svc.main())
-    try:
-        await wait_for_async(lambda: set(svc.procs.warm) == {2, 3}, what="a and b warm")
+    async with service_in_process(kg.home):
+        await wait_for_async(lambda: set(kg.wrappers()) == {1, 2, 3}, what="blocker running, a and b warm")
         await asyncio.to_thread(kg.ok, "cancel", "a")  # c moves up: it is warmed, a's wrapper goes
-        await wait_for_async(lambda: set(svc.procs.warm) == {3, 4}, what="b and c warm")
-        await wait_for_async(lambda: set(kg.wrappers()) == {1, 3, 4}, what="a's wrapper to exit")
+        await wait_for_async(lambda: set(kg.wrappers()) == {1, 3, 4}, what="b and c warm, a's wrapper gone")
         gate.touch()
         await wait_for_async(lambda: len(kg.index()["finished"]) == 5, what="the queue to drain")
-    finally:
-        svc.stop()
-        await serving
     assert kg.times("a") == {} and all(kg.times(n) for n in ("b", "c", "d"))
 
 
@@ -157,16 +150,13 @@ async def test_a_task_let_go_early_but_not_started_by_pm_is_recorded_not_run_twi
     gate = kg.rec / "go"
     await asyncio.to_thread(kg.delegate, "blocker", 0, gate=gate)
     await asyncio.to_thread(kg.delegate, "next", 0)
-    svc = Service(kg.home)
-    serving = asyncio.create_task(svc.main())
-    try:
-        await wait_for_async(lambda: svc.successor and 2 in svc.procs.warm, what="blocker running and next warm")
-        assert svc.successor.task.name == "next"
-        warm_pid = svc.procs.warm[2].pid
+    async with service_in_process(kg.home):
+        await wait_for_async(lambda: 2 in kg.wrappers(), what="blocker running and next warm")
+        warm_pid = kg.wrappers()[2][0]
         real_settle, skipped = pm.settle, []
 
         def settle_but_not_at_the_exit(index, cfg, now, resources=None, here=None):
-            if svc.exits.exited and not skipped:
+            if any(t.name == "blocker" for t in index.finished) and not skipped:
                 skipped.append(now)
                 return pm.Plan()
             return real_settle(index, cfg, now, resources, here)
@@ -175,9 +165,6 @@ async def test_a_task_let_go_early_but_not_started_by_pm_is_recorded_not_run_twi
         caplog.set_level(logging.ERROR, logger="kugetsu.service")
         gate.touch()
         done = await wait_for_async(lambda: [t for t in kg.index()["finished"] if t["name"] == "next"], what="next to finish")
-    finally:
-        svc.stop()
-        await serving
     assert skipped, "the exit's transaction did not run"
     assert done[0]["state"] == "succeeded" and done[0]["pid"] == warm_pid
     assert (kg.rec / "next").read_text().count("start") == 1

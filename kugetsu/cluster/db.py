@@ -7,7 +7,6 @@ Every failure to reach the database becomes `Unreachable` (exit 1, `database unr
 from __future__ import annotations
 
 import os
-import re
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager

@@ -164,10 +164,10 @@ class Notifier:
         if self.cluster is None:
             self.cursors, self._tail = Cursors(cursor_path(home)), lambda: EventTail(home)
         else:
-            from kugetsu.cluster.feeds import DbCursors, DbTail
+            from kugetsu.cluster import feeds
 
             url = self.cluster
-            self.cursors, self._tail = DbCursors(url), lambda: DbTail(url)
+            self.cursors, self._tail = feeds.DbCursors(url), lambda: feeds.DbTail(url)
         self.feeds: dict[int, asyncio.Task[None]] = {}
         self.wakes: dict[int, asyncio.Event] = {}
         self.tails: dict[int, EventTail | DbTail] = {}
