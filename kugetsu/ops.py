@@ -143,6 +143,8 @@ def _admit(home: Home, txn: Txn, cfg: Config, req: pm.Request, written: list[Pat
     settle(txn, cfg)
     position = pm.position(txn.index, cfg, txn.now, task)
     why = pm.waiting_for_one(txn.index, cfg, txn.now, task, measure(cfg)) if position else None
+    if position and task.pinned_host is not None:
+        why = placement.placement_note(task, hosts_up(cfg)) or why
     return Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
 
 
@@ -508,7 +510,22 @@ def listing(cfg: Config, index: Index, finished: bool = False) -> Listing:
     t = now()
     latest = list(reversed(index.finished[-20:])) if finished else None
     here = host_name(cfg) if cfg.store else None
-    return Listing(pm.queue_view(index, cfg, t, measure(cfg)), index, t, latest, here)
+    view = pm.queue_view(index, cfg, t, measure(cfg))
+    if cfg.store is not None and any(x.pinned_host for x in view.queued):
+        view = pm.with_placement(view, hosts_up(cfg))
+    return Listing(view, index, t, latest, here)
+
+
+def hosts_up(cfg: Config) -> set[str]:
+    """Cluster mode: the machines whose lease holds now."""
+    assert cfg.store is not None
+    from kugetsu.cluster import hosts as H
+    from kugetsu.cluster.store import store_for
+
+    store = store_for(cfg.store)
+    t = store.now()
+    return {r.name for r in H.rows(store.conn)
+            if placement.host_state(r.heartbeat_at, r.gone, t, cfg.cluster.lease_s) == "up"}
 
 
 def queue_json(listed: Listing) -> dict[str, Any]:

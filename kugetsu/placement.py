@@ -65,7 +65,7 @@ def placement_note(task: Task, alive: set[str] | None) -> str | None:
     if task.pinned_host is None or alive is None:
         return None
     if task.pinned_host not in alive:
-        return f"host {task.pinned_host} (pinned) is not up"
+        return f"host {task.pinned_host} is not up (the task is pinned to it: `kugetsu hosts`)"
     return None
 
 

@@ -194,6 +194,15 @@ def queue_view(index: Index, cfg: Config, now: datetime, resources: Resources | 
     )
 
 
+def with_placement(view: QueueView, up: set[str]) -> QueueView:
+    """A cluster's queue view, where a task pinned to a machine that is not up says so
+    (placement.placement_note): it can run nowhere now, whatever its position."""
+    notes = {t.id: note for t in view.queued if (note := placement.placement_note(t, up))}
+    if not notes:
+        return view
+    return msgspec.structs.replace(view, waiting_for={**view.waiting_for, **notes})
+
+
 def next_release(index: Index, cfg: Config, now: datetime) -> datetime | None:
     """When a rate limit that holds a queued task runs out (the service wakes then)."""
     return Board(index, cfg, now).next_release()

@@ -264,3 +264,22 @@ def test_a_password_in_the_store_url_is_never_shown(tmp_path: Path):
     k.env["KUGETSU_STORE"] = "postgresql://kugetsu:hunter2@127.0.0.1:1/nothing"
     r = k.run("queue")
     assert r.returncode == 1 and "hunter2" not in r.stderr and "kugetsu:***@127.0.0.1:1" in r.stderr
+
+
+def test_a_task_pinned_to_a_machine_that_is_not_up_says_why_it_waits(machines: Machine):
+    a = machines("m1", serve=False)
+    out = a.ok("delegate", "lonely", "--host", "nowhere", "--", "true")
+    assert out.strip().endswith("waiting for: host nowhere is not up (the task is pinned to it: `kugetsu hosts`)"), out
+    assert "host nowhere is not up" in a.ok("queue")
+    assert a.json("queue")["queued"][0]["waiting_for"].startswith("host nowhere is not up")  # type: ignore[index]
+
+
+def test_one_machine_never_loads_the_cluster_code(kg: Kugetsu):
+    import subprocess
+    import sys
+
+    for args in (["capacity"], ["delegate", "x", "--", "true"], ["queue"]):
+        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "kugetsu", *args], env=kg.env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert "psycopg" not in r.stderr and "kugetsu.cluster" not in r.stderr, args

@@ -130,3 +130,13 @@ def test_pinning_a_task_needs_a_cluster():
 
     with pytest.raises(NotClustered, match="cluster mode"):
         admit(Index(), Config(), "a", pinned_host="m2")
+
+
+def test_a_task_pinned_to_a_machine_that_is_not_up_says_so():
+    index, cfg = Index(), cluster()
+    a = admit(index, cfg, "a", pinned_host="m9")
+    b = admit(index, cfg, "b")
+    view = pm.with_placement(pm.queue_view(index, cfg, T0), {"m1"})
+    assert view.waiting_for == {a.id: "host m9 is not up (the task is pinned to it: `kugetsu hosts`)"}
+    assert view.positions == {a.id: 1, b.id: 2}
+    assert pm.with_placement(pm.queue_view(index, cfg, T0), {"m9"}).waiting_for == {}
