@@ -216,6 +216,35 @@ def set_priority(home: Home, ref: str, level: str) -> tuple[Task, int | None]:
     return task, position
 
 
+# ---- provider limits and retries ---------------------------------------------------------
+
+
+def hold(home: Home, agent: str, until: datetime | None) -> list[Event]:
+    """`kugetsu hold AGENT [--until T]`: the preset's queued tasks wait; running ones run on."""
+    with _locked(home) as (txn, cfg):
+        events = pm.hold(txn.index, cfg, agent, until, txn.now)
+        txn.emit(events)
+        settle(txn, cfg)
+    wake(home, cfg)
+    return events
+
+
+def release(home: Home, agent: str) -> list[Event]:
+    """`kugetsu release AGENT`: its tasks may start at once."""
+    with _locked(home) as (txn, cfg):
+        events = pm.release(txn.index, cfg, agent, txn.now)
+        txn.emit(events)
+        settle(txn, cfg)
+    wake(home, cfg)
+    return events
+
+
+def retry(home: Home, cfg: Config, ref: str) -> Admission:
+    """`kugetsu retry TASK`: a finished task admitted again as a new task (`retry_of`)."""
+    _, index = read(home)
+    return delegate(home, cfg, pm.retry_request(pm.find(index, ref)))
+
+
 # ---- config ------------------------------------------------------------------------------
 
 
@@ -361,9 +390,9 @@ def read(home: Home) -> tuple[Config, Index]:
     return load_config(home), Store(home).read()
 
 
-def capacity_json(cfg: Config, index: Index) -> dict[str, int]:
+def capacity_json(cfg: Config, index: Index) -> dict[str, Any]:
     """`kugetsu capacity --json`: what a PM agent checks before delegating."""
-    return msgspec.to_builtins(pm.capacity(index, cfg))  # type: ignore[no-any-return]
+    return msgspec.to_builtins(pm.capacity(index, cfg, now()))  # type: ignore[no-any-return]
 
 
 class Listing(msgspec.Struct):
@@ -395,6 +424,8 @@ def queue_json(listed: Listing) -> dict[str, Any]:
         "queued": [task_json(t, view.positions[t.id]) | {"waiting_for": view.waiting_for.get(t.id)} for t in view.queued],
         "groups": view.groups,
     }
+    if view.capacity.holds:
+        out["holds"] = msgspec.to_builtins(view.capacity.holds)
     if listed.finished is not None:
         out["finished"] = [task_json(t, None) for t in listed.finished]
     return out

@@ -37,7 +37,17 @@ def until(t: datetime | None, now: datetime) -> str:
 
 
 def summary(cap: Capacity) -> str:
-    return f"{cap.active}/{cap.max_agents} running, {cap.free} free, {cap.queued} queued (max {cap.max_queue})"
+    text = f"{cap.active}/{cap.max_agents} running, {cap.free} free, {cap.queued} queued (max {cap.max_queue})"
+    return text + ("\n" + holds_line(cap) if cap.holds else "")
+
+
+def holds_line(cap: Capacity) -> str:
+    """Presets held now: `held: claude (claude usage limit) until 15:00, 4 tasks waiting`."""
+    from kugetsu.policy import clock
+
+    parts = [f"{agent} ({h.reason}) " + (f"until {clock(h.until)}" if h.until else "until released")
+             + f", {h.queued} task{'' if h.queued == 1 else 's'} waiting" for agent, h in cap.holds.items()]
+    return "held: " + " · ".join(parts)
 
 
 def running_table(tasks: list[Task], now: datetime) -> str:
@@ -150,8 +160,11 @@ def task_lines(task: dict[str, Any]) -> str:
     for key, value in task.items():
         if value is None or value == {} or value == []:
             continue
-        if isinstance(value, list):
-            value = " ".join(_quote(v) for v in value)
+        if key == "attempts":  # the runs before this one: how each ended
+            value = "; ".join(f"#{i} exit {a.get('exit_code', '-')}" + (f" ({a['reason']})" if a.get("reason") else "")
+                              for i, a in enumerate(value, 1))
+        elif isinstance(value, list):
+            value = " ".join(_quote(str(v)) for v in value)
         out.append(f"{key.ljust(width)}  {value}")
     return "\n".join(out)
 

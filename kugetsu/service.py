@@ -26,11 +26,11 @@ if TYPE_CHECKING:  # only for the types: the service imports them when it first 
 
 import msgspec
 
-from kugetsu import control, ops, pm, runner, worktree
+from kugetsu import control, limits, ops, pm, runner, worktree
 from kugetsu.config import Config, format_size, load_config
 from kugetsu.errors import DiskFull, KugetsuError
 from kugetsu.models import Event, Index, Task, TaskState
-from kugetsu.paths import Home, atomic_write
+from kugetsu.paths import Home, atomic_write, read_tail
 from kugetsu.deadlines import DeadlineTimer
 from kugetsu.store import Store, Txn
 from kugetsu.wakeup import WakeSocket
@@ -302,7 +302,9 @@ class Service:
             clean = False
         if not clean:
             log.info("%s (#%d) ended (%s); ending what it left running", task.name, task.id, code)
-        return pm.Exit(task.id, code, reason, leftovers=not clean)
+        # What pm reads in the end of its output (a provider's limit, the session id).
+        tail = read_tail(task.log, limits.TAIL_BYTES).decode(errors="replace") if task.log and pm.reads_output(self.cfg, task) else None
+        return pm.Exit(task.id, code, reason, leftovers=not clean, tail=tail)
 
     def _leftovers_possible(self, task: Task) -> bool:
         if task.pid is not None and runner.group_alive(task.pid):
@@ -616,6 +618,9 @@ class Service:
         was never released has no child, and exits when it sees its pipe closed), or the
         exit status it recorded, for a queued task or a running one without a pid."""
         candidates = {t.id: t.token for t in txn.index.queued if self.home.log(t.id).exists()}
+        # A task back in the queue (a retry, a provider's limit) has the exit file of its last
+        # run until it starts again: that end is booked already.
+        booked = {t.id: t.attempts[-1].ended_at for t in txn.index.queued if t.attempts}
         unrecorded = [t for t in txn.index.active if t.pid is None and t.stop is None]
         candidates.update((t.id, t.token) for t in unrecorded)
         if not candidates:
@@ -635,6 +640,8 @@ class Service:
             if not running and code is None:
                 continue
             end = runner.exit_time(self.home, task_id) if code is not None else None
+            if end is not None and task_id in booked and end <= booked[task_id]:
+                continue
             before = [t for t in ends if end is None or t <= end]
             at = max(before) if before else (end or txn.now)
             pid, start = found if running else (None, None)

@@ -70,8 +70,8 @@ def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
         steps += 1
         assert steps < 1000, "drain does not progress"
         board = Board(index, cfg, now)
-        for source, group in board.lanes:  # the quick rule and the worded one agree
-            assert board.free(source, group) == (board.why(source, group) is None)
+        for lane in board.lanes:  # the quick rule and the worded one agree
+            assert board.free(*lane) == (board.why(*lane) is None)
         task = pm.next_to_start(index, cfg, now)
         if task is not None:
             assert pm.plan_starts(index, cfg, now)[0] is task

@@ -73,6 +73,15 @@ class CapacityOut(BaseModel):
     queued: int = Field(description="waiting for a slot")
     free: int = Field(description="slots free now: a task delegated now starts at once if free > 0")
     max_queue: int = Field(description="queued tasks at most; beyond it delegate is rejected (back off)")
+    holds: dict[str, HoldOut] | None = Field(
+        None, description="agent presets held now (their provider's usage limit, or by hand): their tasks wait")
+
+
+class HoldOut(BaseModel):
+    until: OptStr = Field(description="when the hold ends and its tasks start again (null: until released)")
+    reason: str
+    since: str
+    queued: int = Field(description="its tasks waiting for the hold to end")
 
 
 class GroupUsage(BaseModel):

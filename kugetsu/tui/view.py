@@ -92,7 +92,12 @@ def _event_detail(e: Event) -> str:
 
 def summary(cap: pm.Capacity, service_pid: int | None) -> str:
     service = f"service running (pid {service_pid})" if service_pid else "service not running"
-    return f"{cap.active}/{cap.max_agents} running · {cap.queued} queued · max queue {cap.max_queue} · {service}"
+    text = f"{cap.active}/{cap.max_agents} running · {cap.queued} queued · max queue {cap.max_queue} · {service}"
+    if cap.holds:  # a provider's limit, or a hold by hand: its tasks wait, and for how long
+        from kugetsu.render import holds_line
+
+        text += " · " + holds_line(cap)
+    return text
 
 
 def task_title(task: Task | None) -> str:
