@@ -246,6 +246,9 @@ class Board:
                 self.now = release
             elif self.running:
                 self.finish_oldest()
+            elif any(h.until is None for h in self.holds.values()):
+                # Only holds by hand are left, which no time ends: the order is theirs once released.
+                self.holds = {a: h for a, h in self.holds.items() if h.until is not None}
             else:  # nothing can ever free it; not reachable with limits >= 1, but never loop
                 return order + [t for _, t in sorted(kt for lane in self.lanes.values() for kt in lane)]
         return order
