@@ -431,7 +431,8 @@ def queue_json(listed: Listing) -> dict[str, Any]:
     return out
 
 
-_PRIVATE_FIELDS = frozenset(("id", "name", "state", "env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers"))
+_PRIVATE_FIELDS = frozenset(("id", "name", "state", "env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers",
+                             "limit", "first_command"))
 
 
 def task_json(task: Task, position: int | None) -> dict[str, Any]:

@@ -818,7 +818,8 @@ def _hold_event(kind: str, agent: str, hold: Hold, index: Index, now: datetime) 
     if kind == "held":
         text = f"{hold.reason}: {tasks} held" + (f" until {clock(hold.until)}" if hold.until else " until released")
     else:
-        text = f"{agent} released ({hold.reason}): {tasks} may start"
+        over = f"{agent} released" if hold.reason.endswith("by hand") else f"{hold.reason} over"
+        text = f"{over}: {tasks} may start"
     until = hold.until.isoformat() if hold.until else None
     return Event(type=kind, at=now, reason=text, value={"agent": agent, "until": until, "tasks": n})
 

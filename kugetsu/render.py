@@ -42,11 +42,12 @@ def summary(cap: Capacity) -> str:
 
 
 def holds_line(cap: Capacity) -> str:
-    """Presets held now: `held: claude (claude usage limit) until 15:00, 4 tasks waiting`."""
+    """Presets held now: `held: claude usage limit until 15:00, 4 tasks waiting` (a hold's
+    reason names its preset)."""
     from kugetsu.policy import clock
 
-    parts = [f"{agent} ({h.reason}) " + (f"until {clock(h.until)}" if h.until else "until released")
-             + f", {h.queued} task{'' if h.queued == 1 else 's'} waiting" for agent, h in cap.holds.items()]
+    parts = [f"{h.reason} " + (f"until {clock(h.until)}" if h.until else "until released")
+             + f", {h.queued} task{'' if h.queued == 1 else 's'} waiting" for h in cap.holds.values()]
     return "held: " + " · ".join(parts)
 
 

@@ -303,7 +303,9 @@ class Service:
         if not clean:
             log.info("%s (#%d) ended (%s); ending what it left running", task.name, task.id, code)
         # What pm reads in the end of its output (a provider's limit, the session id).
-        tail = read_tail(task.log, limits.TAIL_BYTES).decode(errors="replace") if task.log and pm.reads_output(self.cfg, task) else None
+        tail = None
+        if task.log and pm.reads_output(self.cfg, task):
+            tail = read_tail(task.log, limits.TAIL_BYTES).decode(errors="replace")
         return pm.Exit(task.id, code, reason, leftovers=not clean, tail=tail)
 
     def _leftovers_possible(self, task: Task) -> bool:

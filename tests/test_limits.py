@@ -87,7 +87,7 @@ def test_a_limit_requeues_in_place_holds_the_preset_and_resumes_the_session_at_t
     assert queue["queued"][0]["waiting_for"].startswith("fake usage limit, retry at ")
     assert kg.json("capacity")["holds"]["fake"]["queued"] == 2
     text = kg.ok("queue")
-    assert "held: fake (fake usage limit) until" in text and "2 tasks waiting" in text
+    assert "held: fake usage limit until" in text and "2 tasks waiting" in text
     [held] = kg.events("held")
     assert held["reason"].startswith("fake usage limit: 2 tasks held until ")
     [requeued] = kg.events("requeued")
@@ -152,7 +152,7 @@ def test_hold_and_release_by_hand(kg):
     out = kg.ok("delegate", "x", "--agent", "other", "--prompt", "go")
     assert out.strip() == "queued x (#1), position 1 of 1; waiting for: other held by hand"
     assert kg.json("capacity")["holds"]["other"]["until"] is None
-    assert kg.ok("release", "other").strip() == "other released (other held by hand): 1 task may start"
+    assert kg.ok("release", "other").strip() == "other released: 1 task may start"
     kg.wait_state("x", "succeeded")
     kg.ok("hold", "other", "--until", "2s")
     until = kg.index()["holds"]["other"]["until"]

@@ -58,6 +58,23 @@ class TaskOut(BaseModel):
     base_commit: OptStr
     worktree_state: Annotated[Literal["active", "kept", "removed", "pruned"] | None,
                               WithJsonSchema({"enum": ["active", "kept", "removed", "pruned", None]})]
+    attempt: int = Field(1, description="its run: 1, then 2, ... when a retry or its provider's limit ran it again")
+    attempts: list[AttemptOut] = Field([], description="the earlier runs, oldest first, and how each ended")
+    retries: int = Field(0, description="failed or lost runs run again (delegate --retries)")
+    retry_delay: OptFloat = Field(None, description="seconds between a failed run and its retry")
+    retry_of: OptInt = Field(None, description="the finished task this one runs again (`kugetsu retry`)")
+    not_before: OptStr = Field(None, description="a retry waits for its delay: it starts no earlier")
+    session: OptStr = Field(None, description="the agent's session id, read from its output (it resumes it)")
+
+
+class AttemptOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    ended_at: str
+    started_at: OptStr = None
+    exit_code: OptInt = None
+    reason: OptStr = None
+    limit: bool = Field(False, description="it hit its provider's limit (back in the queue, no retry used up)")
 
 
 class QueuedTaskOut(TaskOut):
