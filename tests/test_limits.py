@@ -170,3 +170,17 @@ def test_hold_and_release_by_hand(kg):
     r = kg.run("release", "other")
     assert r.returncode == 1 and "agent other is not held" in r.stderr
     assert Path(kg.home.index).read_bytes() == before
+
+
+def test_a_hold_and_the_task_it_holds_survive_a_restart_of_the_service(kg):
+    kg.config(agents={"fake": preset(kg, "fake", limited=1, reset=600)})
+    kg.ok("delegate", "a", "--agent", "fake", "--prompt", "go")
+    wait_for(lambda: kg.index()["holds"], 10, "fake to be held")
+    kg.ok("shutdown")
+    kg.ok("serve", "--detach")  # the last run's exit file is still there: booked already, not an end
+    a = kg.task("a")
+    assert a["state"] == "queued" and a["attempt"] == 2 and len(runs(kg, "a")) == 1
+    assert "fake" in kg.json("capacity")["holds"]
+    kg.ok("release", "fake")
+    assert kg.wait_state("a", "succeeded")["attempt"] == 2
+    assert runs(kg, "a")[1][1][0] == "--resume"
