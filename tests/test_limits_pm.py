@@ -250,3 +250,24 @@ def test_retry_request_links_a_finished_task():
     req = pm.retry_request(index.finished[0])
     task, _ = pm.admit(index, cfg, NOW, req)
     assert task.retry_of == 1 and task.command == ["other", "a"] and task.name == "a"
+
+
+def test_every_front_end_shows_the_hold():
+    from kugetsu import render
+    from kugetsu.telegram import text
+    from kugetsu.tui import view as tui
+
+    cfg, index = setup()
+    admit(index, cfg, "a")
+    run_all(index, cfg, NOW)
+    plan = exit_(index, cfg, NOW, "a", 1, "usage limit reached; try again in 5 minutes")
+    at = pm.clock(NOW + timedelta(minutes=5))
+    qv = pm.queue_view(index, cfg, NOW)
+    line = f"held: fake usage limit until {at}, 1 task waiting"
+    assert line in render.summary(qv.capacity)  # `kugetsu queue`, `capacity`, the bot's /queue
+    assert line in tui.summary(qv.capacity, None)  # the dashboard
+    assert f"waiting for: fake usage limit, retry at {at}" in text.queue(qv, NOW)
+    held = next(e for e in plan.events if e.type == "held")
+    assert text.notification(held, None, cfg, None) == f"⏸️ fake usage limit: 1 task held until {at}"
+    assert msgspec.to_builtins(pm.capacity(index, cfg, NOW))["holds"]["fake"]["queued"] == 1
+    assert "holds" not in msgspec.to_builtins(pm.capacity(index, cfg, NOW + timedelta(minutes=5)))
