@@ -61,6 +61,24 @@ def _delegate_args(d: argparse.ArgumentParser) -> None:
                     help="not in a worktree, whatever the preset or config say")
     d.add_argument("--base", metavar="REF", help="the worktree's starting point (default: HEAD now)")
     d.add_argument("--host", metavar="NAME", help="cluster mode: run it on this machine only (`kugetsu hosts`)")
+    d.add_argument("--retries", metavar="N", type=_positive_int, default=0,
+                   help="run it again, as the same task, up to N times when it fails or is lost")
+    d.add_argument("--retry-delay", metavar="DUR", type=_duration, help="wait DUR before each retry")
+
+
+def _hold_args(h: argparse.ArgumentParser) -> None:
+    h.add_argument("agent", metavar="AGENT", help="the agent preset whose queued tasks wait")
+    h.add_argument("--until", metavar="T", help="until a time (15:00, 3pm, ISO 8601) or for a duration (30m);"
+                   " default: until `kugetsu release AGENT`")
+
+
+def _release_args(r: argparse.ArgumentParser) -> None:
+    r.add_argument("agent", metavar="AGENT", help="the agent preset to release")
+
+
+def _retry_args(r: argparse.ArgumentParser) -> None:
+    r.add_argument("task", metavar="TASK", help="a finished task (id or name): admitted again as a new task")
+    r.add_argument("--json", action="store_true", help="print the new task object")
 
 
 def _queue_args(q: argparse.ArgumentParser) -> None:
@@ -315,7 +333,7 @@ def _fix(err: KugetsuError) -> str:
 
 _STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value",
                    "bind", "host", "url", "dir")
-_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines", "since")
+_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines", "since", "retry_delay", "until")
 
 
 def _undo_dashdash(args: argparse.Namespace) -> None:
@@ -357,6 +375,8 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         base=args.base,
         pinned_host=args.host,
         after=_after_refs(args.after),
+        retries=args.retries,
+        retry_delay=args.retry_delay,
     )
     adm = ops.delegate(home, cfg, req)
     _priority_ignored(cfg.strategy, args.priority)
@@ -908,6 +928,38 @@ def cmd_demo(home: Home, args: argparse.Namespace) -> int:
     return run_demo()
 
 
+def cmd_hold(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu import limits
+
+    until = None
+    if args.until is not None:
+        until = limits.parse_until(args.until, ops.now())
+        if until is None:
+            raise UsageError(f"--until {args.until!r} is neither a time (15:00, 3pm, 2026-11-23T15:00Z) nor a"
+                             " duration (30m, 2h)")
+    for event in ops.hold(home, args.agent, until):
+        print(event.reason)
+    return OK
+
+
+def cmd_release(home: Home, args: argparse.Namespace) -> int:
+    for event in ops.release(home, args.agent):
+        print(event.reason)
+    return OK
+
+
+def cmd_retry(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu import render
+
+    cfg = load_config(home)
+    adm = ops.retry(home, cfg, args.task)
+    if args.json:
+        print(to_json(ops.task_json(adm.task, adm.position)))
+    else:
+        print(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for))
+    return OK
+
+
 def cmd_telegram(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.telegram.check import check  # python-telegram-bot only for this command
 
@@ -942,4 +994,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "hosts": ("cluster mode: the machines, their slots, running tasks, last heartbeat", _json_only, cmd_hosts),
     "store": ("cluster mode: move a file home into PostgreSQL (migrate URL), or back out (export DIR)", _store_args,
               cmd_store),
+    "hold": ("hold an agent preset: its queued tasks wait (until a time, or release)", _hold_args, cmd_hold),
+    "release": ("release a held agent preset: its tasks may start at once", _release_args, cmd_release),
+    "retry": ("admit a finished task again, as a new task linked to it (retry_of)", _retry_args, cmd_retry),
 }

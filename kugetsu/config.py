@@ -92,19 +92,72 @@ def format_size(size: float) -> str:
 
 # ---- the model -------------------------------------------------------------------------
 
+# The built-in presets' limit patterns are best-effort: what these agents printed when their
+# provider refused them, as far as known (README, "Provider limits"); users tune them.
+_HTTP_LIMIT = r"(?i)\b429\b.{0,40}(too many requests|rate.?limit)|rate_limit_(error|exceeded)"
 DEFAULT_AGENTS: dict[str, dict[str, Any]] = {
-    "opencode": {"command": ["opencode", "run", "{prompt}"], "env": {}},
-    "claude": {"command": ["claude", "-p", "{prompt}"], "env": {}},
-    "codex": {"command": ["codex", "exec", "{prompt}"], "env": {}},
+    "opencode": {"command": ["opencode", "run", "{prompt}"], "env": {},
+                 "limit": {"patterns": [_HTTP_LIMIT, r"(?i)(usage|quota|rate) limit (reached|exceeded)",
+                                        r"(?i)insufficient_quota"]}},
+    "claude": {"command": ["claude", "-p", "{prompt}"], "env": {},
+               "limit": {"patterns": [_HTTP_LIMIT, r"(?i)usage limit reached", r"(?i)\b(5-hour|weekly|session|opus) limit reached",
+                                      r"(?i)you've (hit|reached) your (usage )?limit"]},
+               "session_pattern": r'"session_id"\s*:\s*"([0-9a-fA-F-]{36})"',
+               "resume": ["claude", "-p", "--resume", "{session}", "Continue where you left off."]},
+    "codex": {"command": ["codex", "exec", "{prompt}"], "env": {},
+              "limit": {"patterns": [_HTTP_LIMIT, r"(?i)you've hit your usage limit", r"(?i)usage_limit_reached",
+                                     r"(?i)rate limit (reached|exceeded)"]},
+              "session_pattern": r"(?i)session id:\s*([0-9a-fA-F-]{36})",
+              "resume": ["codex", "exec", "resume", "{session}", "Continue where you left off."]},
 }
-DEFAULT_TELEGRAM_EVENTS = ["started", "succeeded", "failed", "cancelled", "expired", "lost"]
-EVENT_TYPES = ("queued", "started", "succeeded", "failed", "cancelled", "expired", "lost", "config", "worktree")
+DEFAULT_TELEGRAM_EVENTS = ["started", "succeeded", "failed", "cancelled", "expired", "lost", "held"]
+EVENT_TYPES = ("queued", "started", "succeeded", "failed", "cancelled", "expired", "lost", "config", "worktree",
+               "requeued", "held", "released")
+
+
+def _check_pattern(pattern: str, what: str) -> None:
+    try:
+        re.compile(pattern)
+    except re.error as err:
+        raise ValueError(f"{what}: {pattern!r} is not a regular expression ({err})") from None
+
+
+class LimitConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """How a preset's provider limit shows at the end of its output (docs: README, "Provider
+    limits"): an exit that is not 0 with one of `exit_codes`, or one of `patterns` in the log's
+    tail. The preset is then held until the reset time the output gives, else for `backoff`,
+    doubling with each hit in a row up to `max_backoff`."""
+
+    patterns: list[str] = []
+    exit_codes: list[int] = []
+    backoff: Duration = "1m"
+    max_backoff: Duration = "1h"
+
+    def __post_init__(self) -> None:
+        for p in self.patterns:
+            _check_pattern(p, "limit.patterns")
+        parse_duration(self.backoff, "limit.backoff")
+        parse_duration(self.max_backoff, "limit.max_backoff")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.patterns or self.exit_codes)
 
 
 class AgentPreset(msgspec.Struct, forbid_unknown_fields=True):
     command: Annotated[list[str], msgspec.Meta(min_length=1)]
     env: dict[str, str] = {}
     worktree: bool = False  # run this agent in its own git worktree (docs/worktrees.md)
+    max_agents: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None  # its own running agents at most
+    limit: LimitConfig = msgspec.field(default_factory=LimitConfig)
+    session_pattern: str | None = None  # its session id in its output (group 1)
+    resume: Annotated[list[str], msgspec.Meta(min_length=1)] | None = None  # argv continuing {session}
+
+    def __post_init__(self) -> None:
+        if self.session_pattern is not None:
+            _check_pattern(self.session_pattern, "session_pattern")
+        if self.resume is not None and not any("{session}" in a for a in self.resume):
+            raise ValueError("resume: the command must contain {session}, e.g. [\"claude\", \"--resume\", \"{session}\"]")
 
 
 class WorktreesConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -280,6 +333,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
                 parse_duration(value, key)
         parse_size(self.events_max_size, "events_max_size")
         # User presets extend (and may override) the built-in ones.
+        # User presets extend (and may override) the built-in ones.
         self.agents = msgspec.convert({**DEFAULT_AGENTS, **msgspec.to_builtins(self.agents)}, dict[str, AgentPreset])
         if self.default_agent not in self.agents:
             raise ValueError(
@@ -316,7 +370,8 @@ KEY_HELP: dict[str, str] = {
     "run_timeout": "a running task is cancelled after this (per task: --timeout; null: never)",
     "kill_grace": "SIGTERM -> SIGKILL delay",
     "default_agent": "preset used when no command is given",
-    "agents": "presets {name: {command: [argv with {prompt} {prompt_file} {name} {id}], env: {}}}; extend the built-ins",
+    "agents": "presets {name: {command: [argv with {prompt} {prompt_file} {name} {id}], env: {}, max_agents,"
+    " limit: {patterns, exit_codes, backoff, max_backoff}, session_pattern, resume: [argv with {session}]}}; extend the built-ins",
     "history_limit": "finished tasks kept in index.json; older ones move to history.jsonl",
     "events_max_size": "events.jsonl beyond this becomes events.jsonl.1 (the older one is dropped)",
     "autostart": "the CLI starts the service when needed",
@@ -422,12 +477,30 @@ def read_raw(home: Home) -> dict[str, Any]:
     return raw
 
 
+def with_builtin_presets(raw: dict[str, Any]) -> dict[str, Any]:
+    """A built-in preset named in config.json keeps the built-in keys it does not set (so
+    `config set agents.claude.max_agents 2` is all it takes), inside `limit` too."""
+    agents = raw.get("agents")
+    if not isinstance(agents, dict) or not any(n in DEFAULT_AGENTS and isinstance(p, dict) for n, p in agents.items()):
+        return raw
+    merged = dict(agents)
+    for name, preset in agents.items():
+        base = DEFAULT_AGENTS.get(name)
+        if base is None or not isinstance(preset, dict):
+            continue
+        limit = preset.get("limit", {})
+        merged[name] = {**base, **preset}
+        if isinstance(limit, dict):
+            merged[name]["limit"] = {**base.get("limit", {}), **limit}
+    return {**raw, "agents": merged}
+
+
 def validate(raw: dict[str, Any], where: object = "config.json", hint: str = _FIX, setting: str | None = None) -> Config:
     """The config `raw` holds, or an InvalidConfig naming the key (its real path, not msgspec's
     `agents[...]`), what it takes and how to write it. `setting`: the key `config set` is
     changing; an error at that key needs no file name (the file is not what was wrong)."""
     try:
-        return msgspec.convert(raw, Config)
+        return msgspec.convert(with_builtin_presets(raw), Config)
     except msgspec.ValidationError as err:
         key, problem, suggestion = _explain_invalid(raw, str(err))
         if key and setting and (key == setting or key.startswith(setting + ".")):

@@ -1,5 +1,6 @@
 """One timer for everything that happens at a time: queue expiry, run timeouts, SIGKILL after
-the grace, rate limits, resource-guard re-checks. The service sets it after every tick at the
+the grace, rate limits, resource-guard re-checks, the end of a hold on an agent preset (its
+provider's limit resets). The service sets it after every tick at the
 earliest of those moments (pm.next_deadline and the policies' wake-ups); when it fires, the
 tick that follows asks pm what is due. A plain loop callback, set again by every tick, so it
 can never be lost: APScheduler, used before, skipped its one job when the tick that job ran

@@ -1,7 +1,9 @@
 """`kugetsu demo`: the whole job on a throw-away home with a simulated agent.
 
-Six tasks, two slots: watch positions move, a running task cancelled and its slot handed
-on at once, a queued task expire, one agent fail, then a summary. Needs nothing but kugetsu.
+Seven tasks, two slots: watch positions move, a running task cancelled and its slot handed
+on at once, a queued task expire, one agent fail, one hit its provider's usage limit (it goes
+back to the queue, its preset is held while the other agents go on, and at the reset time it
+resumes its session), then a summary. Needs nothing but kugetsu.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from pathlib import Path
 
 from kugetsu import control, ops, pm, render
-from kugetsu.config import Config, format_duration, save_raw
+from kugetsu.config import format_duration, save_raw, validate
 from kugetsu.paths import Home
 from kugetsu.store import open_store
 
@@ -30,6 +32,31 @@ PLAN = [
     ("issue-6", 3, False, None),
 ]
 CANCEL = ("issue-2", 2.0)  # cancelled while running, 2 s in
+# Delegated first, to the `sim-claude` preset: its simulated provider refuses it 1 s in, with
+# a reset time RESET seconds ahead.
+LIMITED = ("issue-7", 3)
+RESET = 4
+
+
+def preset() -> dict[str, object]:
+    """A simulated provider with a usage limit, as a real preset would describe it."""
+    me = [sys.executable, "-m", "kugetsu.demo"]
+    return {"command": [*me, "limited", "{prompt}"], "limit": {"patterns": [r"usage limit reached"]},
+            "session_pattern": r"session id: (\S+)", "resume": [*me, "resume", "{session}"]}
+
+
+def limited() -> int:
+    """The simulated agent's first run: its provider's usage limit, 1 s in."""
+    print("session id: demo-7f3a", flush=True)
+    print("[1/5] reading the issue", flush=True)
+    time.sleep(1)
+    print(f"usage limit reached; try again in {RESET} seconds", flush=True)
+    return 1
+
+
+def resumed(session: str) -> int:
+    print(f"resuming session {session}", flush=True)
+    return agent(LIMITED[1], False)
 
 
 def agent(seconds: float, fail: bool) -> int:
@@ -49,8 +76,9 @@ def run_demo() -> int:
     root = Path(tempfile.mkdtemp(prefix="kugetsu-demo-"))
     home = Home(root / "home")
     home.ensure()
-    save_raw(home, {"max_agents": 2, "autostart": False, "kill_grace": "2s"})
-    cfg = Config(max_agents=2, autostart=False, kill_grace="2s")
+    raw = {"max_agents": 2, "autostart": False, "kill_grace": "2s", "agents": {"sim-claude": preset()}}
+    save_raw(home, raw)
+    cfg = validate(raw)
     env = {**os.environ, "KUGETSU_HOME": str(home.root)}
     service = subprocess.Popen([sys.executable, "-m", "kugetsu", "serve"], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
@@ -58,7 +86,10 @@ def run_demo() -> int:
     say = _printer(started)
     try:
         _wait(lambda: control.service_pid(home) is not None, 10)
-        say(f"throw-away home {home.root}, max_agents 2, six tasks\n")
+        say(f"throw-away home {home.root}, max_agents 2, seven tasks\n")
+        adm = ops.delegate(home, cfg, pm.Request(cwd=str(root), name=LIMITED[0], source="demo", agent="sim-claude",
+                                                 prompt="fix the flaky test"))
+        say(f"$ kugetsu delegate {LIMITED[0]} --agent sim-claude  ->  started in slot {adm.task.slot}/2")
         for name, seconds, fail, expiry in PLAN:
             req = pm.Request(cwd=str(root), name=name, source="demo", expire_after=expiry,
                              command=[sys.executable, "-m", "kugetsu.demo", str(seconds), "fail" if fail else "ok"])
@@ -77,7 +108,7 @@ def run_demo() -> int:
             for event in events:
                 seen = event.seq
                 if event.type not in ("queued", "config"):
-                    say(f"{event.type:<9} {event.name}" + (f"  slot {event.slot}" if event.slot else "")
+                    say(f"{event.type:<9} {event.name or ''}" + (f"  slot {event.slot}" if event.slot else "")
                         + (f"  ({event.reason})" if event.reason else ""))
             if events and index.live():
                 print(_frame(index, cfg), flush=True)
@@ -87,7 +118,7 @@ def run_demo() -> int:
                 ops.cancel(home, [CANCEL[0]], reason="cancelled by the demo")
             if cancelled and not index.live():
                 break
-            if time.monotonic() - started > 40:
+            if time.monotonic() - started > 45:
                 say("the demo ran too long; stopping")
                 break
             time.sleep(0.25)
@@ -121,7 +152,7 @@ def _printer(started: float):
     return say
 
 
-def _frame(index, cfg: Config) -> str:
+def _frame(index, cfg) -> str:
     """The live queue, as `kugetsu queue` shows it, indented under the event lines."""
     now = ops.now()
     view = pm.queue_view(index, cfg, now)
@@ -155,4 +186,8 @@ def _wait(condition, timeout: float) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "limited":
+        raise SystemExit(limited())
+    if sys.argv[1] == "resume":
+        raise SystemExit(resumed(sys.argv[2]))
     raise SystemExit(agent(float(sys.argv[1]), sys.argv[2] == "fail"))

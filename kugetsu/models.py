@@ -102,6 +102,41 @@ class Task(msgspec.Struct, kw_only=True):
     # run on (`delegate --host`).
     host: str | None = None
     pinned_host: str | None = None
+    # Retries and provider limits (README, "Provider limits and retries"). `attempts`: every
+    # run that ended and sent the task back to the queue, oldest first; `retries`: how many
+    # failed (or lost) runs are run again; `not_before`: a retry waits for its delay.
+    attempt: int = 1
+    attempts: list[Attempt] = []
+    retries: int = 0
+    retry_delay: float | None = None  # seconds
+    retry_of: int | None = None  # `kugetsu retry`: the finished task this one runs again
+    not_before: Time | None = None
+    session: str | None = None  # the agent's session id, read from its output
+    first_command: list[str] | None = None  # the command before a resume replaced it
+    # The agent's exit hit its provider's limit: back to the queue once its leftovers are gone.
+    limit: LimitHit | None = None
+
+
+class Attempt(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One run of a task that did not end it: how it ended and why it runs again."""
+
+    started_at: Time | None = None
+    ended_at: Time
+    exit_code: int | None = None
+    reason: str | None = None
+    limit: bool = False  # it hit its provider's limit (a retry is not used up)
+
+
+class LimitHit(msgspec.Struct, kw_only=True):
+    until: Time | None = None  # the reset time its output gave, if it gave one
+
+
+class Hold(msgspec.Struct, kw_only=True):
+    """A preset held: none of its tasks starts until `until` (None: until released by hand)."""
+
+    until: Time | None = None
+    reason: str  # e.g. "claude usage limit", "held by hand"
+    since: Time
 
 
 class Event(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -150,6 +185,9 @@ class Index(msgspec.Struct, kw_only=True):
     # group G. Here, not in the config: a pause outlives restarts and is undone by `resume`.
     paused: bool = False
     paused_groups: list[str] = []
+    # Provider limits: presets held now, and each preset's limit hits in a row (the backoff).
+    holds: dict[str, Hold] = {}
+    strikes: dict[str, int] = {}
     # The events of the last transaction, committed with it: if the process dies between
     # the index rename and the events.jsonl append, the next transaction appends them.
     outbox: list[Event] = []

@@ -318,6 +318,35 @@ def pause(home: Home, group: str | None, on: bool) -> tuple[bool, pm.Capacity]:
     return bool(events), cap
 
 
+# ---- provider limits and retries ---------------------------------------------------------
+
+
+def hold(home: Home, agent: str, until: datetime | None) -> list[Event]:
+    """`kugetsu hold AGENT [--until T]`: the preset's queued tasks wait; running ones run on."""
+    with _locked(home) as (txn, cfg):
+        events = pm.hold(txn.index, cfg, agent, until, txn.now)
+        txn.emit(events)
+        settle(txn, cfg)
+    wake(home, cfg)
+    return events
+
+
+def release(home: Home, agent: str) -> list[Event]:
+    """`kugetsu release AGENT`: its tasks may start at once."""
+    with _locked(home) as (txn, cfg):
+        events = pm.release(txn.index, cfg, agent, txn.now)
+        txn.emit(events)
+        settle(txn, cfg)
+    wake(home, cfg)
+    return events
+
+
+def retry(home: Home, cfg: Config, ref: str) -> Admission:
+    """`kugetsu retry TASK`: a finished task admitted again as a new task (`retry_of`)."""
+    _, index = read(home)
+    return delegate(home, cfg, pm.retry_request(pm.find(index, ref)))
+
+
 # ---- config ------------------------------------------------------------------------------
 
 
@@ -486,9 +515,9 @@ def read(home: Home) -> tuple[Config, Index]:
     return load_config(home), open_store(home).read()
 
 
-def capacity_json(cfg: Config, index: Index) -> dict[str, int]:
+def capacity_json(cfg: Config, index: Index) -> dict[str, Any]:
     """`kugetsu capacity --json`: what a PM agent checks before delegating."""
-    return msgspec.to_builtins(pm.capacity(index, cfg))  # type: ignore[no-any-return]
+    return msgspec.to_builtins(pm.capacity(index, cfg, now()))  # type: ignore[no-any-return]
 
 
 class Listing(msgspec.Struct):
@@ -541,12 +570,15 @@ def queue_json(listed: Listing) -> dict[str, Any]:
     }
     for task, obj in zip(view.queued, out["queued"]):
         obj["waiting_for"] = view.waiting_for.get(task.id)
+    if view.capacity.holds:
+        out["holds"] = msgspec.to_builtins(view.capacity.holds)
     if listed.finished is not None:
         out["finished"] = tasks_json(listed.finished)
     return out
 
 
-_PRIVATE_FIELDS = frozenset(("id", "name", "state", "env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers"))
+_PRIVATE_FIELDS = frozenset(("id", "name", "state", "env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers",
+                             "limit", "first_command"))
 _PUBLIC_FIELDS = tuple(f for f in Task.__struct_fields__ if f not in _PRIVATE_FIELDS)  # in the Task's order
 _public_values = operator.itemgetter(*_PUBLIC_FIELDS)
 

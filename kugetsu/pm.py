@@ -15,14 +15,14 @@ import re
 import msgspec
 from datetime import datetime, timedelta
 
-from kugetsu.config import Config, format_duration
+from kugetsu import limits, placement
+from kugetsu.config import Config, format_duration, parse_duration
 from kugetsu.errors import (AmbiguousName, NeedsPrompt, NoSuchTask, NotClustered, QueueFull, Rejected,
                             UnknownDependency, UnknownGroup, UsageError)
-from kugetsu.models import PRIORITIES, Event, Index, SourceMark, Task, TaskState, valid_name
-from kugetsu import placement
+from kugetsu.models import PRIORITIES, Attempt, Event, Hold, Index, LimitHit, SourceMark, Task, TaskState, valid_name
 from kugetsu.placement import Here, ours, starts_anywhere
-# Resources and guard_hold are also used by the front ends, through pm.
-from kugetsu.policy import Board, Resources, guard_hold, simple_order, task_key  # noqa: F401
+# Resources, guard_hold and clock are also used by the front ends, through pm.
+from kugetsu.policy import Board, Resources, clock, guard_hold, simple_order, task_key  # noqa: F401
 
 # ---- who runs next ---------------------------------------------------------------------
 
@@ -76,6 +76,7 @@ def successor(index: Index, cfg: Config) -> Successor | None:
         or len(index.active) != cfg.max_agents
         or cfg.resource_guard.enabled
         or not simple_order(index, cfg)
+        or any(may_requeue(cfg, t) for t in index.active)  # it would come back ahead of the successor
     ):
         return None
     first = min(index.queued, key=lambda t: task_key(cfg, t))
@@ -124,8 +125,8 @@ def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources |
         return {}  # nothing that could hold a task
     board = Board(index, cfg, now, resources)
     out = {}
-    for (source, group), lane in board.lanes.items():
-        reason = board.pause or board.hold or board.why(source, group)
+    for lane_id, lane in board.lanes.items():
+        reason = board.pause or board.hold or board.why(*lane_id)
         if reason is not None:
             out.update((t.id, reason) for _, t in lane)
     if board.parked:  # `delegate --after`: the dependencies still to end, by name
@@ -134,7 +135,16 @@ def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources |
     return out
 
 
-class Capacity(msgspec.Struct, frozen=True, kw_only=True):
+class HoldView(msgspec.Struct, frozen=True, kw_only=True):
+    """A preset held now, as the front ends show it."""
+
+    until: datetime | None  # None: until released by hand
+    reason: str
+    since: datetime
+    queued: int  # its tasks waiting for it
+
+
+class Capacity(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """The numbers `kugetsu capacity --json` gives: what a PM agent checks before delegating."""
 
     max_agents: int
@@ -144,13 +154,14 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     max_queue: int
     paused: bool = False  # `kugetsu pause`: no queued task starts until `resume`
     paused_groups: list[str] = []  # `pause --group G`: none of these groups' tasks starts
+    holds: dict[str, HoldView] = {}  # presets held (provider limits, by hand): their tasks wait
 
 
-def capacity(index: Index, cfg: Config) -> Capacity:
+def capacity(index: Index, cfg: Config, now: datetime | None = None) -> Capacity:
     """Counts only: cheap at any queue length (no order is computed)."""
     return Capacity(max_agents=cfg.max_agents, active=len(index.active), queued=len(index.queued),
                     free=free_slots(index, cfg), max_queue=cfg.max_queue, paused=index.paused,
-                    paused_groups=sorted(index.paused_groups))
+                    paused_groups=sorted(index.paused_groups), holds=holds_view(index, now))
 
 
 def pause(index: Index, cfg: Config, now: datetime, group: str | None, on: bool) -> list[Event]:
@@ -168,6 +179,16 @@ def pause(index: Index, cfg: Config, now: datetime, group: str | None, on: bool)
         index.paused_groups = sorted(set(index.paused_groups) | {group}) if on else [
             g for g in index.paused_groups if g != group]
     return [Event(type="paused" if on else "resumed", at=now, value=group)]
+
+
+
+def holds_view(index: Index, now: datetime | None) -> dict[str, HoldView]:
+    """The holds in force at `now` (every recorded one when now is None), with their tasks."""
+    if not index.holds:
+        return {}
+    return {agent: HoldView(until=h.until, reason=h.reason, since=h.since,
+                            queued=sum(1 for t in index.queued if t.agent == agent))
+            for agent, h in index.holds.items() if now is None or h.until is None or h.until > now}
 
 
 class QueueView(msgspec.Struct, frozen=True, kw_only=True):
@@ -189,7 +210,7 @@ def queue_view(index: Index, cfg: Config, now: datetime, resources: Resources | 
         queued=order,
         positions={t.id: i for i, t in enumerate(order, 1)},
         waiting_for=waiting_for(index, cfg, now, resources) if order else {},
-        capacity=capacity(index, cfg),
+        capacity=capacity(index, cfg, now),
         groups=group_usage(index, cfg),
     )
 
@@ -277,6 +298,9 @@ class Request(msgspec.Struct, kw_only=True):
     group: str | None = None
     expire_after: float | None = None  # seconds; None: config queue_timeout
     timeout: float | None = None  # seconds; None: config run_timeout
+    retries: int = 0  # failed or lost runs run again, as the same task
+    retry_delay: float | None = None  # seconds between a failed run and the next
+    retry_of: int | None = None  # `kugetsu retry`: the finished task this one runs again
     env: dict[str, str] = {}
     # Worktree isolation: None lets the agent preset and config decide (ops does); ops then
     # fills `repo` (the repository's top level) and `base`, which pm records on the task.
@@ -338,6 +362,8 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         raise UnknownGroup(req.group, sorted(cfg.groups))
     if req.pinned_host is not None and cfg.store is None:
         raise NotClustered("a task pinned to a host")
+    if req.retries < 0:
+        raise UsageError(f"invalid --retries {req.retries}: give 0 or more runs to repeat after a failure")
     agent, template, env = resolve_agent(cfg, req)
     after = dependencies(index, req.after)
     limit = cfg.max_queued_per_source
@@ -388,6 +414,9 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         branch=f"kugetsu/{name}" if req.repo else None,
         pinned_host=req.pinned_host,
         after=after,
+        retries=req.retries,
+        retry_delay=req.retry_delay,
+        retry_of=req.retry_of,
     )
     index.next_id += 1
     index.queued.append(task)
@@ -663,9 +692,10 @@ def timeouts_due(index: Index, now: datetime, grace: float) -> list[Task]:
 
 def next_deadline(index: Index) -> datetime | None:
     """The earliest moment something falls due: a queued task's expiry, a running task's run
-    timeout, or the SIGKILL that follows a stop's grace. (The service's one timer is set
+    timeout, the SIGKILL that follows a stop's grace, or the end of a hold on a preset. (The service's one timer is set
     there; what is due then is decided by expire_due, timeouts_due and kills_due.)"""
     times = [t.expires_at for t in index.queued if t.expires_at is not None]
+    times += [h.until for h in index.holds.values() if h.until is not None]  # released at its end
     for task in index.active:
         if task.kill_at is not None:
             times.append(task.kill_at)
@@ -746,6 +776,7 @@ class Exit(msgspec.Struct, frozen=True):
     code: int | None
     reason: str | None = None
     leftovers: bool = False  # processes the agent started may still run (not ruled out)
+    tail: str | None = None  # the end of its log, for presets that read it (limit, session)
 
 
 class Found(msgspec.Struct, frozen=True):
@@ -799,14 +830,16 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
     here = obs.here
     me = here.name if here else None
     live = {t.id: t for t in index.active if ours(t, me)}  # another machine's processes are its own
+    holds = dict(index.holds)
     for e in obs.exits:
         task = live.get(e.task)
         if task is None or task.ended_at is not None:
             continue
+        read_output(cfg, task, e.code, e.tail, now)
         if e.leftovers:  # it keeps its slot while they are found and ended
             agent_ended(task, now, e.code, e.reason, cfg.kill_grace_s)
         else:
-            plan.events += finish(index, task, now, e.code, e.reason)
+            plan.events += conclude(index, cfg, task, now, e.code, e.reason)
     for f in obs.found:
         task = live.get(f.task)
         if task is None or task.ended_at is None:
@@ -816,15 +849,17 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
             kill = task.kill_at is not None and now >= task.kill_at
             plan.signal_leftovers[task.id] = 9 if kill else 15  # SIGKILL after the grace, else SIGTERM
         else:
-            plan.events += finish(index, task, now, task.exit_code, task.reason if task.exit_code else None)
-    adopted = adopt(index, now, obs.adopted, here)
+            plan.events += conclude(index, cfg, task, now, task.exit_code, task.reason if task.exit_code else None)
+    plan.events += held_events(index, holds, now)
+    adopted = adopt(index, now, obs.adopted, cfg, here)
     plan.events += adopted.events
     plan.strays = adopted.strays
     if here is not None:
         plan.gone = placement.gone_hosts(obs.hosts, here, now, cfg.cluster.lease_s)
         for name in plan.gone:
             for task in [t for t in index.active if t.host == name]:
-                plan.events += finish(index, task, now, None, f"host {name} stopped answering (lease expired)")
+                # lost, or back in the queue when it has retries left (conclude)
+                plan.events += conclude(index, cfg, task, now, None, f"host {name} stopped answering (lease expired)")
     plan.signal_groups += [(t, 15) for t in timeouts_due(index, now, cfg.kill_grace_s) if ours(t, me)]
     if here is not None:  # a stop asked for on another machine (cancel there): its SIGTERM is ours to send
         plan.signal_groups += [(t, 15) for t in live.values() if t.stop is not None and t.pid is not None
@@ -838,7 +873,8 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
     return plan
 
 
-def adopt(index: Index, now: datetime, found: list[Adopted], here: Here | None = None) -> Plan:
+def adopt(index: Index, now: datetime, found: list[Adopted], cfg: Config | None = None,
+          here: Here | None = None) -> Plan:
     """Record processes no committed index knew of: a queued task's start, a running task's
     pid; a task that is final by now gets its process ended instead (a stray)."""
     plan = Plan()
@@ -854,7 +890,7 @@ def adopt(index: Index, now: datetime, found: list[Adopted], here: Here | None =
             task.pid, task.pid_start, task.log = a.pid, a.pid_start, a.log
             record_spawn(index, task, min(a.at, now))
             if a.code is not None and a.pid is None:
-                plan.events += finish(index, task, now, a.code)
+                plan.events += conclude(index, cfg, task, now, a.code) if cfg else finish(index, task, now, a.code)
     return plan
 
 
@@ -865,6 +901,7 @@ def settle(index: Index, cfg: Config, now: datetime, resources: Resources | None
     `running` from here; the service spawns them), finished tasks past history_limit leave
     the index. `start` lists every running task still without a process."""
     plan = Plan()
+    plan.events += release_due(index, now)
     me = here.name if here else None
     for task in [t for t in index.active if t.pid is None and t.stop is not None and ours(t, me)]:
         plan.events += finish(index, task, now, None)
@@ -888,3 +925,168 @@ def _stands(task: Task) -> str:
     if task.state in (TaskState.SUCCEEDED, TaskState.FAILED):
         return f"has already {task.state.value}"
     return f"is already {task.state.value}" if task.state.final else f"is {task.state.value}"
+
+
+# ---- provider limits and retries -------------------------------------------------------
+
+
+def may_requeue(cfg: Config, task: Task) -> bool:
+    """Could this running task's end send it back to the queue (a retry, its provider's limit)?"""
+    if task.retries > 0:
+        return True
+    preset = cfg.agents.get(task.agent) if task.agent else None
+    return preset is not None and preset.limit.enabled
+
+
+def reads_output(cfg: Config, task: Task) -> bool:
+    """Does the task's preset need the end of its log at its exit (limit patterns, session)?"""
+    preset = cfg.agents.get(task.agent) if task.agent else None
+    return preset is not None and bool(preset.limit.patterns or preset.session_pattern)
+
+
+def read_output(cfg: Config, task: Task, code: int | None, tail: str | None, now: datetime) -> None:
+    """What the end of an agent's output says: its session id, and whether it hit its
+    provider's limit (an exit that is not 0, with one of the preset's limit exit codes or
+    patterns), and when that resets."""
+    preset = cfg.agents.get(task.agent) if task.agent else None
+    if preset is None:
+        return
+    session = limits.session_of(preset.session_pattern, tail) if tail else None
+    if session:
+        task.session = session
+    if not code or task.stop is not None or not preset.limit.enabled:
+        return
+    if code in preset.limit.exit_codes or (tail and limits.matches(preset.limit.patterns, tail)):
+        task.limit = LimitHit(until=limits.reset_time(tail or "", now))
+
+
+def conclude(index: Index, cfg: Config, task: Task, now: datetime, code: int | None,
+             reason: str | None = None) -> list[Event]:
+    """A running task's agent is gone for good: it hit its provider's limit (back to the
+    queue in its place, its preset held), or it failed with retries left (back to the queue,
+    after its retry delay), or it is final (`finish`)."""
+    if task.stop is None and task.limit is not None and task.agent is not None:
+        return _requeue_limited(index, cfg, task, now, code, task.limit)
+    retry = task.stop in (None, TaskState.FAILED) and code != 0  # not a cancel; a timeout is a failure
+    if retry and task.retries > sum(1 for a in task.attempts if not a.limit):
+        return _requeue_retry(index, task, now, code, reason)
+    if task.agent is not None and task.agent in index.strikes and code == 0:
+        del index.strikes[task.agent]  # its provider served a whole run: the backoff starts over
+    return finish(index, task, now, code, reason)
+
+
+def _requeue(index: Index, task: Task, now: datetime, code: int | None, reason: str | None, limit: bool) -> None:
+    """running -> queued again, in its place (its key is its priority and its id), with how
+    this run ended kept in `attempts`. A queue deadline is for tasks never started: it goes."""
+    index.active.remove(task)
+    task.attempts.append(Attempt(started_at=task.started_at, ended_at=now, exit_code=code, reason=reason, limit=limit))
+    task.attempt += 1
+    task.state = TaskState.QUEUED
+    task.slot = task.pid = task.pid_start = task.started_at = task.ended_at = task.exit_code = None
+    task.kill_at = task.stop = task.limit = task.reason = task.not_before = None
+    task.host = None  # in a cluster it may start on any machine again (its pin, if any, stays)
+    task.leftovers = 0
+    task.expires_at = None
+    index.queued.append(task)
+
+
+def _requeue_limited(index: Index, cfg: Config, task: Task, now: datetime, code: int | None, hit: LimitHit) -> list[Event]:
+    agent = task.agent
+    assert agent is not None
+    preset = cfg.agents.get(agent)
+    what = f"{agent} usage limit"
+    hold = index.holds.get(agent)
+    if hold is None or (hold.until is not None and hold.until <= now):
+        until = hit.until
+        if until is None:  # no reset time given: back off, doubling with each hit in a row
+            strikes = index.strikes.get(agent, 0)
+            first, most = (parse_duration(preset.limit.backoff), parse_duration(preset.limit.max_backoff)) if preset else (60, 3600)
+            until = now + timedelta(seconds=limits.backoff(first, most, strikes))
+            index.strikes[agent] = strikes + 1
+        index.holds[agent] = Hold(until=until, reason=what, since=now)
+    elif hold.until is not None and hit.until is not None and hit.until > hold.until:
+        hold.until = hit.until  # a later reset time said by another of its agents
+    if preset is not None and preset.resume and task.session:
+        task.first_command = task.first_command or task.command
+        values = {"session": task.session, "prompt": task.prompt or "", "name": task.name, "id": str(task.id)}
+        task.command = [re.sub(r"\{(session|prompt|name|id)\}", lambda m: values[m.group(1)], a) for a in preset.resume]
+    _requeue(index, task, now, code, f"{what} ({describe_exit(code) if code is not None else 'no exit status'})", True)
+    until = index.holds[agent].until
+    note = f"{what}: back in the queue, held until {clock(until)}" if until else f"{what}: back in the queue"
+    return [_event("requeued", task, now, exit_code=code, reason=note)]
+
+
+def _requeue_retry(index: Index, task: Task, now: datetime, code: int | None, reason: str | None) -> list[Event]:
+    why = reason or (describe_exit(code) if code is not None else "lost")
+    if task.state is TaskState.RUNNING and code is None and reason is None:
+        why = "the process vanished and its exit status could not be recovered"
+    if task.stop is TaskState.FAILED and task.reason:
+        why = task.reason  # e.g. timed out after 10m
+    if task.first_command:  # a retry starts afresh, not from the session a limit interrupted
+        task.command, task.first_command = task.first_command, None
+    _requeue(index, task, now, code, why, False)
+    if task.retry_delay:
+        task.not_before = now + timedelta(seconds=task.retry_delay)
+    failures = sum(1 for a in task.attempts if not a.limit)
+    when = f" at {clock(task.not_before)}" if task.not_before else ""
+    return [_event("requeued", task, now, exit_code=code, reason=f"{why}; retry {failures} of {task.retries}{when}")]
+
+
+def held_events(index: Index, before: dict[str, Hold], now: datetime) -> list[Event]:
+    """One `held` event per preset whose hold began or moved in this step (several of its
+    agents hitting the limit together make one notification, with their number)."""
+    out = []
+    for agent, hold in index.holds.items():
+        old = before.get(agent)
+        if old is not None and old.until == hold.until and old.since == hold.since:
+            continue
+        out.append(_hold_event("held", agent, hold, index, now))
+    return out
+
+
+def _hold_event(kind: str, agent: str, hold: Hold, index: Index, now: datetime) -> Event:
+    n = sum(1 for t in index.queued if t.agent == agent)
+    tasks = f"{n} task{'' if n == 1 else 's'}"
+    if kind == "held":
+        text = f"{hold.reason}: {tasks} held" + (f" until {clock(hold.until)}" if hold.until else " until released")
+    else:
+        over = f"{agent} released" if hold.reason.endswith("by hand") else f"{hold.reason} over"
+        text = f"{over}: {tasks} may start"
+    until = hold.until.isoformat() if hold.until else None
+    return Event(type=kind, at=now, reason=text, value={"agent": agent, "until": until, "tasks": n})
+
+
+def release_due(index: Index, now: datetime) -> list[Event]:
+    """Holds whose end has come are lifted (their tasks start in this same step)."""
+    due = [a for a, h in index.holds.items() if h.until is not None and h.until <= now]
+    return [_hold_event("released", a, index.holds.pop(a), index, now) for a in due]
+
+
+def hold(index: Index, cfg: Config, agent: str, until: datetime | None, now: datetime) -> list[Event]:
+    """`kugetsu hold AGENT [--until T]`: none of the preset's tasks starts until then (or
+    until released); running ones run on."""
+    if agent not in cfg.agents:
+        raise UsageError(f"unknown agent preset {agent!r}; known: {', '.join(sorted(cfg.agents))}")
+    if until is not None and until <= now:
+        raise UsageError(f"--until {until.isoformat()} is not in the future; give a later time or a duration like 30m")
+    index.holds[agent] = Hold(until=until, reason=f"{agent} held by hand", since=now)
+    return [_hold_event("held", agent, index.holds[agent], index, now)]
+
+
+def release(index: Index, cfg: Config, agent: str, now: datetime) -> list[Event]:
+    """`kugetsu release AGENT`: its tasks may start again at once."""
+    if agent not in cfg.agents:
+        raise UsageError(f"unknown agent preset {agent!r}; known: {', '.join(sorted(cfg.agents))}")
+    held = index.holds.pop(agent, None)
+    if held is None:
+        raise UsageError(f"agent {agent} is not held", code=1)
+    return [_hold_event("released", agent, held, index, now)]
+
+
+def retry_request(task: Task) -> Request:
+    """`kugetsu retry TASK`: a finished task admitted again, as a new task linked to it."""
+    if not task.state.final:
+        raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}; only a finished task can be retried", code=1)
+    return Request(cwd=task.cwd, name=task.name, command=list(task.first_command or task.command), prompt=task.prompt,
+                   agent=task.agent, source=task.source, priority=task.priority, group=task.group, timeout=task.timeout,
+                   env=dict(task.env), retries=task.retries, retry_delay=task.retry_delay, retry_of=task.id)

@@ -157,6 +157,9 @@ class Processes:
         was never released has no child, and exits when it sees its pipe closed), or the
         exit status it recorded, for a queued task or a running one without a pid."""
         candidates = {t.id: t.token for t in txn.index.queued if self.home.log(t.id).exists()}
+        # A task back in the queue (a retry, a provider's limit) has the exit file of its last
+        # run until it starts again: that end is booked already.
+        booked = {t.id: t.attempts[-1].ended_at for t in txn.index.queued if t.attempts}
         unrecorded = [t for t in txn.index.active if t.pid is None and t.stop is None and ours(t, self.host)]
         candidates.update((t.id, t.token) for t in unrecorded)
         if not candidates:
@@ -176,6 +179,8 @@ class Processes:
             if not running and code is None:
                 continue
             end = runner.exit_time(self.home, task_id) if code is not None else None
+            if end is not None and task_id in booked and end <= booked[task_id]:
+                continue
             before = [t for t in ends if end is None or t <= end]
             at = max(before) if before else (end or txn.now)
             pid, start = found if running else (None, None)

@@ -43,8 +43,19 @@ def until(t: datetime | None, now: datetime) -> str:
 
 
 def summary(cap: Capacity) -> str:
-    return (f"{cap.active}/{cap.max_agents} running, {cap.free} free, {cap.queued} queued (max {cap.max_queue})"
+    text = (f"{cap.active}/{cap.max_agents} running, {cap.free} free, {cap.queued} queued (max {cap.max_queue})"
             + paused_note(cap))
+    return text + ("\n" + holds_line(cap) if cap.holds else "")
+
+
+def holds_line(cap: Capacity) -> str:
+    """Presets held now: `held: claude usage limit until 15:00, 4 tasks waiting` (a hold's
+    reason names its preset)."""
+    from kugetsu.policy import clock
+
+    parts = [f"{h.reason} " + (f"until {clock(h.until)}" if h.until else "until released")
+             + f", {h.queued} task{'' if h.queued == 1 else 's'} waiting" for h in cap.holds.values()]
+    return "held: " + " · ".join(parts)
 
 
 def paused_note(cap: Capacity) -> str:
@@ -178,7 +189,10 @@ def task_lines(task: dict[str, Any]) -> str:
             continue
         if key == "expires_at" and task.get("state") not in ("queued", "expired"):
             continue
-        if isinstance(value, list):
+        if key == "attempts":  # the runs before this one: how each ended
+            value = "; ".join(f"#{i} exit {a.get('exit_code', '-')}" + (f" ({a['reason']})" if a.get("reason") else "")
+                              for i, a in enumerate(value, 1))
+        elif isinstance(value, list):
             value = " ".join("{prompt}" if prompt and v == prompt else _quote(v) for v in value)
         text = str(value).replace("\n", "\n" + " " * (width + 2))
         out.append(f"{key.ljust(width)}  {text}")

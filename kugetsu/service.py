@@ -24,14 +24,16 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from kugetsu import control, ops, placement, pm, runner
+import msgspec
+
+from kugetsu import control, limits, ops, placement, pm, runner
 from kugetsu.config import Config, format_size, host_name, load_config
 from kugetsu.deadlines import DeadlineTimer
 from kugetsu.errors import DiskFull, KugetsuError, Unreachable
 from kugetsu.exits import Ending, Exits
 from kugetsu.models import Event, Index, Task
 from kugetsu.pm import GUARD_RECHECK
-from kugetsu.paths import Home, atomic_write
+from kugetsu.paths import Home, atomic_write, read_tail
 from kugetsu.processes import WARM_AHEAD, LetGo, Processes
 from kugetsu.store import Txn, open_store
 from kugetsu.wakeup import WakeSocket
@@ -206,7 +208,7 @@ class Service:
             obs.adopted += self.procs.let_go_seen()  # only after a failed commit
             if self.exits.exited and txn.unchanged and not config_changed and self.failing is None:
                 self._release_successor(txn)
-            obs.exits = [self.exits.seen(t, self._first_tick) for t in list(index.active)
+            obs.exits = [self._with_output(self.exits.seen(t, self._first_tick), t) for t in list(index.active)
                          if t.ended_at is None and t.pid is not None and placement.ours(t, here)
                          and (t.id in self.exits.exited or not runner.alive(t.pid, t.pid_start))]
             if self.exits.endings or any(t.ended_at is not None for t in index.active):
@@ -274,6 +276,13 @@ class Service:
             self._committed(txn.events)
         if deferred:
             self.request_tick()  # the starts this tick committed: spawned by the next one
+
+    def _with_output(self, seen: pm.Exit, task: Task) -> pm.Exit:
+        """What pm reads in the end of an agent's output (a provider's limit, the session id)."""
+        if not task.log or not pm.reads_output(self.cfg, task):
+            return seen
+        tail = read_tail(task.log, limits.TAIL_BYTES).decode(errors="replace")
+        return msgspec.structs.replace(seen, tail=tail)
 
     def _take(self, txn: Txn, plan: pm.Plan) -> pm.Plan:
         """Put a plan's events and archive into the transaction."""

@@ -24,8 +24,18 @@ def test_demo_shows_the_whole_job_and_leaves_nothing_behind(kg, tmp_path):
                      "queued issue-6 (#6), position 4 of 4", "cancelled issue-2", "expired   issue-4",
                      "failed    issue-5", "SUMMARY", "at most 2 running at once (max_agents 2)"):
         assert expected in out, expected
-    # positions move: issue-5 is position 3 at admission, position 1 after the cancel and the expiry
-    assert re.search(r"^\s+1\s+5\s+issue-5", out, re.M)
+    # positions move: issue-5 is position 4 at admission, position 1 after the cancel and the expiry
+    assert re.search(r"^\s+1\s+6\s+issue-5", out, re.M)
+    # a simulated usage limit: issue-7 back in the queue, its preset held while the others
+    # start, and at the reset time it resumes its session and succeeds
+    assert "requeued  issue-7  (sim-claude usage limit: back in the queue, held until" in out
+    assert "held        (sim-claude usage limit: 1 task held until" in out
+    assert "sim-claude usage limit, retry at" in out and "released" in out
+    lines = out.splitlines()
+    held = next(i for i, line in enumerate(lines) if "] held " in line)
+    released = next(i for i, line in enumerate(lines) if "] released " in line)
+    assert any("] started " in line for line in lines[held:released])  # other work goes on
+    assert re.search(r"^ *1  issue-7  succeeded", out, re.M)
     assert processes_under(tmp_path) == []
     assert list(tmp_path.glob("kugetsu-demo-*")) == []  # the throw-away home is gone
 

@@ -529,3 +529,13 @@ def test_without_the_sdk_it_says_how_to_install(kg):
     assert r.returncode == 2
     assert "kugetsu mcp needs the MCP Python SDK (mcp>=2.3,<3)" in r.stderr and "pip install" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+async def test_delegate_with_retries(kg):
+    async with connect(kg) as c:
+        r = await c.call_tool("delegate", {"name": "r", "command": ["sh", "-c", "exit 5"], "retries": 1,
+                                           "retry_delay": "1s"})
+        assert r.structured_content["task"]["retries"] == 1 and r.structured_content["task"]["retry_delay"] == 1.0
+        r = await c.call_tool("wait", {"tasks": ["r"], "timeout": "20s"})
+        [task] = r.structured_content["tasks"]
+    assert task["state"] == "failed" and task["attempt"] == 2 and task["attempts"][0]["exit_code"] == 5

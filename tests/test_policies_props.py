@@ -17,7 +17,11 @@ from kugetsu.config import Config
 from kugetsu.models import PRIORITIES, Index
 from kugetsu.policy import Board, simple_order, task_key
 
-task_st = st.tuples(st.sampled_from("abcd"), st.sampled_from(PRIORITIES), st.sampled_from([None, None, "g1", "g2"]))
+task_st = st.tuples(st.sampled_from("abcd"), st.sampled_from(PRIORITIES), st.sampled_from([None, None, "g1", "g2"]),
+                    st.sampled_from([None, "p1", "p2", "p2"]))
+# Agent presets with their own max_agents (issue 18); a hold on p2 (a provider's limit) is
+# drawn per example.
+preset_st = st.fixed_dictionaries({"command": st.just(["true"]), "max_agents": st.none() | st.integers(1, 2)})
 config_st = st.fixed_dictionaries({
     "max_agents": st.integers(1, 4),
     "strategy": st.sampled_from(["fifo", "priority", "fair"]),
@@ -26,18 +30,24 @@ config_st = st.fixed_dictionaries({
     "groups": st.fixed_dictionaries({"g1": st.fixed_dictionaries({"max_agents": st.integers(1, 2)}),
                                      "g2": st.fixed_dictionaries({"max_agents": st.integers(1, 3)})}),
     "max_queue": st.just(100),
+    "agents": st.fixed_dictionaries({"p1": preset_st, "p2": preset_st}),
 })
 
 
-def build(raw: dict, first: list, later: list, gap: int) -> tuple[Config, Index, datetime]:
+def build(raw: dict, first: list, later: list, gap: int, hold: int | None = None) -> tuple[Config, Index, datetime]:
     """Admit `first` and let them start at T0, then admit `later` at T0 + gap: a queue with
-    some tasks running and the clock moved on, as the scheduler leaves it."""
+    some tasks running and the clock moved on, as the scheduler leaves it. `hold`: preset p2
+    is held from T0 until that many seconds after T0 + gap (0: until released by hand)."""
     cfg = msgspec.convert(raw, Config)
     index = Index()
+    if hold is not None:
+        until = T0 + timedelta(seconds=gap + hold) if hold else None
+        pm.hold(index, cfg, "p2", until, T0 - timedelta(seconds=1))
     now = T0
     for batch in (first, later):
-        for source, priority, group in batch:
-            pm.admit(index, cfg, now, pm.Request(cwd="/", command=["true"], source=source, priority=priority, group=group))
+        for source, priority, group, agent in batch:
+            pm.admit(index, cfg, now, pm.Request(cwd="/", command=["true"], source=source, priority=priority,
+                                                 group=group, agent=agent))
         pm.settle(index, cfg, now)
         now = T0 + timedelta(seconds=gap)
     return cfg, index, now
@@ -51,6 +61,9 @@ def check_limits(cfg: Config, index: Index, starts: dict[str, list[datetime]]) -
     per_group = Counter(t.group for t in index.active if t.group)
     for group, n in per_group.items():
         assert n <= cfg.groups[group].max_agents
+    for agent, n in Counter(t.agent for t in index.active if t.agent).items():
+        cap = cfg.agents[agent].max_agents
+        assert cap is None or n <= cap
     if cfg.min_start_interval_s is not None:
         gap = timedelta(seconds=cfg.min_start_interval_s)
         for times in starts.values():
@@ -69,11 +82,13 @@ def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
         steps += 1
         assert steps < 1000, "drain does not progress"
         board = Board(index, cfg, now)
-        for source, group in board.lanes:  # the quick rule and the worded one agree
-            assert board.free(source, group) == (board.why(source, group) is None)
+        for lane in board.lanes:  # the quick rule and the worded one agree
+            assert board.free(*lane) == (board.why(*lane) is None)
         task = pm.next_to_start(index, cfg, now)
         if task is not None:
             assert pm.plan_starts(index, cfg, now)[0] is task
+            hold = index.holds.get(task.agent)  # type: ignore[arg-type]
+            assert hold is None or (hold.until is not None and hold.until <= now), "a held preset started"
             if on_pick:
                 on_pick(index, now, task)
             pm.start(index, task, now)
@@ -86,15 +101,19 @@ def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
             assert release > now
             now = release
         else:
+            if not index.active and index.holds:  # only a hold by hand holds them: release it
+                pm.release(index, cfg, next(iter(index.holds)), now)
+                continue
             assert index.active, "queued tasks that nothing can ever start"
             pm.finish(index, index.active[0], now, 0)
     return order
 
 
-@settings(max_examples=100, deadline=None)
-@given(config_st, st.lists(task_st, max_size=8), st.lists(task_st, max_size=16), st.integers(0, 6))
-def test_limits_hold_and_positions_are_the_real_start_order(raw, first, later, gap):
-    cfg, index, now = build(raw, first, later, gap)
+@settings(max_examples=150, deadline=None)
+@given(config_st, st.lists(task_st, max_size=8), st.lists(task_st, max_size=16), st.integers(0, 6),
+       st.none() | st.integers(0, 8))
+def test_limits_hold_and_positions_are_the_real_start_order(raw, first, later, gap, hold):
+    cfg, index, now = build(raw, first, later, gap, hold)
     check_limits(cfg, index, {})
     predicted = [t.id for t in pm.start_order(index, cfg, now)]
     positions = pm.positions(index, cfg, now)
@@ -107,7 +126,7 @@ def test_limits_hold_and_positions_are_the_real_start_order(raw, first, later, g
 @given(config_st, st.lists(task_st, max_size=8), st.lists(task_st, max_size=16), st.integers(0, 6))
 def test_sort_fast_path_is_the_simulation(raw, first, later, gap):
     raw = {**raw, "strategy": raw["strategy"] if raw["strategy"] != "fair" else "priority"}
-    raw |= {"max_active_per_source": None, "min_start_interval_per_source": None}
+    raw |= {"max_active_per_source": None, "min_start_interval_per_source": None, "agents": {}}
     cfg, index, now = build(raw, first, later, gap)
     if not simple_order(index, cfg):  # tasks in a group: the fast path must stand aside
         assert any(t.group for t in index.queued)
@@ -148,8 +167,8 @@ def test_successor_is_what_the_next_free_slot_starts(raw, simple, first, later, 
     starts that task first. Queue deadlines are random, so expiry is part of the bargain."""
     if simple:
         raw |= {"strategy": data.draw(st.sampled_from(["fifo", "priority"])), "max_active_per_source": None,
-                "min_start_interval_per_source": None}
-        first, later = ([(s, p, None) for s, p, _ in batch] for batch in (first, later))
+                "min_start_interval_per_source": None, "agents": {}}
+        first, later = ([(s, p, None, None) for s, p, _, _ in batch] for batch in (first, later))
     cfg, index, now = build(raw, first, later, gap)
     for task in index.queued:
         task.expires_at = data.draw(st.none() | st.integers(1, 30).map(lambda s: now + timedelta(seconds=s)))

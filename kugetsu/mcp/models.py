@@ -61,6 +61,23 @@ class TaskOut(BaseModel):
     host: OptStr = Field(description="cluster mode: the machine it runs (or ran) on")
     pinned_host: OptStr = Field(description="cluster mode: the machine it must run on")
     after: list[int] = Field(description="ids of the tasks that must succeed before it starts (`delegate --after`)")
+    attempt: int = Field(1, description="its run: 1, then 2, ... when a retry or its provider's limit ran it again")
+    attempts: list[AttemptOut] = Field([], description="the earlier runs, oldest first, and how each ended")
+    retries: int = Field(0, description="failed or lost runs run again (delegate --retries)")
+    retry_delay: OptFloat = Field(None, description="seconds between a failed run and its retry")
+    retry_of: OptInt = Field(None, description="the finished task this one runs again (`kugetsu retry`)")
+    not_before: OptStr = Field(None, description="a retry waits for its delay: it starts no earlier")
+    session: OptStr = Field(None, description="the agent's session id, read from its output (it resumes it)")
+
+
+class AttemptOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    ended_at: str
+    started_at: OptStr = None
+    exit_code: OptInt = None
+    reason: OptStr = None
+    limit: bool = Field(False, description="it hit its provider's limit (back in the queue, no retry used up)")
 
 
 class QueuedTaskOut(TaskOut):
@@ -76,6 +93,15 @@ class CapacityOut(BaseModel):
     queued: int = Field(description="waiting for a slot")
     free: int = Field(description="slots free now: a task delegated now starts at once if free > 0")
     max_queue: int = Field(description="queued tasks at most; beyond it delegate is rejected (back off)")
+    holds: dict[str, HoldOut] | None = Field(
+        None, description="agent presets held now (their provider's usage limit, or by hand): their tasks wait")
+
+
+class HoldOut(BaseModel):
+    until: OptStr = Field(description="when the hold ends and its tasks start again (null: until released)")
+    reason: str
+    since: str
+    queued: int = Field(description="its tasks waiting for the hold to end")
 
 
 class GroupUsage(BaseModel):

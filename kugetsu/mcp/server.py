@@ -305,6 +305,10 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         worktree: Annotated[bool | None, Field(description="run in its own git worktree on branch kugetsu/NAME;"
                                                " null: as the preset and config say")] = None,
         base: Annotated[str | None, Field(description="with worktree: the git ref it starts from")] = None,
+        retries: Annotated[int, Field(ge=0, le=100, description="run it again, as the same task, up to this many"
+                                      " times when it fails or is lost (not when cancelled)")] = 0,
+        retry_delay: Annotated[str | float | None, Field(description="wait this long before each retry (90s,"
+                                                         " 15m or seconds)")] = None,
     ) -> Annotated[CallToolResult, DelegateOut]:
         """Hand one piece of work (one issue) to a worker agent. kugetsu starts it at once in a
         free slot or queues it, and says which: "started NAME (#ID), slot 2/3" or "queued NAME
@@ -319,7 +323,8 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         req = pm.Request(
             cwd=os.path.abspath(cwd or os.getcwd()), name=name, command=command, prompt=prompt, agent=agent,
             source=source, priority=priority, group=group, expire_after=_duration(expire_after, "expire_after"),
-            timeout=_duration(timeout, "timeout"), worktree=worktree, base=base,
+            timeout=_duration(timeout, "timeout"), worktree=worktree, base=base, retries=retries,
+            retry_delay=_duration(retry_delay, "retry_delay"),
         )
         try:
             adm = await admitter.admit(req)

@@ -128,6 +128,12 @@ def notification(event: Event, task: Task | None, cfg: Config, log_tail: str | N
         return _with_log(f"❓ {ref} lost: {esc(event.reason or 'its process vanished')}", log_tail)
     if kind == "config":
         return f"⚙️ config {esc(event.key)} = {esc(event.value)}"
+    if kind == "held":  # "claude usage limit: 4 tasks held until 15:00" (pm words it)
+        return f"⏸️ {esc(event.reason or 'an agent preset is held')}"
+    if kind == "released":
+        return f"⏯️ {esc(event.reason or 'an agent preset is released')}"
+    if kind == "requeued":  # a retry, or its provider's limit: back in the queue, not failed
+        return f"🔁 {ref}: {esc(event.reason or 'back in the queue')}"
     if kind == "worktree":  # what became of a task's worktree, or a prune
         what = esc(event.reason or f"worktree {event.worktree_state or 'changed'}")
         return f"🌿 {ref}: {what}" if event.task is not None else f"🌿 {what}"

@@ -97,10 +97,13 @@ def _event_detail(e: Event) -> str:
 
 def summary(cap: pm.Capacity, service_pid: int | None) -> str:
     service = f"service running (pid {service_pid})" if service_pid else "service not running"
-    from kugetsu.render import paused_note
+    from kugetsu.render import holds_line, paused_note
 
-    return (f"{cap.active}/{cap.max_agents} running · {cap.queued} queued · max queue {cap.max_queue}"
+    text = (f"{cap.active}/{cap.max_agents} running · {cap.queued} queued · max queue {cap.max_queue}"
             f"{paused_note(cap)} · {service}")
+    if cap.holds:  # a provider's limit, or a hold by hand: its tasks wait, and for how long
+        text += " · " + holds_line(cap)
+    return text
 
 
 def task_title(task: Task | None) -> str:

@@ -1,0 +1,166 @@
+"""Provider limits, read from an agent's output: pure functions of text and a clock.
+
+An agent that hits its provider's usage limit or rate limit says so at the end of its output
+and exits non-zero. Whether it did (the preset's `limit.patterns` and `limit.exit_codes`),
+when the limit resets (`reset_time`), and the session it ran (`session_pattern`) are read
+here; pm decides what follows (the task back in its place, the preset held).
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta, timezone, tzinfo
+
+# How much of the end of the log is read at an agent's exit: a limit message is among the
+# last lines an agent prints.
+TAIL_BYTES = 16 * 1024
+
+_UNIT_SECONDS = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60, "h": 3600, "hr": 3600,
+                 "hour": 3600, "d": 86400, "day": 86400}
+_UNIT = r"(?:d|days?|h|hrs?|hours?|m|mins?|minutes?|s|secs?|seconds?)"
+# `in 5 minutes`, `after 120s`, `in 2 days 3 hours 5 minutes`, `in 1h30m`, `Retry-After: 120`
+_SPAN = re.compile(
+    rf"\b(?:in|after|retry-after:?|wait)\s+((?:\d+(?:\.\d+)?\s*{_UNIT}(?![a-z])[\s,]*(?:and\s+)?)+)"
+    r"|\b(?:retry[- ]after:?)\s*(\d+(?:\.\d+)?)(?![\d:.])",
+    re.IGNORECASE,
+)
+_SPAN_PART = re.compile(rf"(\d+(?:\.\d+)?)\s*({_UNIT})(?![a-z])", re.IGNORECASE)
+# 2026-11-23T15:00:00Z, 2026-11-23 15:00:00+01:00
+_ISO = re.compile(r"\b(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)(?![\d:])")
+# A Unix time in seconds: ten digits (2001 to 2286), e.g. `usage limit reached|1763910000`
+_UNIX = re.compile(r"(?<![\d.])(\d{10})(?:\.(\d+))?(?![\d])")
+# `resets at 3pm`, `reset at 3:30 PM`, `resets 15:00 (Europe/Berlin)`, `try again at 4:05 pm`
+_CLOCK = re.compile(
+    r"\b(?:resets?|again|until|after|at)\s+(?:at\s+)?(\d{1,2})(?::(\d{2}))?(?::(\d{2}))?\s*(am|pm|a\.m\.|p\.m\.)?"
+    r"(?:\s*\(([A-Za-z_]+(?:/[A-Za-z_+-]+)*)\))?(?![\d:])",
+    re.IGNORECASE,
+)
+
+
+def _unit_seconds(unit: str) -> int:
+    u = unit.lower()
+    if u in _UNIT_SECONDS:
+        return _UNIT_SECONDS[u]
+    return _UNIT_SECONDS[u.rstrip("s")]
+
+
+def parse_span(text: str) -> float | None:
+    """`5 minutes`, `2 days 3 hours`, `1h30m`, `120s`, `120` -> seconds."""
+    parts = _SPAN_PART.findall(text)
+    if parts:
+        return sum(float(n) * _unit_seconds(u) for n, u in parts)
+    try:
+        return float(text.strip())
+    except ValueError:
+        return None
+
+
+def _zone(name: str | None, default: tzinfo) -> tzinfo:
+    if not name:
+        return default
+    try:
+        from zoneinfo import ZoneInfo
+
+        return ZoneInfo(name)
+    except Exception:  # an unknown or malformed zone name: the machine's own zone
+        return default
+
+
+def _clock_time(m: re.Match[str], now: datetime, local: tzinfo) -> datetime | None:
+    hour, minute, second = int(m.group(1)), int(m.group(2) or 0), int(m.group(3) or 0)
+    meridiem = (m.group(4) or "").lower().replace(".", "")
+    if not meridiem and m.group(2) is None:
+        return None  # a bare number (`at 3`) is not a time
+    if meridiem:
+        if not 1 <= hour <= 12:
+            return None
+        hour = hour % 12 + (12 if meridiem == "pm" else 0)
+    if hour > 23 or minute > 59 or second > 59:
+        return None
+    zone = _zone(m.group(5), local)
+    here = now.astimezone(zone)
+    at = here.replace(hour=hour, minute=minute, second=second, microsecond=0)
+    if at <= here:  # a clock time already past today is tomorrow's
+        at += timedelta(days=1)
+    return at.astimezone(timezone.utc)
+
+
+def reset_time(text: str, now: datetime, local: tzinfo | None = None) -> datetime | None:
+    """When a limit resets, as the agent's output says, or None when it does not say.
+
+    Understands a span (`retry after 120s`, `try again in 5 minutes`, `in 2 days 3 hours`,
+    `Retry-After: 120`), an ISO 8601 time, a Unix time (ten digits, as Claude Code's
+    `usage limit reached|1763910000`), and a clock time (`resets at 3pm`, `resets 3:30 PM
+    (Europe/Berlin)`, `try again at 15:00`) in the named zone or else `local` (the machine's
+    zone when None); a clock time already past is tomorrow's. The last mention in the text
+    wins (the latest message). Times in the past are ignored. `now` must be aware."""
+    local = local or now.astimezone().tzinfo or timezone.utc
+    found: list[tuple[int, datetime]] = []
+    for m in _SPAN.finditer(text):
+        seconds = parse_span(m.group(1) or m.group(2))
+        if seconds is not None and 0 < seconds <= 366 * 86400:
+            found.append((m.start(), now + timedelta(seconds=seconds)))
+    for m in _ISO.finditer(text):
+        try:
+            at = datetime.fromisoformat(m.group(1).replace("Z", "+00:00"))
+        except ValueError:
+            continue
+        found.append((m.start(), (at if at.tzinfo else at.replace(tzinfo=local)).astimezone(timezone.utc)))
+    iso_spans = [m.span() for m in _ISO.finditer(text)]
+    for m in _UNIX.finditer(text):
+        seconds = float(m.group(1) + "." + (m.group(2) or "0"))
+        found.append((m.start(), datetime.fromtimestamp(seconds, timezone.utc)))
+    for m in _CLOCK.finditer(text):
+        if any(a <= m.start(1) < b for a, b in iso_spans):
+            continue  # the hour of an ISO time
+        at = _clock_time(m, now, local)
+        if at is not None:
+            found.append((m.start(), at))
+    future = [(pos, at) for pos, at in found if now < at <= now + timedelta(days=366)]
+    return max(future, key=lambda pa: pa[0])[1] if future else None
+
+
+def matches(patterns: list[str], text: str) -> bool:
+    """Does any of the patterns (regular expressions) occur in the text?"""
+    return any(re.search(p, text, re.MULTILINE) for p in patterns)
+
+
+def session_of(pattern: str | None, text: str) -> str | None:
+    """The agent's session id: the first group of the last match of `pattern` (the whole
+    match when it has no group)."""
+    if not pattern:
+        return None
+    last = None
+    for last in re.finditer(pattern, text, re.MULTILINE):
+        pass
+    if last is None:
+        return None
+    return last.group(1) if last.re.groups else last.group(0)
+
+
+def backoff(first: float, most: float, strikes: int) -> float:
+    """Seconds a preset is held when its agent did not say when its limit resets: `first`,
+    doubling with each limit hit in a row, at most `most`."""
+    return min(most, first * 2 ** min(strikes, 40))
+
+
+def parse_until(text: str, now: datetime, local: tzinfo | None = None) -> datetime | None:
+    """`kugetsu hold --until T`: a duration from now (`30m`, `2h`, `90`), an ISO 8601 time or
+    a clock time (`15:00`, `3pm`, the next one to come); None when it is none of these."""
+    from kugetsu.config import parse_duration
+
+    try:
+        return now + timedelta(seconds=parse_duration(text))
+    except ValueError:
+        pass
+    text = text.strip()
+    m = _ISO.fullmatch(text)
+    if m:
+        try:
+            at = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+        local = local or now.astimezone().tzinfo or timezone.utc
+        return (at if at.tzinfo else at.replace(tzinfo=local)).astimezone(timezone.utc)
+    m = _CLOCK.fullmatch(f"at {text}")
+    return _clock_time(m, now, local or now.astimezone().tzinfo or timezone.utc) if m else None

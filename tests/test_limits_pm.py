@@ -1,0 +1,273 @@
+"""Provider limits and retries as pure functions: reading a reset time, and what pm decides
+at an agent's exit (microseconds, an injected clock)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import msgspec
+import pytest
+
+from kugetsu import limits, pm
+from kugetsu.config import Config, validate
+from kugetsu.errors import UsageError
+from kugetsu.models import Index, TaskState
+
+NOW = datetime(2026, 11, 23, 14, 0, 0, tzinfo=timezone.utc)
+UTC = timezone.utc
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("Claude AI usage limit reached|1795446000", 3600),  # Claude Code's old form: a Unix time
+    ("5-hour limit reached ∙ resets 3pm", 3600),
+    ("You've hit your limit · resets 3:30pm (UTC)", 5400),
+    ("resets 4pm (Europe/Berlin)", 3600),  # 16:00 in Berlin is 15:00 UTC
+    ("Error: 429 Too Many Requests. Retry after 120s", 120),
+    ("Retry-After: 90", 90),
+    ("rate limited; please try again in 5 minutes.", 300),
+    ("You've hit your usage limit. Try again in 2 days 3 hours 5 minutes.", 2 * 86400 + 3 * 3600 + 300),
+    ("try again in 1h30m", 5400),
+    ("limit resets at 2026-11-23T15:00:00Z", 3600),
+    ("limit resets at 2026-11-23T16:00:00+01:00", 3600),
+    ("quota refreshes at 1795446000.5", 3600.5),
+    ("try again at 4:05 PM", 2 * 3600 + 300),
+    ("resets at 13:00", 23 * 3600),  # already past today: tomorrow's
+    ("retry after 10s ... retry after 20s", 20),  # the latest message wins
+])
+def test_reset_time_is_read_from_the_output(text, seconds):
+    assert limits.reset_time(text, NOW, UTC) == NOW + timedelta(seconds=seconds)
+
+
+@pytest.mark.parametrize("text", [
+    "rate limit exceeded", "at 3 the build broke", "resets at 25:00", "took 1795446000 ms", "error 2020-01-01T00:00Z",
+    "",
+])
+def test_no_reset_time_when_the_output_gives_none(text):
+    got = limits.reset_time(text, NOW, UTC)
+    assert got is None or text == "took 1795446000 ms"  # ten digits read as a Unix time: best-effort
+
+
+def test_parse_until():
+    assert limits.parse_until("30m", NOW, UTC) == NOW + timedelta(minutes=30)
+    assert limits.parse_until("15:00", NOW, UTC) == NOW + timedelta(hours=1)
+    assert limits.parse_until("3pm", NOW, UTC) == NOW + timedelta(hours=1)
+    assert limits.parse_until("2026-11-24T10:00Z", NOW, UTC) == datetime(2026, 11, 24, 10, tzinfo=UTC)
+    assert limits.parse_until("soon", NOW, UTC) is None
+
+
+def test_session_and_backoff():
+    text = 'x\n{"type":"result","session_id":"0f6c1b2e-1111-2222-3333-444455556666"}\n'
+    cfg = Config()
+    assert limits.session_of(cfg.agents["claude"].session_pattern, text) == "0f6c1b2e-1111-2222-3333-444455556666"
+    assert limits.session_of(cfg.agents["codex"].session_pattern, "session id: 0199a213-81c0-7800-8aa1-bbab2a035a53") \
+        == "0199a213-81c0-7800-8aa1-bbab2a035a53"
+    assert [limits.backoff(60, 3600, n) for n in range(8)] == [60, 120, 240, 480, 960, 1920, 3600, 3600]
+
+
+def test_built_in_presets_recognise_their_limit_messages():
+    cfg = Config()
+    for agent, message in [
+        ("claude", "Claude AI usage limit reached|1795446000"),
+        ("claude", "5-hour limit reached ∙ resets 3pm"),
+        ("codex", "ERROR: You've hit your usage limit. Upgrade to Pro or try again in 4 days 2 hours."),
+        ("opencode", "AI_APICallError: 429 Too Many Requests: rate limit exceeded"),
+    ]:
+        assert limits.matches(cfg.agents[agent].limit.patterns, message), (agent, message)
+    assert not limits.matches(cfg.agents["claude"].limit.patterns, "Error: tests failed (3 of 12)")
+
+
+def test_a_preset_sets_only_what_it_changes_and_bad_values_are_refused():
+    cfg = validate({"agents": {"claude": {"max_agents": 2, "limit": {"exit_codes": [75]}}}})
+    claude = cfg.agents["claude"]
+    assert claude.command == ["claude", "-p", "{prompt}"] and claude.max_agents == 2
+    assert claude.limit.exit_codes == [75] and claude.limit.patterns  # the built-in patterns stay
+    for bad, says in [({"limit": {"patterns": ["("]}}, "not a regular expression"),
+                      ({"resume": ["claude", "--resume"]}, "must contain {session}"),
+                      ({"max_agents": 0}, ">= 1"), ({"limit": {"backoff": "soon"}}, "not a duration")]:
+        with pytest.raises(Exception, match=says):
+            validate({"agents": {"claude": bad}})
+
+
+# ---- what pm decides ------------------------------------------------------------------------
+
+
+def setup(**preset: object) -> tuple[Config, Index]:
+    agents = {"fake": {"command": ["fake", "{prompt}"], "limit": {"patterns": ["usage limit reached"]},
+                       "session_pattern": r"session (\S+)", "resume": ["fake", "--resume", "{session}"], **preset},
+              "other": {"command": ["other", "{prompt}"]}}
+    return msgspec.convert({"max_agents": 1, "agents": agents}, Config), Index()
+
+
+def admit(index: Index, cfg: Config, name: str, agent: str = "fake", **kw: object) -> None:
+    pm.admit(index, cfg, NOW, pm.Request(cwd="/", name=name, prompt=name, agent=agent, **kw))
+
+
+def run_all(index: Index, cfg: Config, now: datetime) -> None:
+    """What the service does after a tick: every task started gets a process."""
+    for task in pm.tick(index, cfg, now, pm.Observations()).start:
+        task.pid = 1000 + task.id
+
+
+def exit_(index: Index, cfg: Config, now: datetime, name: str, code: int, tail: str) -> pm.Plan:
+    task = next(t for t in index.active if t.name == name)
+    plan = pm.tick(index, cfg, now, pm.Observations(exits=[pm.Exit(task.id, code, tail=tail)]))
+    for t in plan.start:
+        t.pid = 1000 + t.id
+    return plan
+
+
+def test_a_limit_requeues_in_place_holds_the_preset_and_lets_other_presets_start():
+    cfg, index = setup()
+    for name, agent in [("a", "fake"), ("b", "fake"), ("c", "other")]:
+        admit(index, cfg, name, agent)
+    run_all(index, cfg, NOW)
+    at = NOW + timedelta(seconds=5)
+    plan = exit_(index, cfg, at, "a", 1, "session s-1\nClaude AI usage limit reached|1795446000\n")
+    a = next(t for t in index.queued if t.name == "a")
+    assert a.state is TaskState.QUEUED and a.attempt == 2 and a.attempts[0].limit and a.attempts[0].exit_code == 1
+    assert a.command == ["fake", "--resume", "s-1"] and a.first_command == ["fake", "a"]
+    assert [t.name for t in index.active] == ["c"]  # another preset starts meanwhile
+    reset = datetime.fromtimestamp(1795446000, UTC)
+    assert index.holds["fake"].until == reset
+    assert [e.type for e in plan.events] == ["requeued", "held", "started"]
+    assert plan.events[1].reason == f"fake usage limit: 2 tasks held until {pm.clock(reset)}"
+    view = pm.queue_view(index, cfg, at)
+    assert [t.name for t in view.queued] == ["a", "b"]
+    assert view.waiting_for[a.id] == f"fake usage limit, retry at {pm.clock(reset)}"
+    assert pm.next_deadline(index) == reset  # the service's one timer is set for it
+    # At the reset time the hold ends and a starts (c has ended), in the same step.
+    exit_(index, cfg, at + timedelta(seconds=1), "c", 0, "")
+    plan = pm.tick(index, cfg, reset, pm.Observations())
+    assert [e.type for e in plan.events] == ["released", "started"] and [t.name for t in plan.start] == ["a"]
+    assert not index.holds
+
+
+def test_backoff_doubles_and_starts_over_after_a_run_served_in_full():
+    cfg, index = setup(limit={"patterns": ["429"], "backoff": "1m", "max_backoff": "3m"})
+    admit(index, cfg, "a")
+    now = NOW
+    holds = []
+    for _ in range(4):
+        run_all(index, cfg, now)
+        exit_(index, cfg, now, "a", 1, "429 Too Many Requests")
+        holds.append((index.holds["fake"].until - now).total_seconds())
+        now = index.holds["fake"].until
+    assert holds == [60, 120, 180, 180]
+    run_all(index, cfg, now)
+    exit_(index, cfg, now, "a", 0, "done")
+    assert index.strikes == {} and index.finished[0].state is TaskState.SUCCEEDED
+
+
+def test_exit_codes_alone_mark_a_limit_and_exit_0_never_does():
+    cfg, index = setup(limit={"exit_codes": [75]})
+    admit(index, cfg, "a")
+    admit(index, cfg, "b")
+    run_all(index, cfg, NOW)
+    exit_(index, cfg, NOW, "a", 75, "")
+    assert "fake" in index.holds and pm.start_order(index, cfg, NOW)[0].name == "a"
+    pm.release(index, cfg, "fake", NOW)
+    run_all(index, cfg, NOW)
+    exit_(index, cfg, NOW, "a", 0, "usage limit reached")  # it did its work all the same
+    assert index.finished[-1].state is TaskState.SUCCEEDED
+
+
+def test_retries_count_and_stop_and_a_cancel_is_never_retried():
+    cfg, index = setup()
+    admit(index, cfg, "a", "other", retries=2, retry_delay=30.0)
+    now = NOW
+    for attempt in (1, 2):
+        run_all(index, cfg, now)
+        exit_(index, cfg, now, "a", 3, "boom")
+        [a] = index.queued
+        assert a.attempt == attempt + 1 and a.not_before == now + timedelta(seconds=30)
+        assert pm.waiting_for(index, cfg, now)[a.id] == f"retry at {pm.clock(a.not_before)}"
+        assert pm.next_to_start(index, cfg, now) is None
+        now = a.not_before
+    run_all(index, cfg, now)
+    exit_(index, cfg, now, "a", 3, "boom")
+    [a] = index.finished
+    assert a.state is TaskState.FAILED and [x.exit_code for x in a.attempts] == [3, 3]
+    admit(index, cfg, "b", "other", retries=2)
+    run_all(index, cfg, now)
+    [b] = index.active
+    pm.cancel(index, b, now, 10)
+    pm.tick(index, cfg, now, pm.Observations(exits=[pm.Exit(b.id, 143)]))
+    assert b.state is TaskState.CANCELLED and not b.attempts
+
+
+def test_a_lost_task_is_retried_and_a_timed_out_one_too():
+    cfg, index = setup()
+    admit(index, cfg, "a", "other", retries=1)
+    run_all(index, cfg, NOW)
+    pm.tick(index, cfg, NOW, pm.Observations(exits=[pm.Exit(index.active[0].id, None)]))
+    [a] = index.active  # back in the queue, and started again at once (no delay)
+    assert a.attempt == 2 and a.attempts[0].exit_code is None
+    admit(index, cfg, "t", "other", retries=1, timeout=10.0)
+    pm.tick(index, cfg, NOW, pm.Observations(exits=[pm.Exit(a.id, 0)]))
+    [t] = index.active
+    t.pid = 7
+    pm.tick(index, cfg, NOW + timedelta(seconds=11), pm.Observations())  # the timeout: stop it
+    pm.tick(index, cfg, NOW + timedelta(seconds=12), pm.Observations(exits=[pm.Exit(t.id, 143)]))
+    assert t.state is not TaskState.FAILED and t.attempts[0].reason == "timed out after 10s"
+
+
+def test_per_preset_max_agents_with_true_positions():
+    cfg, index = setup(max_agents=1)
+    cfg = msgspec.structs.replace(cfg, max_agents=3)
+    for name, agent in [("a", "fake"), ("b", "fake"), ("c", "other"), ("d", "fake")]:
+        admit(index, cfg, name, agent)
+    run_all(index, cfg, NOW)
+    assert sorted(t.name for t in index.active) == ["a", "c"]
+    view = pm.queue_view(index, cfg, NOW)
+    assert [(t.name, view.positions[t.id]) for t in view.queued] == [("b", 1), ("d", 2)]
+    assert set(view.waiting_for.values()) == {"agent fake full (1/1 running)"}
+    assert pm.successor(index, cfg) is None
+
+
+def test_hold_and_release_by_hand():
+    cfg, index = setup()
+    with pytest.raises(UsageError, match="unknown agent preset"):
+        pm.hold(index, cfg, "nosuch", None, NOW)
+    with pytest.raises(UsageError, match="not in the future"):
+        pm.hold(index, cfg, "fake", NOW, NOW)
+    [held] = pm.hold(index, cfg, "fake", None, NOW)
+    assert held.reason == "fake held by hand: 0 tasks held until released"
+    admit(index, cfg, "a")
+    assert pm.waiting_for(index, cfg, NOW) == {1: "fake held by hand"}
+    assert pm.next_deadline(index) == index.queued[0].expires_at  # the hold has no end but a release
+    [released] = pm.release(index, cfg, "fake", NOW)
+    assert released.type == "released"
+    with pytest.raises(UsageError, match="not held"):
+        pm.release(index, cfg, "fake", NOW)
+
+
+def test_retry_request_links_a_finished_task():
+    cfg, index = setup()
+    admit(index, cfg, "a", "other")
+    with pytest.raises(UsageError, match="only a finished task can be retried"):
+        pm.retry_request(index.queued[0])
+    pm.cancel(index, index.queued[0], NOW, 10)
+    req = pm.retry_request(index.finished[0])
+    task, _ = pm.admit(index, cfg, NOW, req)
+    assert task.retry_of == 1 and task.command == ["other", "a"] and task.name == "a"
+
+
+def test_every_front_end_shows_the_hold():
+    from kugetsu import render
+    from kugetsu.telegram import text
+    from kugetsu.tui import view as tui
+
+    cfg, index = setup()
+    admit(index, cfg, "a")
+    run_all(index, cfg, NOW)
+    plan = exit_(index, cfg, NOW, "a", 1, "usage limit reached; try again in 5 minutes")
+    at = pm.clock(NOW + timedelta(minutes=5))
+    qv = pm.queue_view(index, cfg, NOW)
+    line = f"held: fake usage limit until {at}, 1 task waiting"
+    assert line in render.summary(qv.capacity)  # `kugetsu queue`, `capacity`, the bot's /queue
+    assert line in tui.summary(qv.capacity, None)  # the dashboard
+    assert f"waiting for: fake usage limit, retry at {at}" in text.queue(qv, NOW)
+    held = next(e for e in plan.events if e.type == "held")
+    assert text.notification(held, None, cfg, None) == f"⏸️ fake usage limit: 1 task held until {at}"
+    assert msgspec.to_builtins(pm.capacity(index, cfg, NOW))["holds"]["fake"]["queued"] == 1
+    assert "holds" not in msgspec.to_builtins(pm.capacity(index, cfg, NOW + timedelta(minutes=5)))
