@@ -517,7 +517,10 @@ def read(home: Home) -> tuple[Config, Index]:
 
 def capacity_json(cfg: Config, index: Index) -> dict[str, Any]:
     """`kugetsu capacity --json`: what a PM agent checks before delegating."""
-    return msgspec.to_builtins(pm.capacity(index, cfg, now()))  # type: ignore[no-any-return]
+    out: dict[str, Any] = msgspec.to_builtins(pm.capacity(index, cfg, now()))
+    if not out["holds"]:
+        del out["holds"]  # there only while a preset is held
+    return out
 
 
 class Listing(msgspec.Struct):

@@ -112,7 +112,7 @@ def waiting_for_one(index: Index, cfg: Config, now: datetime, task: Task, resour
     if task.after:  # its dependencies, by name: the full look
         return waiting_for(index, cfg, now, resources).get(task.id)
     board = Board(index, cfg, now, resources, lanes=False)
-    return board.pause or board.hold or board.why(task.source, board.group_of(task))
+    return board.pause or board.hold or board.why(*board.lane_of(task))
 
 
 def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> dict[int, str]:
@@ -121,7 +121,8 @@ def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources |
     without a reason are left out."""
     quick = Board(index, cfg, now, resources, lanes=False)  # the counts only, no order
     if (quick.pause is None and quick.hold is None and quick.source_limit is None and quick.interval is None
-            and not quick.caps and not any(t.after for t in index.queued)):
+            and not quick.caps and not quick.agent_caps and not quick.holds
+            and not any(t.after or t.not_before for t in index.queued)):
         return {}  # nothing that could hold a task
     board = Board(index, cfg, now, resources)
     out = {}
@@ -144,7 +145,7 @@ class HoldView(msgspec.Struct, frozen=True, kw_only=True):
     queued: int  # its tasks waiting for it
 
 
-class Capacity(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     """The numbers `kugetsu capacity --json` gives: what a PM agent checks before delegating."""
 
     max_agents: int

@@ -20,8 +20,8 @@ def test_demo_shows_the_whole_job_and_leaves_nothing_behind(kg, tmp_path):
     out = r.stdout
     assert took < 45
     # The delegate lines are the real command (the expiry that issue-4 is given too) and its real answer.
-    for expected in ("$ kugetsu delegate issue-4 --source demo --expire-after 4s -- ", "started issue-1 (#1), slot 1/2",
-                     "queued issue-6 (#6), position 4 of 4", "cancelled issue-2", "expired   issue-4",
+    for expected in ("$ kugetsu delegate issue-4 --source demo --expire-after 4s -- ", "started issue-1 (#2), slot 2/2",
+                     "queued issue-6 (#7), position 5 of 5", "cancelled issue-2", "expired   issue-4",
                      "failed    issue-5", "SUMMARY", "at most 2 running at once (max_agents 2)"):
         assert expected in out, expected
     # positions move: issue-5 is position 4 at admission, position 1 after the cancel and the expiry

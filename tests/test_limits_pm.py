@@ -83,7 +83,7 @@ def test_a_preset_sets_only_what_it_changes_and_bad_values_are_refused():
     assert claude.limit.exit_codes == [75] and claude.limit.patterns  # the built-in patterns stay
     for bad, says in [({"limit": {"patterns": ["("]}}, "not a regular expression"),
                       ({"resume": ["claude", "--resume"]}, "must contain {session}"),
-                      ({"max_agents": 0}, ">= 1"), ({"limit": {"backoff": "soon"}}, "not a duration")]:
+                      ({"max_agents": 0}, "at least 1"), ({"limit": {"backoff": "soon"}}, "not a duration")]:
         with pytest.raises(Exception, match=says):
             validate({"agents": {"claude": bad}})
 
@@ -270,4 +270,4 @@ def test_every_front_end_shows_the_hold():
     held = next(e for e in plan.events if e.type == "held")
     assert text.notification(held, None, cfg, None) == f"⏸️ fake usage limit: 1 task held until {at}"
     assert msgspec.to_builtins(pm.capacity(index, cfg, NOW))["holds"]["fake"]["queued"] == 1
-    assert "holds" not in msgspec.to_builtins(pm.capacity(index, cfg, NOW + timedelta(minutes=5)))
+    assert msgspec.to_builtins(pm.capacity(index, cfg, NOW + timedelta(minutes=5)))["holds"] == {}

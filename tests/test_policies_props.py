@@ -199,7 +199,7 @@ def test_the_quick_answers_for_one_task_are_the_full_ones(raw, first, later, gap
     if not groups:  # removed from the config since: they limit nothing any more
         cfg = msgspec.convert({**raw, "groups": {}}, Config)
     board = Board(index, cfg, now, res)
-    lanes = {t.id: board.hold or board.why(s, g) for (s, g), lane in board.lanes.items() for _, t in lane}
+    lanes = {t.id: board.pause or board.hold or board.why(*lane_id) for lane_id, lane in board.lanes.items() for _, t in lane}
     assert pm.waiting_for(index, cfg, now, res) == {i: why for i, why in lanes.items() if why is not None}
     full = pm.positions(index, cfg, now)
     for task in index.queued + index.active:
