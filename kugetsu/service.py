@@ -468,6 +468,7 @@ class Service:
         self.member = Member(cfg.store, host_name(cfg), slots, cfg.cluster.lease_s, self.home,
                              cfg.cluster.log_max_bytes, lambda: loop.call_soon_threadsafe(self.request_tick))
         self.member.start()
+        self.member.watch(self.store)  # type: ignore[arg-type]  (a PgStore in cluster mode)
         self.procs.host = self.exits.host = self.member.name
 
     def _observe_cluster(self, txn: Txn, obs: pm.Observations) -> None:
@@ -475,12 +476,12 @@ class Service:
         lacks; first of all, if this machine was declared gone while it was away, fence."""
         member = self.member
         assert member is not None
-        conn = self.store.conn  # type: ignore[attr-defined]  (a PgStore: the transaction's connection)
-        obs.hosts = member.observe(conn)
-        if member.fenced:
-            self._fence(txn)
-            member.rejoin(conn)
+        with self.store.guarded() as conn:  # type: ignore[attr-defined]  (a PgStore: the transaction's connection)
             obs.hosts = member.observe(conn)
+            if member.fenced:
+                self._fence(txn)
+                member.rejoin(conn)
+                obs.hosts = member.observe(conn)
         needed = {placement.needs_dir(t) for t in txn.index.queued}
         obs.here = member.here(frozenset(d for d in needed if not os.path.isdir(d)))
 
@@ -501,7 +502,8 @@ class Service:
         from kugetsu.cluster import hosts
 
         log.warning("machine(s) %s stopped answering (lease expired): their running tasks are lost", ", ".join(names))
-        hosts.mark_gone(self.store.conn, names)  # type: ignore[attr-defined]
+        with self.store.guarded() as conn:  # type: ignore[attr-defined]
+            hosts.mark_gone(conn, names)
 
     def _enforce_max_disk(self, cfg: Config) -> None:
         try:
@@ -567,5 +569,11 @@ class Service:
 
 
 def serve(home: Home) -> int:
+    import faulthandler
+    import sys
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # `kill -USR1 <service pid>` writes every thread's stack to the log: what a service that
+    # seems stuck is doing, without stopping it.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     return Service(home).run()

@@ -28,19 +28,18 @@ class Proxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            if self.mode == "refuse":
-                client.close()
-                continue
-            if self.mode == "silent":
-                with self.lock:
+            with self.lock:  # a cut cannot slip in between the look at the mode and the record
+                if self.mode == "refuse":
+                    client.close()
+                    continue
+                if self.mode == "silent":
                     self.conns.append(client)  # never answered
-                continue
-            try:
-                upstream = socket.create_connection(self.target)
-            except OSError:
-                client.close()
-                continue
-            with self.lock:
+                    continue
+                try:
+                    upstream = socket.create_connection(self.target)
+                except OSError:
+                    client.close()
+                    continue
                 self.conns += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
@@ -56,18 +55,19 @@ class Proxy:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
+            for s in (src, dst):  # shutdown first: a close alone does not wake the other pipe's recv
                 try:
-                    s.close()
+                    s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+                s.close()
 
     def cut(self, mode: str = "refuse") -> None:
         """Every connection through the proxy ends now (refuse) or goes silent."""
-        self.mode = mode
+        with self.lock:
+            self.mode = mode
+            conns, self.conns = (self.conns, []) if mode == "refuse" else ([], self.conns)
         if mode == "refuse":
-            with self.lock:
-                conns, self.conns = self.conns, []
             for c in conns:
                 try:
                     c.shutdown(socket.SHUT_RDWR)

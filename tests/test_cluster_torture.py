@@ -71,7 +71,23 @@ def _final(k: Kugetsu, names: set[str], timeout: float) -> dict[str, dict]:
     except AssertionError:
         now = tasks()
         live = [(n, now[n]["state"], now[n].get("host")) for n in names if n in now and now[n]["state"] in ("queued", "running")]
-        raise AssertionError(f"not final: {live}; unknown: {sorted(names - set(now))}; hosts: {k.json('hosts')}") from None
+        import psycopg
+
+        with psycopg.connect(store.url, autocommit=True) as db:  # who holds what in the database
+            activity = db.execute(
+                "SELECT pid, application_name, state, wait_event_type, now() - xact_start, left(query, 80)"
+                " FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()").fetchall()
+        stacks = [f"pg_stat_activity: {activity}"]
+        for home in sorted(k.home.root.parent.iterdir()):  # what each service is doing (faulthandler)
+            try:
+                pid = int((home / "service.pid").read_text())
+                os.kill(pid, signal.SIGUSR1)
+                time.sleep(0.5)
+                stacks.append(f"--- {home.name}\n" + (home / "service.log").read_text()[-6000:])
+            except (OSError, ValueError):
+                continue
+        raise AssertionError(f"not final: {live}; unknown: {sorted(names - set(now))}; hosts: {k.json('hosts')}\n"
+                             + "\n".join(stacks)) from None
     finally:
         store.close()
 
@@ -201,3 +217,63 @@ def test_a_whole_machine_killed_loses_its_tasks_within_the_lease_and_its_slots_g
     assert {r["name"]: r["state"] for r in a.json("hosts")}["m2"] == "gone"  # type: ignore[union-attr]
     a.delegate("after", 0.0, 0)
     assert a.wait_state("after", "succeeded")["host"] == "m1"
+
+
+def test_a_machine_cut_off_from_the_database_starts_nothing_and_is_fenced_when_it_returns(machines: Machine, pg_url: str):
+    """m2 reaches the database through a proxy that goes silent (a network that drops
+    everything, as a cable pulled): it cannot start anything; past the lease m1 ends its task
+    as lost; when the network is back m2 kills what it still runs of it before anything else."""
+    proxy = Proxy(("127.0.0.1", 5432))
+    try:
+        a = machines("m1", slots=1)
+        b = machines("m2", slots=1, url=proxy.url(pg_url.rsplit("/", 1)[1]))
+        a.ok("config", "set", "cluster.lease", "3s")
+        for k in (a, b):  # the heartbeat period follows the lease from the service's start
+            k.ok("shutdown")
+            k.ok("serve", "--detach")
+        a.delegate("victim", 0.0, 0, "--host", "m2", gate=a.rec / "never")
+        wait_for(lambda: a.times("victim").get("start"), 15, "the agent to start on m2")
+        proxy.cut("silent")
+        a.delegate("next", 0.0, 0, "--host", "m2")
+        task = a.wait_state("victim", "lost", timeout=20)
+        assert "m2 stopped answering" in task["reason"]
+        assert agent_wrappers(b.home), "the agent runs on while its machine is cut off"
+        assert a.task("next")["state"] == "queued", "a machine cut off from the database started something"
+        proxy.restore()
+        wait_for(lambda: not agent_wrappers(b.home), 20, "m2 to kill the lost task's agent")
+        assert a.wait_state("next", "succeeded", timeout=20)["host"] == "m2"
+        assert "killing it" in b.home.service_log.read_text()
+    finally:
+        proxy.close()
+
+
+def test_a_statement_whose_answer_never_comes_is_interrupted(pg_url: str):
+    """The service's watchdog (cluster.member) ends such a wait with PgStore.interrupt."""
+    from kugetsu.cluster.store import PgStore
+    from kugetsu.errors import Unreachable
+
+    proxy = Proxy(("127.0.0.1", 5432))
+    store = PgStore(proxy.url(pg_url.rsplit("/", 1)[1]))
+    try:
+        store.read()
+        proxy.cut("silent")
+        failed: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                store.read()
+            except BaseException as err:  # noqa: BLE001  (the test looks at what it was)
+                failed.append(err)
+
+        t = threading.Thread(target=read)
+        t.start()
+        wait_for(lambda: store.waiting_for() > 0.3, 5, "the statement to wait")
+        assert t.is_alive()
+        store.interrupt()
+        t.join(5)
+        assert not t.is_alive() and isinstance(failed[0], Unreachable)
+        proxy.restore()
+        assert store.read() is not None  # connects afresh
+    finally:
+        store.close()
+        proxy.close()

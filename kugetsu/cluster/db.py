@@ -23,6 +23,14 @@ CONNECT_TIMEOUT = 5  # seconds: a database that does not answer is reported, not
 # with these, a silent connection fails within about 10 s and is made afresh.
 KEEPALIVE = {"keepalives": 1, "keepalives_idle": 3, "keepalives_interval": 2, "keepalives_count": 2,
              "tcp_user_timeout": 10000}
+# The other side of a lost connection: a server whose client vanished mid-transaction (a
+# machine cut off while it held the queue's row lock) would keep that transaction, and the
+# lock, until its own keepalives notice, two hours by default, and every machine would wait.
+# kugetsu's transactions last milliseconds: one idle for IDLE_IN_TXN is ended by the server.
+# And no client waits for the lock longer than LOCK_WAIT (it says so, and tries again).
+IDLE_IN_TXN_MS = 10_000
+LOCK_WAIT_MS = 20_000
+SESSION = f"-c idle_in_transaction_session_timeout={IDLE_IN_TXN_MS} -c lock_timeout={LOCK_WAIT_MS}"
 
 
 def process_tag() -> str:
@@ -38,7 +46,7 @@ def _why(err: Exception) -> str:
 def connect(url: str, *, autocommit: bool = True) -> psycopg.Connection:
     try:
         conn = psycopg.connect(url, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT,
-                               application_name="kugetsu", **KEEPALIVE)
+                               application_name="kugetsu", options=SESSION, **KEEPALIVE)
     except psycopg.Error as err:
         raise Unreachable(url, _why(err)) from None
     ensure_schema(conn, url)
@@ -50,6 +58,10 @@ def errors(url: str) -> Iterator[None]:
     """Map a lost connection (the database restarted, the network went) to Unreachable."""
     try:
         yield
+    except psycopg.errors.LockNotAvailable:
+        raise KugetsuError(f"the queue in {redact(url)} stayed locked for {LOCK_WAIT_MS // 1000}s (another"
+                           " machine's transaction, or one the database has not yet ended after a lost"
+                           " connection): nothing was changed; try again") from None
     except psycopg.OperationalError as err:
         raise Unreachable(url, _why(err)) from None
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import psycopg
 
 from kugetsu.cluster import hosts, logs
-from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, process_tag
+from kugetsu.cluster.db import LOCK_WAIT_MS, NOTIFY_CHANNEL, Unreachable, connect, process_tag
+from kugetsu.cluster.store import PgStore
 from kugetsu.paths import Home
 from kugetsu.placement import Here, HostSeen
 
@@ -31,6 +32,7 @@ log = logging.getLogger("kugetsu.cluster")
 BACKOFF_FIRST, BACKOFF_MAX = 0.2, 5.0  # seconds between attempts to reach a database that is away
 SHIP_EVERY = 0.5  # seconds between shipments of agents' new output
 BOT_LEASE = "telegram"  # the lease of the one machine that runs the Telegram bot
+STUCK = LOCK_WAIT_MS / 1000 + 10  # seconds: past any lock wait a session allows (db.LOCK_WAIT_MS)
 LISTEN_POLL = 0.5  # seconds: how long the listener waits for a notification before it looks at `stop`
 
 
@@ -46,6 +48,7 @@ class Member:
         # The Telegram bot's lease, when this machine wants it (a token is configured):
         # on_bot(True) once it holds it, on_bot(False) once it may no longer count on it.
         self.on_bot: Callable[[bool], None] | None = None
+        self._watched: PgStore | None = None
         self.holds_bot = False
         self._bot_renewed = 0.0  # time.monotonic() of the last renewal
         self._shipped: dict[int, int] = {}  # task id -> bytes of its log the database has
@@ -59,7 +62,7 @@ class Member:
 
     def start(self) -> None:
         self.join()
-        for target in (self._heartbeats, self._listen, self._ship):
+        for target in (self._heartbeats, self._listen, self._ship, self._watchdog):
             thread = threading.Thread(target=target, name=f"kugetsu-{target.__name__.strip('_')}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -118,6 +121,21 @@ class Member:
                 except psycopg.Error:
                     pass  # it runs out by itself
             conn.close()
+
+    def watch(self, store: PgStore) -> None:
+        """Guard the service's own connection (its loop waits on it): see _watchdog."""
+        self._watched = store
+
+    def _watchdog(self) -> None:
+        """A statement of the service's loop that waits longer than STUCK for its answer
+        (longer than any lock wait the session allows) will not get one: a connection black-
+        holed on the way, a server that hangs. Its socket is shut down so that the loop goes
+        on (the statement fails as `database unreachable`, and is tried again afresh)."""
+        while not self._stop.wait(1.0):
+            store = self._watched
+            if store is not None and store.waiting_for() > STUCK:
+                log.error("a statement has waited %.0fs for the database: dropping that connection", STUCK)
+                store.interrupt()
 
     def want_bot(self, on_bot: Callable[[bool], None]) -> None:
         """Compete for the Telegram bot's lease from now on (the first try is at once)."""

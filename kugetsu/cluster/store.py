@@ -11,7 +11,10 @@ commit NOTIFYs every service (LISTEN), so a change on one machine wakes the othe
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -40,6 +43,7 @@ class PgStore:
         # The document this store last committed: an unchanged one is not rewritten, and a
         # long-lived writer skips decoding a document that is byte for byte its own.
         self._committed: tuple[bytes, Index] | None = None
+        self._busy: float | None = None  # time.monotonic() when the statement under way was sent
 
     @property
     def conn(self) -> psycopg.Connection:
@@ -52,13 +56,50 @@ class PgStore:
             self._conn.close()
             self._conn = None
 
+    @contextmanager
+    def guarded(self) -> Iterator[psycopg.Connection]:
+        """The connection, for statements of the cluster's other tables inside a transaction
+        (hosts, leases): a lost connection is `Unreachable`, as for the store's own."""
+        try:
+            with errors(self.url):
+                yield self.conn
+        except Unreachable:
+            self.close()
+            raise
+
     def _execute(self, sql: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[Any]:
+        self._busy = time.monotonic()
         try:
             with errors(self.url):
                 return self.conn.execute(sql, params)
         except Unreachable:
             self.close()  # the next call connects afresh (the database may be back)
             raise
+        finally:
+            self._busy = None
+
+    def waiting_for(self) -> float:
+        """Seconds the statement under way has waited for its answer (0: none under way)."""
+        busy = self._busy
+        return 0.0 if busy is None else time.monotonic() - busy
+
+    def interrupt(self) -> None:
+        """From another thread: end the wait of a statement whose answer is not coming (a
+        connection black-holed on the way, a server that hangs): its socket is shut down, the
+        statement fails as `Unreachable`, and the next one connects afresh."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            return
+        try:
+            sock = socket.socket(fileno=os.dup(conn.fileno()))
+        except OSError:
+            return
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.close()
 
     # ---- reading (no lock) -------------------------------------------------------------
 
