@@ -16,8 +16,8 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from kugetsu import control, runner
-from kugetsu.config import Config, format_duration, format_size, load_config, read_raw
-from kugetsu.errors import KugetsuError
+from kugetsu.config import Config, format_duration, format_size, load_config, read_raw, store_url
+from kugetsu.errors import KugetsuError, Unreachable
 from kugetsu.models import Index
 from kugetsu.paths import Home, read_file
 from kugetsu.store import open_store
@@ -40,6 +40,9 @@ def run(home: Home, env: dict[str, str] | None = None) -> list[Check]:
     """Every check, in an order that reads top-down (files, service, machine, agents, bot)."""
     env = dict(os.environ if env is None else env)
     checks = [_home(home)]
+    url = store_url(home)
+    if url is not None:  # cluster mode: the database first, everything else depends on it
+        checks.append(_cluster(url))
     cfg, cfg_check = _config(home)
     checks.append(cfg_check)
     index, index_check = _index(home)
@@ -83,9 +86,32 @@ def _home(home: Home) -> Check:
     return Check("home", True, f"{root}, mode {mode:04o}{note}")
 
 
+def _cluster(url: str) -> Check:
+    """Cluster mode: the database answers, and how its machines stand."""
+    from kugetsu.cluster import hosts as H
+    from kugetsu.cluster.db import redact
+    from kugetsu.cluster.store import store_for
+    from kugetsu.errors import Unreachable
+
+    try:
+        store = store_for(url)
+        rows = H.rows(store.conn)
+    except Unreachable as err:
+        return Check("cluster", False, str(err).split(". Running agents")[0],
+                     "start PostgreSQL (or reach it: network, firewall), or fix the URL:"
+                     " `kugetsu config set store postgresql://...` (env KUGETSU_STORE wins)")
+    up = [r.name for r in rows if not r.gone]
+    gone = [r.name for r in rows if r.gone]
+    detail = f"{redact(url)} answers; machines: {', '.join(up) or 'none yet'}" + (f"; gone: {', '.join(gone)}" if gone else "")
+    return Check("cluster", True, detail)
+
+
 def _config(home: Home) -> tuple[Config, Check]:
     try:
         cfg = load_config(home)
+    except Unreachable:
+        return Config(), Check("config", False, "the cluster's shared config is in the database, which does not answer"
+                               " (the other checks use the defaults)", "see `cluster` above")
     except KugetsuError as err:
         message = str(err).partition("\n")[0]
         return Config(), Check("config", False, message + " (the other checks use the defaults)",
@@ -98,6 +124,9 @@ def _config(home: Home) -> tuple[Config, Check]:
 def _index(home: Home) -> tuple[Index, Check]:
     try:
         index = open_store(home).read()
+    except Unreachable:
+        return Index(), Check("index", False, "the queue is in the cluster's database, which does not answer",
+                              "see `cluster` above")
     except KugetsuError as err:
         return Index(), Check("index", False, str(err).partition("\n")[0],
                               "repair it by hand, or move it away to start with an empty queue (running agents are not"
@@ -340,7 +369,7 @@ def _clock(home: Home, index: Index) -> Check:
     times = [t for task in index.all_tasks() for t in (task.created_at, task.started_at, task.finished_at) if t]
     try:
         last = open_store(home).tail_events(1)
-    except OSError:
+    except (OSError, KugetsuError):  # unreadable, or the cluster's database away: said above
         last = []
     times += [e.at for e in last]
     latest = max(times, default=None)

@@ -283,3 +283,14 @@ def test_one_machine_never_loads_the_cluster_code(kg: Kugetsu):
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert "psycopg" not in r.stderr and "kugetsu.cluster" not in r.stderr, args
+
+
+def test_doctor_checks_the_database_first(machines: Machine, tmp_path: Path):
+    a = machines("m1")
+    out = a.run("doctor")
+    assert "cluster" in out.stdout and "answers; machines: m1" in out.stdout, out.stdout
+    k = Kugetsu(tmp_path / "away")
+    k.config(store="postgresql://127.0.0.1:1/nothing", host="away")
+    r = k.run("doctor")
+    assert r.returncode == 1 and "database unreachable: postgresql://127.0.0.1:1/nothing" in r.stdout
+    assert "start PostgreSQL" in r.stdout and "Traceback" not in r.stdout + r.stderr
