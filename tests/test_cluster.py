@@ -294,3 +294,22 @@ def test_doctor_checks_the_database_first(machines: Machine, tmp_path: Path):
     r = k.run("doctor")
     assert r.returncode == 1 and "database unreachable: postgresql://127.0.0.1:1/nothing" in r.stdout
     assert "start PostgreSQL" in r.stdout and "Traceback" not in r.stdout + r.stderr
+
+
+def test_wait_priority_stats_and_clean_work_from_any_machine(machines: Machine):
+    a, b = machines("m1", serve=False), machines("m2")
+    a.ok("config", "set", "strategy", "priority")
+    a.ok("config", "set", "max_agents", "1")
+    a.delegate("first", 0.0, 0, "--host", "m2", gate=a.rec / "go")
+    a.delegate("second", 0.0, 0)
+    a.delegate("third", 0.0, 3)
+    assert "position 1" in a.ok("priority", "third", "urgent")
+    (a.rec / "go").touch()
+    r = a.run("wait", "first", "second", "third", "--timeout", "30s")
+    assert r.returncode == 1 and "third (#3) failed: exit code 3" in r.stderr, r.stderr
+    order = sorted(["first", "second", "third"], key=lambda n: a.times(n)["start"])
+    assert order == ["first", "third", "second"]
+    stats = a.json("stats")
+    assert stats["total"]["succeeded"] == 2 and stats["total"]["failed"] == 1, stats  # type: ignore[index]
+    assert "removed 3 finished tasks" in a.ok("clean")
+    assert a.json("queue", "--all")["finished"] == []  # type: ignore[index]
