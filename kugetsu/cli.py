@@ -213,7 +213,13 @@ def _store_args(sp: argparse.ArgumentParser) -> None:
 
 class _Parser(argparse.ArgumentParser):
     """argparse's errors worded like kugetsu's others: one line saying what was wrong and
-    where the options are, exit 2 (not a usage dump and `error: argument ...`)."""
+    where the options are, exit 2 (not a usage dump and `error: argument ...`). Options are
+    never abbreviated: `--pri` meaning `--priority` today would mean something else the day
+    an option `--private` is added (scripts and agents must not break on a new option)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         import re

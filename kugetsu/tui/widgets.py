@@ -137,8 +137,13 @@ class StateTable(DataTable):
 
     def _cell(self, text: str, style: str) -> Text:
         name = f"state--{style}"
-        rich_style = self.get_component_rich_style(name, partial=True) if name in self.COMPONENT_CLASSES else ""
-        return Text(text, style=rich_style, no_wrap=True, overflow="ellipsis")
+        rich_style: object = ""
+        if name in self.COMPONENT_CLASSES:
+            try:
+                rich_style = self.get_component_rich_style(name, partial=True)
+            except KeyError:  # not styled yet, or no longer (a refresh as the app mounts or closes)
+                pass
+        return Text(text, style=rich_style, no_wrap=True, overflow="ellipsis")  # type: ignore[arg-type]
 
 
 class TaskTable(StateTable):
