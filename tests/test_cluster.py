@@ -313,3 +313,26 @@ def test_wait_priority_stats_and_clean_work_from_any_machine(machines: Machine):
     assert stats["total"]["succeeded"] == 2 and stats["total"]["failed"] == 1, stats  # type: ignore[index]
     assert "removed 3 finished tasks" in a.ok("clean")
     assert a.json("queue", "--all")["finished"] == []  # type: ignore[index]
+
+
+def test_a_worktree_task_runs_in_its_own_worktree_on_the_machine_that_has_its_repository(machines: Machine, tmp_path: Path):
+    """Delegated from m1 (no service), it starts on m2, whose git worker makes the worktree
+    from the repository there and keeps it with the work (placement by directory is tested
+    in test_placement.py: here both "machines" see the same disk)."""
+    from test_worktrees import branches, git
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "config", "user.name", "Test")
+    git(repo, "config", "user.email", "test@example.com")
+    (repo / "f.txt").write_text("original\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "init")
+    a, b = machines("m1", serve=False), machines("m2")
+    a.ok("delegate", "wt", "--worktree", "--cwd", str(repo), "--", "sh", "-c", "echo changed > f.txt")
+    task = wait_for(lambda: (t := a.task("wt"))["state"] == "succeeded" and t["worktree_state"] != "active" and t,
+                    20, "the worktree task to end and its worktree to be closed")
+    assert task["host"] == "m2" and task["worktree_state"] == "kept", task  # type: ignore[index]
+    assert "kugetsu/wt" in branches(repo)
+    assert a.json("worktrees") is not None  # lists from a machine that has none
