@@ -106,6 +106,30 @@ class StoreProtocol(Protocol):
         ...
 
 
+class Transactions:
+    """`transaction`, for a store that has begin, commit and abort (both stores)."""
+
+    def begin(self, now: datetime | None = None) -> Txn:
+        raise NotImplementedError
+
+    def commit(self, txn: Txn) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    @contextmanager
+    def transaction(self, now: datetime | None = None) -> Iterator[Txn]:
+        """Begin, let the caller change `txn.index`, commit. An exception commits nothing."""
+        txn = self.begin(now)
+        try:
+            yield txn
+        except BaseException:
+            self.abort()
+            raise
+        self.commit(txn)
+
+
 def open_store(home: Home) -> StoreProtocol:
     """The store of this home: the cluster's database when config `store` (or KUGETSU_STORE)
     names one, else the file store."""
@@ -117,7 +141,7 @@ def open_store(home: Home) -> StoreProtocol:
     return store_for(url)
 
 
-class Store:
+class Store(Transactions):
     """The file store: index.json under a kernel lock, events.jsonl (DESIGN section 3)."""
 
     def __init__(self, home: Home):
@@ -177,17 +201,6 @@ class Store:
         return events[-count:]
 
     # ---- writing -------------------------------------------------------------------
-
-    @contextmanager
-    def transaction(self, now: datetime | None = None) -> Iterator[Txn]:
-        """Lock, load, let the caller change `txn.index`, commit. An exception commits nothing."""
-        txn = self.begin(now)
-        try:
-            yield txn
-        except BaseException:
-            self.abort()
-            raise
-        self.commit(txn)
 
     def begin(self, now: datetime | None = None) -> Txn:
         """Lock and load: a transaction that `commit` or `abort` ends. Between the two the lock

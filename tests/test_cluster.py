@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Kugetsu, agent_wrappers, wait_for
+from test_worktrees import repo  # noqa: F401  (a fixture: a real git repository)
 
 Machine = Callable[..., Kugetsu]
 
@@ -111,7 +112,8 @@ def test_config_set_on_one_machine_applies_on_every_machine(machines: Machine):
 
 
 def test_output_of_an_agent_on_another_machine_is_read_from_anywhere(machines: Machine):
-    a, b = machines("m1"), machines("m2")
+    a = machines("m1")
+    machines("m2")  # the machine the task runs on
     a.ok("delegate", "talk", "--host", "m2", "--", "sh", "-c", "for i in 1 2 3; do echo line $i; done")
     a.wait_state("talk", "succeeded")
     wait_for(lambda: "line 3" in a.ok("logs", "talk"), 10, "the output to be shipped")
@@ -297,7 +299,8 @@ def test_doctor_checks_the_database_first(machines: Machine, tmp_path: Path):
 
 
 def test_wait_priority_stats_and_clean_work_from_any_machine(machines: Machine):
-    a, b = machines("m1", serve=False), machines("m2")
+    a = machines("m1", serve=False)
+    machines("m2")  # runs the agents
     a.ok("config", "set", "strategy", "priority")
     a.ok("config", "set", "max_agents", "1")
     a.delegate("first", 0.0, 0, "--host", "m2", gate=a.rec / "go")
@@ -315,21 +318,14 @@ def test_wait_priority_stats_and_clean_work_from_any_machine(machines: Machine):
     assert a.json("queue", "--all")["finished"] == []  # type: ignore[index]
 
 
-def test_a_worktree_task_runs_in_its_own_worktree_on_the_machine_that_has_its_repository(machines: Machine, tmp_path: Path):
+def test_a_worktree_task_runs_in_its_own_worktree_on_the_machine_that_has_its_repository(machines: Machine, repo: Path):
     """Delegated from m1 (no service), it starts on m2, whose git worker makes the worktree
     from the repository there and keeps it with the work (placement by directory is tested
     in test_placement.py: here both "machines" see the same disk)."""
-    from test_worktrees import branches, git
+    from test_worktrees import branches
 
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    git(repo, "init", "-q", "-b", "main")
-    git(repo, "config", "user.name", "Test")
-    git(repo, "config", "user.email", "test@example.com")
-    (repo / "f.txt").write_text("original\n")
-    git(repo, "add", ".")
-    git(repo, "commit", "-qm", "init")
-    a, b = machines("m1", serve=False), machines("m2")
+    a = machines("m1", serve=False)
+    machines("m2")  # runs the agents
     a.ok("delegate", "wt", "--worktree", "--cwd", str(repo), "--", "sh", "-c", "echo changed > f.txt")
     task = wait_for(lambda: (t := a.task("wt"))["state"] == "succeeded" and t["worktree_state"] != "active" and t,
                     20, "the worktree task to end and its worktree to be closed")

@@ -26,14 +26,14 @@ import psycopg
 from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, errors, process_tag, redact
 from kugetsu.errors import FileError
 from kugetsu.models import INDEX_VERSION, Event, Index, Task, check_index
-from kugetsu.store import Txn, _index_decoder, _encoder, encode_index
+from kugetsu.store import Transactions, Txn, _index_decoder, _encoder, encode_index
 
 _event_decoder = msgspec.json.Decoder(Event)
 _task_decoder = msgspec.json.Decoder(Task)
 _FIX = "\nNothing was changed. Restore the database from a backup, or ask for help with the row."
 
 
-class PgStore:
+class PgStore(Transactions):
     """One client of the cluster's queue: one connection, one transaction at a time."""
 
     def __init__(self, url: str):
@@ -154,16 +154,6 @@ class PgStore:
         return None
 
     # ---- writing -------------------------------------------------------------------------
-
-    @contextmanager
-    def transaction(self, now: datetime | None = None) -> Iterator[Txn]:
-        txn = self.begin(now)
-        try:
-            yield txn
-        except BaseException:
-            self.abort()
-            raise
-        self.commit(txn)
 
     def begin(self, now: datetime | None = None) -> Txn:
         """Take the queue row's lock and load it; `now` is the database's clock, read after

@@ -181,8 +181,10 @@ class Dashboard(App[None]):
         following = not events.row_count or events.scroll_y >= events.max_scroll_y
         events.sync(view.event_rows(self.events, now, self.tz))
         if events.row_count and events.keys[-1] != before and following:
-            # After the next layout: only then does the table know its new height.
-            self.call_after_refresh(events.scroll_end, animate=False, immediate=True)
+            # After the next layout: only then does the table know its new height. Unless the
+            # user scrolled meanwhile (between this refresh and that layout): their place wins.
+            y = events.scroll_y
+            self.call_after_refresh(lambda: events.scroll_y == y and events.scroll_end(animate=False, immediate=True))
         self._follow_selection()
         self.output.border_title = view.task_title(self.selected_task())
         self.call_after_refresh(self._count_hidden)
