@@ -51,7 +51,13 @@ class Home:
         if len(os.fsencode(path)) <= _MAX_SOCKET_PATH:
             return path
         if self._runtime_socket is None:
-            self._runtime_socket = self._runtime_dir() / f"{self.key}.sock"
+            sock = self._runtime_dir() / f"{self.key}.sock"
+            if len(os.fsencode(sock)) > _MAX_SOCKET_PATH:  # a deep runtime dir too (a deep TMPDIR)
+                raise UsageError(
+                    f"cannot place the service's socket for {self.root}: {sock} is longer than"
+                    f" {_MAX_SOCKET_PATH} bytes, the most a Unix socket path may be; set XDG_RUNTIME_DIR to a"
+                    " short directory of yours with mode 0700, or use a shorter KUGETSU_HOME")
+            self._runtime_socket = sock
         return self._runtime_socket
 
     def _runtime_dir(self) -> Path:

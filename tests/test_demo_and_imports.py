@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 import subprocess
 import sys
 import time
@@ -11,8 +15,18 @@ import pytest
 from conftest import processes_under
 
 
-def test_demo_shows_the_whole_job_and_leaves_nothing_behind(kg, tmp_path):
-    env = {**kg.env, "TMPDIR": str(tmp_path)}  # its throw-away home lands here, so we can look for leftovers
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temp dir with a short path: pytest's (longer under xdist) would push the demo's
+    socket past what a Unix socket path may be."""
+    d = Path(tempfile.mkdtemp(prefix="kg", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_demo_shows_the_whole_job_and_leaves_nothing_behind(kg, short_tmp):
+    tmp_path = short_tmp  # its throw-away home lands here (short: its socket lives in it), so we can look for leftovers
+    env = {**kg.env, "TMPDIR": str(tmp_path)}
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "kugetsu", "demo"], env=env, capture_output=True, text=True, timeout=60)
     took = time.monotonic() - t0

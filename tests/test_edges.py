@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import socket
 import stat
 import subprocess
@@ -104,15 +106,29 @@ def no_traceback(r: subprocess.CompletedProcess[str]) -> bool:
 @pytest.fixture
 def deep(tmp_path):
     """A home too deep for a socket path (> 100 bytes): its socket goes to the runtime dir,
-    here <tmp>/t/runtime-<uid> (platformdirs' fallback, via TMPDIR), never the machine's own."""
+    here <short tmp>/runtime-<uid> (platformdirs' fallback, via TMPDIR), never the machine's
+    own. The TMPDIR is short on purpose: pytest's own temp paths (longer still under xdist)
+    would make the runtime socket path too long as well (test_a_deep_runtime_dir_too_...)."""
+    (tmp_path / ("d" * 110)).mkdir()
+    k = Kugetsu(tmp_path / ("d" * 110) / "home")
+    short = Path(tempfile.mkdtemp(prefix="kg", dir="/tmp"))
+    k.env.pop("XDG_RUNTIME_DIR", None)
+    k.env["TMPDIR"] = str(short)
+    k.runtime = short / f"runtime-{os.geteuid()}"  # type: ignore[attr-defined]
+    yield k
+    k.cleanup()
+    shutil.rmtree(short, ignore_errors=True)
+
+
+def test_a_deep_runtime_dir_too_is_a_clear_error_not_a_service_that_cannot_bind(tmp_path):
     (tmp_path / ("d" * 110)).mkdir()
     k = Kugetsu(tmp_path / ("d" * 110) / "home")
     k.env.pop("XDG_RUNTIME_DIR", None)
-    k.env["TMPDIR"] = str(tmp_path / "t")
-    (tmp_path / "t").mkdir()
-    k.runtime = tmp_path / "t" / f"runtime-{os.geteuid()}"  # type: ignore[attr-defined]
-    yield k
-    k.cleanup()
+    k.env["TMPDIR"] = str(tmp_path / ("t" * 80))
+    (tmp_path / ("t" * 80)).mkdir()
+    r = k.run("delegate", "x", "--", "true")
+    assert r.returncode == 2 and "longer than 100 bytes" in r.stderr and "XDG_RUNTIME_DIR" in r.stderr, r
+    assert not k.home.index.exists()  # refused before anything was written
 
 
 def _refused(k: Kugetsu, *needles: str) -> None:
