@@ -650,12 +650,18 @@ def _type_at(parts: list[str]) -> msgspec.inspect.Type | None:
 
 def load_config(home: Home) -> Config:
     raw = read_raw(home)
-    url = os.environ.get(STORE_ENV) or raw.get("store")
-    if not url:
+    url = _store_in(raw)
+    if url is None:
         return validate(raw, home.config)
     from kugetsu.cluster.store import store_for  # cluster mode only: psycopg is not light
 
-    return cluster_config(home, raw, store_for(str(url)).read_config())
+    return cluster_config(home, raw, store_for(url).read_config())
+
+
+def _store_in(local: dict[str, Any]) -> str | None:
+    """The cluster's database URL: env KUGETSU_STORE wins over this machine's config `store`."""
+    url = os.environ.get(STORE_ENV) or local.get("store")
+    return str(url) if url else None
 
 
 def host_name(cfg: Config) -> str:
@@ -669,13 +675,10 @@ def store_url(home: Home) -> str | None:
     """The cluster's database, when this machine is in one (env KUGETSU_STORE, config `store`).
     A config.json that does not parse names no store here: every command that goes on to read
     the config stops on it (with its message), and `doctor` reports it and checks the rest."""
-    url = os.environ.get(STORE_ENV)
-    if not url:
-        try:
-            url = read_raw(home).get("store")
-        except FileError:
-            return None
-    return str(url) if url else None
+    try:
+        return _store_in(read_raw(home))
+    except FileError:
+        return _store_in({})
 
 
 def cluster_config(home: Home, local: dict[str, Any], shared: dict[str, Any], setting: str | None = None) -> Config:
@@ -686,9 +689,7 @@ def cluster_config(home: Home, local: dict[str, Any], shared: dict[str, Any], se
             f"{home.config}: holds {', '.join(misplaced)}, which in cluster mode live in the database"
             f" (only {', '.join(LOCAL_KEYS)} stay in this file). Move them with `kugetsu store migrate URL`"
             " or `kugetsu config set KEY VALUE` (it applies to every machine), then remove them here.")
-    raw = {**{k: v for k, v in shared.items() if k not in LOCAL_KEYS}, **local}
-    if os.environ.get(STORE_ENV):
-        raw["store"] = os.environ[STORE_ENV]
+    raw = {**{k: v for k, v in shared.items() if k not in LOCAL_KEYS}, **local, "store": _store_in(local)}
     return validate(raw, f"{home.config} and the cluster's config", hint="\nNothing was changed.", setting=setting)
 
 

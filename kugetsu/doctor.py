@@ -94,8 +94,8 @@ def _cluster(url: str) -> Check:
     from kugetsu.errors import Unreachable
 
     try:
-        store = store_for(url)
-        rows = H.rows(store.conn)
+        with store_for(url).guarded() as conn:
+            rows = H.rows(conn)
     except Unreachable as err:
         return Check("cluster", False, str(err).split(". Running agents")[0],
                      "start PostgreSQL (or reach it: network, firewall), or fix the URL:"

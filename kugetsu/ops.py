@@ -554,10 +554,8 @@ def hosts_up(cfg: Config) -> set[str]:
     from kugetsu.cluster import hosts as H
     from kugetsu.cluster.store import store_for
 
-    store = store_for(cfg.store)
-    t = store.now()
-    return {r.name for r in H.rows(store.conn)
-            if placement.host_state(r.heartbeat_at, r.gone, t, cfg.cluster.lease_s) == "up"}
+    with store_for(cfg.store).guarded() as conn:
+        return {row.name for row, state in H.standing(conn, cfg.cluster.lease_s)[1] if state == "up"}
 
 
 def queue_json(listed: Listing) -> dict[str, Any]:
@@ -620,13 +618,14 @@ def hosts(home: Home) -> list[dict[str, Any]]:
 
     store = store_for(cfg.store)
     index = store.read()
-    t = store.now()
+    with store.guarded() as conn:
+        t, machines = H.standing(conn, cfg.cluster.lease_s)
     out = []
-    for row in H.rows(store.conn):
+    for row, state in machines:
         running = [x for x in index.active if x.host == row.name]
         out.append({
             "name": row.name,
-            "state": placement.host_state(row.heartbeat_at, row.gone, t, cfg.cluster.lease_s),
+            "state": state,
             "max_agents": row.max_agents,
             "running": len(running),
             "tasks": [x.name for x in running],
@@ -650,5 +649,6 @@ def log_path(home: Home, cfg: Config, task: Task) -> Path:
     from kugetsu.cluster.store import store_for
 
     path = home.mirror_log(task.id)
-    logs.mirror(store_for(cfg.store).conn, task.id, path)
+    with store_for(cfg.store).guarded() as conn:
+        logs.mirror(conn, task.id, path)
     return path

@@ -16,7 +16,7 @@ from datetime import datetime
 import msgspec
 import psycopg
 
-from kugetsu.placement import HostSeen
+from kugetsu.placement import HostSeen, host_state
 
 
 class HostRow(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,3 +103,17 @@ def take_lease(conn: psycopg.Connection, name: str, holder: str, seconds: float)
 def drop_lease(conn: psycopg.Connection, name: str, holder: str) -> None:
     """Let a lease go at once (a clean stop): the next machine need not wait for it to run out."""
     conn.execute("DELETE FROM kugetsu.leases WHERE name = %s AND holder = %s", (name, holder))
+
+
+def standing(conn: psycopg.Connection, lease: float) -> tuple[datetime, list[tuple[HostRow, str]]]:
+    """Every machine with how it stands now (placement.host_state: up, silent, gone), by the
+    database's clock, which is returned too."""
+    now = clock(conn)
+    return now, [(r, host_state(r.heartbeat_at, r.gone, now, lease)) for r in rows(conn)]
+
+
+def clock(conn: psycopg.Connection) -> datetime:
+    """The database's clock: the one every machine of the cluster goes by."""
+    row = conn.execute("SELECT clock_timestamp()").fetchone()
+    assert row is not None
+    return row[0]

@@ -112,7 +112,7 @@ class Member:
                 self.fenced = True
                 self.wake()
             elif self.since is None:
-                self.since = _now(conn)
+                self.since = hosts.clock(conn)
             self._bot_lease(conn if ok else None)
         if conn is not None:
             if self.holds_bot:
@@ -241,12 +241,6 @@ class Member:
     def rejoin(self, conn: psycopg.Connection) -> None:
         """After fencing, in the same transaction: back, with a new epoch."""
         self.epoch = hosts.rejoin(conn, self.name, self.max_agents)
-        self.since = _now(conn)
+        self.since = hosts.clock(conn)
         self.fenced = False
         log.info("rejoined the cluster as %s (epoch %d)", self.name, self.epoch)
-
-
-def _now(conn: psycopg.Connection) -> datetime:
-    row = conn.execute("SELECT clock_timestamp()").fetchone()
-    assert row is not None
-    return row[0]

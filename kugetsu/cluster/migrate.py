@@ -14,16 +14,13 @@ from datetime import datetime
 import msgspec
 
 from kugetsu.cluster.db import connect, redact
-from kugetsu.cluster.store import PgStore
+from kugetsu.cluster.store import INSERT_EVENTS, INSERT_HISTORY, PgStore, _task_decoder, event_rows
 from kugetsu.config import LOCAL_KEYS, read_raw, save_raw, validate
 from kugetsu.control import service_holds_lock
 from kugetsu.errors import KugetsuError, UsageError
-from kugetsu.models import Index, Task
+from kugetsu.models import Index
 from kugetsu.paths import Home, atomic_write
 from kugetsu.store import Store, _encoder, encode_index
-
-
-_task_decoder = msgspec.json.Decoder(Task)
 
 
 class Busy(KugetsuError):
@@ -63,9 +60,8 @@ def migrate(home: Home, url: str) -> str:
             conn.execute("UPDATE kugetsu.state SET doc = %s, config = %s WHERE id = 1",
                          (encode_index(index), msgspec.json.encode(shared)))
             with conn.cursor() as cur:
-                cur.executemany("INSERT INTO kugetsu.events (seq, task, at, body) VALUES (%s, %s, %s, %s)",
-                                [(e.seq, e.task, e.at, _encoder.encode(e)) for e in events])
-                cur.executemany("INSERT INTO kugetsu.history (id, finished_at, body) VALUES (%s, %s, %s)", history)
+                cur.executemany(INSERT_EVENTS, event_rows(events))
+                cur.executemany(INSERT_HISTORY, history)
     finally:
         conn.close()
     # The database holds it all now: this machine follows it, and the file index is kept

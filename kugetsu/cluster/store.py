@@ -26,10 +26,18 @@ import psycopg
 from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, errors, process_tag, redact
 from kugetsu.errors import FileError
 from kugetsu.models import INDEX_VERSION, Event, Index, Task, check_index
-from kugetsu.store import Transactions, Txn, _index_decoder, _encoder, encode_index
+from kugetsu.store import Transactions, Txn, _encoder, _held, _index_decoder, encode_index
 
 _event_decoder = msgspec.json.Decoder(Event)
 _task_decoder = msgspec.json.Decoder(Task)
+INSERT_EVENTS = "INSERT INTO kugetsu.events (seq, task, at, body) VALUES (%s, %s, %s, %s)"
+INSERT_HISTORY = "INSERT INTO kugetsu.history (id, finished_at, body) VALUES (%s, %s, %s)"
+
+
+def event_rows(events: list[Event]) -> list[tuple[Any, ...]]:
+    return [(e.seq, e.task, e.at, _encoder.encode(e)) for e in events]
+
+
 _FIX = "\nNothing was changed. Restore the database from a backup, or ask for help with the row."
 
 
@@ -58,25 +66,27 @@ class PgStore(Transactions):
 
     @contextmanager
     def guarded(self) -> Iterator[psycopg.Connection]:
-        """The connection, for statements of the cluster's other tables inside a transaction
-        (hosts, leases): a lost connection is `Unreachable`, as for the store's own."""
+        """The connection, for every statement (the store's own, and the cluster's other
+        tables: hosts, leases, log chunks): a lost connection is `Unreachable` and is made
+        afresh by the next call (the database may be back), and the watchdog can see how
+        long the statement under way has waited (`waiting_for`)."""
+        self._busy = time.monotonic()
         try:
             with errors(self.url):
                 yield self.conn
         except Unreachable:
             self.close()
             raise
-
-    def _execute(self, sql: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[Any]:
-        self._busy = time.monotonic()
-        try:
-            with errors(self.url):
-                return self.conn.execute(sql, params)
-        except Unreachable:
-            self.close()  # the next call connects afresh (the database may be back)
-            raise
         finally:
             self._busy = None
+
+    def _execute(self, sql: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[Any]:
+        with self.guarded() as conn:
+            return conn.execute(sql, params)
+
+    def _executemany(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        with self.guarded() as conn:
+            conn.cursor().executemany(sql, rows)
 
     def waiting_for(self) -> float:
         """Seconds the statement under way has waited for its answer (0: none under way)."""
@@ -132,12 +142,6 @@ class PgStore(Transactions):
         row = self._execute("SELECT xmin::text FROM kugetsu.state WHERE id = 1").fetchone()
         return row[0] if row else ""
 
-    def now(self) -> datetime:
-        """The database's clock: the one every machine of the cluster goes by."""
-        row = self._execute("SELECT clock_timestamp()").fetchone()
-        assert row is not None
-        return row[0]
-
     def read_events(self, after: int = 0) -> list[Event]:
         rows = self._execute("SELECT body FROM kugetsu.events WHERE seq > %s ORDER BY seq", (after,)).fetchall()
         return [_event_decoder.decode(bytes(r[0])) for r in rows]
@@ -160,7 +164,8 @@ class PgStore(Transactions):
         the lock: one clock for every machine, so events' times never go back."""
         if self._open:
             raise RuntimeError("nested kugetsu transaction (this store already holds one)")
-        _held_check()
+        if getattr(_held, "depth", 0):  # this thread holds a transaction of any store already
+            raise RuntimeError("nested kugetsu transaction (it would deadlock on the queue row)")
         self._execute("BEGIN")
         self._open = True
         _held.depth = 1
@@ -169,14 +174,14 @@ class PgStore(Transactions):
                 "SELECT doc, config, clock_timestamp() FROM kugetsu.state WHERE id = 1 FOR UPDATE").fetchone()
             assert row is not None, "kugetsu.state has its row from ensure_schema"
             before = bytes(row[0])
-            reuse = self._committed
-            self._committed = None
-            index = self._decode(before) if before else Index()
-            if reuse is not None and reuse[0] == before:
-                index = reuse[1]
-            if reuse is None or index is not reuse[1]:
+            # Taken out while the transaction runs: a failed one may leave the object half
+            # changed, and it must never be reused.
+            reuse, self._committed = self._committed, None
+            unchanged = reuse is not None and reuse[0] == before  # this store's own last commit
+            index = reuse[1] if unchanged else self._decode(before)  # type: ignore[index]
+            if not unchanged:
                 self._keep_counters_ahead(index)
-            txn = Txn(index, now or row[2], unchanged=reuse is not None and index is reuse[1], before=before)
+            txn = Txn(index, now or row[2], unchanged=unchanged, before=before)
             txn.shared_config = bytes(row[1])
             return txn
         except BaseException:
@@ -210,15 +215,9 @@ class PgStore(Transactions):
             if txn.new_config is not None:
                 self._execute("UPDATE kugetsu.state SET config = %s WHERE id = 1", (txn.new_config,))
             if txn.events:
-                with errors(self.url):
-                    self.conn.cursor().executemany(
-                        "INSERT INTO kugetsu.events (seq, task, at, body) VALUES (%s, %s, %s, %s)",
-                        [(e.seq, e.task, e.at, _encoder.encode(e)) for e in txn.events])
+                self._executemany(INSERT_EVENTS, event_rows(txn.events))
             if txn.archive:
-                with errors(self.url):
-                    self.conn.cursor().executemany(
-                        "INSERT INTO kugetsu.history (id, finished_at, body) VALUES (%s, %s, %s)",
-                        [(t.id, t.finished_at, _encoder.encode(t)) for t in txn.archive])
+                self._executemany(INSERT_HISTORY, [(t.id, t.finished_at, _encoder.encode(t)) for t in txn.archive])
             if data != txn.before or txn.events or txn.new_config is not None:
                 self._execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, process_tag()))
             done = self._execute("COMMIT")
@@ -263,14 +262,6 @@ class PgStore(Transactions):
     def history(self) -> list[bytes]:
         rows = self._execute("SELECT body FROM kugetsu.history ORDER BY id").fetchall()
         return [bytes(r[0]) for r in rows]
-
-
-_held = threading.local()
-
-
-def _held_check() -> None:
-    if getattr(_held, "depth", 0):
-        raise RuntimeError("nested kugetsu transaction (it would deadlock on the queue row)")
 
 
 _stores: dict[tuple[str, int], PgStore] = {}
