@@ -75,6 +75,7 @@ class HostSeen(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     heartbeat_at: datetime
     gone: bool = False
+    epoch: int = 0  # its incarnation: a machine finds itself fenced when the epoch moved on
 
 
 def gone_hosts(hosts: list[HostSeen], here: Here, now: datetime, lease: float) -> list[str]:

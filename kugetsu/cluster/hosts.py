@@ -55,14 +55,8 @@ def heartbeat(conn: psycopg.Connection, name: str, epoch: int, max_agents: int) 
 
 
 def seen(conn: psycopg.Connection) -> list[HostSeen]:
-    rows = conn.execute("SELECT name, heartbeat_at, gone FROM kugetsu.hosts").fetchall()
-    return [HostSeen(name=r[0], heartbeat_at=r[1], gone=r[2]) for r in rows]
-
-
-def mine(conn: psycopg.Connection, name: str) -> tuple[int, bool] | None:
-    """(epoch, gone) of this machine's row, or None."""
-    row = conn.execute("SELECT epoch, gone FROM kugetsu.hosts WHERE name = %s", (name,)).fetchone()
-    return (row[0], row[1]) if row else None
+    rows = conn.execute("SELECT name, heartbeat_at, gone, epoch FROM kugetsu.hosts").fetchall()
+    return [HostSeen(name=r[0], heartbeat_at=r[1], gone=r[2], epoch=r[3]) for r in rows]
 
 
 def mark_gone(conn: psycopg.Connection, names: list[str]) -> None:

@@ -233,10 +233,11 @@ class Member:
 
     def observe(self, conn: psycopg.Connection) -> list[HostSeen]:
         """Every machine's lease, and whether ours was taken (then `fenced`)."""
-        seen = hosts.mine(conn, self.name)
-        if seen is None or seen[0] != self.epoch or seen[1]:
+        machines = hosts.seen(conn)  # one look at the table per tick
+        me = next((h for h in machines if h.name == self.name), None)
+        if me is None or me.epoch != self.epoch or me.gone:
             self.fenced = True
-        return hosts.seen(conn)
+        return machines
 
     def rejoin(self, conn: psycopg.Connection) -> None:
         """After fencing, in the same transaction: back, with a new epoch."""
