@@ -86,8 +86,12 @@ class Home:
         return self.logs / f"{task_id}.log"
 
     def mirror_log(self, task_id: int) -> Path:
-        """Cluster mode: the output of a task that ran on another machine, as shipped from there."""
-        return self.root / "mirror" / f"{task_id}.log"
+        """Cluster mode: the output of a task that ran on another machine, as shipped from
+        there. Its directory is made (private, never through a link) on first use."""
+        self.ensure()
+        mirror = self.root / "mirror"
+        private_dir(mirror, "the mirror of other machines' output", f"remove it (kugetsu makes a new one), or {_HOME_FIX}")
+        return mirror / f"{task_id}.log"
 
     def prompt_file(self, task_id: int) -> Path:
         """The prompt of a preset with {prompt_file}: 0600, so it is not in the agent's argv."""

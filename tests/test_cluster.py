@@ -332,3 +332,16 @@ def test_a_worktree_task_runs_in_its_own_worktree_on_the_machine_that_has_its_re
     assert task["host"] == "m2" and task["worktree_state"] == "kept", task  # type: ignore[index]
     assert "kugetsu/wt" in branches(repo)
     assert a.json("worktrees") is not None  # lists from a machine that has none
+
+
+def test_a_link_planted_for_the_output_mirror_is_refused_not_followed(machines: Machine, tmp_path: Path):
+    a = machines("m1", serve=False)
+    machines("m2")  # runs the agent
+    a.ok("delegate", "talk", "--host", "m2", "--", "echo", "hello")
+    a.wait_state("talk", "succeeded")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (a.home.root / "mirror").symlink_to(elsewhere)
+    r = a.run("logs", "talk")
+    assert r.returncode == 2 and "is a symbolic link" in r.stderr and "Traceback" not in r.stderr, r
+    assert list(elsewhere.iterdir()) == []

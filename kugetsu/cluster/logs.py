@@ -50,8 +50,8 @@ def ship(conn: psycopg.Connection, task: int, path: Path, start: int, cap: int) 
 
 
 def mirror(conn: psycopg.Connection, task: int, path: Path) -> int:
-    """Bring the local mirror of a task's log up to what the database has. Returns its size."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Bring the local mirror of a task's log up to what the database has. Returns its size.
+    The caller made its directory (a private one: paths.Home.mirror_dir)."""
     fd = open_file(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
     with os.fdopen(fd, "r+b") as f:
         have = os.fstat(f.fileno()).st_size
