@@ -11,6 +11,7 @@ import msgspec
 import msgspec.inspect
 
 from kugetsu.errors import FileError, UsageError
+from kugetsu.models import valid_host
 from kugetsu.paths import DISK_FULL, Home, atomic_write, disk_full, read_file
 
 # ---- durations ------------------------------------------------------------------------
@@ -325,7 +326,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.store is not None and not re.match(r"^postgres(ql)?://", self.store):
             raise ValueError(f"store must be a PostgreSQL URL (postgresql://user@host/db), not {self.store!r}")
-        if self.host is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", self.host):
+        if self.host is not None and not valid_host(self.host):
             raise ValueError(f"host {self.host!r}: use letters, digits, '.', '_' and '-' (at most 64)")
         for key in ("queue_timeout", "run_timeout", "kill_grace", "min_start_interval_per_source"):
             value = getattr(self, key)

@@ -38,6 +38,12 @@ class TaskState(str, enum.Enum):
         return self not in (TaskState.QUEUED, TaskState.RUNNING)
 
 
+def valid_host(name: str) -> bool:
+    """A machine's name in a cluster (config `host`, `delegate --host`): NAME_PATTERN, digits
+    alone allowed (no task id to confuse it with)."""
+    return bool(_NAME_RE.match(name))
+
+
 def valid_name(name: str) -> bool:
     """A task name: NAME_PATTERN, and not digits only (that reads as an id: `cancel 18`)."""
     return bool(_NAME_RE.match(name)) and not name.isdigit()

@@ -19,7 +19,7 @@ from kugetsu import limits, placement
 from kugetsu.config import Config, format_duration, parse_duration
 from kugetsu.errors import (AmbiguousName, NeedsPrompt, NoSuchTask, NotClustered, QueueFull, Rejected,
                             UnknownDependency, UnknownGroup, UsageError)
-from kugetsu.models import PRIORITIES, Attempt, Event, Hold, Index, LimitHit, SourceMark, Task, TaskState, valid_name
+from kugetsu.models import PRIORITIES, Attempt, Event, Hold, Index, LimitHit, SourceMark, Task, TaskState, valid_host, valid_name
 from kugetsu.placement import Here, ours, starts_anywhere
 # Resources, guard_hold and clock are also used by the front ends, through pm.
 from kugetsu.policy import Board, Resources, clock, guard_hold, simple_order, task_key  # noqa: F401
@@ -363,6 +363,9 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         raise UnknownGroup(req.group, sorted(cfg.groups))
     if req.pinned_host is not None and cfg.store is None:
         raise NotClustered("a task pinned to a host")
+    if req.pinned_host is not None and not valid_host(req.pinned_host):
+        raise UsageError(f"invalid host {req.pinned_host!r}: a machine's name is 1-64 letters, digits, '.', '_' or '-'"
+                         " (`kugetsu hosts` lists them)")
     if req.retries < 0:
         raise UsageError(f"invalid --retries {req.retries}: give 0 or more runs to repeat after a failure")
     agent, template, env = resolve_agent(cfg, req)

@@ -140,3 +140,13 @@ def test_a_task_pinned_to_a_machine_that_is_not_up_says_so():
     assert view.waiting_for == {a.id: "host m9 is not up (the task is pinned to it: `kugetsu hosts`)"}
     assert view.positions == {a.id: 1, b.id: 2}
     assert pm.with_placement(pm.queue_view(index, cfg, T0), {"m9"}).waiting_for == {}
+
+
+def test_a_hostile_host_name_is_refused_at_admission():
+    import pytest
+
+    from kugetsu.errors import UsageError
+
+    for bad in ("a\nb", "-x", "x" * 65, "m1; drop table", ""):
+        with pytest.raises(UsageError, match="invalid host"):
+            admit(Index(), cluster(), "a", pinned_host=bad)
