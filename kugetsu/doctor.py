@@ -8,7 +8,6 @@ config or index is a finding, not a stop: the other checks go on with the defaul
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -283,7 +282,7 @@ def _subreaper() -> Check:
 
 
 def _git(cfg: Config, index: Index) -> Check:
-    found = shutil.which("git")
+    found = runner.which("git")
     if found:
         return Check("git", True, found)
     wanted = cfg.worktrees.enabled or any(p.worktree for p in cfg.agents.values()) or any(t.repo for t in index.live())
@@ -307,7 +306,7 @@ def _agents(home: Home, cfg: Config, index: Index, path: str, services: bool) ->
     out = []
     for name, preset in sorted(cfg.agents.items()):
         exe = preset.command[0]
-        found = shutil.which(exe, path=preset.env.get("PATH", path))
+        found = runner.which(exe, preset.env.get("PATH", path))
         label = f"agent {name}"
         if found:
             out.append(Check(label, True, f"{exe} -> {found}"))

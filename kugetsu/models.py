@@ -49,10 +49,13 @@ def valid_name(name: str) -> bool:
     return bool(_NAME_RE.match(name)) and not name.isdigit()
 
 
-class Task(msgspec.Struct, kw_only=True):
+class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One delegated unit of work: one agent session.
 
     The first fields are the public task object of DESIGN section 5, in its order.
+    Encoded without the fields at their defaults (index.json, history.jsonl): a queued task is
+    a third of the bytes, which every CLI call reads and decodes and every change rewrites.
+    The public object (ops.public_tasks) still has every field.
     """
 
     id: int
@@ -205,8 +208,38 @@ class Index(msgspec.Struct, kw_only=True):
         return self.active + self.queued + self.finished
 
 
+def _task_defaults() -> dict[str, object]:
+    out: dict[str, object] = {}
+    for f in msgspec.structs.fields(Task):
+        default = f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
+        out[f.name] = None if default is msgspec.NODEFAULT else msgspec.to_builtins(default)
+    return out
+
+
+# Every field of a Task at its default, as JSON values, in the Task's order (None for the
+# required ones): what the index leaves out. Shared, so never changed in place.
+TASK_DEFAULTS: dict[str, object] = _task_defaults()
+
+
+def task_record(raw: dict[str, object]) -> dict[str, object]:
+    """A task as stored (JSON, defaults left out) with every field: for readers of index.json
+    or history.jsonl as plain JSON."""
+    return {**TASK_DEFAULTS, **raw}
+
+
 def check_index(index: Index) -> str | None:
     """What is inconsistent in a decoded index, or None. Decoding checks types; this checks meaning."""
+    # Every CLI call checks the whole index: the common case (all well) in a few passes over
+    # lists, the slow loop below only to name what is wrong.
+    ids = [t.id for t in index.active] + [t.id for t in index.queued] + [t.id for t in index.finished]
+    if (
+        len(set(ids)) == len(ids)
+        and (not ids or max(ids) < index.next_id)
+        and all(t.state is TaskState.RUNNING for t in index.active)
+        and all(t.state is TaskState.QUEUED for t in index.queued)
+        and all(t.state.final for t in index.finished)
+    ):
+        return None
     seen: set[int] = set()
     for where, tasks, ok in (
         ("active", index.active, lambda s: s is TaskState.RUNNING),

@@ -6,12 +6,12 @@ dashboard and the CLI both cancel, they call `cancel` here: one code path.
 
 from __future__ import annotations
 
-import operator
 import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from kugetsu import placement, pm, runner
 from kugetsu.control import check_wakeable, wake
 from kugetsu.config import LOCAL_KEYS, Config, cluster_config, format_size, host_name, load_config, mask_secrets, read_raw, save_raw, validate, with_value
 from kugetsu.errors import KugetsuError, NotClustered, UsageError
-from kugetsu.models import Event, Index, Task, TaskState
+from kugetsu.models import TASK_DEFAULTS, Event, Index, Task, TaskState
 from kugetsu.paths import Home, write_new
 from kugetsu.store import open_store, Txn
 
@@ -192,15 +192,13 @@ def _check_runnable(cfg: Config, req: pm.Request, runs_on: AgentsPath | None = N
     runs_on = runs_on or AgentsPath(os.environ.get("PATH"))
     path = env.get("PATH", runs_on.path)
     exe = argv[0]
-    import shutil
-
-    found = shutil.which(exe, path=path) if os.sep not in exe else shutil.which(os.path.join(req.cwd, exe))
+    found = runner.which(exe, path) if os.sep not in exe else runner.which(os.path.join(req.cwd, exe))
     if found is not None:
         return
     from kugetsu.errors import CommandNotFound
 
     preset = None if req.command else req.agent or cfg.default_agent
-    here = shutil.which(exe) if os.sep not in exe and "PATH" not in env else None
+    here = runner.which(exe) if os.sep not in exe and "PATH" not in env else None
     if "PATH" in env:
         looked = "the PATH of the preset's env"
     elif runs_on.service_pid is None:
@@ -559,50 +557,74 @@ def hosts_up(cfg: Config) -> set[str]:
 
 
 def queue_json(listed: Listing) -> dict[str, Any]:
-    """`kugetsu queue --json`."""
+    """`kugetsu queue --json`: msgspec encodes it as it is (its tasks are PublicTask structs,
+    the cheap way for a long queue); msgspec.to_builtins makes plain JSON values of it."""
     view = listed.view
     out: dict[str, Any] = {
         "max_agents": view.capacity.max_agents,
-        "active": tasks_json(listed.index.active, here=listed.here),
-        "queued": tasks_json(view.queued, [view.positions[t.id] for t in view.queued]),
+        "active": public_tasks(listed.index.active, here=listed.here),
+        "queued": public_tasks(view.queued, [view.positions[t.id] for t in view.queued], waiting_for=view.waiting_for),
         "groups": view.groups,
         "paused": view.capacity.paused,
         "paused_groups": view.capacity.paused_groups,
     }
-    for task, obj in zip(view.queued, out["queued"]):
-        obj["waiting_for"] = view.waiting_for.get(task.id)
     if view.capacity.holds:
         out["holds"] = msgspec.to_builtins(view.capacity.holds)
     if listed.finished is not None:
-        out["finished"] = tasks_json(listed.finished)
+        out["finished"] = public_tasks(listed.finished)
     return out
 
 
-_PRIVATE_FIELDS = frozenset(("id", "name", "state", "env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers",
-                             "limit", "first_command"))
-_PUBLIC_FIELDS = tuple(f for f in Task.__struct_fields__ if f not in _PRIVATE_FIELDS)  # in the Task's order
-_public_values = operator.itemgetter(*_PUBLIC_FIELDS)
+# Kept in the index, never shown: the environment, process identity, stop bookkeeping.
+_HIDDEN_FIELDS = frozenset(("env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers", "limit", "first_command"))
+
+
+def _public_task_type() -> type[msgspec.Struct]:
+    """PublicTask: the public task object of DESIGN section 5, derived from Task so the two
+    never drift. Its fields, in order: id, name, state, position, the Task's other shown
+    fields with the Task's defaults (the index leaves defaults out; the public object has
+    every field), then agent_pid, and waiting_for (queued tasks of `queue --json` only).
+    Values were checked when the index was decoded: `Any` here is a view, not a gap."""
+    fields: list[tuple[str, Any, Any]] = []
+    for name, default in TASK_DEFAULTS.items():
+        if name not in _HIDDEN_FIELDS:
+            fields.append((name, Any, msgspec.field(default_factory=list) if default == [] else default))
+        if name == "state":
+            fields.append(("position", Any, None))
+    fields += [("agent_pid", Any, None), ("waiting_for", Any, msgspec.UNSET)]  # UNSET: not in the object
+    return msgspec.defstruct("PublicTask", fields, kw_only=True, module=__name__)
+
+
+PublicTask = _public_task_type()
+
+
+def public_tasks(tasks: list[Task], positions: list[int | None] | None = None, here: str | None = None,
+                 waiting_for: dict[int, str] | None = None) -> list[msgspec.Struct]:
+    """The public objects of `tasks` (with their queue positions; in a cluster, `here` is
+    this machine's name: a process on another machine cannot be looked at from this one).
+    Two conversions in C for the lot, and no Python loop over fields (`queue --json` of a
+    long queue spends its time here)."""
+    raws = msgspec.to_builtins(tasks)  # a task's own values; hidden ones are dropped below
+    running = TaskState.RUNNING
+    for task, raw, position in zip(tasks, raws, positions or repeat(None)):
+        raw["position"] = position
+        # `pid` is the wrapper's (its process group is the task's); `agent_pid` the agent's own,
+        # looked up only where it runs.
+        if task.state is running and (task.host is None or task.host == here):
+            raw["agent_pid"] = runner.agent_pid(task.pid, task.pid_start)
+        if waiting_for is not None:
+            raw["waiting_for"] = waiting_for.get(task.id)
+    return msgspec.convert(raws, list[PublicTask])  # fills the defaults, drops what it does not name
 
 
 def task_json(task: Task, position: int | None, here: str | None = None) -> dict[str, Any]:
-    """The public task object of DESIGN section 5. `here`: this machine's name in a cluster
-    (a process on another machine cannot be looked at from this one)."""
+    """The public task object of DESIGN section 5, as plain JSON values."""
     return tasks_json([task], [position], here)[0]
 
 
 def tasks_json(tasks: list[Task], positions: list[int | None] | None = None, here: str | None = None) -> list[dict[str, Any]]:
-    """task_json of each task: one conversion for the lot, and no Python loop over fields
-    (`queue --json` of a long queue spends its time here)."""
-    out = []
-    for i, (task, raw) in enumerate(zip(tasks, msgspec.to_builtins(tasks))):
-        obj = {"id": raw["id"], "name": raw["name"], "state": raw["state"], "position": positions[i] if positions else None}
-        obj.update(zip(_PUBLIC_FIELDS, _public_values(raw)))
-        # `pid` is the wrapper's (its process group is the task's); `agent_pid` the agent's own,
-        # looked up only where it runs.
-        local = task.host is None or task.host == here
-        obj["agent_pid"] = runner.agent_pid(task.pid, task.pid_start) if task.state is TaskState.RUNNING and local else None
-        out.append(obj)
-    return out
+    """task_json of each task."""
+    return msgspec.to_builtins(public_tasks(tasks, positions, here))  # type: ignore[no-any-return]
 
 
 # ---- cluster -----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from kugetsu.paths import Home  # noqa: E402
+from torture import raw_index  # noqa: E402
 from pg import pg_url  # noqa: E402,F401  (the cluster tests' real PostgreSQL)
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)  # the injected clock of the pure tests (pm, policy, store)
@@ -144,7 +145,8 @@ class Kugetsu:
             time.sleep(0.01)
 
     def index(self) -> dict:
-        return json.loads(self.home.index.read_text())
+        """index.json as plain JSON, every task with all its fields (the file leaves defaults out)."""
+        return raw_index(self.home)
 
     def wrappers(self) -> dict[int, tuple[int, int]]:
         """task id -> (pid, start) of this home's living wrappers that are truly its tasks'

@@ -19,6 +19,7 @@ import pytest
 
 from conftest import agent_wrappers, wait_for
 from torture import check_events, check_home, check_replay, record, size
+from kugetsu.models import task_record
 
 pytestmark = pytest.mark.torture
 
@@ -102,7 +103,7 @@ def test_kill9_cli_and_service_at_random_moments(kg):
     wait_for(lambda: not agent_wrappers(kg.home), 15, "every agent process to be gone")
     raw = check_home(kg.home)
     # Finished tasks beyond history_limit (500) moved to history.jsonl: the long run has more.
-    archived = {t["id"]: t for t in map(json.loads, kg.home.history.read_text().splitlines())} \
+    archived = {t["id"]: t for t in (task_record(json.loads(line)) for line in kg.home.history.read_text().splitlines())} \
         if kg.home.history.exists() else {}  # a line repeated by a crash: the last one counts
     finished = list(archived.values()) + raw["finished"]
     tasks = {t["name"]: t for t in finished}

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from kugetsu.models import TaskState, check_index
+from kugetsu.models import TaskState, check_index, task_record
 from kugetsu.paths import Home
 from kugetsu.store import Store
 
@@ -31,6 +31,14 @@ def record(test: str, **figures: object) -> None:
     FIGURES.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def raw_index(home: Home) -> dict:
+    """index.json as plain JSON, every task with all its fields (the file leaves defaults out)."""
+    raw = json.loads(home.index.read_text())
+    for part in ("active", "queued", "finished"):
+        raw[part] = [task_record(t) for t in raw.get(part, [])]
+    return raw
+
+
 def check_home(home: Home, max_agents: int | None = None) -> dict:
     """The invariants that must hold at every instant. Returns the decoded index as JSON.
 
@@ -42,7 +50,7 @@ def check_home(home: Home, max_agents: int | None = None) -> dict:
     """
     index = Store(home).read()  # raises FileError on a torn or invalid file
     assert check_index(index) is None
-    raw = json.loads(home.index.read_text()) if home.index.exists() else {"active": [], "queued": [], "finished": []}
+    raw = raw_index(home) if home.index.exists() else {"active": [], "queued": [], "finished": []}
     ids = [t["id"] for part in ("active", "queued", "finished") for t in raw[part]]
     assert len(ids) == len(set(ids)), f"duplicate task ids: {sorted(ids)}"
     assert all(t.state is TaskState.RUNNING for t in index.active)

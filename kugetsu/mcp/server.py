@@ -21,6 +21,7 @@ from typing import Annotated, Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ResourceNotFoundError
@@ -79,6 +80,8 @@ TaskRef = Annotated[str, Field(description="a task id (7 or #7) or name (issue-1
 
 
 def _text(text: str, structured: dict[str, Any] | None = None, error: bool = False) -> CallToolResult:
+    if structured is not None:
+        structured = msgspec.to_builtins(structured)  # ops.queue_json's tasks are structs
     return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=structured, is_error=error)
 
 
@@ -216,7 +219,7 @@ def _connection_key(session: Any) -> int:
 
 
 def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, indent=2, ensure_ascii=False).encode()
+    return json.dumps(msgspec.to_builtins(obj), indent=2, ensure_ascii=False).encode()
 
 
 def build(home: Home) -> tuple[MCPServer, Follow]:

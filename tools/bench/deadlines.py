@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run import Kg, part_main, pct, wait_until  # noqa: E402
 
-from kugetsu.models import Index, Task  # noqa: E402
+from kugetsu.models import Index, Task, task_record  # noqa: E402
 from kugetsu.store import decode_events, encode_index  # noqa: E402
 
 BURST = 10  # expiries due at the same instant
@@ -99,7 +99,7 @@ def measure(n: int = 2000, timed: int = 20) -> dict:
         # when it spawns), which may be later than the `started` event of the CLI's decision.
         # (Finished tasks past history_limit are in history.jsonl.)
         history = (kg.home.root / "history.jsonl")
-        tasks = kg.index()["finished"] + ([json.loads(line) for line in history.read_text().splitlines()]
+        tasks = kg.index()["finished"] + ([task_record(json.loads(line)) for line in history.read_text().splitlines()]
                                          if history.exists() else [])
         started = {t["name"]: datetime.fromisoformat(t["started_at"]) for t in tasks if t["name"] in timeouts}
         late_timeout = []
