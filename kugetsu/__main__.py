@@ -1,3 +1,3 @@
-from kugetsu.cli import main
+from kugetsu.cli import run
 
-raise SystemExit(main())
+run()

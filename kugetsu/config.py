@@ -116,7 +116,23 @@ EVENT_TYPES = ("queued", "started", "succeeded", "failed", "cancelled", "expired
                "requeued", "held", "released")
 
 
+def _builtin_patterns() -> frozenset[str]:
+    out = set()
+    for preset in DEFAULT_AGENTS.values():
+        out.update(preset.get("limit", {}).get("patterns", []))
+        if preset.get("session_pattern"):
+            out.add(preset["session_pattern"])
+    return frozenset(out)
+
+
+# Known good (tests/test_config_store.py compiles them): not compiled again on every CLI call,
+# where the built-in presets are validated with the user's config.
+_BUILTIN_PATTERNS = _builtin_patterns()
+
+
 def _check_pattern(pattern: str, what: str) -> None:
+    if pattern in _BUILTIN_PATTERNS:
+        return
     try:
         re.compile(pattern)
     except re.error as err:
@@ -333,7 +349,6 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
             if value is not None:
                 parse_duration(value, key)
         parse_size(self.events_max_size, "events_max_size")
-        # User presets extend (and may override) the built-in ones.
         # User presets extend (and may override) the built-in ones.
         self.agents = msgspec.convert({**DEFAULT_AGENTS, **msgspec.to_builtins(self.agents)}, dict[str, AgentPreset])
         if self.default_agent not in self.agents:
@@ -653,10 +668,20 @@ def load_config(home: Home) -> Config:
     raw = read_raw(home)
     url = _store_in(raw)
     if url is None:
-        return validate(raw, home.config)
+        key = (str(home.config), msgspec.json.encode(raw))
+        global _last_loaded
+        if _last_loaded is not None and _last_loaded[0] == key:
+            return _last_loaded[1]  # the same file again (delegate reads it twice: before and under the lock)
+        cfg = validate(raw, home.config)
+        _last_loaded = (key, cfg)
+        return cfg
     from kugetsu.cluster.store import store_for  # cluster mode only: psycopg is not light
 
     return cluster_config(home, raw, store_for(url).read_config())
+
+
+# The last file config validated, by its path and content: a Config is never changed in place.
+_last_loaded: tuple[tuple[str, bytes], Config] | None = None
 
 
 def _store_in(local: dict[str, Any]) -> str | None:

@@ -63,11 +63,11 @@ def simple_order(index: Index, cfg: Config) -> bool:
         cfg.strategy in ("fifo", "priority")
         and cfg.max_active_per_source is None
         and cfg.min_start_interval_s is None
-        and not any(t.group is not None and t.group in cfg.groups for t in index.queued)
-        and not any(t.after for t in index.queued)
         and not index.holds
-        and not any(t.not_before is not None for t in index.queued)
         and not any(p.max_agents is not None for p in cfg.agents.values())
+        # one pass over the queue (delegate asks this of a long queue on every call)
+        and not any(t.after or t.not_before is not None or (t.group is not None and t.group in cfg.groups)
+                    for t in index.queued)
     )
 
 

@@ -42,6 +42,7 @@ _index_decoder = msgspec.json.Decoder(_IndexFile)
 _event_decoder = msgspec.json.Decoder(Event)
 _encoder = msgspec.json.Encoder()
 _held = threading.local()
+_stores: dict[str, Store] = {}  # open_store's file Stores of the main thread, by home
 
 
 def encode_index(index: Index) -> bytes:
@@ -135,7 +136,17 @@ def open_store(home: Home) -> StoreProtocol:
     names one, else the file store."""
     url = store_url(home)
     if url is None:
-        return Store(home)
+        # The main thread keeps one Store per home: a brief CLI command keeps what it
+        # committed to its fast exit instead of freeing it task by task, and a process that
+        # commits again skips decoding its own last write. Other threads (a server's worker
+        # pool) get a fresh one each time: a Store keeps its last committed index, and one
+        # per pool thread would keep as many copies of a long queue.
+        if threading.current_thread() is not threading.main_thread():
+            return Store(home)
+        store = _stores.get(str(home.root))
+        if store is None:
+            store = _stores[str(home.root)] = Store(home)
+        return store
     from kugetsu.cluster.store import store_for  # cluster mode only: psycopg is not light
 
     return store_for(url)
@@ -258,7 +269,11 @@ class Store(Transactions):
         if not self._ensured:
             self.home.ensure()
             self._ensured = True
-        fd = open_file(self.home.lock, os.O_RDWR | os.O_CREAT)
+        try:
+            fd = open_file(self.home.lock, os.O_RDWR | os.O_CREAT)
+        except FileNotFoundError:  # the home was removed under a long-lived Store (open_store's)
+            self.home.ensure()
+            fd = open_file(self.home.lock, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except BaseException:

@@ -477,3 +477,79 @@ def test_argument_errors_are_one_line_like_the_others(kg, args, says):
     assert r.stderr.startswith("kugetsu: ") and says in r.stderr and "--help` lists the options" in r.stderr, r
     assert r.stderr.count("\n") == 1 and "usage:" not in r.stderr
     assert not kg.home.index.exists()
+
+
+def test_the_index_leaves_defaults_out_and_reads_an_index_that_has_them(kg):
+    """index.json keeps a task's non-default fields only (a third of the bytes every CLI call
+    reads and every change rewrites); an index written in full, as earlier versions did, is
+    read as before, and the public task object is the same either way."""
+    kg.config(max_agents=1)
+    kg.ok("pause")  # it stays queued
+    kg.ok("delegate", "a", "--", "true")
+    lean = json.loads(kg.home.index.read_text())["queued"][0]
+    assert "pid" not in lean and "worktree" not in lean and "state" not in lean  # defaults (queued)
+    assert lean["name"] == "a" and lean["command"] == ["true"]
+    shown = json.loads(kg.ok("queue", "--json"))["queued"][0]
+    assert list(shown)[:4] == ["id", "name", "state", "position"] and shown["pid"] is None
+    assert (shown["state"], shown["position"], shown["after"], shown["attempt"]) == ("queued", 1, [], 1)
+    assert "token" not in shown and "env" not in shown  # never shown
+
+    full = json.loads(kg.home.index.read_text())
+    full["queued"] = [kg.index()["queued"][0]]  # every field, nulls included: an older kugetsu's file
+    assert full["queued"][0]["pid"] is None and full["queued"][0]["state"] == "queued"
+    kg.home.index.write_text(json.dumps(full, indent=2))
+    assert json.loads(kg.ok("queue", "--json"))["queued"][0] == shown
+    kg.ok("delegate", "b", "--", "true")  # the next change writes it lean
+    assert [set(t) & {"pid", "state"} for t in json.loads(kg.home.index.read_text())["queued"]] == [set(), set()]
+
+
+def test_brief_commands_exit_fast_with_all_their_output_written(kg):
+    """delegate, queue, status and capacity leave without the interpreter's teardown
+    (cli.run): what they printed to a pipe must all be there, and a reader that stops early
+    gets no complaint."""
+    from kugetsu import ops, pm
+    from kugetsu.config import load_config
+    from kugetsu.store import Store
+
+    kg.config(max_agents=1, max_queue=5000)
+    kg.ok("pause")
+    with Store(kg.home).transaction(ops.now()) as txn:  # 3,000 queued tasks in one go
+        for i in range(3000):
+            txn.emit(pm.admit(txn.index, load_config(kg.home), txn.now,
+                              pm.Request(cwd="/", name=f"t{i}", command=["true"], prompt="x" * 200))[1])
+    env = {k: v for k, v in kg.env.items() if k != "PYTHONUNBUFFERED"}  # stdout buffered, as for a user
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kugetsu", *args], env=env, capture_output=True, text=True, timeout=60)
+
+    out = json.loads(run("queue", "--json").stdout)  # ~3 MB through a pipe
+    assert [t["position"] for t in out["queued"]] == list(range(1, 3001))
+    assert run("status", "t2999").stdout.startswith("id              3000\nname            t2999\n")
+    assert json.loads(run("delegate", "last", "--json", "--", "true").stdout)["position"] == 3001
+    assert run("delegate", "later", "--", "true").stdout.startswith("queued later")
+    r = subprocess.run(f"{sys.executable} -m kugetsu queue --json | head -c 100 >/dev/null", shell=True,
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+@pytest.mark.parametrize("args", [["capacity"], ["capacity", "--json"], ["queue", "--json"], ["status", "a"],
+                                  ["config", "show"], ["logs", "a"], ["logs", "b"], ["logs", "b", "a"]])
+def test_output_that_cannot_be_written_is_one_line_and_exit_1(kg, args):
+    """`> file` on a full disk (/dev/full): stdout is buffered for a user (no PYTHONUNBUFFERED),
+    so the write fails at the end; it is said in one line, exit 1, never a traceback or
+    Python's `Exception ignored`. A reader that goes away (`| head`) is no error."""
+    kg.config(max_agents=1)
+    kg.ok("delegate", "b", "--wait", "--", "seq", "1", "20000")  # output to show
+    kg.ok("pause")
+    kg.ok("delegate", "a", "--", "true")
+    env = {k: v for k, v in kg.env.items() if k != "PYTHONUNBUFFERED"}
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "kugetsu", *args], env=env, stdout=full, stderr=subprocess.PIPE,
+                           text=True, timeout=60)
+    if args == ["logs", "a"]:  # a queued task has no output yet: nothing to write, nothing failed
+        assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+        return
+    assert (r.returncode, r.stderr) == (1, "kugetsu: could not write the output: No space left on device\n")
+    r = subprocess.run(f"{sys.executable} -m kugetsu {' '.join(args)} | head -c 1 >/dev/null", shell=True,
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stderr) == (0, "")

@@ -214,3 +214,77 @@ def test_event_lines_omit_empty_fields(tmp_path):
         txn.emit([Event(type="config", at=txn.now, key="max_agents", value=4)])
     line = json.loads(store.home.events.read_text())
     assert set(line) == {"seq", "type", "at", "key", "value"}
+
+
+def test_the_builtin_presets_patterns_are_regular_expressions():
+    """Validation takes the built-in presets' patterns as known good (not compiled on every
+    CLI call): this is where they are checked."""
+    import re
+
+    from kugetsu.config import _BUILTIN_PATTERNS, DEFAULT_AGENTS
+
+    assert len(_BUILTIN_PATTERNS) >= len(DEFAULT_AGENTS)
+    for pattern in _BUILTIN_PATTERNS:
+        re.compile(pattern)
+
+
+def test_a_config_read_twice_is_validated_once_and_a_change_is_seen(tmp_path):
+    home = Home(tmp_path)
+    home.config.write_text('{"max_agents": 3}')
+    first = load_config(home)
+    assert load_config(home) is first  # delegate reads it before and under the lock
+    home.config.write_text('{"max_agents": 4}')
+    assert load_config(home).max_agents == 4
+    home.config.write_text('{"max_agents": 0}')
+    with pytest.raises(FileError, match="max_agents"):
+        load_config(home)
+
+
+def test_open_store_is_one_store_per_home_in_the_main_thread(tmp_path):
+    """A process that commits again reuses its Store (and skips decoding its own last
+    write); another thread gets a fresh one each time (a server's pool must not keep a copy
+    of the queue per thread), so two threads' transactions wait for each other instead of
+    being taken for a nested one."""
+    import threading
+
+    from kugetsu.store import open_store
+
+    home = Home(tmp_path / "h")
+    store = open_store(home)
+    assert open_store(home) is store and open_store(Home(tmp_path / "other")) is not store
+    _admit(store, "a")
+    with store.transaction(ops.now()) as txn:
+        assert txn.unchanged  # its own last commit, not decoded again
+        other: list[object] = []
+        t = threading.Thread(target=lambda: other.extend([open_store(home), open_store(home)]))
+        t.start()
+        t.join()
+        assert other[0] is not store and other[1] is not other[0]
+
+    done = threading.Event()
+
+    def second() -> None:
+        _admit(open_store(home), "b")  # waits for the lock the main thread holds
+        done.set()
+
+    with store.transaction(ops.now()):
+        t = threading.Thread(target=second)
+        t.start()
+        assert not done.wait(0.3)
+    t.join(10)
+    assert done.is_set() and [x.name for x in store.read().queued] == ["a", "b"]
+
+
+def test_a_long_lived_store_makes_its_home_again_when_it_was_removed(tmp_path):
+    """open_store's Store outlives one command (MCP, the bot): a home removed meanwhile is
+    made again by the next transaction, as a new Store would."""
+    import shutil
+
+    from kugetsu.store import open_store
+
+    home = Home(tmp_path / "h")
+    _admit(open_store(home), "a")
+    shutil.rmtree(home.root)
+    _admit(open_store(home), "b")
+    assert [t.name for t in open_store(home).read().queued] == ["b"]
+    assert stat.S_IMODE(os.stat(home.root).st_mode) == 0o700

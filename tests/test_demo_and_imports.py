@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -12,7 +13,7 @@ import sys
 import time
 
 import pytest
-from conftest import processes_under
+from conftest import REPO, processes_under
 
 
 @pytest.fixture
@@ -64,8 +65,44 @@ def test_everyday_commands_do_not_import_heavy_modules(kg, command):
     heavy = {m for m in imported if m.split(".")[0] in ("textual", "telegram", "apscheduler", "pydantic", "psutil",
                                                          "asyncio", "subprocess", "platformdirs", "prometheus_client",
                                                          "textual_serve", "aiohttp", "playwright", "mcp",
-                                                         "mcp_types", "anyio", "starlette", "uvicorn")}
+                                                         "mcp_types", "anyio", "starlette", "uvicorn",
+                                                         # what typing_extensions brings, 10 ms (kugetsu/__init__.py)
+                                                         "inspect", "dis", "ast",
+                                                         # shutil (with bz2, lzma): runner.which instead, 3 ms
+                                                         "shutil", "bz2", "lzma")}
     # kugetsu's own modules that only their commands need (stats reads history, doctor probes)
     heavy |= imported & {"kugetsu.stats", "kugetsu.metrics", "kugetsu.doctor", "kugetsu.web"}
     heavy |= {m for m in imported if m.startswith("kugetsu.mcp")}  # the MCP server: only `kugetsu mcp` loads it
     assert heavy == set()
+
+
+def test_a_msgspec_that_needs_typing_extensions_is_imported_as_it_wants(tmp_path):
+    """kugetsu imports msgspec with typing_extensions hidden (msgspec falls back to typing's
+    get_type_hints, 10 ms saved); a msgspec that cannot do without it still loads."""
+    fake = tmp_path / "msgspec"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("import typing_extensions\nFAKE = True\n")
+    code = ("import kugetsu, sys, msgspec; assert msgspec.FAKE; assert sys.modules['typing_extensions'] is not None;"
+            " print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": f"{tmp_path}:{REPO}"},
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout == "ok\n", r.stderr
+
+
+def test_runner_which_finds_what_shutil_which_finds(tmp_path):
+    """runner.which stands in for shutil.which on the delegate path (no shutil import)."""
+    import shutil
+
+    from kugetsu import runner
+
+    exe = tmp_path / "bin" / "agent"
+    exe.parent.mkdir()
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    (tmp_path / "bin" / "plain").write_text("not executable")
+    (tmp_path / "bin" / "dir").mkdir()
+    bins = str(tmp_path / "bin")
+    for command, path in [("sh", None), ("agent", None), ("agent", bins), ("agent", f"/nonexistent:{bins}"),
+                          ("plain", bins), ("dir", bins), ("sh", ""), (str(exe), None), (str(tmp_path), None),
+                          ("nosuch-command-here", None), ("agent", f"::{bins}")]:
+        assert runner.which(command, path) == shutil.which(command, path=path), (command, path)
