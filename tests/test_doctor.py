@@ -49,8 +49,8 @@ def test_a_dead_service_is_found_and_left_dead(kg):
     kg.config(**SIM)
     gate = kg.rec / "go"
     kg.delegate("long", 0, 0, gate=gate)  # starts the service
-    kg.wait_state("long", "running")
-    pid = kg.service_pid()
+    kg.wait_state("long", "running")  # at admission: the autostarted service may still be starting
+    pid = wait_for(kg.service_pid, 15, "the autostarted service to be up")
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not control.service_holds_lock(kg.home), 10, "the killed service to let go of its lock")
     code, checks = diagnose(kg)
