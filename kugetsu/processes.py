@@ -187,4 +187,6 @@ class Processes:
             out.append(pm.Adopted(task_id, pid, start, at, str(self.home.log(task_id)), code))
             if running:
                 log.info("re-adopted task #%d, pid %d, started before a crash", task_id, pid)
+            else:  # it left no process to record: the task ends with no pid
+                log.info("task #%d started before a crash and ended with exit status %d: booked", task_id, code)
         return out

@@ -138,7 +138,10 @@ def test_a_queued_task_whose_wrapper_ran_is_adopted(kg):
     h.popen.wait()
     s, t = _unrecorded_wrapper_then_a_service(kg, queued, go)
     assert t["pid"] == s.pid and (kg.rec / "second").read_text().count("start") == 1
-    assert kg.task("holder")["state"] == "succeeded"
+    holder = kg.task("holder")
+    # It left no process for the service to record, only its exit status: booked, and said.
+    assert holder["state"] == "succeeded" and holder["pid"] is None and holder["exit_code"] == 0
+    assert f"task #{holder['id']} started before a crash and ended with exit status 0: booked" in kg.home.service_log.read_text()
 
 
 async def test_a_task_let_go_early_but_not_started_by_pm_is_recorded_not_run_twice(kg, monkeypatch, caplog):
