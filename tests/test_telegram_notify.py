@@ -132,12 +132,14 @@ def test_notifications_and_the_feed_survive_the_rotation_of_events_jsonl(kg, api
     setup(kg, api, max_agents=1, events_max_size="1KiB")  # a rotation every few events
     bot_up(kg, api)
     names = [f"r{i}" for i in range(6)]
-    for name in names:
-        kg.delegate(name, 0)
     for i, name in enumerate(names, start=1):
+        # One at a time (a task's three events are less than 1 KiB): the feed reads between
+        # two rotations. Two rotations before it reads lose events: the next test.
+        kg.delegate(name, 0)
         reply(api, ME, f"<b>{name}</b> (#{i}) succeeded")
     for name in names:
         assert once(api, f"started <b>{name}</b>"), name
+    assert not api.with_text(ME, "left the event log")
     assert kg.home.events_old.exists() and "events.jsonl reached" in kg.home.service_log.read_text()
     current = kg.home.events.read_text() if kg.home.events.exists() else ""  # none until the next event
     assert len(current) + kg.home.events_old.stat().st_size < 4 * 1024
@@ -168,3 +170,26 @@ def test_a_worktree_kept_is_told_after_the_task_s_end(kg, api, tmp_path):
     kg.delegate("last", 0)
     reply(api, ME, "<b>last</b> (#3) succeeded")  # in order: c's worktree event was settled before it
     assert once(api, "<b>c</b> (#2) succeeded") and not api.with_text(ME, "🌿 <b>c</b>")
+
+
+def test_events_rotated_out_before_they_were_sent_are_said_not_skipped(kg, api):
+    """The feed cannot deliver for a while (Telegram fails), and meanwhile events.jsonl
+    rotates several times (1 KiB): the events gone before the feed read them are said, in
+    the chat and the service log, and the feed goes on with what is left."""
+    setup(kg, api, max_agents=1, events_max_size="1KiB")
+    bot_up(kg, api)
+    kg.delegate("first", 0)
+    reply(api, ME, "<b>first</b> (#1) succeeded")
+    api.fail(500, methods={"sendMessage"})
+    names = [f"g{i}" for i in range(8)]  # 24 events: several rotations
+    for name in names:
+        kg.delegate(name, 0)
+    for name in names:
+        kg.wait_state(name, "succeeded")
+    wait_for(lambda: [c for c in api.calls_to("sendMessage", ok_only=False) if c.status == 500], 10, "a failed delivery")
+    api.recover()
+    said = reply(api, ME, "left the event log before they could be sent here", timeout=30)
+    assert "raise events_max_size (now 1KiB) if this repeats" in said
+    reply(api, ME, "<b>g7</b> (#9) succeeded", timeout=30)  # what was still there came after it
+    assert once(api, "left the event log")
+    assert "left the event log unsent" in kg.home.service_log.read_text()

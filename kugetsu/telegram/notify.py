@@ -85,7 +85,9 @@ class Cursors:
 class EventTail:
     """Reads events.jsonl from where the last read stopped, so a long history is scanned
     once per feed, not on every new event. Follows the service's rotation of the file: what
-    was not read yet of the old one (now events.jsonl.1) comes first."""
+    was not read yet of the old one (now events.jsonl.1) comes first. Rotated more than once
+    between two reads, all of events.jsonl.1 comes first, and what was in between is gone
+    (the feed says so: seqs have no holes)."""
 
     def __init__(self, home: Home):
         self.path, self.old = home.events, home.events_old
@@ -99,34 +101,46 @@ class EventTail:
     def _read(self, seq: int) -> bytes:
         current = _inode(self.path)
         data = b""
-        if not self.started:
+        if current != self.inode or not self.started:
+            # A file to follow from its start (the first read, a rotation, the file made
+            # anew). First what was not read yet of the file followed so far, now
+            # events.jsonl.1; when that is gone too (rotated again since) or there was none,
+            # all of events.jsonl.1, should the new file not go on right after `seq`.
+            rest = self._chunk(self.old, self.inode) if self.started and self.inode is not None else None
+            if rest is not None:
+                data = rest
+            elif _first_seq(self.path) > seq + 1:
+                data = _whole(self.old) + b"\n"  # "\n": a torn last line stays apart
             self.started = True
-            if self.old.exists() and _first_seq(self.path) > seq + 1:
-                data = read_file(self.old) + b"\n"  # the cursor lies in the rotated file
-        elif current != self.inode:  # rotated (or the file appeared)
-            if self.inode is not None:
-                data = self._chunk(self.old, self.inode)  # the rest of the file we followed
             self.offset = 0
         self.inode = current
         if current is not None:
-            data += self._chunk(self.path, current)
+            data += self._chunk(self.path, current) or b""
         return data
 
-    def _chunk(self, path: Path, inode: int) -> bytes:
-        """The complete lines of `path` from the offset, if it is still the file `inode`."""
+    def _chunk(self, path: Path, inode: int) -> bytes | None:
+        """The complete lines of `path` from the offset, if it is still the file `inode`
+        (None if it is not, or is gone)."""
         try:
             with open(path, "rb", opener=nofollow) as f:
                 if os.fstat(f.fileno()).st_ino != inode:
-                    return b""  # replaced meanwhile: the next read picks it up
+                    return None  # replaced meanwhile: the next read picks it up
                 if f.seek(0, os.SEEK_END) < self.offset:
                     self.offset = 0  # replaced by a shorter file (by hand): read it all again
                 f.seek(self.offset)
                 data = f.read()
         except FileNotFoundError:
-            return b""
+            return None
         data = data[: data.rfind(b"\n") + 1]  # a line still being written is read next time
         self.offset += len(data)
         return data
+
+
+def _whole(path: Path) -> bytes:
+    try:
+        return read_file(path)
+    except FileNotFoundError:
+        return b""
 
 
 def _inode(path: Path) -> int | None:
@@ -244,6 +258,13 @@ class Notifier:
         """Send what is new for `chat`, moving its cursor after each message Telegram took."""
         cursor = self.cursors.get(chat) or 0
         events = await asyncio.to_thread(self.tails[chat].after, cursor)
+        if cursor and events and events[0].seq > cursor + 1:
+            # Seqs have no holes: these were rotated out before this feed read them. Said,
+            # rather than skipped in silence (the log and the chat both hear of it).
+            first, last = cursor + 1, events[0].seq - 1
+            log.warning("notifications for chat %d: events %d to %d left the event log unsent", chat, first, last)
+            size = None if self.cluster else self.get_cfg().events_max_size
+            await self._send(chat, text.events_missed(first, last, size))
         unsaved = False
         for event in events:
             if text.wanted(event, self.get_cfg().telegram.events):

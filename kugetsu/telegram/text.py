@@ -140,6 +140,16 @@ def notification(event: Event, task: Task | None, cfg: Config, log_tail: str | N
     return f"{esc(kind)} {ref}"
 
 
+def events_missed(first: int, last: int, max_size: str | None) -> str:
+    """The chat's feed found events `first`..`last` gone from the event log before they were
+    sent (rotated out twice while the bot could not keep up, or while it was away)."""
+    count = last - first + 1
+    what = f"event #{first}" if count == 1 else f"{count} events (#{first} to #{last})"
+    fix = f"; raise events_max_size (now {esc(max_size)}) if this repeats" if max_size else ""
+    return (f"⚠️ {what} left the event log before they could be sent here{fix}."
+            " <code>kugetsu queue --all</code> shows where every task stands.")
+
+
 def wanted(event: Event, kinds: list[str]) -> bool:
     """Is `event` one to send to a chat that asked for `kinds` (telegram.events)? A task's
     worktree kept (or anything else worth saying about it at its end) follows the task's
