@@ -350,6 +350,8 @@ def _fix(err: KugetsuError) -> str:
 
     if isinstance(err, InvalidConfig) and err.setting and err.key == err.setting and (err.suggestion or "").startswith('"'):
         return f"\nOn the command line: kugetsu config set {err.key} '{err.suggestion}'"
+    if isinstance(err, E.InvalidHost):
+        return " (`kugetsu hosts` lists the machines)"
     if isinstance(err, E.UnknownDependency):
         return "; --after takes ids (#12) or names of tasks kugetsu knows (`kugetsu queue --all`)"
     if isinstance(err, E.AmbiguousName):

@@ -74,6 +74,14 @@ class QueueFull(Rejected):
         self.queued, self.max_queue, self.active, self.max_agents = queued, max_queue, active, max_agents
 
 
+class InvalidHost(UsageError):
+    """A machine's name that cannot be one (a task pinned to a host)."""
+
+    def __init__(self, host: str):
+        super().__init__(f"invalid host {host!r}: a machine's name is 1-64 letters, digits, '.', '_' or '-'")
+        self.host = host
+
+
 class NotClustered(UsageError):
     """Something only a cluster has (a host to pin to, the list of hosts), asked of one machine."""
 

@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 
 from kugetsu import limits, placement
 from kugetsu.config import Config, format_duration, parse_duration
-from kugetsu.errors import (AmbiguousName, NeedsPrompt, NoSuchTask, NotClustered, QueueFull, Rejected,
+from kugetsu.errors import (AmbiguousName, InvalidHost, NeedsPrompt, NoSuchTask, NotClustered, QueueFull, Rejected,
                             UnknownDependency, UnknownGroup, UsageError)
 from kugetsu.models import PRIORITIES, Attempt, Event, Hold, Index, LimitHit, SourceMark, Task, TaskState, valid_host, valid_name
 from kugetsu.placement import Here, ours, starts_anywhere
@@ -364,10 +364,9 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     if req.pinned_host is not None and cfg.store is None:
         raise NotClustered("a task pinned to a host")
     if req.pinned_host is not None and not valid_host(req.pinned_host):
-        raise UsageError(f"invalid host {req.pinned_host!r}: a machine's name is 1-64 letters, digits, '.', '_' or '-'"
-                         " (`kugetsu hosts` lists them)")
+        raise InvalidHost(req.pinned_host)
     if req.retries < 0:
-        raise UsageError(f"invalid --retries {req.retries}: give 0 or more runs to repeat after a failure")
+        raise UsageError(f"invalid retries {req.retries}: a task is run again 0 or more times after a failure")
     agent, template, env = resolve_agent(cfg, req)
     after = dependencies(index, req.after)
     limit = cfg.max_queued_per_source
@@ -1072,7 +1071,7 @@ def hold(index: Index, cfg: Config, agent: str, until: datetime | None, now: dat
     if agent not in cfg.agents:
         raise UsageError(f"unknown agent preset {agent!r}; known: {', '.join(sorted(cfg.agents))}")
     if until is not None and until <= now:
-        raise UsageError(f"--until {until.isoformat()} is not in the future; give a later time or a duration like 30m")
+        raise UsageError(f"a hold until {until.isoformat()} is not in the future; give a later time or a duration like 30m")
     index.holds[agent] = Hold(until=until, reason=f"{agent} held by hand", since=now)
     return [_hold_event("held", agent, index.holds[agent], index, now)]
 

@@ -88,6 +88,10 @@ def test_a_pinned_task_runs_on_its_machine_and_hosts_lists_the_machines(machines
     assert "m1" in text and "m2 *" in text and "long" in text
     out = b.ok("queue")
     assert "HOST" in out and "m1" in out
+    r = a.run("delegate", "bad", "--host", "m 1", "--", "true")
+    assert r.returncode == 2 and r.stderr == (
+        "kugetsu: invalid host 'm 1': a machine's name is 1-64 letters, digits, '.', '_' or '-'"
+        " (`kugetsu hosts` lists the machines)\n")
 
 
 def test_a_cancel_on_one_machine_stops_an_agent_on_another_within_a_second(machines: Machine):

@@ -275,3 +275,22 @@ def test_queue_view_is_the_one_view_every_front_end_renders():
     assert view.positions == pm.positions(ix, cfg, T0)
     assert view.waiting_for == pm.waiting_for(ix, cfg, T0)
     assert view.capacity == pm.capacity(ix, cfg) and view.capacity.free == 0 and view.capacity.queued == 2
+
+
+def test_pm_words_its_errors_for_every_front_end_and_names_no_cli_flag():
+    """pm's errors are read in the dashboard, the bot and MCP as well: a flag (`--until`) or
+    a CLI command in them would be wrong there. Each front end adds its own fix (cli._fix)."""
+    import ast
+    from pathlib import Path
+
+    for module in ("pm", "policy", "placement"):
+        source = (Path(pm.__file__).parent / f"{module}.py").read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                texts = [n.value for n in ast.walk(node.exc) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+                assert not [t for t in texts if "--" in t or "kugetsu " in t], f"{module}.py:{node.lineno}: {texts}"
+    cfg = Config()
+    with pytest.raises(UsageError, match=r"^invalid retries -1: a task is run again 0 or more times"):
+        pm.admit(Index(), cfg, T0, req("a", retries=-1))
+    with pytest.raises(UsageError, match=r"^a hold until .* is not in the future; give a later time"):
+        pm.hold(Index(), cfg, "claude", T0 - timedelta(minutes=1), T0)
