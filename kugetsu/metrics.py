@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -25,6 +26,11 @@ from kugetsu import pm, runner
 from kugetsu.config import Config, is_loopback
 from kugetsu.models import Index, Task
 from kugetsu.paths import read_tail
+
+if TYPE_CHECKING:  # the service starts this module, never the other way round
+    from wsgiref.simple_server import WSGIServer
+
+    from kugetsu.service import Service
 
 log = logging.getLogger("kugetsu.metrics")
 # No `*_created` series beside each counter and histogram: kugetsu_service_start_time_seconds
@@ -45,11 +51,12 @@ class _Telegram:
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
 
-    def collect(self) -> Any:
+    def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily("kugetsu_telegram_undelivered_events",
                                    "Committed events not yet delivered (or skipped) for a notify chat", labels=["chat"])
-        bot = getattr(self.metrics.service, "telegram", None)
-        cursors = getattr(getattr(bot, "notifier", None), "cursors", None)
+        bot = self.metrics.service.telegram
+        notifier = bot.notifier if bot is not None else None
+        cursors = notifier.cursors if notifier is not None else None
         seqs = dict(cursors.seqs) if cursors is not None else {}  # a copy: the notifier writes it from threads
         for chat, seq in sorted(seqs.items()):
             family.add_metric([str(chat)], max(0, self.metrics.last_seq - seq))
@@ -57,7 +64,7 @@ class _Telegram:
 
 
 class Metrics:
-    def __init__(self, service: Any):
+    def __init__(self, service: Service):
         self.service = service
         self.registry = r = CollectorRegistry()
         self.running = Gauge("kugetsu_tasks_running", "Tasks holding a slot", registry=r)
@@ -89,7 +96,7 @@ class Metrics:
         self._live: dict[int, bool] | None = None
         self._final: set[int] = set()  # ids of final tasks already counted (pruned to the index's)
         self._top_id = 0  # the highest task id seen: above it, a task is new
-        self.server: Any = None
+        self.server: WSGIServer | None = None
         self.port: int | None = None
         self._failed = False  # logged once
 
@@ -203,7 +210,7 @@ class Metrics:
             self.promotion.observe(max(0.0, (start - end).total_seconds()))
 
 
-def start(service: Any) -> Metrics | None:
+def start(service: Service) -> Metrics | None:
     """The endpoint for a service whose config asks for one; None (logged) if it cannot bind:
     the service runs on without it, as without the Telegram bot."""
     address = service.cfg.metrics.address

@@ -22,7 +22,7 @@ import os
 import signal
 from collections.abc import Callable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -39,8 +39,10 @@ from kugetsu.store import Txn, open_store
 from kugetsu.wakeup import WakeSocket
 from kugetsu.worktree_worker import WorktreeWorker, workplace
 
-if TYPE_CHECKING:  # psycopg is imported in cluster mode only
+if TYPE_CHECKING:  # imported only where used: psycopg in cluster mode, the others when configured
     from kugetsu.cluster.member import Member
+    from kugetsu.metrics import Metrics
+    from kugetsu.telegram.bot import TelegramBot
 
 __all__ = ["COMMIT_DELAY", "GUARD_RECHECK", "RECONCILE_EVERY", "WARM_AHEAD", "Ending", "LetGo", "Service", "serve"]
 
@@ -67,8 +69,8 @@ class Service:
         self.jobs: dict[str, datetime] = {}  # the policies' wake-ups (rate limit, guard re-check)
         self._reconcile_handle: asyncio.TimerHandle | None = None
         self.listeners: list[Callable[[list[Event]], None]] = []  # told of each transaction's events
-        self.telegram: Any = None
-        self.metrics: Any = None  # the OpenMetrics endpoint (kugetsu/metrics.py), when config metrics.listen is set
+        self.telegram: TelegramBot | None = None
+        self.metrics: Metrics | None = None  # the OpenMetrics endpoint, when config metrics.listen is set
         self.index = Index()
         self._tick_pending = False
         self._first_tick = True
