@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -24,6 +24,9 @@ from kugetsu.errors import KugetsuError, NotClustered, UsageError
 from kugetsu.models import TASK_DEFAULTS, Event, Index, Task, TaskState
 from kugetsu.paths import Home, write_new
 from kugetsu.store import open_store, Txn
+
+if TYPE_CHECKING:  # git's module is imported by the worktree commands only
+    from kugetsu.worktree import Entry
 
 
 def now() -> datetime:
@@ -434,7 +437,7 @@ def prune_worktrees(home: Home, older_than: float | None = None, force: bool = F
     return out
 
 
-def _prune_one(home: Home, entry: Any, force: bool, keep_branch: bool = False) -> Pruned:
+def _prune_one(home: Home, entry: Entry, force: bool, keep_branch: bool = False) -> Pruned:
     from kugetsu import worktree
 
     try:
@@ -456,7 +459,7 @@ def _prune_one(home: Home, entry: Any, force: bool, keep_branch: bool = False) -
     return Pruned(entry, f"removed {entry.path}{kept}", True)
 
 
-def _worktree_event(entry: Any, note: str, at: datetime) -> Event:
+def _worktree_event(entry: Entry, note: str, at: datetime) -> Event:
     task = entry.task
     return Event(
         type="worktree", at=at, task=task.id if task else None, name=task.name if task else entry.path.name,

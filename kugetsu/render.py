@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -11,6 +11,9 @@ from kugetsu.config import format_duration, format_size
 from kugetsu import runner
 from kugetsu.models import Task
 from kugetsu.pm import Capacity
+
+if TYPE_CHECKING:  # render shows what ops lists; ops does not need render
+    from kugetsu.ops import Listing
 
 
 def to_json(obj: Any) -> str:
@@ -140,7 +143,7 @@ def worktrees_table(rows: list[dict[str, Any]], now: datetime) -> str:
 
 
 
-def queue_text(listed: Any, service_running: bool = True) -> str:
+def queue_text(listed: Listing, service_running: bool = True) -> str:
     """`kugetsu queue`, from an ops.Listing (its pm.QueueView and the finished tasks)."""
     view, now = listed.view, listed.now
     parts = [summary(view.capacity) + ("" if service_running else " · service not running")]

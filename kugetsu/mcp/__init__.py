@@ -8,10 +8,15 @@ to install it (exit 2).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kugetsu.errors import UsageError
 from kugetsu.paths import Home
+
+if TYPE_CHECKING:  # the SDK is imported when the server is built, with a clear error if it is missing
+    from mcp.server import MCPServer
+
+    from kugetsu.mcp.server import Follow
 
 SDK = "mcp>=2.3,<3"
 
@@ -36,7 +41,7 @@ def run(home: Home, http: str | None = None, allow_remote: bool = False) -> int:
     return 0
 
 
-def _build(home: Home) -> tuple[Any, Any]:
+def _build(home: Home) -> tuple[MCPServer, Follow]:
     try:
         from kugetsu.mcp.server import build
     except ImportError as err:
@@ -57,7 +62,7 @@ def _found() -> str:
         return "it is not installed"
 
 
-async def _stdio(server: Any, follow: Any) -> None:
+async def _stdio(server: MCPServer, follow: Follow) -> None:
     import anyio
 
     async with anyio.create_task_group() as tg:

@@ -6,12 +6,17 @@ import hmac
 import json
 import socket
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import uvicorn
 
 from kugetsu.errors import KugetsuError
+
+if TYPE_CHECKING:
+    from mcp.server import MCPServer
+
+    from kugetsu.mcp.server import Follow
 
 
 class BearerAuth:
@@ -41,7 +46,7 @@ class BearerAuth:
         return False
 
 
-async def serve(server: Any, follow: Any, address: tuple[str, int], token: str) -> None:
+async def serve(server: MCPServer, follow: Follow, address: tuple[str, int], token: str) -> None:
     host, port = address
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -31,7 +31,7 @@ from pydantic import Field
 
 import kugetsu
 from kugetsu import control, ops, pm, render, waiting
-from kugetsu.config import format_duration, load_config, parse_duration
+from kugetsu.config import Config, format_duration, load_config, parse_duration
 from kugetsu.errors import KugetsuError, Rejected, UsageError
 from kugetsu.mcp.models import (
     CancelOut,
@@ -543,7 +543,7 @@ async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True, limiter=_WAITS)
 
 
-def _awaited(cfg: Any, index: Index, ids: list[int]) -> list[tuple[Task, int | None]]:
+def _awaited(cfg: Config, index: Index, ids: list[int]) -> list[tuple[Task, int | None]]:
     found = {t.id: t for t in index.all_tasks()}
     positions = pm.positions(index, cfg, ops.now()) if index.queued else {}
     return [(found[i], positions.get(i)) for i in ids if i in found]
