@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta, timezone
 
 import msgspec
 import pytest
 
+from conftest import T0
 from kugetsu import pm
 from kugetsu.config import Config
 from kugetsu.errors import AmbiguousName
 from kugetsu.models import Index, TaskState
-
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
 def req(name=None, **kw):
