@@ -106,6 +106,28 @@ class StoreProtocol(Protocol):
         """Keep the event feed bounded (the file store); returns the size rotated, or None."""
         ...
 
+    def stamp(self) -> object:
+        """A cheap look (no decoding) that differs after any process commits a change: what a
+        view that refreshes itself compares."""
+        ...
+
+    def watch(self) -> Watch | None:
+        """A file descriptor to select on that becomes readable as soon as any process
+        commits, for a waiter; None when the store has none (then it looks at `stamp`)."""
+        ...
+
+
+class Watch(Protocol):
+    def fileno(self) -> int:
+        ...
+
+    def clear(self) -> None:
+        """Take what made it readable (after select said so)."""
+        ...
+
+    def close(self) -> None:
+        ...
+
 
 class Transactions:
     """`transaction`, for a store that has begin, commit and abort (both stores)."""
@@ -188,6 +210,20 @@ class Store(Transactions):
     def read(self) -> Index:
         """The committed index, as a reader sees it (no lock; never half-written)."""
         return self._load()[0]
+
+    def stamp(self) -> tuple[int, int, int]:
+        """index.json's inode, mtime and size: every commit renames a new file in (the size
+        tells two files apart should the second reuse the first's inode within one tick)."""
+        try:
+            st = os.stat(self.home.index)
+        except FileNotFoundError:
+            return 0, 0, 0
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def watch(self) -> None:
+        """None: no descriptor tells of a rename (inotify is not in the standard library);
+        a waiter watches the agents' pidfds and looks at the stamp."""
+        return None
 
     def read_events(self, after: int = 0) -> list[Event]:
         """Events with seq > after, oldest first (events.jsonl.1, then events.jsonl)."""

@@ -1,8 +1,9 @@
 """Waiting for tasks, shared by the CLI (`wait`, `cancel`, `logs --follow`) and the MCP
 server's `wait` and `cancel` tools: one implementation of "block until final".
 
-Event-driven: a pidfd per running task (its exit wakes the wait at once, then the index is
-watched for the few ms the service takes to book it), and a look at the index once a second
+Event-driven: a pidfd per task running on this machine (its exit wakes the wait at once,
+then the store is watched for the few ms the service takes to book it), in a cluster the
+store's LISTEN (any commit on any machine wakes it), and a look at the index once a second
 for the rest. A `Stop` wakes a waiting thread at once (a cancelled MCP call), leaving the
 tasks alone.
 """
@@ -15,10 +16,11 @@ import time
 from collections.abc import Iterator
 
 from kugetsu import control, ops, runner
-from kugetsu.config import load_config
+from kugetsu.config import host_name, load_config
+from kugetsu.errors import Unreachable
 from kugetsu.models import Index, Task, TaskState
 from kugetsu.paths import Home
-from kugetsu.store import open_store
+from kugetsu.store import StoreProtocol, Watch, open_store
 
 
 class Stop:
@@ -58,23 +60,84 @@ def looks(home: Home, ids: list[int], timeout: float | None, settle: bool = Fals
     removed (the service closes it just after the task ends), so that its reason says where
     the work is; not when no service is up to do it."""
     store = open_store(home)
+    watch = store.watch()  # in a cluster: any commit, on any machine, wakes the wait at once
+    here = _here(home)
     deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        index = store.read()
-        yield index
-        tasks = {t.id: t for t in index.all_tasks()}
-        pending = [tasks[i] for i in ids if i in tasks and not tasks[i].state.final]
-        closing = [t for i in ids if settle and (t := tasks.get(i)) and t.state.final and t.worktree_state == "active"]
-        if closing and not pending and not control.service_holds_lock(home):
-            closing = []
-        if (not pending and not closing) or (stop is not None and stop.is_set):
-            return
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            return  # final is what was asked: a slow close is no timeout
-        # A close is usually done within a second of the task's end: look closely until then.
-        soon = any(t.finished_at and (ops.now() - t.finished_at).total_seconds() < 1.0 for t in closing)
-        wait_change(home, pending, 1.0 if left is None else min(1.0, left), closing=soon and not pending, stop=stop)
+    outage = Outage(deadline)
+    try:
+        while True:
+            try:
+                if watch is None and outage.since is not None:
+                    watch = store.watch()  # the database is back: listen again
+                before = store.stamp()  # before the read: a commit after it is news
+                index = store.read()
+            except Unreachable as err:
+                watch = _closed(watch)
+                outage.wait(err, stop)  # raises it once the deadline has passed
+                if stop is not None and stop.is_set:
+                    return
+                continue
+            outage.over()
+            yield index
+            tasks = {t.id: t for t in index.all_tasks()}
+            pending = [tasks[i] for i in ids if i in tasks and not tasks[i].state.final]
+            closing = [t for i in ids if settle and (t := tasks.get(i)) and t.state.final and t.worktree_state == "active"]
+            if closing and not pending and not control.service_holds_lock(home):
+                closing = []
+            if (not pending and not closing) or (stop is not None and stop.is_set):
+                return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return  # final is what was asked: a slow close is no timeout
+            # A close is usually done within a second of the task's end: look closely until then.
+            soon = any(t.finished_at and (ops.now() - t.finished_at).total_seconds() < 1.0 for t in closing)
+            local = [t for t in pending if t.host is None or t.host == here]  # another machine's pid is not ours
+            try:
+                wait_change(home, local, 1.0 if left is None else min(1.0, left), closing=soon and not pending,
+                            stop=stop, store=store, watch=watch, before=before)
+            except Unreachable as err:
+                watch = _closed(watch)
+                outage.wait(err, stop)
+    finally:
+        _closed(watch)
+
+
+class Outage:
+    """A cluster's database that cannot be reached while a wait goes on (a restart, a
+    failover, a lost connection): the tasks run on, so the wait does too, looking again
+    after 0.5 s, doubling to 5 s, until its own deadline, where it says why it could not tell."""
+
+    def __init__(self, deadline: float | None):
+        self.deadline = deadline
+        self.since: float | None = None
+        self.delay = 0.5
+
+    def wait(self, err: Unreachable, stop: Stop | None) -> None:
+        now = time.monotonic()
+        if self.deadline is not None and now >= self.deadline:
+            raise err
+        self.since = self.since or now
+        pause = self.delay if self.deadline is None else min(self.delay, self.deadline - now)
+        if stop is not None:
+            select.select([stop.fileno()], [], [], pause)
+        else:
+            time.sleep(pause)
+        self.delay = min(self.delay * 2, 5.0)
+
+    def over(self) -> None:
+        self.since, self.delay = None, 0.5
+
+
+def _closed(watch: Watch | None) -> None:
+    if watch is not None:
+        watch.close()
+    return None
+
+
+def _here(home: Home) -> str | None:
+    """This machine's name in a cluster (tasks carry the host they run on), else None."""
+    cfg = load_config(home)
+    return host_name(cfg) if cfg.store else None
 
 
 def all_final(index: Index, ids: list[int]) -> bool:
@@ -92,38 +155,43 @@ def wait_final(home: Home, ids: list[int], timeout: float | None, settle: bool =
     return all_final(index, ids)
 
 
-def wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = False, stop: Stop | None = None) -> None:
+def wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = False, stop: Stop | None = None,
+                *, store: StoreProtocol | None = None, watch: Watch | None = None, before: object = None) -> None:
     """Sleep until one of the tasks' processes exits (then until the index changes), `stop`
-    is set, or `timeout`. `closing` (no process to watch, a worktree about to be booked):
-    until the index changes."""
+    is set, or `timeout`; with a `watch` (a cluster), also until anything is committed.
+    `closing` (no process to watch, a worktree about to be booked): until the index changes.
+    `before`: the store's stamp when the caller last read (a commit since then ends the wait
+    at once)."""
+    store = store or open_store(home)
+    if before is None:
+        before = store.stamp()
+    elif watch is None and store.stamp() != before:
+        return  # committed since the caller read: look again now
     fds = [fd for t in tasks if (fd := runner.open_pidfd(t.pid, t.pid_start)) is not None]
     try:
-        before = index_stamp(home)
-        if fds or (stop is not None and not closing):
-            watch = fds + ([stop.fileno()] if stop is not None else [])
-            ready = [fd for fd in select.select(watch, [], [], timeout)[0] if fd in fds]
+        news = [watch.fileno()] if watch is not None else []
+        if fds or news or (stop is not None and not closing):
+            ready = select.select(fds + news + ([stop.fileno()] if stop is not None else []), [], [], timeout)[0]
         else:
             ready = []
             if not closing:
                 time.sleep(timeout)
         if stop is not None and stop.is_set:
             return
-        if ready or closing:  # an agent ended, or its worktree closes: the service books it in ms
-            end = time.monotonic() + (1.0 if ready else timeout)
-            while index_stamp(home) == before and time.monotonic() < end and not (stop and stop.is_set):
+        if watch is not None and news[0] in ready:
+            watch.clear()
+            return  # something was committed: look
+        exited = any(fd in fds for fd in ready)
+        if watch is not None and exited:  # the service books the exit in ms, and says so
+            select.select(news + ([stop.fileno()] if stop is not None else []), [], [], 1.0)
+            watch.clear()
+        elif exited or closing:  # no word from the store: look at its stamp until it changes
+            end = time.monotonic() + (1.0 if exited else timeout)
+            while store.stamp() == before and time.monotonic() < end and not (stop and stop.is_set):
                 time.sleep(0.01)
     finally:
         for fd in fds:
             os.close(fd)
-
-
-def index_stamp(home: Home) -> tuple[int, int]:
-    """Changes whenever index.json is replaced (every commit renames a new file in)."""
-    try:
-        st = os.stat(home.index)
-        return st.st_ino, st.st_mtime_ns
-    except FileNotFoundError:
-        return 0, 0
 
 
 def cancel(home: Home, refs: list[str], *, everything: bool = False, reason: str = "cancelled",

@@ -15,6 +15,7 @@ class Proxy:
         self.port = self.listener.getsockname()[1]
         self.mode = "open"  # open | refuse (the database is down) | silent (the network is)
         self.conns: list[socket.socket] = []
+        self.upstreams: list[socket.socket] = []  # the proxy's own connections to the target
         self.lock = threading.Lock()
         self.closed = False
         threading.Thread(target=self._accept, daemon=True).start()
@@ -41,6 +42,7 @@ class Proxy:
                     client.close()
                     continue
                 self.conns += [client, upstream]
+                self.upstreams.append(upstream)
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
@@ -61,6 +63,19 @@ class Proxy:
                 except OSError:
                     pass
                 s.close()
+
+    def upstream_ports(self) -> set[int]:
+        """The local ports of the open connections to the target: pg_stat_activity's
+        client_port of the backends that serve the proxy's clients."""
+        with self.lock:
+            self.upstreams = [s for s in self.upstreams if s.fileno() != -1]
+            ports = set()
+            for s in self.upstreams:
+                try:
+                    ports.add(s.getsockname()[1])
+                except OSError:  # closed meanwhile
+                    pass
+            return ports
 
     def cut(self, mode: str = "refuse") -> None:
         """Every connection through the proxy ends now (refuse) or goes silent."""

@@ -349,3 +349,35 @@ def test_a_link_planted_for_the_output_mirror_is_refused_not_followed(machines: 
     r = a.run("logs", "talk")
     assert r.returncode == 2 and "is a symbolic link" in r.stderr and "Traceback" not in r.stderr, r
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_wait_rides_out_its_database_connections_being_cut(machines: Machine, pg_url: str):
+    """A restart or failover of the database cuts every connection: the waiting PM agent's
+    `kugetsu wait` (and the service) connect again and go on; the wait still ends when the
+    task does, with its outcome."""
+    import subprocess
+    import sys
+
+    import psycopg
+
+    a = machines("m1")
+    gate = a.rec / "go"
+    a.delegate("long", 0.0, 0, gate=gate)
+    a.wait_state("long", "running")
+    waiter = subprocess.Popen([sys.executable, "-m", "kugetsu", "wait", "long"], env=a.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def backends(db) -> list[int]:
+        return [r[0] for r in db.execute("SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                                         " AND pid <> pg_backend_pid() AND application_name = 'kugetsu'").fetchall()]
+
+    with psycopg.connect(pg_url, autocommit=True) as db:
+        # the service's connections and the waiter's two (its reads, its LISTEN)
+        before = wait_for(lambda: len(b := backends(db)) >= 4 and b, 15, "the waiter's connections")
+        for pid in before:
+            db.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_for(lambda: not set(before) & set(backends(db)), 10, "the cut connections to be gone")
+    assert waiter.poll() is None, waiter.communicate()
+    gate.touch()
+    out, err = waiter.communicate(timeout=30)
+    assert waiter.returncode == 0 and err == "", (waiter.returncode, err)
+    assert a.task("long")["state"] == "succeeded"

@@ -282,3 +282,48 @@ def test_a_statement_whose_answer_never_comes_is_interrupted(pg_url: str):
     finally:
         store.close()
         proxy.close()
+
+
+def test_a_wait_outlasts_a_database_outage_and_says_so_only_at_its_deadline(machines: Machine, pg_url: str):
+    """The waiter reaches the database through a proxy that refuses it for a while: the task
+    runs on meanwhile, and so does the wait, which ends with the task once the database is
+    back. A wait whose deadline falls in an outage says why it could not tell (exit 1)."""
+    import subprocess
+    import sys
+
+    proxy = Proxy(("127.0.0.1", 5432))
+    try:
+        a = machines("m1")
+        w = machines("w", url=proxy.url(pg_url.rsplit("/", 1)[1]), serve=False)
+        a.delegate("long", 0.0, 0, gate=a.rec / "go")
+        w.wait_state("long", "running")
+
+        def wait(*args: str) -> subprocess.Popen:
+            return subprocess.Popen([sys.executable, "-m", "kugetsu", "wait", "long", *args], env=w.env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+        import psycopg
+
+        with psycopg.connect(pg_url, autocommit=True) as db:
+            def looking() -> list[str]:
+                """What the backends serving the proxy's clients ran last."""
+                ports = proxy.upstream_ports()
+                rows = db.execute("SELECT client_port, query FROM pg_stat_activity"
+                                  " WHERE datname = current_database() AND client_port IS NOT NULL").fetchall()
+                return [q for port, q in rows if port in ports]
+
+            wait_for(lambda: not looking(), 10, "the CLI calls before to be gone")
+            patient, hasty = wait(), wait("--timeout", "3s")
+            # Both waits in their loop: each has a connection that has looked at the queue.
+            wait_for(lambda: sum(q.startswith(("SELECT xmin", "SELECT doc")) for q in looking()) >= 2, 15,
+                     "both waits to look at the queue")
+        proxy.cut("refuse")
+        out, err = hasty.communicate(timeout=30)
+        assert hasty.returncode == 1 and "database unreachable" in err, (hasty.returncode, err)
+        assert patient.poll() is None, patient.communicate()
+        proxy.restore()
+        (a.rec / "go").touch()
+        out, err = patient.communicate(timeout=30)
+        assert patient.returncode == 0 and err == "", (patient.returncode, err)
+    finally:
+        proxy.close()

@@ -456,6 +456,30 @@ async def test_resources_notify_listen_streams_of_the_2026_protocol(kg, tmp_path
         assert r.structured_content["state"] == "succeeded"
 
 
+async def test_resources_notify_in_a_cluster_too(kg, tmp_path, pg_url):
+    """In a cluster there is no index.json whose change the watcher could see: it asks the
+    store (the queue row's version), like every other waiter."""
+    kg.config(store=pg_url, host="m1")
+    kg.ok("serve", "--detach")  # no autostart in a cluster
+    gate = tmp_path / "gate"
+    updates: list[str] = []
+
+    async def on_message(message):
+        if isinstance(message, ResourceUpdatedNotification):
+            updates.append(message.params.uri)
+
+    async with connect(kg, message_handler=on_message) as c:
+        await c.call_tool("delegate", {"name": "a", "command": gated(gate)})
+        await until(lambda: kg.task("a")["pid"], what="a's pid")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            await c.subscribe_resource("kugetsu://task/a")
+            await c.subscribe_resource("kugetsu://queue")
+        gate.touch()
+        await until(lambda: "kugetsu://task/a" in updates, what="a's update")
+        await until(lambda: "kugetsu://queue" in updates, what="the queue's update")
+
+
 # ---- HTTP --------------------------------------------------------------------------------------
 
 

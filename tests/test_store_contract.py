@@ -157,3 +157,31 @@ def test_ids_and_seqs_never_go_back_when_the_state_is_reset(make_store, tmp_path
         store.conn.execute("UPDATE kugetsu.state SET doc = ''")
     with store.transaction() as txn:
         assert txn.index.next_id > 2 and txn.index.next_seq > 2
+
+
+def test_the_stamp_changes_with_each_commit_and_a_watch_wakes_at_once(make_store):
+    """What waiters and self-refreshing views use instead of decoding the state to see whether
+    it changed: the stamp; and where the store has one, a descriptor readable at a commit."""
+    import select
+
+    reader, writer = make_store(), make_store()
+    watch = reader.watch()
+    before = reader.stamp()
+    assert reader.stamp() == before
+    _admit(writer)
+    changed = reader.stamp()
+    assert changed != before
+    writer.begin()
+    writer.abort()
+    assert reader.stamp() == changed
+    if watch is None:  # the file store: a waiter looks at the stamp
+        return
+    try:
+        assert select.select([watch], [], [], 5)[0], "the commit did not wake the watch"
+        watch.clear()
+        assert not select.select([watch], [], [], 0.05)[0], "clear left it readable"
+        _admit(writer)
+        assert select.select([watch], [], [], 5)[0]
+        watch.clear()
+    finally:
+        watch.close()

@@ -142,6 +142,9 @@ class PgStore(Transactions):
         row = self._execute("SELECT xmin::text FROM kugetsu.state WHERE id = 1").fetchone()
         return row[0] if row else ""
 
+    def watch(self) -> PgWatch:
+        return PgWatch(self.url)
+
     def read_events(self, after: int = 0) -> list[Event]:
         rows = self._execute("SELECT body FROM kugetsu.events WHERE seq > %s ORDER BY seq", (after,)).fetchall()
         return [_event_decoder.decode(bytes(r[0])) for r in rows]
@@ -265,6 +268,37 @@ class PgStore(Transactions):
 
 
 _stores: dict[tuple[str, int], PgStore] = {}
+
+
+class PgWatch:
+    """LISTEN on the channel every commit NOTIFYs (PgStore.commit): the connection's socket is
+    readable as soon as any process of any machine commits."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.conn = self._listen()
+
+    def _listen(self) -> psycopg.Connection:
+        conn = connect(self.url)
+        with errors(self.url):
+            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        return conn
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def clear(self) -> None:
+        try:
+            for _ in self.conn.notifies(timeout=0):
+                pass
+        except psycopg.Error:
+            # The connection was lost (its socket stays readable: a waiter would spin). A new
+            # one; what was committed meanwhile the waiter reads next, as it looks now.
+            self.conn.close()
+            self.conn = self._listen()
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def store_for(url: str) -> PgStore:

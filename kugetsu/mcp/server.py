@@ -45,6 +45,7 @@ from kugetsu.mcp.models import (
 )
 from kugetsu.models import Index, Task, TaskState
 from kugetsu.paths import Home, explain, read_tail
+from kugetsu.store import StoreProtocol, open_store
 
 # The text a PM agent needs to use these tools well: sent as the server's instructions, and
 # in README ("PM agent instructions") for clients that do not show them (a test keeps the two equal).
@@ -104,15 +105,17 @@ class Follow:
     Two kinds of followers: `resources/subscribe` (protocol 2025-11-25 and before, what
     Claude Code and opencode speak) per connection and URI, and `subscriptions/listen`
     streams (2026-07-28), which the SDK's bus serves. While anyone follows, the watcher
-    looks at index.json's stamp once a second; when it changed, it renders every resource
-    and notifies those whose content differs from the last look."""
+    looks at the store's stamp once a second (index.json's, or the cluster's queue row's);
+    when it changed, it renders every resource and notifies those whose content differs
+    from the last look."""
 
     def __init__(self, home: Home):
         self.home = home
         self.sessions: dict[str, dict[int, Any]] = {}  # uri -> {connection key: session}
         self.listeners = 0
         self.seen: dict[str, bytes] | None = None  # uri -> content at the last look
-        self.stamp: tuple[int, int] | None = None
+        self.stamp: object = None
+        self.store: StoreProtocol | None = None  # made in a worker thread, at the first follower
         self.bus = _CountingBus(self)
         self.someone: anyio.Event | None = None  # set when a first follower comes (made in run's loop)
 
@@ -135,8 +138,13 @@ class Follow:
         """On a first follower: the contents that changes are told against (a few ms of
         reading, once). Then `wake`, from the loop's thread."""
         if self.seen is None:
-            self.stamp = waiting.index_stamp(self.home)
+            self.store = self.store or open_store(self.home)
+            self.stamp = self.store.stamp()
             self.seen = self.look()
+
+    def _stamp(self) -> object:
+        self.store = self.store or open_store(self.home)
+        return self.store.stamp()
 
     def wake(self) -> None:
         if self.someone is not None:
@@ -150,10 +158,10 @@ class Follow:
             await anyio.sleep(1.0)
             if not self.following():
                 continue
-            stamp = waiting.index_stamp(self.home)
-            if stamp == self.stamp and self.seen is not None:
-                continue
             try:
+                stamp = await anyio.to_thread.run_sync(self._stamp)
+                if stamp == self.stamp and self.seen is not None:
+                    continue
                 now = await anyio.to_thread.run_sync(self.look)
             except (KugetsuError, OSError):
                 continue  # a damaged index: the tools say so; look again after the next change

@@ -147,7 +147,7 @@ class Dashboard(App[None]):
                     "events": _stamp(self.home.events)}
         # A cluster: the queue row's version stands for all three (events and the shared
         # config are committed with it).
-        row = self.store.stamp()  # type: ignore[attr-defined]
+        row = self.store.stamp()
         self._sync_remote_log()
         return {"index": row, "config": (row, _stamp(self.home.config)), "events": row}
 

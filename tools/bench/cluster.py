@@ -12,6 +12,9 @@ machine's files and on PostgreSQL.
               cluster with one machine of 6 slots and with 3 machines of 2 slots (three homes,
               three services, on this one box: they share its 2 cores, so this measures the
               coordination, not more hardware)
+  wait        `kugetsu wait` on a task that ends 0.3 s later: from the agent's own end stamp to
+              the wait's return (the CLI's exit included), median of 7. The file store; the
+              cluster with the waiter on the machine that runs the task; and on another machine
 
 A database of its own is created on the given server and dropped afterwards.
 """
@@ -106,6 +109,24 @@ def run_drain(root: Path, url: str | None, slots: list[int], n: int) -> dict:
             kg.stop()
 
 
+def wait_latency(root: Path, url: str | None, remote: bool = False, rounds: int = 7) -> list[float]:
+    kgs = machines(root, url, [2, 1] if remote else [2])
+    kgs[0].start_service()  # m0 runs the tasks; a remote waiter's home (m1) runs no service
+    waiter, pin = kgs[-1], (["--host", "m0"] if remote else [])
+    stamp = 'sleep 0.3; date +%s.%N > "$0"'
+    out = []
+    try:
+        for i in range(rounds):
+            end = root / f"end{i}"
+            waiter.run("delegate", f"w{i}", *pin, "--", "sh", "-c", stamp, str(end))
+            waiter.run("wait", f"w{i}")
+            out.append((time.time() - float(end.read_text())) * 1000)
+    finally:
+        for kg in kgs:
+            kg.stop()
+    return out
+
+
 def measure(admin: str, quick: bool) -> dict:
     n = 60 if quick else 300
     out: dict = {"n": n}
@@ -116,6 +137,15 @@ def measure(admin: str, quick: bool) -> dict:
             out["admission_cluster"] = admission(Path(tmp) / "b", db.url)
     finally:
         db.drop()
+    for label, url_needed, remote in (("wait_file", False, False), ("wait_cluster", True, False),
+                                      ("wait_cluster_remote", True, True)):
+        db = Db(admin) if url_needed else None
+        try:
+            with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
+                out[label] = wait_latency(Path(tmp), db.url if db else None, remote)
+        finally:
+            if db:
+                db.drop()
     for label, url_needed, slots, count in (("promotion_file", False, [1], 30), ("promotion_cluster", True, [1], 30),
                                             ("drain_file_1x6", False, [6], n), ("drain_cluster_1x6", True, [6], n),
                                             ("drain_cluster_3x2", True, [2, 2, 2], n)):
@@ -144,6 +174,10 @@ def main() -> int:
     for kind in ("file", "cluster"):
         g = res[f"promotion_{kind}"]["gaps_ms"]
         print(f"promotion {kind:<8}     p50 {statistics.median(g):6.1f} ms   p95 {pct(g, 95):6.1f} ms")
+    for label, where in (("wait_file", "file"), ("wait_cluster", "cluster, same machine"),
+                         ("wait_cluster_remote", "cluster, another machine")):
+        print(f"wait returns after the end, {where:<24} median {statistics.median(res[label]):6.1f} ms"
+              f"   max {max(res[label]):6.1f} ms")
     base = res["drain_file_1x6"]["drain_s"]
     for label in ("drain_file_1x6", "drain_cluster_1x6", "drain_cluster_3x2"):
         d = res[label]["drain_s"]
