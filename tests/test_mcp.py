@@ -406,14 +406,21 @@ async def test_pm_scenario_delegates_backs_off_waits_and_reads_the_failed_log(kg
 # ---- resources -------------------------------------------------------------------------------
 
 
-async def test_resources_read_and_notify_subscribers_when_they_change(kg, tmp_path):
-    gate = tmp_path / "gate"
+def recording_updates():
+    """The URIs of the resources/updated notifications as they come, and the client's message
+    handler that records them."""
     updates: list[str] = []
 
     async def on_message(message):
         if isinstance(message, ResourceUpdatedNotification):
             updates.append(message.params.uri)
 
+    return updates, on_message
+
+
+async def test_resources_read_and_notify_subscribers_when_they_change(kg, tmp_path):
+    gate = tmp_path / "gate"
+    updates, on_message = recording_updates()
     async with connect(kg, message_handler=on_message) as c:
         await c.call_tool("delegate", {"name": "a", "command": gated(gate)})
         resources = [str(r.uri) for r in (await c.list_resources()).resources]
@@ -462,12 +469,7 @@ async def test_resources_notify_in_a_cluster_too(kg, tmp_path, pg_url):
     kg.config(store=pg_url, host="m1")
     kg.ok("serve", "--detach")  # no autostart in a cluster
     gate = tmp_path / "gate"
-    updates: list[str] = []
-
-    async def on_message(message):
-        if isinstance(message, ResourceUpdatedNotification):
-            updates.append(message.params.uri)
-
+    updates, on_message = recording_updates()
     async with connect(kg, message_handler=on_message) as c:
         await c.call_tool("delegate", {"name": "a", "command": gated(gate)})
         await until(lambda: kg.task("a")["pid"], what="a's pid")
