@@ -142,12 +142,11 @@ class Dashboard(App[None]):
 
     def _stamps_now(self) -> dict[str, object]:
         """What tells that the index, the config or the events changed since the last look."""
+        row = self.store.stamp()  # index.json's identity, or the cluster's queue row's version
         if self.cfg.store is None:
-            return {"index": _stamp(self.home.index), "config": _stamp(self.home.config),
-                    "events": _stamp(self.home.events)}
-        # A cluster: the queue row's version stands for all three (events and the shared
-        # config are committed with it).
-        row = self.store.stamp()
+            return {"index": row, "config": _stamp(self.home.config), "events": _stamp(self.home.events)}
+        # A cluster: the row's version stands for all three (events and the shared config are
+        # committed with it).
         self._sync_remote_log()
         return {"index": row, "config": (row, _stamp(self.home.config)), "events": row}
 
