@@ -22,6 +22,10 @@ from kugetsu.models import Index, Task, TaskState
 from kugetsu.paths import Home
 from kugetsu.store import StoreProtocol, Watch, open_store
 
+# Seconds between two looks that commits bring (in a cluster every commit of every machine
+# wakes a wait): a burst of them costs a waiter 20 reads a second at most, not one per commit.
+MIN_LOOK = 0.05
+
 
 class Stop:
     """Tells a wait in another thread to give up, at once: a pipe its select() watches
@@ -60,8 +64,10 @@ def looks(home: Home, ids: list[int], timeout: float | None, settle: bool = Fals
     removed (the service closes it just after the task ends), so that its reason says where
     the work is; not when no service is up to do it."""
     store = open_store(home)
-    watch = store.watch()  # in a cluster: any commit, on any machine, wakes the wait at once
     here = _here(home)
+    # In a cluster any commit, on any machine, wakes the wait at once. Made last: from here on
+    # a lost connection is retried (Outage).
+    watch = store.watch()
     deadline = None if timeout is None else time.monotonic() + timeout
     outage = Outage(deadline)
     try:
@@ -71,6 +77,7 @@ def looks(home: Home, ids: list[int], timeout: float | None, settle: bool = Fals
                     watch = store.watch()  # the database is back: listen again
                 before = store.stamp()  # before the read: a commit after it is news
                 index = store.read()
+                looked = time.monotonic()
             except Unreachable as err:
                 watch = _closed(watch)
                 outage.wait(err, stop)  # raises it once the deadline has passed
@@ -94,7 +101,7 @@ def looks(home: Home, ids: list[int], timeout: float | None, settle: bool = Fals
             local = [t for t in pending if t.host is None or t.host == here]  # another machine's pid is not ours
             try:
                 wait_change(home, local, 1.0 if left is None else min(1.0, left), closing=soon and not pending,
-                            stop=stop, store=store, watch=watch, before=before)
+                            stop=stop, store=store, watch=watch, before=before, looked=looked)
             except Unreachable as err:
                 watch = _closed(watch)
                 outage.wait(err, stop)
@@ -156,12 +163,13 @@ def wait_final(home: Home, ids: list[int], timeout: float | None, settle: bool =
 
 
 def wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = False, stop: Stop | None = None,
-                *, store: StoreProtocol | None = None, watch: Watch | None = None, before: object = None) -> None:
+                *, store: StoreProtocol | None = None, watch: Watch | None = None, before: object = None,
+                looked: float | None = None) -> None:
     """Sleep until one of the tasks' processes exits (then until the index changes), `stop`
     is set, or `timeout`; with a `watch` (a cluster), also until anything is committed.
     `closing` (no process to watch, a worktree about to be booked): until the index changes.
-    `before`: the store's stamp when the caller last read (a commit since then ends the wait
-    at once)."""
+    `before`: the store's stamp when the caller last read, at `looked` (time.monotonic): a
+    commit since then ends the wait at once, or MIN_LOOK after that read."""
     store = store or open_store(home)
     if before is None:
         before = store.stamp()
@@ -170,8 +178,9 @@ def wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = F
     fds = [fd for t in tasks if (fd := runner.open_pidfd(t.pid, t.pid_start)) is not None]
     try:
         news = [watch.fileno()] if watch is not None else []
+        stops = [stop.fileno()] if stop is not None else []
         if fds or news or (stop is not None and not closing):
-            ready = select.select(fds + news + ([stop.fileno()] if stop is not None else []), [], [], timeout)[0]
+            ready = select.select(fds + news + stops, [], [], timeout)[0]
         else:
             ready = []
             if not closing:
@@ -180,10 +189,14 @@ def wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = F
             return
         if watch is not None and news[0] in ready:
             watch.clear()
+            rest = 0.0 if looked is None else MIN_LOOK - (time.monotonic() - looked)
+            if rest > 0:  # a burst of commits: wait out the rest (an exit or a stop still ends it)
+                select.select(fds + stops, [], [], rest)
+                watch.clear()
             return  # something was committed: look
         exited = any(fd in fds for fd in ready)
         if watch is not None and exited:  # the service books the exit in ms, and says so
-            select.select(news + ([stop.fileno()] if stop is not None else []), [], [], 1.0)
+            select.select(news + stops, [], [], 1.0)
             watch.clear()
         elif exited or closing:  # no word from the store: look at its stamp until it changes
             end = time.monotonic() + (1.0 if exited else timeout)
