@@ -113,14 +113,22 @@ class Exits:
     def leftovers_possible(self, task: Task) -> bool:
         if task.pid is not None and runner.group_alive(task.pid):
             return True
-        return bool(task.token) and task.token in self.orphan_tokens()
+        if not task.token:
+            return False
+        tokens, unread = self.orphan_tokens()
+        # An orphan whose environment is blank may be this task's, caught mid-exec: the look
+        # by token (in a worker thread, a moment later) tells.
+        return task.token in tokens or unread
 
-    def orphan_tokens(self) -> set[str]:
+    def orphan_tokens(self) -> tuple[set[str], bool]:
         """The task tokens of this service's children that it did not spawn itself: orphans
-        of agents, handed to it as the subreaper. Orphans that have exited are reaped here
-        (at the second look, so that a child another thread waits for is never taken)."""
+        of agents, handed to it as the subreaper; and whether one had a blank environment
+        (caught in the middle of an exec, as an agent's `cmd &` often is at the agent's exit).
+        Orphans that have exited are reaped here (at the second look, so that a child another
+        thread waits for is never taken)."""
         known = self.procs.ours()
         tokens = set()
+        unread = False
         zombies = set()
         for pid in runner.own_children():
             if pid in known:
@@ -128,16 +136,18 @@ class Exits:
             if runner.is_zombie(pid):
                 zombies.add(pid)
                 continue
-            token = runner.token_of(pid)
+            env = runner.environ(pid)
+            token = runner.token_in(env) if env else None
             if token:
                 tokens.add(token)
+            unread = unread or env == b""
         for pid in zombies & self._zombies:
             try:
                 os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 pass
         self._zombies = zombies
-        return tokens
+        return tokens, unread
 
     def look_for_leftovers(self, txn: Txn) -> list[pm.Found]:
         """Tasks whose agent has ended while processes it started still run: look for them (a

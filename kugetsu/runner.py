@@ -283,11 +283,22 @@ def owned(pid: int, token: str | None) -> bool:
 
 def token_of(pid: int) -> str | None:
     """The task token in the process's environment (None: none, gone, or not ours to read)."""
+    env = environ(pid)
+    return None if env is None else token_in(env)
+
+
+def environ(pid: int) -> bytes | None:
+    """/proc/PID/environ (None: gone, or not ours to read). Empty for a process caught in the
+    middle of an exec (its new program's environment is not set up yet: seen in 5 % of the
+    looks at an orphan right after its parent's exit), or one started with none."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read()
+            return f.read()
     except OSError:
         return None
+
+
+def token_in(env: bytes) -> str | None:
     env = b"\0" + env  # every variable now starts after a NUL
     at = env.find(b"\0" + _TOKEN_B)
     if at < 0:
@@ -386,6 +397,7 @@ def scan_token(token: str) -> dict[int, int]:
     uid = os.getuid()
     found = {}
     me = os.getpid()
+    blank = []  # no environment yet: caught mid-exec (see environ); looked at again at the end
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
@@ -395,11 +407,15 @@ def scan_token(token: str) -> dict[int, int]:
         except OSError:
             continue
         pid = int(entry.name)
+        env = environ(pid)
+        if env == b"":
+            blank.append(pid)
+        elif env is not None and token_in(env) == token:
+            found[pid] = process_start(pid)
+    for pid in blank:
         if token_of(pid) == token:
-            start = process_start(pid)
-            if start is not None:
-                found[pid] = start
-    return found
+            found[pid] = process_start(pid)
+    return {pid: start for pid, start in found.items() if start is not None}
 
 
 def find_wrappers(home: Home, tokens: dict[int, str | None]) -> dict[int, tuple[int, int]]:

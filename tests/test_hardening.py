@@ -79,6 +79,41 @@ def test_what_an_agent_leaves_running_is_ended_and_said(kg):
     assert kg.times("after")["start"] >= _ts(task["finished_at"]) - 0.01
 
 
+_ORPHANS = """
+import json, subprocess, sys
+from datetime import datetime, timezone
+from kugetsu.exits import Exits
+from kugetsu.models import Task
+from kugetsu.paths import Home
+from kugetsu.processes import Processes
+from kugetsu.runner import TOKEN_VAR
+
+exits = Exits(Processes(Home(sys.argv[1])), lambda: None, lambda: None)
+task = Task(id=1, name="t", command=["true"], cwd="/", created_at=datetime.now(timezone.utc), token="tok-1")
+seen = {"none": exits.leftovers_possible(task)}
+for label, env in (("another's", {"PATH": "/bin", TOKEN_VAR: "tok-2"}), ("no token", {"PATH": "/bin"}),
+                   ("its token", {TOKEN_VAR: "tok-1"}), ("blank", {})):
+    child = subprocess.Popen(["/bin/sleep", "30"], env=env)  # a child: as an orphan handed to the subreaper
+    seen[label] = exits.leftovers_possible(task)
+    child.kill()
+    child.wait()
+print(json.dumps(seen))
+"""
+
+
+def test_an_orphan_caught_mid_exec_is_not_taken_for_nothing(tmp_path):
+    """At an agent's exit the service rules leftovers out from its own children (orphans it
+    got as the subreaper) by their task token. An agent's `cmd &` is often caught in the
+    middle of an exec then, when /proc shows a blank environment (5 % of looks, measured): that
+    child may be the task's, so the look by token decides, not a guess that it is not.
+    (The flake this fixes: test_what_an_agent_leaves_running_is_ended_and_said, 1 run in 20.)
+    A process of its own, so that no other child of the test runner counts."""
+    r = subprocess.run([sys.executable, "-c", _ORPHANS, str(tmp_path / "home")], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"none": False, "another's": False, "no token": False, "its token": True, "blank": True}
+
+
 def test_a_killed_wrapper_does_not_free_the_slot_while_its_agent_runs(kg):
     kg.config(max_agents=1, kill_grace="1s")
     kg.ok("delegate", "orphaned", "--", *kg.agent("orphaned", 60))
