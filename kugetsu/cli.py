@@ -623,7 +623,7 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
             break
         from kugetsu import waiting
 
-        waiting.wait_change(home, [task], 1.0)
+        waiting.wait_change(home, [task], 1.0, here=host_name(cfg) if cfg.store else None)
     return OK
 
 
@@ -686,7 +686,8 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
                     live.remove(t)
             out.flush()
             if live and not wrote:
-                waiting.wait_change(home, [now_index.get(t.id, t) for t in live], 1.0)
+                waiting.wait_change(home, [now_index.get(t.id, t) for t in live], 1.0,
+                                    here=host_name(cfg) if cfg.store else None)
     finally:
         for f in files.values():
             f.close()

@@ -98,10 +98,9 @@ def looks(home: Home, ids: list[int], timeout: float | None, settle: bool = Fals
                 return  # final is what was asked: a slow close is no timeout
             # A close is usually done within a second of the task's end: look closely until then.
             soon = any(t.finished_at and (ops.now() - t.finished_at).total_seconds() < 1.0 for t in closing)
-            local = [t for t in pending if t.host is None or t.host == here]  # another machine's pid is not ours
             try:
-                wait_change(home, local, 1.0 if left is None else min(1.0, left), closing=soon and not pending,
-                            stop=stop, store=store, watch=watch, before=before, looked=looked)
+                wait_change(home, pending, 1.0 if left is None else min(1.0, left), closing=soon and not pending,
+                            stop=stop, store=store, watch=watch, before=before, looked=looked, here=here)
             except Unreachable as err:
                 watch = _closed(watch)
                 outage.wait(err, stop)
@@ -164,18 +163,21 @@ def wait_final(home: Home, ids: list[int], timeout: float | None, settle: bool =
 
 def wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = False, stop: Stop | None = None,
                 *, store: StoreProtocol | None = None, watch: Watch | None = None, before: object = None,
-                looked: float | None = None) -> None:
+                looked: float | None = None, here: str | None = None) -> None:
     """Sleep until one of the tasks' processes exits (then until the index changes), `stop`
     is set, or `timeout`; with a `watch` (a cluster), also until anything is committed.
     `closing` (no process to watch, a worktree about to be booked): until the index changes.
     `before`: the store's stamp when the caller last read, at `looked` (time.monotonic): a
-    commit since then ends the wait at once, or MIN_LOOK after that read."""
+    commit since then ends the wait at once, or MIN_LOOK after that read. `here`: this
+    machine's name in a cluster (only its own tasks' processes are watched: a pid of another
+    machine's means nothing here)."""
     store = store or open_store(home)
     if before is None:
         before = store.stamp()
     elif watch is None and store.stamp() != before:
         return  # committed since the caller read: look again now
-    fds = [fd for t in tasks if (fd := runner.open_pidfd(t.pid, t.pid_start)) is not None]
+    fds = [fd for t in tasks if t.host is None or t.host == here
+           if (fd := runner.open_pidfd(t.pid, t.pid_start)) is not None]
     try:
         news = [watch.fileno()] if watch is not None else []
         stops = [stop.fileno()] if stop is not None else []
