@@ -399,12 +399,13 @@ class Service:
             if self.exits.leftovers_possible(task):
                 return
             self.exits.clean.add(task.id)
+        at = ops.now()  # before the agent can run (see _spawn)
         try:
             runner.release(warm)
         except OSError:  # the wrapper is gone: the tick starts the task afresh
             return
         self._released = succ.task.id
-        self.procs.let_go[succ.task.id] = LetGo(warm.pid, warm.start, ops.now())
+        self.procs.let_go[succ.task.id] = LetGo(warm.pid, warm.start, at)
 
     def _record_released(self, txn: Txn) -> None:
         """pm.successor promises that the transaction starts the task let go early. Should
@@ -434,6 +435,9 @@ class Service:
             cwd, env = workplace(task)
             if task.token is None:  # admitted by a kugetsu from before tokens
                 task.token = runner.new_token()
+            # Read before the agent is let go, never after: it may run (and stamp its own start)
+            # before spawn returns, and a recorded run must hold all of the agent's.
+            at = self.procs.let_go[task.id].at if task.id == self._released else ops.now()
             try:
                 spawned = self.procs.start(task, cwd, env, released=task.id == self._released)
             except OSError as err:
@@ -448,7 +452,6 @@ class Service:
                 self._take(txn, pm.Plan(events=pm.start_failed(txn.index, task, txn.now, 127, f"could not start: {err}")))
                 freed = True
                 continue
-            at = self.procs.let_go[task.id].at if task.id == self._released else ops.now()
             self.procs.let_go[task.id] = LetGo(spawned.pid, spawned.start, at)
             self.procs.children[spawned.pid] = spawned.popen
             task.pid, task.pid_start, task.log = spawned.pid, spawned.start, str(self.home.log(task.id))

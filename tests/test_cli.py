@@ -72,6 +72,12 @@ def test_promotion_is_immediate(kg):
     gaps = sorted(kg.times(b)["start"] - kg.times(a)["end"] for a, b in zip(names, names[1:]))
     p95 = gaps[int(0.95 * (len(gaps) - 1))]
     assert p95 < 0.050, gaps
+    # Times that hold what the agents did: kugetsu's start is read before an agent is let go
+    # (it was read after the spawn returned, by when a fast agent could have started), its
+    # end after the agent's own.
+    for name in names:
+        task, ran = kg.task(name), kg.times(name)
+        assert _ts(task["started_at"]) <= ran["start"] and _ts(task["finished_at"]) >= ran["end"], (name, task, ran)
 
 
 def test_raising_max_agents_starts_queued_at_once_and_lowering_never_kills(kg):
