@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from kugetsu import control, ops, pm, runner
-from kugetsu.config import Config, format_duration, get_value, host_name, load_config, parse_duration, parse_value
+from kugetsu.config import Config, cluster_host, format_duration, get_value, load_config, parse_duration, parse_value
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
 from kugetsu.models import PRIORITIES, Index, TaskState
 from kugetsu.paths import Home, default_home, nofollow, read_tail
@@ -558,7 +558,7 @@ def cmd_status(home: Home, args: argparse.Namespace) -> int:
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
     task = pm.find(index, args.task)
-    obj = ops.task_json(task, pm.position(index, cfg, ops.now(), task), host_name(cfg) if cfg.store else None)
+    obj = ops.task_json(task, pm.position(index, cfg, ops.now(), task), cluster_host(cfg))
     print(to_json(obj) if args.json else render.task_lines(obj))
     return OK
 
@@ -623,7 +623,7 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
             break
         from kugetsu import waiting
 
-        waiting.wait_change(home, [task], 1.0, here=host_name(cfg) if cfg.store else None)
+        waiting.wait_change(home, [task], 1.0, here=cluster_host(cfg))
     return OK
 
 
@@ -687,7 +687,7 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
             out.flush()
             if live and not wrote:
                 waiting.wait_change(home, [now_index.get(t.id, t) for t in live], 1.0,
-                                    here=host_name(cfg) if cfg.store else None)
+                                    here=cluster_host(cfg))
     finally:
         for f in files.values():
             f.close()

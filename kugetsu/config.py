@@ -697,6 +697,12 @@ def host_name(cfg: Config) -> str:
     return cfg.host or socket.gethostname()
 
 
+def cluster_host(cfg: Config) -> str | None:
+    """This machine's name when it is in a cluster (tasks there carry the machine they run
+    on: placement.ours), None on a machine of its own."""
+    return host_name(cfg) if cfg.store else None
+
+
 def store_url(home: Home) -> str | None:
     """The cluster's database, when this machine is in one (env KUGETSU_STORE, config `store`).
     A config.json that does not parse names no store here: every command that goes on to read

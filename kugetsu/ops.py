@@ -19,7 +19,7 @@ import msgspec
 
 from kugetsu import placement, pm, runner
 from kugetsu.control import check_wakeable, wake
-from kugetsu.config import LOCAL_KEYS, Config, cluster_config, format_size, host_name, load_config, mask_secrets, read_raw, save_raw, validate, with_value
+from kugetsu.config import LOCAL_KEYS, Config, cluster_config, cluster_host, format_size, host_name, load_config, mask_secrets, read_raw, save_raw, validate, with_value
 from kugetsu.errors import KugetsuError, NotClustered, UsageError
 from kugetsu.models import TASK_DEFAULTS, Event, Index, Task, TaskState
 from kugetsu.paths import Home, write_new
@@ -542,7 +542,7 @@ class Listing(msgspec.Struct):
 def listing(cfg: Config, index: Index, finished: bool = False) -> Listing:
     t = now()
     latest = list(reversed(index.finished[-20:])) if finished else None
-    here = host_name(cfg) if cfg.store else None
+    here = cluster_host(cfg)
     view = pm.queue_view(index, cfg, t, measure(cfg))
     if cfg.store is not None and any(x.pinned_host for x in view.queued):
         view = pm.with_placement(view, hosts_up(cfg))

@@ -16,7 +16,8 @@ import time
 from collections.abc import Iterator
 
 from kugetsu import control, ops, runner
-from kugetsu.config import host_name, load_config
+from kugetsu.placement import ours
+from kugetsu.config import cluster_host, load_config
 from kugetsu.errors import Unreachable
 from kugetsu.models import Index, Task, TaskState
 from kugetsu.paths import Home
@@ -64,7 +65,7 @@ def looks(home: Home, ids: list[int], timeout: float | None, settle: bool = Fals
     removed (the service closes it just after the task ends), so that its reason says where
     the work is; not when no service is up to do it."""
     store = open_store(home)
-    here = _here(home)
+    here = cluster_host(load_config(home))
     # In a cluster any commit, on any machine, wakes the wait at once. Made last: from here on
     # a lost connection is retried (Outage).
     watch = store.watch()
@@ -140,12 +141,6 @@ def _closed(watch: Watch | None) -> None:
     return None
 
 
-def _here(home: Home) -> str | None:
-    """This machine's name in a cluster (tasks carry the host they run on), else None."""
-    cfg = load_config(home)
-    return host_name(cfg) if cfg.store else None
-
-
 def all_final(index: Index, ids: list[int]) -> bool:
     """Is every task of `ids` that the index still holds final?"""
     tasks = {t.id: t for t in index.all_tasks()}
@@ -176,8 +171,7 @@ def wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = F
         before = store.stamp()
     elif watch is None and store.stamp() != before:
         return  # committed since the caller read: look again now
-    fds = [fd for t in tasks if t.host is None or t.host == here
-           if (fd := runner.open_pidfd(t.pid, t.pid_start)) is not None]
+    fds = [fd for t in tasks if ours(t, here) if (fd := runner.open_pidfd(t.pid, t.pid_start)) is not None]
     try:
         news = [watch.fileno()] if watch is not None else []
         stops = [stop.fileno()] if stop is not None else []

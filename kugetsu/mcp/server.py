@@ -138,8 +138,7 @@ class Follow:
         """On a first follower: the contents that changes are told against (a few ms of
         reading, once). Then `wake`, from the loop's thread."""
         if self.seen is None:
-            self.store = self.store or open_store(self.home)
-            self.stamp = self.store.stamp()
+            self.stamp = self._stamp()
             self.seen = self.look()
 
     def _stamp(self) -> object:
