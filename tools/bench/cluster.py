@@ -29,7 +29,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -127,35 +129,34 @@ def wait_latency(root: Path, url: str | None, remote: bool = False, rounds: int 
     return out
 
 
+@contextmanager
+def scratch(admin: str, cluster: bool) -> Iterator[tuple[Path, str | None]]:
+    """A temporary directory for the homes, and for a cluster scenario a database of its own
+    (its URL; None for the file store), both gone afterwards."""
+    db = Db(admin) if cluster else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
+            yield Path(tmp), db.url if db else None
+    finally:
+        if db:
+            db.drop()
+
+
 def measure(admin: str, quick: bool) -> dict:
     n = 60 if quick else 300
     out: dict = {"n": n}
-    db = Db(admin)
-    try:
-        with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
-            out["admission_file"] = admission(Path(tmp) / "a", None)
-            out["admission_cluster"] = admission(Path(tmp) / "b", db.url)
-    finally:
-        db.drop()
-    for label, url_needed, remote in (("wait_file", False, False), ("wait_cluster", True, False),
-                                      ("wait_cluster_remote", True, True)):
-        db = Db(admin) if url_needed else None
-        try:
-            with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
-                out[label] = wait_latency(Path(tmp), db.url if db else None, remote)
-        finally:
-            if db:
-                db.drop()
-    for label, url_needed, slots, count in (("promotion_file", False, [1], 30), ("promotion_cluster", True, [1], 30),
-                                            ("drain_file_1x6", False, [6], n), ("drain_cluster_1x6", True, [6], n),
-                                            ("drain_cluster_3x2", True, [2, 2, 2], n)):
-        db = Db(admin) if url_needed else None
-        try:
-            with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
-                out[label] = run_drain(Path(tmp), db.url if db else None, slots, count)
-        finally:
-            if db:
-                db.drop()
+    with scratch(admin, True) as (tmp, url):
+        out["admission_file"] = admission(tmp / "a", None)
+        out["admission_cluster"] = admission(tmp / "b", url)
+    for label, cluster, remote in (("wait_file", False, False), ("wait_cluster", True, False),
+                                   ("wait_cluster_remote", True, True)):
+        with scratch(admin, cluster) as (tmp, url):
+            out[label] = wait_latency(tmp, url, remote)
+    for label, cluster, slots, count in (("promotion_file", False, [1], 30), ("promotion_cluster", True, [1], 30),
+                                         ("drain_file_1x6", False, [6], n), ("drain_cluster_1x6", True, [6], n),
+                                         ("drain_cluster_3x2", True, [2, 2, 2], n)):
+        with scratch(admin, cluster) as (tmp, url):
+            out[label] = run_drain(tmp, url, slots, count)
     return out
 
 
