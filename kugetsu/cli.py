@@ -1,4 +1,4 @@
-"""The `kugetsu` command line (DESIGN section 5). Each command is a thin shell around ops."""
+"""The `kugetsu` command line (docs/architecture.md §5). Each command is a thin shell around ops."""
 
 from __future__ import annotations
 

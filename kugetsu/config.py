@@ -285,7 +285,7 @@ STRATEGIES: tuple[str, ...] = ("fifo", "priority", "fair")
 
 
 class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """Cluster mode's shared settings (DESIGN section 10)."""
+    """Cluster mode's shared settings (docs/architecture.md §10)."""
 
     lease: Duration = "30s"  # a machine silent this long has its running tasks marked lost
     log_max_size: str | int = "1MiB"  # of each task's output shipped to the database
@@ -333,7 +333,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     resource_guard: ResourceGuard = msgspec.field(default_factory=ResourceGuard)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     mcp: McpConfig = msgspec.field(default_factory=McpConfig)
-    # Cluster mode (DESIGN section 10): the database's URL, this machine's name and slots.
+    # Cluster mode (docs/architecture.md §10): the database's URL, this machine's name and slots.
     store: str | None = None
     host: str | None = None
     host_max_agents: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None

@@ -30,7 +30,7 @@ def wake(home: Home, cfg: Config | None = None, message: bytes = b"wake") -> boo
     if isinstance(sent, KugetsuError):  # no socket directory we can use: a service could not bind either
         _warn_unwoken(sent)
         return False
-    # In a cluster the machines that run agents run `kugetsu serve` (DESIGN section 10): a
+    # In a cluster the machines that run agents run `kugetsu serve` (docs/architecture.md §10): a
     # command on any other machine must not make it one, and the database wakes the others.
     if cfg is not None and cfg.autostart and cfg.store is None:
         try:

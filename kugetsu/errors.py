@@ -1,4 +1,4 @@
-"""Errors every layer may raise; each carries the exit code of DESIGN section 5."""
+"""Errors every layer may raise; each carries the exit code of docs/architecture.md §5."""
 
 OK, FAILURE, USAGE, REJECTED, TIMED_OUT = 0, 1, 2, 3, 124
 

@@ -52,7 +52,7 @@ def valid_name(name: str) -> bool:
 class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One delegated unit of work: one agent session.
 
-    The first fields are the public task object of DESIGN section 5, in its order.
+    The first fields are the public task object of docs/architecture.md §5, in its order.
     Encoded without the fields at their defaults (index.json, history.jsonl): a queued task is
     a third of the bytes, which every CLI call reads and decodes and every change rewrites.
     The public object (ops.public_tasks) still has every field.
@@ -107,7 +107,7 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     # `delegate --after`: ids of the tasks that must succeed before this one starts; if one
     # ends otherwise, this one is cancelled (pm.dependencies_failed).
     after: list[int] = []
-    # Cluster mode (DESIGN section 10): the machine it runs (or ran) on, and the one it must
+    # Cluster mode (docs/architecture.md §10): the machine it runs (or ran) on, and the one it must
     # run on (`delegate --host`).
     host: str | None = None
     pinned_host: str | None = None

@@ -583,7 +583,7 @@ _HIDDEN_FIELDS = frozenset(("env", "pid_start", "stop", "kill_at", "token", "end
 
 
 def _public_task_type() -> type[msgspec.Struct]:
-    """PublicTask: the public task object of DESIGN section 5, derived from Task so the two
+    """PublicTask: the public task object of docs/architecture.md §5, derived from Task so the two
     never drift. Its fields, in order: id, name, state, position, the Task's other shown
     fields with the Task's defaults (the index leaves defaults out; the public object has
     every field), then agent_pid, and waiting_for (queued tasks of `queue --json` only).
@@ -621,7 +621,7 @@ def public_tasks(tasks: list[Task], positions: list[int | None] | None = None, h
 
 
 def task_json(task: Task, position: int | None, here: str | None = None) -> dict[str, Any]:
-    """The public task object of DESIGN section 5, as plain JSON values."""
+    """The public task object of docs/architecture.md §5, as plain JSON values."""
     return tasks_json([task], [position], here)[0]
 
 

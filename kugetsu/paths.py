@@ -1,4 +1,4 @@
-"""Where kugetsu keeps its files (DESIGN section 3)."""
+"""Where kugetsu keeps its files (docs/architecture.md §3)."""
 
 from __future__ import annotations
 

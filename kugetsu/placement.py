@@ -1,4 +1,4 @@
-"""Where a task runs, in cluster mode (DESIGN section 10). Pure, like pm.
+"""Where a task runs, in cluster mode (docs/architecture.md §10). Pure, like pm.
 
 One queue and one capacity (`max_agents`) span the machines; each machine's service starts
 tasks for itself alone, within its own slots (`host_max_agents`), and only tasks that can

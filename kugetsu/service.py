@@ -460,7 +460,7 @@ class Service:
                 self.exits.exited.add(task.id)
         return freed
 
-    # ---- cluster mode (DESIGN section 10) ------------------------------------------------
+    # ---- cluster mode (docs/architecture.md §10) ------------------------------------------------
 
     def _join_cluster(self) -> None:
         cfg = load_config(self.home)

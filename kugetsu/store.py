@@ -69,9 +69,9 @@ class Txn:
 
 
 class StoreProtocol(Protocol):
-    """What pm's callers need of a store (DESIGN section 9): serialized transactions, lock-free
+    """What pm's callers need of a store (docs/architecture.md §9): serialized transactions, lock-free
     reads of the committed index, and the event feed after a cursor. `Store` (the file store of
-    DESIGN section 3) is the one implementation so far; tests/test_store_contract.py is the
+    docs/architecture.md §3) is the one implementation so far; tests/test_store_contract.py is the
     contract any other (the cluster's PostgreSQL store) must pass."""
 
     def begin(self, now: datetime | None = None) -> Txn:
@@ -175,7 +175,7 @@ def open_store(home: Home) -> StoreProtocol:
 
 
 class Store(Transactions):
-    """The file store: index.json under a kernel lock, events.jsonl (DESIGN section 3)."""
+    """The file store: index.json under a kernel lock, events.jsonl (docs/architecture.md §3)."""
 
     def __init__(self, home: Home):
         self.home = home

@@ -1,4 +1,4 @@
-"""Cluster mode (DESIGN section 10) with a real PostgreSQL, real services and real agents:
+"""Cluster mode (docs/architecture.md §10) with a real PostgreSQL, real services and real agents:
 several "machines" are homes on this one, each with its own service and host name, sharing
 one database. The agents record their own times in one shared directory."""
 

@@ -1,4 +1,4 @@
-"""The guarantees at the edges real machines hit (DESIGN section 8), through the real CLI,
+"""The guarantees at the edges real machines hit (docs/architecture.md §8), through the real CLI,
 service and agents: a full disk, an index moved away, processes that escape their group,
 another local user forging a marker, times that must not lie."""
 

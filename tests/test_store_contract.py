@@ -1,4 +1,4 @@
-"""The store protocol's contract (kugetsu.store.StoreProtocol, DESIGN section 9): what every
+"""The store protocol's contract (kugetsu.store.StoreProtocol, docs/architecture.md §9): what every
 store must do, whatever it keeps its state in. Each test takes a `make_store` factory: the
 file store today; the cluster's PostgreSQL store is added to STORES and runs the same tests."""
 

@@ -1,4 +1,4 @@
-"""Cluster mode (DESIGN section 10): several machines share one queue through PostgreSQL.
+"""Cluster mode (docs/architecture.md §10): several machines share one queue through PostgreSQL.
 
 Loaded only when the config names a `store` (or KUGETSU_STORE is set): the file store of a
 single machine never imports psycopg.

@@ -1,5 +1,5 @@
 """`kugetsu mcp`: kugetsu as Model Context Protocol tools for the agents that delegate
-(DESIGN section 11; docs/mcp.md).
+(docs/architecture.md §11; docs/mcp.md).
 
 The MCP SDK (and pydantic, which it brings) is an optional extra, imported only when this
 command runs: the everyday commands never pay its ~0.5 s. Without it, the command says how

@@ -1,4 +1,4 @@
-"""The MCP server: kugetsu's operations as tools for the agents that delegate (DESIGN 11).
+"""The MCP server: kugetsu's operations as tools for the agents that delegate (docs/architecture.md §11).
 
 Every tool is the CLI's command through the same code (ops, pm, waiting, render): its
 structured content is the JSON the CLI prints with --json, its text what the CLI prints

@@ -40,7 +40,7 @@ log = logging.getLogger("kugetsu.telegram")
 
 BACKOFF_FIRST = 0.5  # seconds; doubles on each failure in a row
 BACKOFF_MAX = 60.0
-RECHECK = 1.0  # seconds between looks at events.jsonl when nobody woke us (DESIGN: >= 1 s)
+RECHECK = 1.0  # seconds between looks at events.jsonl when nobody woke us (architecture: no component polls faster than once a second)
 # With no cursor yet (the bot was just set up), events older than this are history, not news.
 FIRST_RUN_WINDOW = timedelta(minutes=10)
 _NO_PREVIEW = LinkPreviewOptions(is_disabled=True)
