@@ -75,15 +75,18 @@ def state(kg: Kg) -> dict:
 
 def admission(root: Path, url: str | None, procs: int = 8, each: int = 5) -> float:
     kg = machines(root, url, [2])[0]
-    kg.run("pause")
-    script = " ".join(f"{PY} -m kugetsu delegate -- true >/dev/null || exit 1;" for _ in range(each))
-    t0 = time.monotonic()
-    ps = [subprocess.Popen(["sh", "-c", script], env=kg.env) for _ in range(procs)]
-    codes = [p.wait() for p in ps]
-    wall = time.monotonic() - t0
-    assert codes == [0] * procs, codes
-    assert len(state(kg)["queued"]) == procs * each
-    return procs * each / wall
+    try:
+        kg.run("pause")  # on a file store this autostarts a service: stopped below
+        script = " ".join(f"{PY} -m kugetsu delegate -- true >/dev/null || exit 1;" for _ in range(each))
+        t0 = time.monotonic()
+        ps = [subprocess.Popen(["sh", "-c", script], env=kg.env) for _ in range(procs)]
+        codes = [p.wait() for p in ps]
+        wall = time.monotonic() - t0
+        assert codes == [0] * procs, codes
+        assert len(state(kg)["queued"]) == procs * each
+        return procs * each / wall
+    finally:
+        kg.stop()
 
 
 def _queue(kgs: list[Kg], stamps: Path, n: int) -> None:

@@ -203,6 +203,9 @@ class Kg:
         return raw
 
     def stop(self) -> None:
+        """End the scenario: its agents too (a service that stops leaves agents running, by
+        design; a bench's `sleep 3600` holder must not outlive it), then the service."""
+        self.run("cancel", "--all", check=False)
         self.run("shutdown", check=False)
         try:
             os.kill(self.service_pid(), signal.SIGKILL)
