@@ -821,6 +821,7 @@ class Plan(msgspec.Struct, kw_only=True):
     signal_leftovers: dict[int, int] = {}  # ending task id -> the signal for what it left running
     strays: list[Adopted] = []  # processes let go for tasks that are final by now: end them
     gone: list[str] = []  # in a cluster: machines whose lease ran out (their tasks are lost now)
+    set_aside: list[tuple[Task, Exception]] = []  # tasks failed because their handling raised (set_aside)
     wake_at: datetime | None = None  # the next moment something falls due
 
 
@@ -838,11 +839,14 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
         task = live.get(e.task)
         if task is None or task.ended_at is not None:
             continue
-        read_output(cfg, task, e.code, e.tail, now)
-        if e.leftovers:  # it keeps its slot while they are found and ended
-            agent_ended(task, now, e.code, e.reason, cfg.kill_grace_s)
-        else:
-            plan.events += conclude(index, cfg, task, now, e.code, e.reason)
+        try:
+            read_output(cfg, task, e.code, e.tail, now)
+            if e.leftovers:  # it keeps its slot while they are found and ended
+                agent_ended(task, now, e.code, e.reason, cfg.kill_grace_s)
+            else:
+                plan.events += conclude(index, cfg, task, now, e.code, e.reason)
+        except Exception as err:  # what its agent printed, or its record, defeated us: this task only
+            plan.events += set_aside(index, plan, task, now, e.code, err)
     for f in obs.found:
         task = live.get(f.task)
         if task is None or task.ended_at is None:
@@ -852,9 +856,13 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
             kill = task.kill_at is not None and now >= task.kill_at
             plan.signal_leftovers[task.id] = 9 if kill else 15  # SIGKILL after the grace, else SIGTERM
         else:
-            plan.events += conclude(index, cfg, task, now, task.exit_code, task.reason if task.exit_code else None)
+            try:
+                plan.events += conclude(index, cfg, task, now, task.exit_code, task.reason if task.exit_code else None)
+            except Exception as err:
+                plan.events += set_aside(index, plan, task, now, task.exit_code, err)
     plan.events += held_events(index, holds, now)
     adopted = adopt(index, now, obs.adopted, cfg, here)
+    plan.set_aside += adopted.set_aside
     plan.events += adopted.events
     plan.strays = adopted.strays
     if here is not None:
@@ -887,14 +895,31 @@ def adopt(index: Index, now: datetime, found: list[Adopted], cfg: Config | None 
         if task is None or task.state.final:
             plan.strays.append(a)
             continue
-        if task.state is TaskState.QUEUED:
-            plan.events += start(index, task, now, here.name if here else None)
-        if task.pid is None:
-            task.pid, task.pid_start, task.log = a.pid, a.pid_start, a.log
-            record_spawn(index, task, min(a.at, now))
-            if a.code is not None and a.pid is None:
-                plan.events += conclude(index, cfg, task, now, a.code) if cfg else finish(index, task, now, a.code)
+        try:
+            if task.state is TaskState.QUEUED:
+                plan.events += start(index, task, now, here.name if here else None)
+            if task.pid is None:
+                task.pid, task.pid_start, task.log = a.pid, a.pid_start, a.log
+                record_spawn(index, task, min(a.at, now))
+                if a.code is not None and a.pid is None:
+                    plan.events += conclude(index, cfg, task, now, a.code) if cfg else finish(index, task, now, a.code)
+        except Exception as err:  # at start-up too: one task's record must not keep the service down
+            plan.events += set_aside(index, plan, task, now, a.code, err)
     return plan
+
+
+def set_aside(index: Index, plan: Plan, task: Task, now: datetime, code: int | None, err: Exception) -> list[Event]:
+    """A task whose handling raised (its agent printed what could not be read, or its record
+    holds what no rule foresaw): it ends as failed, its reason naming the error, and the step
+    goes on for every other task. Whatever the failed handling had half changed of it is
+    undone first: it is in exactly one list, the finished. Listed in plan.set_aside, for the
+    service's log (once: a final task is not handled again)."""
+    for part in (index.active, index.queued, index.finished):
+        part[:] = [t for t in part if t.id != task.id]
+    task.stop = task.limit = task.ended_at = task.kill_at = task.not_before = None
+    task.reason = f"kugetsu could not handle this task's end ({type(err).__name__}: {err}); set aside"[:500]
+    plan.set_aside.append((task, err))
+    return [_close(index, task, TaskState.FAILED, now, code)]
 
 
 def settle(index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
@@ -999,6 +1024,8 @@ def _requeue_limited(index: Index, cfg: Config, task: Task, now: datetime, code:
     preset = cfg.agents.get(agent)
     what = f"{agent} usage limit"
     hold = index.holds.get(agent)
+    if hit.until is not None and not now < hit.until <= now + limits.MAX_AHEAD:
+        hit = LimitHit()  # a reset time gone by, or beyond any provider's limit (a record from a wrong clock)
     if hold is None or (hold.until is not None and hold.until <= now):
         until = hit.until
         if until is None:  # no reset time given: back off, doubling with each hit in a row
@@ -1072,6 +1099,9 @@ def hold(index: Index, cfg: Config, agent: str, until: datetime | None, now: dat
         raise UsageError(f"unknown agent preset {agent!r}; known: {', '.join(sorted(cfg.agents))}")
     if until is not None and until <= now:
         raise UsageError(f"a hold until {until.isoformat()} is not in the future; give a later time or a duration like 30m")
+    if until is not None and until > now + limits.MAX_AHEAD:
+        raise UsageError(f"a hold until {until.isoformat()} is more than a year ahead; give an earlier time, or hold it"
+                         " with no end, until released")
     index.holds[agent] = Hold(until=until, reason=f"{agent} held by hand", since=now)
     return [_hold_event("held", agent, index.holds[agent], index, now)]
 

@@ -106,7 +106,9 @@ class Service:
             self.store.read()
             self._join_cluster()
             atomic_write(self.home.service_pid, f"{os.getpid()}\n".encode())
-            self.tick()
+            # A first tick that fails (a full disk, a record no rule foresaw) is said and retried
+            # with backoff, as every later one: the service stays up for the tasks it can serve.
+            self._safe_tick()
             log.info("kugetsu service up (pid %d, home %s, max_agents %d)", os.getpid(), self.home.root, self.cfg.max_agents)
             await self._start_extensions()
             await self._stopping.wait()
@@ -227,6 +229,9 @@ class Service:
             if self.worktrees.closing and self.worktrees.record_closes(txn):
                 self._disk_check = True
             plan = pm.tick(index, cfg, txn.now, obs)
+            for task, err in plan.set_aside:  # once: a task set aside is final
+                log.error("%s (#%d) set aside as failed: handling its end raised %s: %s; the other tasks go on",
+                          task.name, task.id, type(err).__name__, err, exc_info=err)
             self._take(txn, plan)
             if plan.gone:
                 self._declare_gone(txn, plan.gone)
