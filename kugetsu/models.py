@@ -178,6 +178,25 @@ class SourceMark(msgspec.Struct, kw_only=True):
     n: int
 
 
+class ClockMark(msgspec.Struct, kw_only=True):
+    """Who wrote the index last (a transaction with events), and the time its clock said: what
+    names the command when a time it wrote turns out to be from a wrong clock."""
+
+    at: Time
+    by: str  # e.g. "kugetsu delegate (pid 4242)"
+
+
+class ClockError(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A time written by a clock that was wrong, as the service found and corrected it
+    (pm.correct_clock): `off` seconds ahead (> 0) or behind (< 0) of the service's clock."""
+
+    found_at: Time  # the service's clock when it found it
+    at: Time  # the time that was written
+    off: float
+    what: str  # what held it: "task build (#5) created_at", "the last start of source cli"
+    by: str | None = None  # the command that wrote it, when known (ClockMark)
+
+
 class Index(msgspec.Struct, kw_only=True):
     """The whole state. `active`, `queued` and `finished` hold each task exactly once."""
 
@@ -200,6 +219,9 @@ class Index(msgspec.Struct, kw_only=True):
     # The events of the last transaction, committed with it: if the process dies between
     # the index rename and the events.jsonl append, the next transaction appends them.
     outbox: list[Event] = []
+    # The last writer and its clock; the last clock error the service found (doctor says it).
+    clock: ClockMark | None = None
+    clock_error: ClockError | None = None
 
     def live(self) -> list[Task]:
         return self.active + self.queued

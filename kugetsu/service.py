@@ -72,6 +72,7 @@ class Service:
         self.telegram: TelegramBot | None = None
         self.metrics: Metrics | None = None  # the OpenMetrics endpoint, when config metrics.listen is set
         self.index = Index()
+        self._last_now: datetime | None = None  # the clock of the last transaction committed (correct_clock)
         self._tick_pending = False
         self._first_tick = True
         self.held: Txn | None = None  # a transaction kept open for a burst of exits (_hold)
@@ -207,6 +208,12 @@ class Service:
             # read before it, a lowering of max_agents committed meanwhile was overshot.
             config_changed = self._reload_config(txn)
             cfg, index = self.cfg, txn.index
+            # Times a command wrote from a wrong clock, before anything is decided from them;
+            # against this service's previous transaction only while it has been up.
+            wrong = pm.correct_clock(index, cfg, txn.now, None if self._first_tick else self.index, self._last_now)
+            if wrong is not None:
+                index.clock_error = wrong
+                log.warning("clock error: %s", pm.describe_clock_error(wrong))
             obs = pm.Observations(resources=ops.measure(cfg))
             committed_running = {t.id for t in index.active}
             if self.member is not None:
@@ -260,6 +267,7 @@ class Service:
             self.store.abort()
             raise
         self.index = txn.index
+        self._last_now = txn.now
         self._released = None
         self.successor = pm.successor(self.index, self.cfg)
         self.exits.ticked()
