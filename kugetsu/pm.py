@@ -812,10 +812,10 @@ def correct_clock(index: Index, cfg: Config, now: datetime, before: Index | None
         if task.ended_at is not None and task.ended_at > ahead:
             task.ended_at -= off(task.ended_at, f"{who}'s agent ended at")
         if task.kill_at is not None and task.kill_at > ahead + grace:
-            task.kill_at -= off(task.kill_at, f"{who} was to be killed at") + grace
+            task.kill_at -= off(task.kill_at, f"{who} was to be killed at") - grace  # now + grace
         delay = timedelta(seconds=task.retry_delay or 0)
         if task.not_before is not None and task.not_before > ahead + delay:
-            task.not_before -= off(task.not_before, f"{who} was to retry at") + delay
+            task.not_before -= off(task.not_before, f"{who} was to retry at") - delay  # now + delay
         for a in task.attempts:
             if a.ended_at > ahead:
                 a.ended_at -= off(a.ended_at, f"{who}'s attempt ended at")
@@ -865,7 +865,7 @@ def describe_clock_error(err: ClockError) -> str:
     """One line for the service's log and doctor: who wrote what time, how far off."""
     way = "ahead of" if err.off > 0 else "behind"
     who = err.by or "a command"
-    return (f"{who} ran with a wrong clock: {err.what} {err.at:%Y-%m-%d %H:%M:%S} UTC, "
+    return (f"{who} wrote a time from a wrong clock: {err.what} {err.at:%Y-%m-%d %H:%M:%S} UTC, "
             f"{format_duration(abs(err.off))} {way} the service's clock; counted from the service's clock instead")
 
 

@@ -209,8 +209,10 @@ class Service:
             config_changed = self._reload_config(txn)
             cfg, index = self.cfg, txn.index
             # Times a command wrote from a wrong clock, before anything is decided from them;
-            # against this service's previous transaction only while it has been up.
-            wrong = pm.correct_clock(index, cfg, txn.now, None if self._first_tick else self.index, self._last_now)
+            # against this service's previous transaction only while it has been up. Only an
+            # index another process wrote: what this service wrote is by its own clock.
+            wrong = None if txn.unchanged else pm.correct_clock(
+                index, cfg, txn.now, None if self._first_tick else self.index, self._last_now)
             if wrong is not None:
                 index.clock_error = wrong
                 log.warning("clock error: %s", pm.describe_clock_error(wrong))

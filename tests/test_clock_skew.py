@@ -18,7 +18,7 @@ import pytest
 
 from conftest import wait_for
 
-pytestmark = pytest.mark.skipif(shutil.which("faketime") is None, reason="faketime is not installed (.ci/run installs it)")
+needs_faketime = pytest.mark.skipif(shutil.which("faketime") is None, reason="faketime is not installed (.ci/run installs it)")
 
 
 def skewed(kg, offset: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -37,6 +37,7 @@ def clock_check(kg) -> dict:
     return next(c for c in json.loads(r.stdout)["checks"] if c["name"] == "clock")
 
 
+@needs_faketime
 def test_a_command_a_year_ahead_does_not_make_its_source_wait_a_year(kg):
     kg.config(max_agents=2, min_start_interval_per_source="2s", queue_timeout="1h")
     kg.ok("serve", "--detach")  # the machine's clock; only the command below is a year ahead
@@ -63,6 +64,7 @@ def test_a_command_a_year_ahead_does_not_make_its_source_wait_a_year(kg):
     assert str(now.year + 1) in check["detail"], check
 
 
+@needs_faketime
 def test_a_command_two_days_behind_does_not_expire_its_task_at_once(kg):
     gate = kg.rec / "gate"
     kg.config(max_agents=1, queue_timeout="1h")
@@ -83,3 +85,42 @@ def test_a_command_two_days_behind_does_not_expire_its_task_at_once(kg):
     kg.wait_state("late", "succeeded", timeout=15)
     check = clock_check(kg)
     assert not check["ok"] and "kugetsu delegate" in check["detail"] and "behind" in check["detail"], check
+
+
+def test_correct_clock_moves_only_what_is_beyond_the_tolerance():
+    """The rule itself (pm.correct_clock), on an injected clock: what lies within 5 minutes
+    stays; a hold begun a year ahead keeps its length; a retry due a year ahead is due after its
+    delay; a hold made since the service's last transaction but stamped 2 days before it
+    counts from now."""
+    from kugetsu import pm
+    from kugetsu.config import Config
+    from kugetsu.models import ClockMark, Hold, Index, SourceMark, Task
+
+    now = datetime(2026, 11, 24, 12, tzinfo=timezone.utc)
+    year = timedelta(days=365)
+    index = Index(next_id=3, queued=[
+        Task(id=1, name="near", command=["true"], cwd="/", created_at=now + timedelta(minutes=4),
+             expires_at=now + timedelta(hours=1)),
+        Task(id=2, name="retry", command=["true"], cwd="/", created_at=now, retry_delay=60,
+             not_before=now + year),
+    ], last_start={"cli": SourceMark(at=now + year, n=1)},
+        holds={"claude": Hold(until=now + year + timedelta(hours=1), reason="claude held by hand", since=now + year)},
+        clock=ClockMark(at=now + year, by="kugetsu hold (pid 7)"))
+    err = pm.correct_clock(index, Config(), now)
+    near, retry = index.queued
+    assert near.created_at == now + timedelta(minutes=4) and near.expires_at == now + timedelta(hours=1)
+    assert retry.not_before == now + timedelta(seconds=60)
+    assert index.last_start["cli"].at == now
+    assert (index.holds["claude"].since, index.holds["claude"].until) == (now, now + timedelta(hours=1))
+    assert err is not None and err.by == "kugetsu hold (pid 7)" and err.off > 364 * 86400
+    assert "365d ahead of the service's clock" in pm.describe_clock_error(err)
+    assert pm.correct_clock(index, Config(), now) is None  # corrected once: nothing left
+
+    before = Index(next_id=3)
+    late = Index(next_id=3, holds={"codex": Hold(until=now - timedelta(days=2) + timedelta(minutes=30),
+                                                reason="codex held by hand", since=now - timedelta(days=2))},
+                 clock=ClockMark(at=now - timedelta(days=2), by="kugetsu hold (pid 8)"))
+    err = pm.correct_clock(late, Config(), now, before, now - timedelta(seconds=3))
+    assert (late.holds["codex"].since, late.holds["codex"].until) == (now, now + timedelta(minutes=30))
+    assert err is not None and err.off < 0 and err.by == "kugetsu hold (pid 8)"
+    assert "2d behind" in pm.describe_clock_error(err)
