@@ -172,6 +172,11 @@ def test_bad_index_json_is_a_clear_error_and_changes_nothing(fz):
         variant(active=[{**t, "created_at": "yesterday"}]), variant(active=[{**t, "created_at": "2024-01-01T00:00:00"}]),
         variant(active=[{**t, "command": "rm -rf /"}]), variant(finished=[{"id": 9}]), b"\xff" * 64,
         good.replace(b'"next_id"', b'"next\xff_id"', 1), good.replace(b'"name": "a"', b'"name": "a\xff"', 1),
+        # Times at the ends of what datetime holds: the first deadline computed from one overflowed.
+        variant(active=[{**t, "started_at": "9999-12-31T23:59:59Z"}]),
+        variant(queued=[{**idx["queued"][0], "created_at": "0001-01-01T00:00:00+00:00"}]),
+        variant(last_start={"cli": {"at": "9999-12-31T23:59:59Z", "n": 1}}),
+        variant(holds={"x": {"until": "9999-12-31T23:59:59Z", "reason": "x", "since": "0001-01-01T00:00:00Z"}}),
     ]
     must_fail = len(cases)
     cases += [mutate(good, rng) for _ in range(size(4, 200))]
