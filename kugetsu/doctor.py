@@ -23,6 +23,7 @@ from kugetsu.store import open_store
 
 DISK_MIN = 64 << 20  # free bytes below which the home's disk is a problem (a tenth of a small disk)
 CLOCK_SLACK = 5.0  # seconds a recorded time may lie ahead of the clock (another machine, NTP slew)
+CLOCK_ERROR_SHOWN = timedelta(days=1)  # how long a clock error the service corrected is reported
 EXITED_UNBOOKED = 10.0  # seconds an agent's end may stay unrecorded before the service is not answering
 TELEGRAM_TIMEOUT = 20.0
 
@@ -365,6 +366,13 @@ def _clock(home: Home, index: Index) -> Check:
     fix = "set the clock right and keep it synchronised (NTP, e.g. `timedatectl set-ntp true`)"
     if now.year < 2020:
         return Check("clock", False, f"the clock says {now:%Y-%m-%d}", fix)
+    wrong = index.clock_error
+    if wrong is not None and now - wrong.found_at < CLOCK_ERROR_SHOWN:
+        from kugetsu.pm import describe_clock_error
+
+        return Check("clock", False, f"{describe_clock_error(wrong)} (found {wrong.found_at:%Y-%m-%d %H:%M} UTC)",
+                     "check the clock of whatever ran that command (faketime, a container's or a VM's clock,"
+                     " NTP); this note goes after a day")
     times = [t for task in index.all_tasks() for t in (task.created_at, task.started_at, task.finished_at) if t]
     try:
         last = open_store(home).tail_events(1)
@@ -374,6 +382,12 @@ def _clock(home: Home, index: Index) -> Check:
     latest = max(times, default=None)
     if latest is not None and latest > now + timedelta(seconds=CLOCK_SLACK):
         ahead = format_duration((latest - now).total_seconds())
+        mark = index.clock
+        if mark is not None and mark.at > now + timedelta(seconds=CLOCK_SLACK):
+            # The last writer's clock was ahead of this one: one of the two is wrong, and
+            # only the writer is named (the service corrects such times when it runs).
+            return Check("clock", False, f"{mark.by} wrote {mark.at:%Y-%m-%d %H:%M:%S} UTC, {ahead} ahead of this"
+                         " clock: either that command ran with a wrong clock or this clock was set back", fix)
         return Check("clock", False, f"the clock is {ahead} behind the latest time kugetsu recorded"
                      f" ({latest:%Y-%m-%d %H:%M:%S} UTC): it was set back", fix)
     return Check("clock", True, f"{now:%Y-%m-%d %H:%M:%S} UTC, not behind what kugetsu recorded")

@@ -8,12 +8,18 @@ here; pm decides what follows (the task back in its place, the preset held).
 
 from __future__ import annotations
 
+import logging
 import re
 from datetime import datetime, timedelta, timezone, tzinfo
+
+log = logging.getLogger("kugetsu.limits")
 
 # How much of the end of the log is read at an agent's exit: a limit message is among the
 # last lines an agent prints.
 TAIL_BYTES = 16 * 1024
+# The furthest ahead a reset time can be: no provider's limit lasts longer. A time said beyond
+# it (9999-12-31) is no reset time at all.
+MAX_AHEAD = timedelta(days=366)
 
 _UNIT_SECONDS = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60, "h": 3600, "hr": 3600,
                  "hour": 3600, "d": 86400, "day": 86400}
@@ -47,12 +53,11 @@ def _unit_seconds(unit: str) -> int:
 def parse_span(text: str) -> float | None:
     """`5 minutes`, `2 days 3 hours`, `1h30m`, `120s`, `120` -> seconds."""
     parts = re.findall(_SPAN_PART, text)
-    if parts:
-        return sum(float(n) * _unit_seconds(u) for n, u in parts)
     try:
-        return float(text.strip())
-    except ValueError:
+        seconds = sum(float(n) * _unit_seconds(u) for n, u in parts) if parts else float(text.strip())
+    except (ValueError, KeyError):
         return None
+    return seconds if seconds == seconds and seconds not in (float("inf"), float("-inf")) else None  # no NaN, no inf
 
 
 def _zone(name: str | None, default: tzinfo) -> tzinfo:
@@ -78,11 +83,23 @@ def _clock_time(m: re.Match[str], now: datetime, local: tzinfo) -> datetime | No
     if hour > 23 or minute > 59 or second > 59:
         return None
     zone = _zone(m.group(5), local)
-    here = now.astimezone(zone)
-    at = here.replace(hour=hour, minute=minute, second=second, microsecond=0)
-    if at <= here:  # a clock time already past today is tomorrow's
-        at += timedelta(days=1)
-    return at.astimezone(timezone.utc)
+    try:
+        here = now.astimezone(zone)
+        at = here.replace(hour=hour, minute=minute, second=second, microsecond=0)
+        if at <= here:  # a clock time already past today is tomorrow's
+            at += timedelta(days=1)
+        return at.astimezone(timezone.utc)
+    except (OverflowError, ValueError):  # at the ends of what datetime holds: no time
+        return None
+
+
+def _utc(at: datetime, local: tzinfo) -> datetime | None:
+    """A time said (in its own zone, else `local`) in UTC; None when UTC cannot hold it (year 1
+    east of Greenwich, 9999-12-31 west of it): such a time is no reset time anyone meant."""
+    try:
+        return (at if at.tzinfo else at.replace(tzinfo=local)).astimezone(timezone.utc)
+    except (OverflowError, ValueError):
+        return None
 
 
 def reset_time(text: str, now: datetime, local: tzinfo | None = None) -> datetime | None:
@@ -94,30 +111,49 @@ def reset_time(text: str, now: datetime, local: tzinfo | None = None) -> datetim
     (Europe/Berlin)`, `try again at 15:00`) in the named zone or else `local` (the machine's
     zone when None); a clock time already past is tomorrow's. The last mention in the text
     wins (the latest message). Times in the past are ignored. `now` must be aware."""
+    try:
+        return _reset_time(text, now, local)
+    except Exception as err:  # a reading this module did not foresee: no reset time, said once
+        _unreadable(err)
+        return None
+
+
+def _reset_time(text: str, now: datetime, local: tzinfo | None) -> datetime | None:
     local = local or now.astimezone().tzinfo or timezone.utc
-    found: list[tuple[int, datetime]] = []
+    latest = now + MAX_AHEAD
+    found: list[tuple[int, datetime | None]] = []
     for m in re.finditer(_SPAN, text):
         seconds = parse_span(m.group(1) or m.group(2))
-        if seconds is not None and 0 < seconds <= 366 * 86400:
+        if seconds is not None and 0 < seconds <= MAX_AHEAD.total_seconds():
             found.append((m.start(), now + timedelta(seconds=seconds)))
     for m in re.finditer(_ISO, text):
         try:
             at = datetime.fromisoformat(m.group(1).replace("Z", "+00:00"))
         except ValueError:
             continue
-        found.append((m.start(), (at if at.tzinfo else at.replace(tzinfo=local)).astimezone(timezone.utc)))
+        found.append((m.start(), _utc(at, local)))
     iso_spans = [m.span() for m in re.finditer(_ISO, text)]
     for m in re.finditer(_UNIX, text):
         seconds = float(m.group(1) + "." + (m.group(2) or "0"))
-        found.append((m.start(), datetime.fromtimestamp(seconds, timezone.utc)))
+        if seconds <= latest.timestamp():  # ten digits reach 2286: only a year ahead is a reset
+            found.append((m.start(), datetime.fromtimestamp(seconds, timezone.utc)))
     for m in re.finditer(_CLOCK, text):
         if any(a <= m.start(1) < b for a, b in iso_spans):
             continue  # the hour of an ISO time
-        at = _clock_time(m, now, local)
-        if at is not None:
-            found.append((m.start(), at))
-    future = [(pos, at) for pos, at in found if now < at <= now + timedelta(days=366)]
+        found.append((m.start(), _clock_time(m, now, local)))
+    future = [(pos, at) for pos, at in found if at is not None and now < at <= latest]
     return max(future, key=lambda pa: pa[0])[1] if future else None
+
+
+_SAID: set[str] = set()
+
+
+def _unreadable(err: Exception) -> None:
+    """Log a reading that failed, once per kind of failure (not once per agent's exit)."""
+    what = f"{type(err).__name__}: {err}"
+    if what not in _SAID:
+        _SAID.add(what)
+        log.warning("an agent's output could not be read for a limit (%s): read as no reset time", what)
 
 
 def matches(patterns: list[str], text: str) -> bool:
@@ -151,16 +187,19 @@ def parse_until(text: str, now: datetime, local: tzinfo | None = None) -> dateti
 
     try:
         return now + timedelta(seconds=parse_duration(text))
-    except ValueError:
+    except (ValueError, OverflowError):
         pass
     text = text.strip()
+    local = local or now.astimezone().tzinfo or timezone.utc
     m = re.fullmatch(_ISO, text)
     if m:
         try:
             at = datetime.fromisoformat(text.replace("Z", "+00:00"))
         except ValueError:
             return None
-        local = local or now.astimezone().tzinfo or timezone.utc
-        return (at if at.tzinfo else at.replace(tzinfo=local)).astimezone(timezone.utc)
+        utc = _utc(at, local)
+        if utc is None:  # beyond what UTC holds: as far as it goes, so that the caller says why
+            utc = (datetime.min if at.year < 2 else datetime.max).replace(tzinfo=timezone.utc)
+        return utc
     m = re.fullmatch(_CLOCK, f"at {text}")
-    return _clock_time(m, now, local or now.astimezone().tzinfo or timezone.utc) if m else None
+    return _clock_time(m, now, local) if m else None

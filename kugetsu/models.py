@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Annotated, Literal
 
 import msgspec
@@ -178,6 +178,25 @@ class SourceMark(msgspec.Struct, kw_only=True):
     n: int
 
 
+class ClockMark(msgspec.Struct, kw_only=True):
+    """Who wrote the index last (a transaction with events), and the time its clock said: what
+    names the command when a time it wrote turns out to be from a wrong clock."""
+
+    at: Time
+    by: str  # e.g. "kugetsu delegate (pid 4242)"
+
+
+class ClockError(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A time written by a clock that was wrong, as the service found and corrected it
+    (pm.correct_clock): `off` seconds ahead (> 0) or behind (< 0) of the service's clock."""
+
+    found_at: Time  # the service's clock when it found it
+    at: Time  # the time that was written
+    off: float
+    what: str  # what held it: "task build (#5) created_at", "the last start of source cli"
+    by: str | None = None  # the command that wrote it, when known (ClockMark)
+
+
 class Index(msgspec.Struct, kw_only=True):
     """The whole state. `active`, `queued` and `finished` hold each task exactly once."""
 
@@ -200,6 +219,9 @@ class Index(msgspec.Struct, kw_only=True):
     # The events of the last transaction, committed with it: if the process dies between
     # the index rename and the events.jsonl append, the next transaction appends them.
     outbox: list[Event] = []
+    # The last writer and its clock; the last clock error the service found (doctor says it).
+    clock: ClockMark | None = None
+    clock_error: ClockError | None = None
 
     def live(self) -> list[Task]:
         return self.active + self.queued
@@ -227,8 +249,40 @@ def task_record(raw: dict[str, object]) -> dict[str, object]:
     return {**TASK_DEFAULTS, **raw}
 
 
+# The times kugetsu writes lie well inside what datetime holds: one at its ends (year 1, 9999:
+# an index edited by hand, a clock set absurdly) would overflow the first deadline computed
+# from it, in every command and in the service. Such an index is refused like a damaged one.
+TIME_MIN = datetime(100, 1, 1, tzinfo=timezone.utc)
+TIME_MAX = datetime(9000, 1, 1, tzinfo=timezone.utc)
+
+
+def _bad_time(index: Index) -> str | None:
+    """The first time a deadline is computed from that lies outside TIME_MIN..TIME_MAX, named,
+    or None. Live tasks only (finished ones' times are only compared and shown), and one
+    cheap pass over them (every CLI call runs it)."""
+    lo, hi = TIME_MIN, TIME_MAX
+    live = index.active + index.queued
+    times = [t.created_at for t in live] + [a for t in live for a in (t.expires_at, t.started_at, t.not_before,
+                                                                       t.kill_at, t.ended_at) if a is not None]
+    if times and (min(times) < lo or max(times) > hi):  # the common case: two passes of C
+        task, at = next((t, a) for t in live for a in (t.created_at, t.expires_at, t.started_at, t.not_before,
+                                                        t.kill_at, t.ended_at) if a is not None and not lo <= a <= hi)
+        return f"task #{task.id} has the time {at.isoformat()}"
+    for source, mark in index.last_start.items():
+        if not lo <= mark.at <= hi:
+            return f"last_start of {source!r} is {mark.at.isoformat()}"
+    for agent, hold in index.holds.items():
+        for at in (hold.since, hold.until):
+            if at is not None and not lo <= at <= hi:
+                return f"the hold on {agent!r} has the time {at.isoformat()}"
+    return None
+
+
 def check_index(index: Index) -> str | None:
     """What is inconsistent in a decoded index, or None. Decoding checks types; this checks meaning."""
+    bad = _bad_time(index)
+    if bad is not None:
+        return f"{bad}, which is no time kugetsu writes (outside {TIME_MIN.year}-{TIME_MAX.year})"
     # Every CLI call checks the whole index: the common case (all well) in a few passes over
     # lists, the slow loop below only to name what is wrong.
     ids = [t.id for t in index.active] + [t.id for t in index.queued] + [t.id for t in index.finished]

@@ -19,7 +19,8 @@ from kugetsu import limits, placement
 from kugetsu.config import Config, format_duration, parse_duration
 from kugetsu.errors import (AmbiguousName, InvalidHost, NeedsPrompt, NoSuchTask, NotClustered, QueueFull, Rejected,
                             UnknownDependency, UnknownGroup, UsageError)
-from kugetsu.models import PRIORITIES, Attempt, Event, Hold, Index, LimitHit, SourceMark, Task, TaskState, valid_host, valid_name
+from kugetsu.models import (PRIORITIES, Attempt, ClockError, Event, Hold, Index, LimitHit, SourceMark, Task, TaskState,
+                            valid_host, valid_name)
 from kugetsu.placement import Here, ours, starts_anywhere
 # Resources, guard_hold and clock are also used by the front ends, through pm.
 from kugetsu.policy import Board, Resources, clock, guard_hold, simple_order, task_key  # noqa: F401
@@ -769,6 +770,105 @@ def _event(kind: str, task: Task, now: datetime, **detail: object) -> Event:
     return Event(type=kind, at=now, task=task.id, name=task.name, source=task.source, state=task.state.value, **detail)
 
 
+# ---- a clock that was wrong ------------------------------------------------------------
+
+# How far a recorded time may lie from the service's clock before it is a clock error. NTP
+# slews and steps by seconds; a command run under a wrong clock (faketime, a container's or a
+# VM's clock) is off by hours or years. Not configurable: nothing legitimate lies in between.
+CLOCK_TOLERANCE = timedelta(minutes=5)
+
+
+def correct_clock(index: Index, cfg: Config, now: datetime, before: Index | None = None,
+                  before_at: datetime | None = None) -> ClockError | None:
+    """Times written from a wrong clock, moved to the service's (README, "A wrong clock").
+
+    Ahead: a time that records a moment gone by (a task queued, started, ended; a source's last
+    start; a hold's beginning) more than CLOCK_TOLERANCE after `now` is moved back to now, and
+    what counts from it (its queue deadline, its kill, a hold's end) with it: a command a year
+    ahead must not make a source wait a year. Behind (`before`: the index the service itself
+    committed at `before_at`): a task or hold new since then was written after then; stamped
+    more than CLOCK_TOLERANCE earlier, it moves forward to now with its deadline: its hour in
+    the queue counts from when it was really queued, not from two days ago. Returns the
+    largest error found (None: none), for the service's log and doctor."""
+    found: list[tuple[float, datetime, str]] = []
+
+    def off(at: datetime, what: str) -> timedelta:
+        found.append(((at - now).total_seconds(), at, what))
+        return at - now
+
+    ahead = now + CLOCK_TOLERANCE
+    grace = timedelta(seconds=cfg.kill_grace_s)
+    for task in index.all_tasks():
+        who = f"task {task.name} (#{task.id})"
+        if task.created_at > ahead:
+            d = off(task.created_at, f"{who} was queued at")
+            task.created_at -= d
+            if task.expires_at is not None:
+                task.expires_at -= d
+        if task.started_at is not None and task.started_at > ahead:
+            task.started_at -= off(task.started_at, f"{who} started at")
+        if task.finished_at is not None and task.finished_at > ahead:
+            task.finished_at -= off(task.finished_at, f"{who} ended at")
+        if task.ended_at is not None and task.ended_at > ahead:
+            task.ended_at -= off(task.ended_at, f"{who}'s agent ended at")
+        if task.kill_at is not None and task.kill_at > ahead + grace:
+            task.kill_at -= off(task.kill_at, f"{who} was to be killed at") - grace  # now + grace
+        delay = timedelta(seconds=task.retry_delay or 0)
+        if task.not_before is not None and task.not_before > ahead + delay:
+            task.not_before -= off(task.not_before, f"{who} was to retry at") - delay  # now + delay
+        for a in task.attempts:
+            if a.ended_at > ahead:
+                a.ended_at -= off(a.ended_at, f"{who}'s attempt ended at")
+            if a.started_at is not None and a.started_at > ahead:
+                a.started_at -= off(a.started_at, f"{who}'s attempt started at")
+    for source, mark in index.last_start.items():
+        if mark.at > ahead:
+            mark.at -= off(mark.at, f"source {source} last started a task at")
+    for agent, held in index.holds.items():
+        if held.since > ahead:
+            d = off(held.since, f"the hold on {agent} began at")
+            held.since -= d
+            if held.until is not None:
+                held.until -= d
+    floor = before_at - CLOCK_TOLERANCE if before is not None and before_at is not None else None
+    if before is not None and floor is not None:
+        for task in index.live():
+            if task.id >= before.next_id and task.created_at < floor:
+                d = -off(task.created_at, f"task {task.name} (#{task.id}) was queued at")
+                task.created_at += d
+                if task.expires_at is not None:
+                    task.expires_at += d
+                if task.started_at is not None and task.started_at < floor:
+                    task.started_at += d
+        for source, mark in index.last_start.items():
+            if mark.n > before.starts and mark.at < floor:
+                mark.at -= off(mark.at, f"source {source} last started a task at")
+        for agent, held in index.holds.items():
+            old = before.holds.get(agent)
+            if (old is None or old.since != held.since) and held.since < floor:
+                d = -off(held.since, f"the hold on {agent} began at")
+                held.since += d
+                if held.until is not None:
+                    held.until += d
+    if not found:
+        return None
+    seconds, at, what = max(found, key=lambda f: abs(f[0]))
+    mark = index.clock  # the last writer: the culprit when its own clock says as much
+    by = None
+    if mark is not None and ((seconds > 0 and mark.at > ahead) or (seconds < 0 and floor is not None and mark.at < floor)):
+        by = mark.by
+        mark.at = now  # corrected too: doctor must not read it as this clock being behind
+    return ClockError(found_at=now, at=at, off=seconds, what=what, by=by)
+
+
+def describe_clock_error(err: ClockError) -> str:
+    """One line for the service's log and doctor: who wrote what time, how far off."""
+    way = "ahead of" if err.off > 0 else "behind"
+    who = err.by or "a command"
+    return (f"{who} wrote a time from a wrong clock: {err.what} {err.at:%Y-%m-%d %H:%M:%S} UTC, "
+            f"{format_duration(abs(err.off))} {way} the service's clock; counted from the service's clock instead")
+
+
 # ---- the step: what the service does with what it saw ----------------------------------
 
 
@@ -821,6 +921,7 @@ class Plan(msgspec.Struct, kw_only=True):
     signal_leftovers: dict[int, int] = {}  # ending task id -> the signal for what it left running
     strays: list[Adopted] = []  # processes let go for tasks that are final by now: end them
     gone: list[str] = []  # in a cluster: machines whose lease ran out (their tasks are lost now)
+    set_aside: list[tuple[Task, Exception]] = []  # tasks failed because their handling raised (set_aside)
     wake_at: datetime | None = None  # the next moment something falls due
 
 
@@ -838,11 +939,14 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
         task = live.get(e.task)
         if task is None or task.ended_at is not None:
             continue
-        read_output(cfg, task, e.code, e.tail, now)
-        if e.leftovers:  # it keeps its slot while they are found and ended
-            agent_ended(task, now, e.code, e.reason, cfg.kill_grace_s)
-        else:
-            plan.events += conclude(index, cfg, task, now, e.code, e.reason)
+        try:
+            read_output(cfg, task, e.code, e.tail, now)
+            if e.leftovers:  # it keeps its slot while they are found and ended
+                agent_ended(task, now, e.code, e.reason, cfg.kill_grace_s)
+            else:
+                plan.events += conclude(index, cfg, task, now, e.code, e.reason)
+        except Exception as err:  # what its agent printed, or its record, defeated us: this task only
+            plan.events += set_aside(index, plan, task, now, e.code, err)
     for f in obs.found:
         task = live.get(f.task)
         if task is None or task.ended_at is None:
@@ -852,9 +956,13 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
             kill = task.kill_at is not None and now >= task.kill_at
             plan.signal_leftovers[task.id] = 9 if kill else 15  # SIGKILL after the grace, else SIGTERM
         else:
-            plan.events += conclude(index, cfg, task, now, task.exit_code, task.reason if task.exit_code else None)
+            try:
+                plan.events += conclude(index, cfg, task, now, task.exit_code, task.reason if task.exit_code else None)
+            except Exception as err:
+                plan.events += set_aside(index, plan, task, now, task.exit_code, err)
     plan.events += held_events(index, holds, now)
     adopted = adopt(index, now, obs.adopted, cfg, here)
+    plan.set_aside += adopted.set_aside
     plan.events += adopted.events
     plan.strays = adopted.strays
     if here is not None:
@@ -887,14 +995,31 @@ def adopt(index: Index, now: datetime, found: list[Adopted], cfg: Config | None 
         if task is None or task.state.final:
             plan.strays.append(a)
             continue
-        if task.state is TaskState.QUEUED:
-            plan.events += start(index, task, now, here.name if here else None)
-        if task.pid is None:
-            task.pid, task.pid_start, task.log = a.pid, a.pid_start, a.log
-            record_spawn(index, task, min(a.at, now))
-            if a.code is not None and a.pid is None:
-                plan.events += conclude(index, cfg, task, now, a.code) if cfg else finish(index, task, now, a.code)
+        try:
+            if task.state is TaskState.QUEUED:
+                plan.events += start(index, task, now, here.name if here else None)
+            if task.pid is None:
+                task.pid, task.pid_start, task.log = a.pid, a.pid_start, a.log
+                record_spawn(index, task, min(a.at, now))
+                if a.code is not None and a.pid is None:
+                    plan.events += conclude(index, cfg, task, now, a.code) if cfg else finish(index, task, now, a.code)
+        except Exception as err:  # at start-up too: one task's record must not keep the service down
+            plan.events += set_aside(index, plan, task, now, a.code, err)
     return plan
+
+
+def set_aside(index: Index, plan: Plan, task: Task, now: datetime, code: int | None, err: Exception) -> list[Event]:
+    """A task whose handling raised (its agent printed what could not be read, or its record
+    holds what no rule foresaw): it ends as failed, its reason naming the error, and the step
+    goes on for every other task. Whatever the failed handling had half changed of it is
+    undone first: it is in exactly one list, the finished. Listed in plan.set_aside, for the
+    service's log (once: a final task is not handled again)."""
+    for part in (index.active, index.queued, index.finished):
+        part[:] = [t for t in part if t.id != task.id]
+    task.stop = task.limit = task.ended_at = task.kill_at = task.not_before = None
+    task.reason = f"kugetsu could not handle this task's end ({type(err).__name__}: {err}); set aside"[:500]
+    plan.set_aside.append((task, err))
+    return [_close(index, task, TaskState.FAILED, now, code)]
 
 
 def settle(index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
@@ -999,6 +1124,8 @@ def _requeue_limited(index: Index, cfg: Config, task: Task, now: datetime, code:
     preset = cfg.agents.get(agent)
     what = f"{agent} usage limit"
     hold = index.holds.get(agent)
+    if hit.until is not None and not now < hit.until <= now + limits.MAX_AHEAD:
+        hit = LimitHit()  # a reset time gone by, or beyond any provider's limit (a record from a wrong clock)
     if hold is None or (hold.until is not None and hold.until <= now):
         until = hit.until
         if until is None:  # no reset time given: back off, doubling with each hit in a row
@@ -1072,6 +1199,9 @@ def hold(index: Index, cfg: Config, agent: str, until: datetime | None, now: dat
         raise UsageError(f"unknown agent preset {agent!r}; known: {', '.join(sorted(cfg.agents))}")
     if until is not None and until <= now:
         raise UsageError(f"a hold until {until.isoformat()} is not in the future; give a later time or a duration like 30m")
+    if until is not None and until > now + limits.MAX_AHEAD:
+        raise UsageError(f"a hold until {until.isoformat()} is more than a year ahead; give an earlier time, or hold it"
+                         " with no end, until released")
     index.holds[agent] = Hold(until=until, reason=f"{agent} held by hand", since=now)
     return [_hold_event("held", agent, index.holds[agent], index, now)]
 

@@ -73,7 +73,10 @@ def simple_order(index: Index, cfg: Config) -> bool:
 
 def clock(at: datetime) -> str:
     """A moment as people read it on this machine: 15:00, or 15:00:12 within the minute."""
-    local = at.astimezone()
+    try:
+        local = at.astimezone()
+    except (OverflowError, ValueError):  # a recorded time at the end of what this zone can hold
+        return at.isoformat()
     return local.strftime("%H:%M:%S" if local.second else "%H:%M")
 
 

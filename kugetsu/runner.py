@@ -206,18 +206,21 @@ def read_exit(home: Home, task_id: int) -> int | None:
     finally:
         os.close(fd)
     try:
-        return int(words[0]) if words else None
+        code = int(words[0]) if words else None
     except ValueError:
         return None
+    # What a wrapper writes is a wait status (0-255, or 128+signal); a number beyond any (the
+    # file written over by someone else) is no status at all, not one the index cannot hold.
+    return code if code is None or -(1 << 31) <= code < 1 << 31 else None
 
 
 def exit_time(home: Home, task_id: int) -> datetime | None:
     """When the wrapper wrote the agent's exit status (the exit file's mtime)."""
     try:
         st = os.stat(home.exit_file(task_id), follow_symlinks=False)
-    except OSError:
+        return datetime.fromtimestamp(st.st_mtime, timezone.utc)
+    except (OSError, OverflowError, ValueError):  # no file, or an mtime no datetime holds (set by hand)
         return None
-    return datetime.fromtimestamp(st.st_mtime, timezone.utc)
 
 
 # ---- identity: a pid is never trusted without its start time and uid ----------------------

@@ -72,6 +72,7 @@ class Service:
         self.telegram: TelegramBot | None = None
         self.metrics: Metrics | None = None  # the OpenMetrics endpoint, when config metrics.listen is set
         self.index = Index()
+        self._last_now: datetime | None = None  # the clock of the last transaction committed (correct_clock)
         self._tick_pending = False
         self._first_tick = True
         self.held: Txn | None = None  # a transaction kept open for a burst of exits (_hold)
@@ -106,7 +107,9 @@ class Service:
             self.store.read()
             self._join_cluster()
             atomic_write(self.home.service_pid, f"{os.getpid()}\n".encode())
-            self.tick()
+            # A first tick that fails (a full disk, a record no rule foresaw) is said and retried
+            # with backoff, as every later one: the service stays up for the tasks it can serve.
+            self._safe_tick()
             log.info("kugetsu service up (pid %d, home %s, max_agents %d)", os.getpid(), self.home.root, self.cfg.max_agents)
             await self._start_extensions()
             await self._stopping.wait()
@@ -205,6 +208,14 @@ class Service:
             # read before it, a lowering of max_agents committed meanwhile was overshot.
             config_changed = self._reload_config(txn)
             cfg, index = self.cfg, txn.index
+            # Times a command wrote from a wrong clock, before anything is decided from them;
+            # against this service's previous transaction only while it has been up. Only an
+            # index another process wrote: what this service wrote is by its own clock.
+            wrong = None if txn.unchanged else pm.correct_clock(
+                index, cfg, txn.now, None if self._first_tick else self.index, self._last_now)
+            if wrong is not None:
+                index.clock_error = wrong
+                log.warning("clock error: %s", pm.describe_clock_error(wrong))
             obs = pm.Observations(resources=ops.measure(cfg))
             committed_running = {t.id for t in index.active}
             if self.member is not None:
@@ -227,6 +238,9 @@ class Service:
             if self.worktrees.closing and self.worktrees.record_closes(txn):
                 self._disk_check = True
             plan = pm.tick(index, cfg, txn.now, obs)
+            for task, err in plan.set_aside:  # once: a task set aside is final
+                log.error("%s (#%d) set aside as failed: handling its end raised %s: %s; the other tasks go on",
+                          task.name, task.id, type(err).__name__, err, exc_info=err)
             self._take(txn, plan)
             if plan.gone:
                 self._declare_gone(txn, plan.gone)
@@ -255,6 +269,7 @@ class Service:
             self.store.abort()
             raise
         self.index = txn.index
+        self._last_now = txn.now
         self._released = None
         self.successor = pm.successor(self.index, self.cfg)
         self.exits.ticked()

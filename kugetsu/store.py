@@ -25,7 +25,7 @@ import msgspec
 
 from kugetsu.config import describe_decode_error, store_url
 from kugetsu.errors import DiskFull, FileError
-from kugetsu.models import INDEX_VERSION, Event, Index, Task, check_index
+from kugetsu.models import INDEX_VERSION, ClockMark, Event, Index, Task, check_index
 from kugetsu.paths import Home, atomic_write, open_file, read_tail
 
 
@@ -47,6 +47,28 @@ _stores: dict[str, Store] = {}  # open_store's file Stores of the main thread, b
 
 def encode_index(index: Index) -> bytes:
     return msgspec.json.format(_encoder.encode(index), indent=2) + b"\n"
+
+
+_writer: list[str] = []
+
+
+def writer() -> str:
+    """This process, as a clock error names it: `kugetsu delegate (pid 4242)`."""
+    if not _writer:
+        import sys
+
+        command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+        name = f"kugetsu {command}" if command else os.path.basename(sys.argv[0] or "python")
+        _writer.append(f"{name[:60]} (pid {os.getpid()})")
+    return _writer[0]
+
+
+def mark_writer(txn: Txn) -> None:
+    """A transaction that records events signs the index with its clock (Index.clock): a time
+    from a wrong clock can then be traced to the command that wrote it (pm.correct_clock).
+    Only then: a transaction that changes nothing else must not rewrite the index."""
+    if txn.events:
+        txn.index.clock = ClockMark(at=txn.now, by=writer())
 
 
 class Txn:
@@ -327,6 +349,7 @@ class Store(Transactions):
     def _commit(self, txn: Txn) -> bytes:
         """Write what the transaction changed; returns the index's bytes as now on disk."""
         index = txn.index
+        mark_writer(txn)
         for event in txn.events:
             event.seq = index.next_seq
             index.next_seq += 1

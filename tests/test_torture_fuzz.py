@@ -11,6 +11,9 @@ import json
 import os
 import random
 import string
+import subprocess
+import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -169,6 +172,11 @@ def test_bad_index_json_is_a_clear_error_and_changes_nothing(fz):
         variant(active=[{**t, "created_at": "yesterday"}]), variant(active=[{**t, "created_at": "2024-01-01T00:00:00"}]),
         variant(active=[{**t, "command": "rm -rf /"}]), variant(finished=[{"id": 9}]), b"\xff" * 64,
         good.replace(b'"next_id"', b'"next\xff_id"', 1), good.replace(b'"name": "a"', b'"name": "a\xff"', 1),
+        # Times at the ends of what datetime holds: the first deadline computed from one overflowed.
+        variant(active=[{**t, "started_at": "9999-12-31T23:59:59Z"}]),
+        variant(queued=[{**idx["queued"][0], "created_at": "0001-01-01T00:00:00+00:00"}]),
+        variant(last_start={"cli": {"at": "9999-12-31T23:59:59Z", "n": 1}}),
+        variant(holds={"x": {"until": "9999-12-31T23:59:59Z", "reason": "x", "since": "0001-01-01T00:00:00Z"}}),
     ]
     must_fail = len(cases)
     cases += [mutate(good, rng) for _ in range(size(4, 200))]
@@ -288,3 +296,151 @@ def test_prompts_pass_verbatim_or_clear_error(fz, tmp_path: Path):
         assert got == prompt.encode(), f"task {task_id}: the prompt did not arrive verbatim"
     assert not list(tmp_path.glob("**/pwned")) and not (Path.home() / "pwned").exists()
     TRIED["prompts"] = len(prompts) + 3
+
+
+# ---- what agents print ---------------------------------------------------------------------
+
+# Pieces of what a real agent (or a tool it runs) may print: control characters, escape
+# sequences (terminal titles, hyperlinks, device queries), bytes that are not UTF-8, markup of
+# the libraries that render it (Rich/Textual `[/]`, Telegram's HTML), times at the ends of
+# what datetime holds (Go's zero time, year 9999), numbers of thousands of digits, and the
+# limit and session phrases that send the text through every reader.
+HOSTILE_PIECES = [
+    b"\x00", b"\x07", b"\x08", b"\r", b"\t", b"\x7f", b"\x1b[2J\x1b[H", b"\x1b]0;pwned\x07", b"\x1bP+q\x1b\\",
+    b"\x1b]8;;file:///etc/passwd\x1b\\link\x1b]8;;\x1b\\", b"\x9b31m", b"\x1b[999999999999999999C", b"\xff\xfe",
+    b"\xc3", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", "漢字🙂\u202e\u200b".encode(), b"[/]", b"[bold red]", b"[/bold",
+    b"[link=https://evil.example]x[/link]", b"[@click=app.quit]q[/]", b"<b>", b"</pre>", b"&amp;", b"&#0;",
+    b"{name}", b"%s%n", b"0001-01-01 00:00:00 +0000 UTC", b"resets at 0001-01-01T00:00:00+01:00",
+    b"resets at 9999-12-31T23:59:59-01:00", b"0000-00-00T00:00:00Z", b"9" * 5000, b"|9999999999",
+    b"retry after " + b"9" * 400 + b" days", b"Retry-After: 1e999", b"resets 25:99 (Etc/Nowhere)",
+    b"Claude AI usage limit reached", b"API Error: 429 Too Many Requests (rate limit)", b'"session_id": "',
+    b"session id: ", b"session id: \x00\x1b[31m", b"\n", b"\n", b" ",
+]
+# What once stopped the whole machine, verbatim (issue 24).
+HOSTILE_FIXED = [
+    b"usage limit reached, resets at 0001-01-01T00:00:00+01:00\n",
+    b"0001-01-01 00:00:00 +0000 UTC\nAPI Error: 429 Too Many Requests (rate limit)\n",
+]
+
+
+def hostile_output(rng: random.Random) -> bytes:
+    out = b"".join(rng.choice(HOSTILE_PIECES) for _ in range(rng.randint(1, 40)))
+    if rng.random() < 0.2:  # a giant line, no newline in it
+        out += rng.choice([b"x", b"\xff", b"[", "漢".encode()]) * rng.choice([70_000, 300_000])
+    return out
+
+
+def raw_run(kg, *args: str) -> subprocess.CompletedProcess[bytes]:
+    """kugetsu ARGS with its output as bytes: it passes an agent's bytes through as they are."""
+    return subprocess.run([sys.executable, "-m", "kugetsu", *args], env=kg.env, capture_output=True, timeout=60)
+
+
+async def test_hostile_agent_output_is_read_everywhere_without_error(fz, tmp_path: Path):
+    """Real agents print hostile bytes (and hit their limit with impossible reset times, and
+    give session ids no argv can hold) and exit 0, 1 or 2: the service goes on starting
+    tasks, and every reader of that output (limits, `logs`, `status`, `queue`, the MCP tools,
+    the dashboard, the bot's texts) reads it without an error."""
+    import asyncio
+
+    from conftest import wait_for_async
+
+    rng = random.Random(SEED + 5)
+    blobs = HOSTILE_FIXED + [hostile_output(rng) for _ in range(size(6, 80))]
+    script = 'cat "$0"; if [ -e "$0.ran" ]; then exit 0; fi; : > "$0.ran"; exit "$(cat "$0.code")"'
+    fz.env["TZ"] = "Europe/Berlin"  # east of UTC: year 1 there is before what UTC holds
+    fz.config(max_agents=4, max_queue=1000, agents={"hostile": {
+        "command": ["sh", "-c", script, "{prompt}"],
+        "limit": {"patterns": ["usage limit reached", r"429 Too Many Requests"], "backoff": "1s", "max_backoff": "1s"},
+        "session_pattern": r"session id: (\S+)", "resume": ["sh", "-c", "exit 0", "{session}"],
+    }})
+    out = tmp_path / "blobs"
+    out.mkdir()
+    for i, blob in enumerate(blobs):
+        (out / f"b{i}").write_bytes(blob)
+        (out / f"b{i}.code").write_text(str(1 if i < len(HOSTILE_FIXED) else rng.choice([0, 1, 1, 2])))
+        await asyncio.to_thread(fz.ok, "delegate", f"h{i}", "--agent", "hostile", "--prompt", str(out / f"b{i}"))
+    for i in range(2):  # plain tasks after them: the service must still start what comes
+        await asyncio.to_thread(fz.ok, "delegate", f"plain{i}", "--", "true")
+
+    def done() -> bool:
+        index = fz.index()
+        return not index["active"] and not index["queued"]
+
+    await wait_for_async(done, 120, "every task to end")
+    index = fz.index()
+    states = {t["name"]: t["state"] for t in index["finished"]}
+    assert all(states[f"plain{i}"] == "succeeded" for i in range(2)), states
+    assert states["h0"] == states["h1"] == "succeeded"  # a limit with no reset time read: backoff, then run again
+    log = fz.home.service_log.read_text(errors="replace")
+    assert "tick failed" not in log and "Traceback" not in log and "set aside" not in log, log[-3000:]
+    assert fz.service_pid() is not None
+    names = [t["name"] for t in index["finished"]]
+
+    # The CLI: every task's log (as bytes), status (text and JSON), and the queue views.
+    for name in names:
+        for args in (("logs", name), ("status", name)):  # (--json and --lines: the MCP tools below)
+            r = await asyncio.to_thread(raw_run, fz, *args)
+            assert r.returncode == 0 and b"Traceback" not in r.stderr, (args, r.stderr[-2000:])
+    for args in (("queue",), ("queue", "--all"), ("queue", "--json", "--all"), ("capacity",), ("logs", *names[:5])):
+        r = await asyncio.to_thread(raw_run, fz, *args)
+        assert r.returncode == 0 and b"Traceback" not in r.stderr, (args, r.stderr[-2000:])
+
+    # The bot's texts: each event's notification with its log's tail, each task's /status.
+    from kugetsu import ops
+    from kugetsu.config import load_config
+    from kugetsu.models import Event
+    from kugetsu.telegram import notify, text
+
+    cfg = load_config(fz.home)
+    tasks = {t.id: t for t in ops.read(fz.home)[1].all_tasks()}
+    for raw in fz.events():
+        event = Event(**{k: v for k, v in raw.items() if k != "at"}, at=datetime.fromisoformat(raw["at"]))
+        task = tasks.get(event.task) if event.task else None
+        message = text.notification(event, task, cfg, notify._log_tail(fz.home.log(event.task)) if event.task else None)
+        assert len(message) <= 4096
+    for task in tasks.values():
+        assert text.status(ops.task_json(task, None))
+
+    # The MCP server's status and logs tools.
+    mcp = pytest.importorskip("mcp")
+    params = mcp.StdioServerParameters(command=sys.executable, args=["-m", "kugetsu", "mcp"], env=fz.env, cwd=str(tmp_path))
+    async with mcp.Client(params, mode="legacy") as client:
+        for name in names:
+            for tool, arguments in (("status", {"task": name}), ("logs", {"task": name}), ("logs", {"task": name, "lines": 2})):
+                r = await client.call_tool(tool, arguments)
+                assert not r.is_error, (tool, name, [c.text for c in r.content])
+        r = await client.call_tool("queue", {"finished": True})
+        assert not r.is_error
+
+    # The dashboard: each task selected, its output shown; the giant ones full screen too.
+    from dashboard_data import UTC, until
+
+    from kugetsu.tui.app import make_app
+    from kugetsu.tui.screens import LogScreen
+    from kugetsu.tui.widgets import LogView, TaskTable
+
+    app = make_app(fz.home, tz=UTC, cwd="/")
+    async with app.run_test() as pilot:
+        table = app.query_one("#finished", TaskTable)
+        output = app.query_one("#output", LogView)
+        table.focus()
+        await until(pilot, lambda: table.has_focus, 20, what="the finished table to take the keys")
+
+        def select(task_id: int) -> bool:
+            # Moved again until it holds: a refresh that lands between the move and its
+            # highlight puts the cursor back on the selected task (a race of the dashboard's,
+            # not of the output; see the report of issue 24).
+            if app.selected != task_id:
+                table.move_cursor(row=table.get_row_index(str(task_id)))
+            return app.selected == task_id
+
+        for t in index["finished"]:
+            await until(pilot, lambda: select(t["id"]), 20, what=f"task {t['id']} selected (seed {SEED})")
+            await until(pilot, lambda: len(output.lines) > 0, 20, what=f"task {t['id']}'s output (seed {SEED})")
+            if fz.home.log(t["id"]).stat().st_size > 60_000:
+                await pilot.press("l")
+                assert isinstance(app.screen, LogScreen)
+                await pilot.press("escape")
+                await until(pilot, lambda: not isinstance(app.screen, LogScreen), 20, what="the log screen to close")
+        assert app.is_running
+    TRIED["agent_output"] = len(blobs)

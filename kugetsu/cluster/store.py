@@ -26,7 +26,7 @@ import psycopg
 from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, errors, process_tag, redact
 from kugetsu.errors import FileError
 from kugetsu.models import INDEX_VERSION, Event, Index, Task, check_index
-from kugetsu.store import Transactions, Txn, _encoder, _held, _index_decoder, encode_index
+from kugetsu.store import Transactions, Txn, _encoder, _held, _index_decoder, encode_index, mark_writer
 
 _event_decoder = msgspec.json.Decoder(Event)
 _task_decoder = msgspec.json.Decoder(Task)
@@ -208,6 +208,7 @@ class PgStore(Transactions):
         """Write the document, the events and archived tasks, NOTIFY, COMMIT: all or nothing."""
         try:
             index = txn.index
+            mark_writer(txn)
             for event in txn.events:
                 event.seq = index.next_seq
                 index.next_seq += 1

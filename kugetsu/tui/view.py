@@ -36,7 +36,10 @@ def clock_time(t: datetime | None, now: datetime, tz: tzinfo | None) -> str:
     """HH:MM:SS today, else the date too: a start time a person can place."""
     if t is None:
         return "-"
-    local, today = t.astimezone(tz), now.astimezone(tz)
+    try:
+        local, today = t.astimezone(tz), now.astimezone(tz)
+    except (OverflowError, ValueError):  # a recorded time at the end of what the zone holds
+        return t.isoformat()
     return local.strftime("%H:%M:%S" if local.date() == today.date() else "%m-%d %H:%M")
 
 
