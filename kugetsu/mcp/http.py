@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import hmac
 import json
-import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import uvicorn
 
-from kugetsu.errors import KugetsuError
+from kugetsu.guard import listen
 
 if TYPE_CHECKING:
     from mcp.server import MCPServer
@@ -48,16 +47,8 @@ class BearerAuth:
 
 async def serve(server: MCPServer, follow: Follow, address: tuple[str, int], token: str) -> None:
     host, port = address
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        raise KugetsuError(f"--http {host}:{port}: cannot listen there: {err.strerror}") from None
-    sock.listen(128)  # bound before the banner: a client that reads it can connect at once
-    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    sock = listen(host, port, "--http")  # bound before the banner: a client that reads it can connect at once
+    shown = f"[{host}]" if ":" in host else host
     app = BearerAuth(server.streamable_http_app(host=host), token)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
     print(f"kugetsu mcp: serving streamable HTTP at http://{shown}:{sock.getsockname()[1]}/mcp"
