@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 from kugetsu.config import is_loopback
 from kugetsu.errors import KugetsuError, UsageError
 
+HEADER_TIMEOUT = 5.0  # seconds for a request's head to arrive whole (a real client's takes milliseconds)
 MIN_TOKEN = 16  # characters: shorter is guessable by someone who can try it many times a second
 
 
@@ -34,7 +35,8 @@ def new_token() -> str:
 def check_token(value: str, where: str, fix: str) -> str:
     """A secret someone chose: refused (UsageError, exit 2) when blank or short."""
     if not value.strip():
-        raise UsageError(f"{where} is blank; {fix}")
+        raise UsageError(f"{where} is blank, which keeps nobody out (a token needs at least {MIN_TOKEN} characters);"
+                         f" {fix}")
     if len(value.strip()) < MIN_TOKEN:
         raise UsageError(f"{where} is {len(value.strip())} characters long, too short to keep anyone out"
                          f" (at least {MIN_TOKEN}); {fix}")

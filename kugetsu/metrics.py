@@ -33,7 +33,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 
-from kugetsu import pm, runner
+from kugetsu import guard, pm, runner
 from kugetsu.config import Config, is_loopback
 from kugetsu.models import Index, Task
 from kugetsu.paths import read_tail
@@ -52,7 +52,8 @@ RUN_BUCKETS = (1, 10, 30, 60, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400)
 PROMOTION_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 MAX_CONNECTIONS = 8  # scrapes served at once: Prometheus sends one at a time per target
-REQUEST_TIMEOUT = 5.0  # seconds for a whole request to arrive (a scraper's takes a millisecond), and per write
+# Seconds for a whole request to arrive (a scraper's takes a millisecond), and for each write.
+REQUEST_TIMEOUT = guard.HEADER_TIMEOUT
 
 
 class _Deadline(io.RawIOBase):

@@ -1,4 +1,5 @@
-"""A websocket upgrade and a page fetch by hand, stdlib only, so that the very same file runs
+"""Clients by hand for the listeners' tests: a websocket upgrade, a page fetch, whether the
+server closed a connection. Stdlib only, so that the very same file runs
 as another user of the machine (tests/test_dashboard_web.py copies it where that user can
 read it): `python -I rawclient.py PORT` prints what the dashboard answered, as JSON."""
 
@@ -25,6 +26,18 @@ def upgrade(port: int, target: str = "/ws", headers: dict[str, str] | None = Non
                 return 0
             answer += chunk
     return int(answer.split(b" ", 2)[1])
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Has the other end closed the connection (or reset it)? Never blocks: the socket is
+    made one without a timeout, which Python would otherwise wait out before the read."""
+    sock.settimeout(None)
+    try:
+        return sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def page(port: int) -> int:

@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 from conftest import wait_for
+from rawclient import closed_by_server
 from test_telegram_bot import ME, api, setup  # noqa: F401  (api is a fixture)
 
 pytest.importorskip("prometheus_client", reason="the `metrics` extra (prometheus-client) is not installed")
@@ -124,18 +125,6 @@ def test_metrics_are_off_by_default_and_a_busy_port_stops_only_them(kg):
 
 def threads(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
-
-
-def closed_by_server(sock: socket.socket) -> bool:
-    """Has the other end closed it (or reset it)? Never blocks (on a socket without a timeout,
-    which Python would wait out before the non-blocking read)."""
-    sock.settimeout(None)
-    try:
-        return sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
 
 
 def test_idle_connections_do_not_each_take_a_thread(kg):
