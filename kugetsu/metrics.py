@@ -10,26 +10,35 @@ every transaction, the CLI's too, since the service ticks after each of them.
 
 Counters start at zero with the service, as counters do; the histograms count from then on.
 This module, and prometheus-client with it, is imported only when metrics are on.
+
+Any local user can connect to the endpoint, and prometheus-client's own server spends a
+thread on each connection for as long as it stays open. Ours (`_Server`) serves at most
+MAX_CONNECTIONS at once (one more is closed at once, no thread) and gives each request
+REQUEST_TIMEOUT seconds in all to arrive (a client sending a byte at a time is cut off too).
 """
 
 from __future__ import annotations
 
+import io
 import logging
+import socket
+import socketserver
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 
-from kugetsu import pm, runner
+from kugetsu import guard, pm, runner
 from kugetsu.config import Config, is_loopback
 from kugetsu.models import Index, Task
 from kugetsu.paths import read_tail
 
 if TYPE_CHECKING:  # the service starts this module, never the other way round
-    from wsgiref.simple_server import WSGIServer
-
     from kugetsu.service import Service
 
 log = logging.getLogger("kugetsu.metrics")
@@ -41,6 +50,74 @@ disable_created_metrics()
 WAIT_BUCKETS = (0.1, 1, 5, 15, 30, 60, 300, 900, 1800, 3600, 7200, 14400, 43200, 86400)
 RUN_BUCKETS = (1, 10, 30, 60, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400)
 PROMOTION_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+MAX_CONNECTIONS = 8  # scrapes served at once: Prometheus sends one at a time per target
+# Seconds for a whole request to arrive (a scraper's takes a millisecond), and for each write.
+REQUEST_TIMEOUT = guard.HEADER_TIMEOUT
+
+
+class _Deadline(io.RawIOBase):
+    """A connection's reads, all due by one instant: each read of a client that sends its
+    request a byte at a time is quick, so a timeout per read would never end it."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.deadline = time.monotonic() + REQUEST_TIMEOUT
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        self.sock.settimeout(left)
+        try:
+            return self.sock.recv_into(buffer)
+        finally:
+            self.sock.settimeout(REQUEST_TIMEOUT)  # the answer's writes
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = REQUEST_TIMEOUT
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()
+        self.rfile = io.BufferedReader(_Deadline(self.connection))
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # no line per scrape in the service log
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    request_queue_size = 64  # a burst is accepted (and the excess closed) rather than left in SYN limbo
+
+    def __init__(self, address: tuple[str, int], handler: type[WSGIRequestHandler]):
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, handler)
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)  # all slots busy: closed now, no thread
+            return
+        try:
+            super().process_request(request, client_address)  # type: ignore[arg-type]
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        try:
+            super().process_request_thread(request, client_address)  # type: ignore[arg-type]
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: object, client_address: object) -> None:  # type: ignore[override]
+        if not isinstance(sys.exc_info()[1], OSError):  # a timeout or a reset is the client's business
+            log.exception("metrics: a scrape failed")
 
 
 class _Telegram:
@@ -105,7 +182,8 @@ class Metrics:
     def start(self, host: str, port: int) -> int:
         """Serve in prometheus-client's own thread; returns the port (0 asks for any free one)."""
         self.start_time.set(time.time())
-        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.server = make_server(host, port, make_wsgi_app(self.registry), _Server, _Handler)
+        threading.Thread(target=self.server.serve_forever, name="kugetsu-metrics", daemon=True).start()
         self.port = self.server.server_port
         return self.port
 

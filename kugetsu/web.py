@@ -4,10 +4,19 @@ Each browser tab gets its own `kugetsu dashboard` process (textual-serve runs th
 with Textual's web driver and relays it over a websocket), so the web page is the terminal
 dashboard itself: same keys, same actions, same code.
 
-The dashboard can cancel tasks and delegate commands, so it is served on 127.0.0.1 unless
-`--allow-remote` says otherwise, and on a loopback address it answers only requests that
-name a loopback host: a web page elsewhere that points a name of its own at 127.0.0.1 (DNS
-rebinding) is refused, so it cannot drive the dashboard from the user's browser.
+The dashboard can cancel tasks, change max_agents and delegate commands that run as the
+user, and any local user can connect to a port on 127.0.0.1, so nothing is served without
+a secret (kugetsu/guard.py says why each check):
+- a token made at each start (256 random bits), printed on stdout in the address to open,
+  and kept only in this process's memory: never in a child's argv or environment, never
+  logged (the access log is off: it would write the first request's query);
+- the first request carrying it gets an HttpOnly, SameSite=Strict cookie and a redirect to
+  the same address without it, so the token leaves the address bar; every other request,
+  the websocket's upgrade included, needs the cookie (a program may send `?token=` instead);
+- Host must be a loopback name with our port (DNS rebinding); Origin, when a browser sends
+  one, must be our own (a page on another site, or another port of 127.0.0.1, cannot open
+  the socket even though the browser would send it the cookie); no page may frame it;
+- 127.0.0.1 unless `--allow-remote` (then any Host, the token still required).
 """
 
 from __future__ import annotations
@@ -17,12 +26,19 @@ import shlex
 import sys
 from typing import Any
 
+from kugetsu import guard
 from kugetsu.config import is_loopback, parse_address
 from kugetsu.errors import OK, UsageError
 from kugetsu.paths import Home
 
 DEFAULT_BIND = "127.0.0.1:8000"
-_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+COOKIE = "kugetsu_dashboard_{port}"  # one per port: two dashboards (two homes) keep their own
+REFUSED = ("kugetsu: open the address `kugetsu dashboard --web` printed when it started (it carries the token;"
+           " a restart makes a new one)\n")
+# Every answer: no page elsewhere may frame the dashboard (keys typed into a disguised
+# frame would drive it), nor learn its address from a Referer.
+HEADERS = {"X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'",
+           "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}
 
 
 def check_bind(bind: str, allow_remote: bool) -> tuple[str, int]:
@@ -33,15 +49,8 @@ def check_bind(bind: str, allow_remote: bool) -> tuple[str, int]:
     if not allow_remote and not is_loopback(host):
         raise UsageError(f"--bind {bind}: not a loopback address, so anyone who reaches it could cancel tasks and"
                          " run commands from the dashboard; add --allow-remote if that is what you want"
-                         " (and put it behind an authenticating proxy)")
+                         " (and put it behind TLS: the token travels in every request)")
     return host, port
-
-
-def host_allowed(header: str, bind_host: str) -> bool:
-    """Is a request's Host header one of this machine's names for a loopback bind?"""
-    name = header.rsplit(":", 1)[0] if not header.endswith("]") else header
-    name = name.strip("[]")
-    return name in (*_LOOPBACK_NAMES, bind_host) or is_loopback(name)
 
 
 def serve(home: Home, bind: str, allow_remote: bool) -> int:
@@ -51,12 +60,46 @@ def serve(home: Home, bind: str, allow_remote: bool) -> int:
         from textual_serve.server import Server
     except ImportError:
         raise UsageError("--web needs textual-serve: pip install 'kugetsu[web]'") from None
+    import asyncio
+    import logging
+    import signal
+
+    sock = guard.listen(host, port, "--bind")
+    port = sock.getsockname()[1]
+    token = guard.new_token()
+    cookie = COOKIE.format(port=port)
+    remote = allow_remote and not is_loopback(host)
+
+    @web.middleware
+    async def gate(request: web.Request, handler: Any) -> Any:
+        if not guard.host_ok(request.host, port, remote):
+            return web.Response(status=403, text="kugetsu: this dashboard answers only to the address it printed\n")
+        if not guard.origin_ok(request.headers.get("Origin"), request.host):
+            return web.Response(status=403, text="kugetsu: a page from another origin may not use this dashboard\n")
+        given = request.query.get("token")
+        if given is not None:
+            if not guard.same(given, token):
+                return web.Response(status=401, text=REFUSED)
+            if request.headers.get("Upgrade", "").lower() == "websocket":
+                return await handler(request)  # a program's socket: it keeps no cookie
+            # A browser: the token becomes a cookie its scripts cannot read and other sites'
+            # requests do not carry, and leaves the address bar (and the history's next entry).
+            clean = request.rel_url.with_query([(k, v) for k, v in request.query.items() if k != "token"])
+            answer = web.Response(status=303, headers={"Location": str(clean), "Cache-Control": "no-store"})
+            answer.set_cookie(cookie, token, httponly=True, samesite="Strict", path="/")
+            return answer
+        if not guard.same(request.cookies.get(cookie), token):
+            return web.Response(status=401, text=REFUSED)
+        return await handler(request)
+
+    async def secure_headers(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers.update(HEADERS)
 
     class DashboardServer(Server):
         async def _make_app(self) -> web.Application:
             app = await super()._make_app()
-            if not allow_remote:
-                app.middlewares.append(guard)
+            app.middlewares.append(gate)
+            app.on_response_prepare.append(secure_headers)
             return app
 
         async def handle_index(self, request: web.Request) -> Any:
@@ -67,13 +110,23 @@ def serve(home: Home, bind: str, allow_remote: bool) -> int:
 
         async def on_startup(self, app: web.Application) -> None:
             shown = f"[{host}]" if ":" in host else host
-            print(f"kugetsu dashboard for {home.root} on http://{shown}:{port}/ (Ctrl+C stops it)", flush=True)
+            # stdout only, to the user who started it: the one place the token is written.
+            print(f"kugetsu dashboard for {home.root} on http://{shown}:{port}/?token={token} (Ctrl+C stops it)",
+                  flush=True)
 
-    @web.middleware
-    async def guard(request: web.Request, handler: Any) -> Any:
-        if not host_allowed(request.host, host):
-            raise web.HTTPForbidden(text="kugetsu: this dashboard answers only to this machine's loopback names\n")
-        return await handler(request)
+        def initialize_logging(self) -> None:
+            # textual-serve's logs errors with each frame's locals, which would print the
+            # token (a request's query, this module's closure): plain tracebacks instead.
+            logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+        def serve(self, debug: bool = False) -> None:
+            # textual-serve's serve(), on our socket and without the access log.
+            self.initialize_logging()
+            loop = asyncio.new_event_loop()
+            loop.add_signal_handler(signal.SIGINT, self.request_exit)
+            loop.add_signal_handler(signal.SIGTERM, self.request_exit)
+            web.run_app(self._make_app(), sock=sock, handle_signals=False, loop=loop, access_log=None,
+                        print=lambda *args: None)
 
     # Every browser tab runs this command; it reads the same home.
     os.environ["KUGETSU_HOME"] = str(home.root)

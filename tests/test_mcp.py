@@ -9,6 +9,7 @@ import json
 import os
 import re
 import select
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 import anyio
 import pytest
 from conftest import REPO, processes_under, wait_for_async
+from rawclient import closed_by_server
 
 mcp = pytest.importorskip("mcp", reason="the MCP SDK is in the test extra: pip install -e '.[test]'")
 from mcp import Client, StdioServerParameters  # noqa: E402
@@ -547,6 +549,62 @@ def test_http_refuses_remote_binds_and_a_missing_token(kg, args, message):
     assert message in r.stderr and "Traceback" not in r.stderr
     if "needs a bearer token" in message:
         assert "kugetsu config set mcp.token -" in r.stderr
+
+
+@pytest.mark.parametrize("where", ["config", "env"])
+@pytest.mark.parametrize("weak, message", [
+    ("a", "is 1 characters long, too short"),
+    (" ", "is blank"),
+    ("fifteen-chars-x", "is 15 characters long, too short"),
+])
+def test_http_refuses_a_weak_token(kg, where, weak, message):
+    """A token anyone could guess keeps nobody out: refused before anything listens."""
+    kg.config(autostart=False)
+    env = dict(kg.env)
+    if where == "config":
+        kg.ok("config", "set", "mcp.token", "-", input=weak)
+    else:
+        env["KUGETSU_MCP_TOKEN"] = weak
+    try:
+        r = subprocess.run([sys.executable, "-m", "kugetsu", "mcp", "--http", "127.0.0.1:0"], env=env,
+                           capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"kugetsu mcp --http started with the token {weak!r}") from None
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "at least 16" in r.stderr and "openssl rand -hex 32 | kugetsu config set mcp.token -" in r.stderr
+    assert "Traceback" not in r.stderr and "serving" not in r.stderr
+
+
+def test_http_drops_requests_whose_headers_never_end(kg):
+    """An idle connection, and a request whose headers come a byte at a time (slowloris),
+    are closed once the header time is up; a real client is served meanwhile."""
+    from kugetsu import guard
+
+    kg.config(autostart=False)
+    token = os.urandom(16).hex()
+    kg.ok("config", "set", "mcp.token", "-", input=token)
+    proc, url = start_http(kg, "--http", "127.0.0.1:0")
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    try:
+        idle = socket.create_connection(("127.0.0.1", port), timeout=10)
+        slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+        slow.sendall(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        started = time.monotonic()
+        deadline = started + guard.HEADER_TIMEOUT + 10
+        while not (closed_by_server(idle) and closed_by_server(slow)):
+            assert time.monotonic() < deadline, "a connection whose request never came whole was kept open"
+            try:
+                slow.sendall(b"X")
+            except OSError:
+                pass
+            time.sleep(0.1)
+        assert time.monotonic() - started < guard.HEADER_TIMEOUT + 5
+        idle.close()
+        slow.close()
+        assert post(url, token) != 401  # a whole request is still answered (by MCP: past the token)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_without_the_sdk_it_says_how_to_install(kg):

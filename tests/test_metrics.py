@@ -4,16 +4,21 @@ with prometheus-client's own parser; its values against the index."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
+import time
 import urllib.request
 
 import pytest
 from conftest import wait_for
+from rawclient import closed_by_server
 from test_telegram_bot import ME, api, setup  # noqa: F401  (api is a fixture)
 
 pytest.importorskip("prometheus_client", reason="the `metrics` extra (prometheus-client) is not installed")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from kugetsu import metrics  # noqa: E402
 
 
 def endpoint(kg) -> str:
@@ -116,6 +121,56 @@ def test_metrics_are_off_by_default_and_a_busy_port_stops_only_them(kg):
         kg.delegate("still-runs", 0)
         kg.wait_state("still-runs", "succeeded")
         wait_for(lambda: "metrics endpoint could not start" in kg.home.service_log.read_text(), 10, "the log line")
+
+
+def threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_idle_connections_do_not_each_take_a_thread(kg):
+    """Any local user can open connections to the endpoint; each used to cost the service a
+    thread for as long as it stayed open (681 threads in 100 s)."""
+    kg.config(metrics={"listen": "127.0.0.1:0"})
+    kg.ok("serve", "--detach")
+    url = endpoint(kg)
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    pid = kg.service_pid()
+    assert pid is not None and scrape(url)
+    before = threads(pid)
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(200)]
+    try:
+        # Those past the bound are closed at once; the rest are closed by the request timeout.
+        wait_for(lambda: sum(map(closed_by_server, socks)) >= 200 - metrics.MAX_CONNECTIONS, 20,
+                 f"the connections past the bound to be closed (service threads: {threads(pid)})")
+        assert threads(pid) <= before + metrics.MAX_CONNECTIONS
+        wait_for(lambda: all(map(closed_by_server, socks)), metrics.REQUEST_TIMEOUT + 10,
+                 "the idle connections to time out")
+    finally:
+        for s in socks:
+            s.close()
+    assert scrape(url)  # still serving
+    wait_for(lambda: threads(pid) <= before, 10, "the service's threads to go back to what they were")
+
+
+def test_a_slow_request_is_dropped_after_the_timeout(kg):
+    """Slowloris: a request whose headers come a byte at a time never ends by itself."""
+    kg.config(metrics={"listen": "127.0.0.1:0"})
+    kg.ok("serve", "--detach")
+    url = endpoint(kg)
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        started = time.monotonic()
+        deadline = started + metrics.REQUEST_TIMEOUT + 10
+        while not closed_by_server(s):
+            assert time.monotonic() < deadline, "the slow request was never dropped"
+            try:
+                s.sendall(b"X")  # one more byte of a header, every tenth of a second
+            except OSError:
+                break
+            time.sleep(0.1)
+        assert time.monotonic() - started < metrics.REQUEST_TIMEOUT + 5
+    assert scrape(url)
 
 
 @pytest.mark.parametrize("address, message", [

@@ -7,6 +7,7 @@ import os
 
 from kugetsu.config import is_loopback, load_config, parse_address
 from kugetsu.errors import UsageError
+from kugetsu.guard import check_token
 from kugetsu.paths import Home
 
 TOKEN_ENV = "KUGETSU_MCP_TOKEN"
@@ -30,11 +31,15 @@ def parse(text: str, allow_remote: bool) -> tuple[str, int]:
 
 
 def token(home: Home) -> str:
-    """The bearer token every HTTP request must carry: KUGETSU_MCP_TOKEN, else mcp.token."""
-    value = os.environ.get(TOKEN_ENV) or load_config(home).mcp.token
+    """The bearer token every HTTP request must carry: KUGETSU_MCP_TOKEN, else mcp.token;
+    one that is blank or short is refused (a guess would let anyone in)."""
+    value = os.environ.get(TOKEN_ENV)
+    where = TOKEN_ENV
+    if not value:
+        value, where = load_config(home).mcp.token, "mcp.token"
     if not value:
         raise UsageError(
             "kugetsu mcp --http needs a bearer token, so that no other local user or web page can use it: set one"
             f" with `{SET_TOKEN}` (or put it in {TOKEN_ENV}), and give clients the header"
             " `Authorization: Bearer <token>`")
-    return value
+    return check_token(value, where, f"set a random one with `{SET_TOKEN}`")
