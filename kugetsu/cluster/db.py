@@ -49,7 +49,11 @@ def connect(url: str, *, autocommit: bool = True) -> psycopg.Connection:
                                application_name="kugetsu", options=SESSION, **KEEPALIVE)
     except psycopg.Error as err:
         raise Unreachable(url, _why(err)) from None
-    ensure_schema(conn, url)
+    try:
+        ensure_schema(conn, url)
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 
@@ -62,8 +66,33 @@ def errors(url: str) -> Iterator[None]:
         raise KugetsuError(f"the queue in {redact(url)} stayed locked for {LOCK_WAIT_MS // 1000}s (another"
                            " machine's transaction, or one the database has not yet ended after a lost"
                            " connection): nothing was changed; try again") from None
+    except psycopg.errors.InsufficientPrivilege as err:
+        raise KugetsuError(_no_privilege(url, _why(err))) from None
     except psycopg.OperationalError as err:
         raise Unreachable(url, _why(err)) from None
+
+
+def _no_privilege(url: str, why: str, creating: bool = False) -> str:
+    """The database refused this role (psycopg's InsufficientPrivilege): the right that is
+    missing, in the server's words, and the statement that grants it. `creating`: kugetsu's
+    tables are not there yet, and this role may not create them."""
+    import getpass
+
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        parts = conninfo_to_dict(url)
+    except psycopg.Error:
+        parts = {}
+    role = str(parts.get("user") or os.environ.get("PGUSER") or getpass.getuser())
+    if creating:
+        grant = (f'`GRANT CREATE ON DATABASE "{parts.get("dbname") or role}" TO "{role}"` (or run a kugetsu'
+                 " command once as the owner: it creates the tables)")
+    else:
+        grant = (f'`GRANT USAGE ON SCHEMA kugetsu TO "{role}"; GRANT SELECT, INSERT, UPDATE, DELETE'
+                 f' ON ALL TABLES IN SCHEMA kugetsu TO "{role}"`')
+    return (f"the database role {role!r} lacks a privilege in {redact(url)} ({why}): as the database's owner,"
+            f" run {grant}; or point `store` at a role that has it (`kugetsu config set store -`)")
 
 
 _SCHEMA = """
@@ -118,11 +147,14 @@ def ensure_schema(conn: psycopg.Connection, url: str) -> None:
         if row is not None:
             _check_version(row[0], url)
             return
-        with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(7417190341)")
-            conn.execute(_SCHEMA)
-            conn.execute("INSERT INTO kugetsu.meta VALUES (1, %s) ON CONFLICT DO NOTHING", (SCHEMA_VERSION,))
-            conn.execute("INSERT INTO kugetsu.state (id, doc) VALUES (1, '') ON CONFLICT DO NOTHING")
+        try:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(7417190341)")
+                conn.execute(_SCHEMA)
+                conn.execute("INSERT INTO kugetsu.meta VALUES (1, %s) ON CONFLICT DO NOTHING", (SCHEMA_VERSION,))
+                conn.execute("INSERT INTO kugetsu.state (id, doc) VALUES (1, '') ON CONFLICT DO NOTHING")
+        except psycopg.errors.InsufficientPrivilege as err:
+            raise KugetsuError(_no_privilege(url, _why(err), creating=True)) from None
         if not conn.autocommit:
             conn.commit()
 

@@ -22,8 +22,9 @@ from pathlib import Path
 import psycopg
 
 from kugetsu.cluster import hosts, logs
-from kugetsu.cluster.db import LOCK_WAIT_MS, NOTIFY_CHANNEL, Unreachable, connect, process_tag
+from kugetsu.cluster.db import LOCK_WAIT_MS, NOTIFY_CHANNEL, connect, process_tag
 from kugetsu.cluster.store import PgStore
+from kugetsu.errors import KugetsuError  # Unreachable, and a role refused its privileges (db.errors)
 from kugetsu.paths import Home
 from kugetsu.placement import Here, HostSeen
 
@@ -91,7 +92,7 @@ class Member:
                 if conn is None or conn.closed:
                     conn = connect(self.url)
                 ok = hosts.heartbeat(conn, self.name, self.epoch or 0, self.max_agents)
-            except (Unreachable, psycopg.Error) as err:
+            except (KugetsuError, psycopg.Error) as err:
                 if conn is not None:
                     conn.close()
                 conn = None
@@ -146,7 +147,7 @@ class Member:
                 self._bot_lease(conn)
             finally:
                 conn.close()
-        except Unreachable:
+        except KugetsuError:
             pass  # the heartbeats try again
 
     def _bot_lease(self, conn: psycopg.Connection | None) -> None:
@@ -184,7 +185,7 @@ class Member:
                     # A bounded wait, so that a stop is seen within LISTEN_POLL seconds.
                     if any(note.payload != tag for note in conn.notifies(timeout=LISTEN_POLL)):
                         self.wake()
-            except (Unreachable, psycopg.Error):
+            except (KugetsuError, psycopg.Error):
                 if self._stop.wait(delay):
                     break
                 delay = min(delay * 2, BACKOFF_MAX)
@@ -219,7 +220,7 @@ class Member:
                             if task_id not in self._logs:
                                 self._pending.pop(task_id, None)
                                 self._shipped.pop(task_id, None)
-            except (Unreachable, psycopg.Error):
+            except (KugetsuError, psycopg.Error):
                 if conn is not None:
                     conn.close()
                 conn = None  # the heartbeat thread says so in the log; the next round retries
