@@ -161,3 +161,24 @@ def test_a_role_without_privileges_is_one_line_and_config_unset_store_gets_out(
     assert k.ok("config", "unset", "store").strip() == "store = null"
     assert json.loads(k.home.config.read_text()) == {"host": "h"}
     assert k.json("queue")["active"] == []  # type: ignore[index]
+
+
+def test_a_database_of_the_previous_schema_is_upgraded_by_the_first_command(tmp_path: Path, pg_url: str):
+    import psycopg
+
+    k = Kugetsu(tmp_path / "m1")
+    k.config(store=pg_url, host="m1")
+    k.ok("queue")
+    with psycopg.connect(pg_url, autocommit=True) as db:  # as kugetsu 0.x left it: no machine ids
+        db.execute("ALTER TABLE kugetsu.hosts DROP COLUMN machine, DROP COLUMN home")
+        db.execute("UPDATE kugetsu.meta SET schema_version = 1")
+    try:
+        k.ok("serve", "--detach")
+        k.delegate("after", 0.0, 0)
+        assert k.wait_state("after", "succeeded")["host"] == "m1"
+        with psycopg.connect(pg_url, autocommit=True) as db:
+            assert db.execute("SELECT schema_version FROM kugetsu.meta").fetchone() == (2,)
+            assert db.execute("SELECT machine FROM kugetsu.hosts").fetchone() == (k.home.machine_id.read_text().strip(),)
+        assert oct(k.home.machine_id.stat().st_mode & 0o777) == "0o600"
+    finally:
+        k.cleanup()

@@ -13,6 +13,7 @@ decided by pm in its tick; this module only reads and writes the hosts table.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +55,7 @@ class Member:
         self._bot_renewed = 0.0  # time.monotonic() of the last renewal
         self._shipped: dict[int, int] = {}  # task id -> bytes of its log the database has
         self.epoch: int | None = None
+        self.machine = ""  # this home's machine id (hosts.machine_id), read at join
         self.since: datetime | None = None  # heartbeats have come through without a gap since then
         self.fenced = False  # the lease was taken from us: fence before anything else
         self._stop = threading.Event()
@@ -75,9 +77,11 @@ class Member:
 
     def join(self) -> None:
         """Join (or rejoin) with a new epoch: the database's clock is `since`."""
+        self.machine = hosts.machine_id(self.home)
         conn = connect(self.url)
         try:
-            self.epoch, self.since = hosts.join(conn, self.name, self.max_agents)
+            self.epoch, self.since = hosts.join(conn, self.name, self.max_agents, self.machine,
+                                                f"{socket.gethostname()}:{self.home.root}", self.lease)
         finally:
             conn.close()
         self.fenced = False
@@ -242,7 +246,7 @@ class Member:
 
     def rejoin(self, conn: psycopg.Connection) -> None:
         """After fencing, in the same transaction: back, with a new epoch."""
-        self.epoch = hosts.rejoin(conn, self.name, self.max_agents)
+        self.epoch = hosts.rejoin(conn, self.name, self.max_agents, self.machine, self.lease)
         self.since = hosts.clock(conn)
         self.fenced = False
         log.info("rejoined the cluster as %s (epoch %d)", self.name, self.epoch)
