@@ -182,3 +182,24 @@ def test_a_database_of_the_previous_schema_is_upgraded_by_the_first_command(tmp_
         assert oct(k.home.machine_id.stat().st_mode & 0o777) == "0o600"
     finally:
         k.cleanup()
+
+
+async def test_the_dashboard_masks_a_url_password_in_an_event_an_older_kugetsu_recorded(tmp_path: Path):
+    import msgspec
+    from dashboard_data import busy_home, clock, until
+    from test_dashboard_layout import app_for
+
+    from kugetsu.models import Event
+    from kugetsu.tui.widgets import StateTable
+
+    home = busy_home(tmp_path / "home")
+    url = f"postgresql://kugetsu:{PASSWORD}@db/kugetsu"
+    with home.events.open("ab") as f:  # written before masking covered URLs
+        f.write(msgspec.json.encode(Event(type="config", at=clock(), key="store", value=url, seq=10)) + b"\n")
+    app = app_for(home)
+    async with app.run_test(size=(120, 30)) as pilot:
+        events = app.query_one("#events", StateTable)
+        await until(pilot, lambda: "10" in events.keys, what="the config event in the Events pane")
+        shown = " ".join(str(cell) for cell in events.get_row("10"))
+        assert PASSWORD not in shown and "kugetsu:***@db" in shown, shown
+
