@@ -120,13 +120,13 @@ def redact_url(text: str, mask: str | None = "***") -> str:
         return text  # the common case, without the regex module's import
     import re
 
-    userinfo = r"([a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s?#]*)(:)[^/\s]*@"
-    query = r"([?&])(password=)[^&#\s]*&?"
+    userinfo = r"([a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s?#]*):[^/\s]*@"  # scheme://user:PASSWORD@
+    query = r"([?&])password=[^&#\s]*"  # ?password=PASSWORD
     if mask is None:
         text = re.sub(userinfo, r"\1@", text)
-        return re.sub(query, r"\1", text, flags=re.IGNORECASE).rstrip("?&")
-    text = re.sub(userinfo, rf"\1\2{mask}@", text)
-    return re.sub(r"([?&]password=)[^&#\s]*", rf"\1{mask}", text, flags=re.IGNORECASE)
+        return re.sub(query + "&?", r"\1", text, flags=re.IGNORECASE).rstrip("?&")
+    text = re.sub(userinfo, rf"\1:{mask}@", text)
+    return re.sub(query, rf"\1password={mask}", text, flags=re.IGNORECASE)
 
 
 class AmbiguousName(UsageError):

@@ -114,6 +114,8 @@ def test_an_agent_gets_no_kugetsu_secret_from_the_service_s_environment(tmp_path
         assert env["PROVIDER_API_KEY"] == "provider-key-passes" and env["FROM_PRESET"] == "yes"
         assert env["KUGETSU_TASK_NAME"] == "dump" and env["KUGETSU_HOME"] == str(k.home.root) and env["PATH"]
         assert "KUGETSU_MCP_TOKEN" not in env and "KUGETSU_TELEGRAM_TOKEN" not in env and "PGPASSWORD" not in env
+        # A `kugetsu` the agent runs uses the same queue, with a password from elsewhere (~/.pgpass).
+        assert env["KUGETSU_STORE"] == secrets["KUGETSU_STORE"].replace(f":{PASSWORD}@", "@")
     finally:
         k.cleanup()
 
