@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import msgspec.inspect
 
-from kugetsu.errors import FileError, UsageError
+from kugetsu.errors import FileError, UsageError, redact_url
 from kugetsu.models import valid_host
 from kugetsu.paths import DISK_FULL, Home, atomic_write, disk_full, read_file
 
@@ -341,7 +341,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if self.store is not None and not re.match(r"^postgres(ql)?://", self.store):
-            raise ValueError(f"store must be a PostgreSQL URL (postgresql://user@host/db), not {self.store!r}")
+            raise ValueError(f"store must be a PostgreSQL URL (postgresql://user@host/db), not {redact_url(self.store)!r}")
         if self.host is not None and not valid_host(self.host):
             raise ValueError(f"host {self.host!r}: use letters, digits, '.', '_' and '-' (at most 64)")
         for key in ("queue_timeout", "run_timeout", "kill_grace", "min_start_interval_per_source"):
@@ -805,9 +805,12 @@ MASK = "***"
 
 def mask_secrets(value: Any, key: str = "") -> Any:
     """`value` (the value of config key `key`, dotted or not) as it may be shown or written to
-    events: every secret in it, at any depth, replaced by "***"."""
+    events: every secret in it, at any depth, replaced by "***": the values of secret keys,
+    and the password of a URL under any key (the store's, a preset's DATABASE_URL)."""
     if _SECRET_KEY.search(key) and value not in (None, "", [], {}):
         return MASK
+    if isinstance(value, str):
+        return redact_url(value)
     if isinstance(value, dict):
         return {k: mask_secrets(v, str(k)) for k, v in value.items()}
     if isinstance(value, list):

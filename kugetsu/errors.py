@@ -110,11 +110,23 @@ class Unreachable(KugetsuError):
         self.url = url
 
 
-def redact_url(url: str) -> str:
-    """A database URL with its password hidden: URLs end up in messages and logs."""
+def redact_url(text: str, mask: str | None = "***") -> str:
+    """`text` with the password of every URL in it hidden (scheme://user:***@host, and a
+    `password=` query parameter): the one mask for a password that is not under a secret
+    key (the store URL, a DATABASE_URL in a preset's env), wherever it is shown or recorded.
+    mask=None takes the password out altogether (scheme://user@host): a URL still usable
+    with a password from elsewhere (~/.pgpass)."""
+    if "://" not in text:
+        return text  # the common case, without the regex module's import
     import re
 
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    userinfo = r"([a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s?#]*):[^/\s]*@"  # scheme://user:PASSWORD@
+    query = r"([?&])password=[^&#\s]*"  # ?password=PASSWORD
+    if mask is None:
+        text = re.sub(userinfo, r"\1@", text)
+        return re.sub(query + "&?", r"\1", text, flags=re.IGNORECASE).rstrip("?&")
+    text = re.sub(userinfo, rf"\1:{mask}@", text)
+    return re.sub(query, rf"\1password={mask}", text, flags=re.IGNORECASE)
 
 
 class AmbiguousName(UsageError):

@@ -354,6 +354,15 @@ def retry(home: Home, cfg: Config, ref: str) -> Admission:
 def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Config:
     """Validate, write atomically and apply at once (raising max_agents starts queued tasks)."""
     check_wakeable(home)
+    local = read_raw(home)
+    if key == "store" and local.get("store"):
+        # Leaving a cluster, or moving to another database: never through the database being
+        # left, which may be the very reason (unreachable, a role without privileges). Its
+        # queue does not record this machine's change of mind; config.json is the record.
+        raw = with_value(local, key, value, remove=remove)
+        cfg = validate(raw, home.config, hint="\nNothing was changed.", setting=key)
+        save_raw(home, raw)
+        return cfg
     store = open_store(home)
     with store.transaction() as txn:  # the index lock also orders config writes
         local = read_raw(home)

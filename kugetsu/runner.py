@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 
+from kugetsu.config import STORE_ENV
+from kugetsu.errors import redact_url
 from kugetsu.paths import Home, open_file
 
 # The agent's argv reaches the wrapper in its environment (KUGETSU_ARG_<i>, readable in /proc
@@ -42,8 +44,14 @@ WRAPPER = (
 EXIT_BLANK = b" " * 15 + b"\n"  # what an exit file holds until its wrapper writes a status
 TOKEN_VAR = "KUGETSU_TASK_TOKEN"
 _TOKEN_B = TOKEN_VAR.encode() + b"="
-# Never handed to an agent: the bot's token, and the service's own plumbing.
-_PRIVATE_VARS = ("KUGETSU_TELEGRAM_TOKEN", "KUGETSU_SERVICE_LOCK_FD")
+# What of the service's environment an agent gets. kugetsu's own namespace is an allow-list:
+# of the KUGETSU_* variables (the store URL, the bot's and the MCP server's tokens, the
+# service's plumbing, and whatever a later version adds) an agent gets only those kugetsu
+# sets for its task (agent_env). The rest of the environment is the agent's to use (PATH,
+# HOME, its provider's API key, proxies, locale), less libpq's password, which the service's
+# own store connection may be reading. The preset's `env` can pass anything on purpose.
+_OURS = "KUGETSU_"
+_DB_SECRETS = frozenset({"PGPASSWORD"})
 
 
 def which(command: str, path: str | None = None) -> str | None:
@@ -92,9 +100,12 @@ class Spawned(msgspec.Struct):
 
 
 def agent_env(home: Home, task_id: int, name: str, token: str | None, env: dict[str, str]) -> dict[str, str]:
-    """The environment an agent runs with: the service's own, less its secrets, plus the
-    preset's variables and the task's identity."""
-    base = {k: v for k, v in os.environ.items() if k not in _PRIVATE_VARS and not k.startswith("KUGETSU_ARG_")}
+    """The environment an agent runs with: the service's own, less kugetsu's variables and
+    secrets (see _OURS), plus the preset's variables and the task's identity."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(_OURS) and k not in _DB_SECRETS}
+    store = os.environ.get(STORE_ENV)
+    if store:  # so that `kugetsu` run by the agent uses the same queue; its password stays here
+        base[STORE_ENV] = redact_url(store, mask=None)
     out = {**base, **env, "KUGETSU_TASK_ID": str(task_id), "KUGETSU_TASK_NAME": name, "KUGETSU_HOME": str(home.root)}
     if token:
         out[TOKEN_VAR] = token

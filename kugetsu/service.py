@@ -511,7 +511,12 @@ class Service:
             obs.hosts = member.observe(conn)
             if member.fenced:
                 self._fence(txn)
-                member.rejoin(conn)
+                try:
+                    member.rejoin(conn)
+                except KugetsuError as err:  # hosts.NameTaken: another home has this name now
+                    log.error("%s. This service stops.", err)
+                    self.stop()
+                    raise
                 obs.hosts = member.observe(conn)
         needed = {placement.needs_dir(t) for t in txn.index.queued}
         obs.here = member.here(frozenset(d for d in needed if not os.path.isdir(d)))

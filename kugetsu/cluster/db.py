@@ -16,7 +16,13 @@ import psycopg
 from kugetsu.errors import KugetsuError, Unreachable
 from kugetsu.errors import redact_url as redact
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# What brings a database of schema version N to N+1 (run under the advisory lock, in order).
+_UPGRADES = {
+    # 2: each machine's row names the home that holds it (its machine id, and where it is):
+    # two homes under one name would end each other's tasks as lost (hosts.join).
+    1: "ALTER TABLE kugetsu.hosts ADD COLUMN IF NOT EXISTS machine text, ADD COLUMN IF NOT EXISTS home text",
+}
 NOTIFY_CHANNEL = "kugetsu"
 CONNECT_TIMEOUT = 5  # seconds: a database that does not answer is reported, not waited for
 # A network that drops packets (a cable, a firewall) would leave a query waiting for minutes;
@@ -49,7 +55,11 @@ def connect(url: str, *, autocommit: bool = True) -> psycopg.Connection:
                                application_name="kugetsu", options=SESSION, **KEEPALIVE)
     except psycopg.Error as err:
         raise Unreachable(url, _why(err)) from None
-    ensure_schema(conn, url)
+    try:
+        ensure_schema(conn, url)
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 
@@ -62,8 +72,34 @@ def errors(url: str) -> Iterator[None]:
         raise KugetsuError(f"the queue in {redact(url)} stayed locked for {LOCK_WAIT_MS // 1000}s (another"
                            " machine's transaction, or one the database has not yet ended after a lost"
                            " connection): nothing was changed; try again") from None
+    except psycopg.errors.InsufficientPrivilege as err:
+        raise KugetsuError(_no_privilege(url, _why(err))) from None
     except psycopg.OperationalError as err:
         raise Unreachable(url, _why(err)) from None
+
+
+def _no_privilege(url: str, why: str, creating: bool = False) -> str:
+    """The database refused this role (psycopg's InsufficientPrivilege): the right that is
+    missing, in the server's words, and the statement that grants it. `creating`: kugetsu's
+    tables are not there yet, and this role may not create them."""
+    import getpass
+
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        parts = conninfo_to_dict(url)
+    except psycopg.Error:
+        parts = {}
+    role = str(parts.get("user") or os.environ.get("PGUSER") or getpass.getuser())
+    if creating:  # kugetsu's tables are missing, or older than this kugetsu
+        fix = ("run a kugetsu command once as the database's owner (it creates or upgrades kugetsu's tables),"
+               f' or, for a first use, as the owner: `GRANT CREATE ON DATABASE "{parts.get("dbname") or role}"'
+               f' TO "{role}"`')
+    else:
+        fix = (f'as the owner of kugetsu\'s tables, run `GRANT USAGE ON SCHEMA kugetsu TO "{role}"; GRANT SELECT,'
+               f' INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA kugetsu TO "{role}"`')
+    return (f"the database role {role!r} lacks a privilege in {redact(url)} ({why}): {fix}; or point `store`"
+            " at a role that has it (`kugetsu config set store -`)")
 
 
 _SCHEMA = """
@@ -106,8 +142,8 @@ CREATE TABLE IF NOT EXISTS kugetsu.cursors (chat bigint PRIMARY KEY, seq bigint 
 
 
 def ensure_schema(conn: psycopg.Connection, url: str) -> None:
-    """Create the tables on first use. Concurrent first uses serialize on an advisory lock
-    (CREATE ... IF NOT EXISTS alone races)."""
+    """Create the tables on first use, and upgrade those of an older kugetsu. Concurrent
+    first uses serialize on an advisory lock (CREATE ... IF NOT EXISTS alone races)."""
     with errors(url):
         row = None
         try:
@@ -115,14 +151,24 @@ def ensure_schema(conn: psycopg.Connection, url: str) -> None:
         except psycopg.errors.UndefinedTable:
             if not conn.autocommit:
                 conn.rollback()
-        if row is not None:
+        if row is not None and row[0] >= SCHEMA_VERSION:
             _check_version(row[0], url)
             return
-        with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(7417190341)")
-            conn.execute(_SCHEMA)
-            conn.execute("INSERT INTO kugetsu.meta VALUES (1, %s) ON CONFLICT DO NOTHING", (SCHEMA_VERSION,))
-            conn.execute("INSERT INTO kugetsu.state (id, doc) VALUES (1, '') ON CONFLICT DO NOTHING")
+        try:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(7417190341)")
+                if row is None:
+                    conn.execute(_SCHEMA)
+                    conn.execute("INSERT INTO kugetsu.meta VALUES (1, 1) ON CONFLICT DO NOTHING")
+                    conn.execute("INSERT INTO kugetsu.state (id, doc) VALUES (1, '') ON CONFLICT DO NOTHING")
+                got = conn.execute("SELECT schema_version FROM kugetsu.meta FOR UPDATE").fetchone()
+                version = got[0] if got else 1  # another process may have upgraded meanwhile
+                for step in range(version, SCHEMA_VERSION):
+                    conn.execute(_UPGRADES[step])
+                if version < SCHEMA_VERSION:
+                    conn.execute("UPDATE kugetsu.meta SET schema_version = %s", (SCHEMA_VERSION,))
+        except psycopg.errors.InsufficientPrivilege as err:
+            raise KugetsuError(_no_privilege(url, _why(err), creating=True)) from None
         if not conn.autocommit:
             conn.commit()
 

@@ -16,6 +16,8 @@ from datetime import datetime
 import msgspec
 import psycopg
 
+from kugetsu.errors import KugetsuError
+from kugetsu.paths import Home, read_file, write_new
 from kugetsu.placement import HostSeen, host_state
 
 
@@ -31,17 +33,55 @@ class HostRow(msgspec.Struct, frozen=True, kw_only=True):
     gone: bool
 
 
-def join(conn: psycopg.Connection, name: str, max_agents: int) -> tuple[int, datetime]:
-    """This machine's service is up: a new epoch, a fresh lease. Returns (epoch, the database's now)."""
+class NameTaken(KugetsuError):
+    """Another home's service holds this machine's name, and its lease is live (exit 1)."""
+
+
+def machine_id(home: Home) -> str:
+    """This home's identity in a cluster: random, made once (0600 in the home). Two homes
+    that share a name (two homes on one machine both default to its hostname) have
+    different ids, so the second cannot take the first's name by accident (join)."""
+    try:
+        found = read_file(home.machine_id).decode("ascii", "replace").strip()
+    except FileNotFoundError:
+        found = ""
+    if len(found) == 32 and all(c in "0123456789abcdef" for c in found):
+        return found
+    made = os.urandom(16).hex()  # missing, or damaged: a new identity (only the service writes it)
+    write_new(home.machine_id, f"{made}\n".encode())
+    return made
+
+
+def join(conn: psycopg.Connection, name: str, max_agents: int, machine: str, where: str,
+         lease: float) -> tuple[int, datetime]:
+    """This machine's service is up: a new epoch, a fresh lease. Returns (epoch, the database's
+    now). The name is this home's if its row is (the same machine id: a restart), if no home
+    holds it yet, or if its holder is gone or silent past the lease; else NameTaken."""
     row = conn.execute(
-        "INSERT INTO kugetsu.hosts (name, epoch, heartbeat_at, max_agents, pid, joined_at, gone)"
-        " VALUES (%s, 1, clock_timestamp(), %s, %s, clock_timestamp(), false)"
+        "INSERT INTO kugetsu.hosts (name, epoch, heartbeat_at, max_agents, pid, joined_at, gone, machine, home)"
+        " VALUES (%s, 1, clock_timestamp(), %s, %s, clock_timestamp(), false, %s, %s)"
         " ON CONFLICT (name) DO UPDATE SET epoch = kugetsu.hosts.epoch + 1, heartbeat_at = clock_timestamp(),"
-        " max_agents = excluded.max_agents, pid = excluded.pid, joined_at = clock_timestamp(), gone = false"
+        " max_agents = excluded.max_agents, pid = excluded.pid, joined_at = clock_timestamp(), gone = false,"
+        " machine = excluded.machine, home = excluded.home"
+        " WHERE kugetsu.hosts.machine IS NULL OR kugetsu.hosts.machine = excluded.machine OR kugetsu.hosts.gone"
+        " OR kugetsu.hosts.heartbeat_at < clock_timestamp() - make_interval(secs => %s)"
         " RETURNING epoch, heartbeat_at",
-        (name, max_agents, os.getpid())).fetchone()
-    assert row is not None
+        (name, max_agents, os.getpid(), machine, where, lease)).fetchone()
+    if row is None:
+        raise _taken(conn, name, lease)
     return row[0], row[1]
+
+
+def _taken(conn: psycopg.Connection, name: str, lease: float) -> NameTaken:
+    row = conn.execute("SELECT home, pid, extract(epoch FROM clock_timestamp() - heartbeat_at)"
+                       " FROM kugetsu.hosts WHERE name = %s", (name,)).fetchone()
+    home, pid, ago = row if row else (None, None, 0.0)
+    holder = f"{home or 'another home'}" + (f", pid {pid}" if pid else "") + f", heartbeat {float(ago):.0f}s ago"
+    return NameTaken(
+        f"host {name!r} is this cluster's name of another kugetsu home ({holder}): two homes under one name"
+        f" would end each other's tasks as lost. Give this home its own: `kugetsu config set host NAME`"
+        f" (the default, the hostname, is shared by every home on a machine); or stop that home's service:"
+        f" its name is free once its lease ({lease:g}s) has run out")
 
 
 def heartbeat(conn: psycopg.Connection, name: str, epoch: int, max_agents: int) -> bool:
@@ -64,13 +104,16 @@ def mark_gone(conn: psycopg.Connection, names: list[str]) -> None:
     conn.execute("UPDATE kugetsu.hosts SET gone = true, epoch = epoch + 1 WHERE name = ANY(%s)", (names,))
 
 
-def rejoin(conn: psycopg.Connection, name: str, max_agents: int) -> int:
-    """After fencing, in a transaction: back with a new epoch."""
+def rejoin(conn: psycopg.Connection, name: str, max_agents: int, machine: str, lease: float) -> int:
+    """After fencing, in a transaction: back with a new epoch, unless another home took the
+    name while this one was away (NameTaken)."""
     row = conn.execute(
         "UPDATE kugetsu.hosts SET gone = false, epoch = epoch + 1, heartbeat_at = clock_timestamp(),"
-        " joined_at = clock_timestamp(), max_agents = %s, pid = %s WHERE name = %s RETURNING epoch",
-        (max_agents, os.getpid(), name)).fetchone()
-    assert row is not None
+        " joined_at = clock_timestamp(), max_agents = %s, pid = %s"
+        " WHERE name = %s AND machine IS NOT DISTINCT FROM %s RETURNING epoch",
+        (max_agents, os.getpid(), name, machine)).fetchone()
+    if row is None:
+        raise _taken(conn, name, lease)
     return row[0]
 
 

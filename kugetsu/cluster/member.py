@@ -13,6 +13,7 @@ decided by pm in its tick; this module only reads and writes the hosts table.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -22,8 +23,9 @@ from pathlib import Path
 import psycopg
 
 from kugetsu.cluster import hosts, logs
-from kugetsu.cluster.db import LOCK_WAIT_MS, NOTIFY_CHANNEL, Unreachable, connect, process_tag
+from kugetsu.cluster.db import LOCK_WAIT_MS, NOTIFY_CHANNEL, connect, process_tag
 from kugetsu.cluster.store import PgStore
+from kugetsu.errors import KugetsuError  # Unreachable, and a role refused its privileges (db.errors)
 from kugetsu.paths import Home
 from kugetsu.placement import Here, HostSeen
 
@@ -53,6 +55,7 @@ class Member:
         self._bot_renewed = 0.0  # time.monotonic() of the last renewal
         self._shipped: dict[int, int] = {}  # task id -> bytes of its log the database has
         self.epoch: int | None = None
+        self.machine = ""  # this home's machine id (hosts.machine_id), read at join
         self.since: datetime | None = None  # heartbeats have come through without a gap since then
         self.fenced = False  # the lease was taken from us: fence before anything else
         self._stop = threading.Event()
@@ -74,9 +77,11 @@ class Member:
 
     def join(self) -> None:
         """Join (or rejoin) with a new epoch: the database's clock is `since`."""
+        self.machine = hosts.machine_id(self.home)
         conn = connect(self.url)
         try:
-            self.epoch, self.since = hosts.join(conn, self.name, self.max_agents)
+            self.epoch, self.since = hosts.join(conn, self.name, self.max_agents, self.machine,
+                                                f"{socket.gethostname()}:{self.home.root}", self.lease)
         finally:
             conn.close()
         self.fenced = False
@@ -91,7 +96,7 @@ class Member:
                 if conn is None or conn.closed:
                     conn = connect(self.url)
                 ok = hosts.heartbeat(conn, self.name, self.epoch or 0, self.max_agents)
-            except (Unreachable, psycopg.Error) as err:
+            except (KugetsuError, psycopg.Error) as err:
                 if conn is not None:
                     conn.close()
                 conn = None
@@ -146,7 +151,7 @@ class Member:
                 self._bot_lease(conn)
             finally:
                 conn.close()
-        except Unreachable:
+        except KugetsuError:
             pass  # the heartbeats try again
 
     def _bot_lease(self, conn: psycopg.Connection | None) -> None:
@@ -184,7 +189,7 @@ class Member:
                     # A bounded wait, so that a stop is seen within LISTEN_POLL seconds.
                     if any(note.payload != tag for note in conn.notifies(timeout=LISTEN_POLL)):
                         self.wake()
-            except (Unreachable, psycopg.Error):
+            except (KugetsuError, psycopg.Error):
                 if self._stop.wait(delay):
                     break
                 delay = min(delay * 2, BACKOFF_MAX)
@@ -219,7 +224,7 @@ class Member:
                             if task_id not in self._logs:
                                 self._pending.pop(task_id, None)
                                 self._shipped.pop(task_id, None)
-            except (Unreachable, psycopg.Error):
+            except (KugetsuError, psycopg.Error):
                 if conn is not None:
                     conn.close()
                 conn = None  # the heartbeat thread says so in the log; the next round retries
@@ -241,7 +246,7 @@ class Member:
 
     def rejoin(self, conn: psycopg.Connection) -> None:
         """After fencing, in the same transaction: back, with a new epoch."""
-        self.epoch = hosts.rejoin(conn, self.name, self.max_agents)
+        self.epoch = hosts.rejoin(conn, self.name, self.max_agents, self.machine, self.lease)
         self.since = hosts.clock(conn)
         self.fenced = False
         log.info("rejoined the cluster as %s (epoch %d)", self.name, self.epoch)

@@ -32,7 +32,7 @@ from telegram.ext import (
 
 from kugetsu import ops, pm
 from kugetsu.config import Config, TelegramConfig, load_config
-from kugetsu.errors import KugetsuError
+from kugetsu.errors import KugetsuError, redact_url
 from kugetsu.models import Event, TaskState
 from kugetsu.paths import Home
 from kugetsu.telegram import guard_logs, redact, text
@@ -305,7 +305,7 @@ class TelegramBot:
             if not await self._initialize(app):
                 return
             cfg = self.get_cfg().telegram
-            log.info("telegram bot @%s up (API %s)", app.bot.username, cfg.api_base_url)
+            log.info("telegram bot @%s up (API %s)", app.bot.username, redact_url(cfg.api_base_url))
             if not cfg.allowed_chat_ids:
                 log.warning(
                     "telegram.allowed_chat_ids is empty: the bot answers nobody. Send /start to the bot,"

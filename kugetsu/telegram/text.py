@@ -12,7 +12,7 @@ import re
 from datetime import datetime
 
 from kugetsu import render
-from kugetsu.config import Config, format_duration
+from kugetsu.config import Config, format_duration, mask_secrets
 from kugetsu.models import Event, Task
 from kugetsu.pm import Capacity, QueueView
 
@@ -127,7 +127,8 @@ def notification(event: Event, task: Task | None, cfg: Config, log_tail: str | N
     if kind == "lost":
         return _with_log(f"❓ {ref} lost: {esc(event.reason or 'its process vanished')}", log_tail)
     if kind == "config":
-        return f"⚙️ config {esc(event.key)} = {esc(event.value)}"
+        # masked again: an event recorded by an older kugetsu may hold a URL's password
+        return f"⚙️ config {esc(event.key)} = {esc(mask_secrets(event.value, event.key or ''))}"
     if kind == "held":  # "claude usage limit: 4 tasks held until 15:00" (pm words it)
         return f"⏸️ {esc(event.reason or 'an agent preset is held')}"
     if kind == "released":

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, tzinfo
 
 from kugetsu import pm
+from kugetsu.config import mask_secrets
 from kugetsu.models import Event, Index, Task
 from kugetsu.render import since, until
 
@@ -83,8 +84,8 @@ def _event_task(e: Event) -> str:
 
 
 def _event_detail(e: Event) -> str:
-    if e.type == "config":
-        return f"{e.key} = {e.value}"
+    if e.type == "config":  # masked again: an event recorded by an older kugetsu may hold a URL's password
+        return f"{e.key} = {mask_secrets(e.value, e.key or '')}"
     if e.type == "queued" and e.position is not None:
         return f"position {e.position}"
     if e.type == "started" and e.slot is not None:
