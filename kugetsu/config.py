@@ -328,6 +328,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     # Each task's log on disk: beyond it the service keeps its beginning and its end and drops
     # the middle (kugetsu/logtail.py); null: no cap.
     log_max_size: str | int | None = "64MiB"
+    # A task's prompt at most: it lives in the index. 128 KiB is also the most Linux passes as
+    # one argv element (MAX_ARG_STRLEN), so any prompt taken fits a {prompt} preset.
+    prompt_max_size: str | int = "128KiB"
     autostart: bool = True
     telegram: TelegramConfig = msgspec.field(default_factory=TelegramConfig)
     worktrees: WorktreesConfig = msgspec.field(default_factory=WorktreesConfig)
@@ -357,6 +360,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
             if value is not None:
                 parse_duration(value, key)
         parse_size(self.events_max_size, "events_max_size")
+        parse_size(self.prompt_max_size, "prompt_max_size")
         if self.log_max_size is not None and parse_size(self.log_max_size, "log_max_size") < LOG_MIN:
             raise ValueError(f"log_max_size must be at least {format_size(LOG_MIN)} (room for the log's beginning"
                              f" and its end), got {self.log_max_size!r}; null: no cap")
@@ -385,6 +389,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         return parse_size(self.events_max_size)
 
     @property
+    def prompt_max_bytes(self) -> int:
+        return parse_size(self.prompt_max_size)
+
+    @property
     def log_max_bytes(self) -> int | None:
         return None if self.log_max_size is None else parse_size(self.log_max_size)
 
@@ -405,6 +413,7 @@ KEY_HELP: dict[str, str] = {
     " limit: {patterns, exit_codes, backoff, max_backoff}, session_pattern, resume: [argv with {session}]}}; extend the built-ins",
     "history_limit": "finished tasks kept in index.json; older ones move to history.jsonl",
     "events_max_size": "events.jsonl beyond this becomes events.jsonl.1 (the older one is dropped)",
+    "prompt_max_size": "a task's prompt at most (it is kept in index.json); longer: refused, exit 2",
     "log_max_size": "each task's log on disk: beyond it its beginning and end are kept, the middle dropped with"
     " a marker line (at least 4MiB; null: no cap)",
     "autostart": "the CLI starts the service when needed",

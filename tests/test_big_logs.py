@@ -172,3 +172,20 @@ def test_logs_follow_across_compactions_shows_every_line_once_in_order(kg):
            and not (re.fullmatch(marker, lines[i + 1]) and re.fullmatch(rb"[line 0-9p]*", x))]
     assert not bad, bad[:3]
     assert numbers[-1] + 1 == int(lines[-2].split()[1])  # it reached the end
+
+
+def test_a_prompt_over_prompt_max_size_is_refused_and_nothing_is_written(kg, tmp_path):
+    kg.config(default_agent="sim", agents={"sim": {"command": ["sh", "-c", 'cat "$0"', "{prompt_file}"]}})
+    kg.ok("pause")  # it stays queued: edit needs that
+    kg.ok("delegate", "small", "--prompt", "a prompt")
+    before = kg.home.index.read_bytes()
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"y" * (200 * 1024))
+    r = kg.run("delegate", "huge", "--prompt-file", str(big))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert "prompt_max_size" in r.stderr and "{prompt_file}" in r.stderr and "200 KiB" in r.stderr
+    r = kg.run("edit", "small", "--prompt-file", str(big))
+    assert r.returncode == 2 and "prompt_max_size" in r.stderr
+    assert kg.home.index.read_bytes() == before
+    kg.ok("config", "set", "prompt_max_size", "1MiB")
+    kg.ok("edit", "small", "--prompt-file", str(big))
