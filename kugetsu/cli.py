@@ -580,6 +580,7 @@ def cmd_cancel(home: Home, args: argparse.Namespace) -> int:
 
 
 def cmd_logs(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu import logtail
     from kugetsu.store import open_store
 
     store = open_store(home)
@@ -599,10 +600,15 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
             f.close()
         print(f"(no output yet: {task.name} is {task.state.value})", file=sys.stderr)
         return OK
-    if f is not None and args.lines is not None:
-        out.write(b"".join(f.read().splitlines(keepends=True)[-args.lines :]) if args.lines else b"")
-    elif f is not None:
-        out.write(f.read())
+    follower = None
+    if f is not None and args.lines is not None:  # a bounded window from the end, long lines cut
+        end = logtail.tail(path, args.lines)
+        out.write(end.data)
+        follower = logtail.Follower(f, end.size)
+    elif f is not None:  # all of it, as asked: streamed, never held
+        follower = logtail.Follower(f, 0)
+        while chunk := follower.read():
+            out.write(chunk)
     out.flush()
     if args.follow and task.state is TaskState.QUEUED:  # nothing to show until it starts: say why
         cfg, index = ops.read(home)
@@ -611,10 +617,11 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     while args.follow:
         task = pm.find(store.read(), str(task.id))
         path = ops.log_path(home, cfg, task)  # in a cluster: what the task's machine shipped since
-        if f is None and path.exists():
-            f = open(path, "rb", opener=nofollow)
-        if f is not None:
-            chunk = f.read()
+        if follower is None and path.exists():
+            follower = logtail.Follower(open(path, "rb", opener=nofollow), 0)
+        if follower is not None:
+            chunk = follower.read()
+            _say_missed(follower, task.name)
             if chunk:
                 out.write(chunk)
                 out.flush()
@@ -627,10 +634,18 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     return OK
 
 
+def _say_missed(follower: Any, name: str) -> None:
+    """Output the service dropped (log_max_size) before a follower read it: said on stderr."""
+    if follower.missed:
+        print(f"(kugetsu: {follower.missed} bytes of {name}'s output were dropped by log_max_size before they"
+              " were shown)", file=sys.stderr)
+        follower.missed = 0
+
+
 def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
     """`logs A B ...`: each task's output, every line prefixed `NAME | `; with --follow,
     lines as they come, whole lines only (a task's last partial line once it has ended)."""
-    from kugetsu import waiting
+    from kugetsu import logtail, waiting
     from kugetsu.store import open_store
 
     store = open_store(home)
@@ -639,30 +654,47 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
     names = [t.name for t in tasks]
     prefix = {t.id: (f"{t.name}#{t.id}" if names.count(t.name) > 1 else t.name).encode() + b" | " for t in tasks}
     out = _Output()
-    files: dict[int, Any] = {}
+    followers: dict[int, Any] = {}
     partial = {t.id: b"" for t in tasks}
 
     def emit(task_id: int, data: bytes, last: bool) -> None:
         lines = (partial[task_id] + data).split(b"\n")
         tail = lines.pop()  # after the last newline: a line still being written
+        if len(tail) > logtail.LINE_MAX:  # a line that never ends is shown cut, not held
+            lines.append(logtail.cut_lines(tail))
+            tail = b""
         if last and tail:
             lines.append(tail)
         partial[task_id] = b"" if last else tail
         out.write(b"".join(prefix[task_id] + line + b"\n" for line in lines))
 
+    def read_all(task_id: int, last: bool) -> bool:
+        wrote = False
+        while data := followers[task_id].read() if task_id in followers else b"":
+            emit(task_id, data, last=False)
+            wrote = True
+        if last:
+            emit(task_id, b"", last=True)
+        return wrote
+
     cfg = load_config(home)
     try:
         for t in tasks:
+            path = ops.log_path(home, cfg, t)
             try:
-                files[t.id] = open(ops.log_path(home, cfg, t), "rb", opener=nofollow)
+                f = open(path, "rb", opener=nofollow)
             except FileNotFoundError:
-                pass
-            data = files[t.id].read() if t.id in files else b""
-            if not data and not args.follow:
+                f = None
+            size = os.fstat(f.fileno()).st_size if f is not None else 0
+            if not size and not args.follow:
                 print(f"(no output yet: {t.name} is {t.state.value})", file=sys.stderr)
-            if data and args.lines is not None:
-                data = b"".join(data.splitlines(keepends=True)[-args.lines:]) if args.lines else b""
-            emit(t.id, data, last=not args.follow or t.state.final)
+            if f is not None and args.lines is not None:
+                end = logtail.tail(path, args.lines)
+                followers[t.id] = logtail.Follower(f, end.size)
+                emit(t.id, end.data, last=not args.follow or t.state.final)
+            elif f is not None:
+                followers[t.id] = logtail.Follower(f, 0)
+                read_all(t.id, last=not args.follow or t.state.final)
         out.flush()
         live = [t for t in tasks if not t.state.final] if args.follow else []
         queued = [t for t in live if t.state is TaskState.QUEUED]
@@ -676,9 +708,11 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
             for t in list(live):
                 state = now_index.get(t.id, t)
                 path = ops.log_path(home, cfg, state)  # in a cluster: what its machine shipped since
-                if t.id not in files and path.exists():
-                    files[t.id] = open(path, "rb", opener=nofollow)
-                data = files[t.id].read() if t.id in files else b""
+                if t.id not in followers and path.exists():
+                    followers[t.id] = logtail.Follower(open(path, "rb", opener=nofollow), 0)
+                data = followers[t.id].read() if t.id in followers else b""
+                if t.id in followers:
+                    _say_missed(followers[t.id], t.name)
                 if data or state.state.final:
                     emit(t.id, data, last=state.state.final and not data)
                     wrote = wrote or bool(data)
@@ -689,8 +723,8 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
                 waiting.wait_change(home, [now_index.get(t.id, t) for t in live], 1.0,
                                     here=cluster_host(cfg))
     finally:
-        for f in files.values():
-            f.close()
+        for follower in followers.values():
+            follower.f.close()
     return OK
 
 

@@ -66,6 +66,11 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
+# The smallest log_max_size: a capped log keeps a quarter of it from its beginning and a
+# quarter from its end (kugetsu/logtail.py).
+LOG_MIN = 4 * 1024 * 1024
+
+
 def parse_size(value: object, what: str = "size") -> int:
     """`2GiB`, `512MiB`, `1.5G`, `800MB` or plain bytes -> bytes (> 0)."""
     if isinstance(value, bool):
@@ -320,6 +325,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     agents: dict[str, AgentPreset] = {}
     history_limit: Annotated[int, msgspec.Meta(ge=0)] = 500
     events_max_size: str | int = "16MiB"
+    # Each task's log on disk: beyond it the service keeps its beginning and its end and drops
+    # the middle (kugetsu/logtail.py); null: no cap.
+    log_max_size: str | int | None = "64MiB"
+    # A task's prompt at most: it lives in the index. 128 KiB is also the most Linux passes as
+    # one argv element (MAX_ARG_STRLEN), so any prompt taken fits a {prompt} preset.
+    prompt_max_size: str | int = "128KiB"
     autostart: bool = True
     telegram: TelegramConfig = msgspec.field(default_factory=TelegramConfig)
     worktrees: WorktreesConfig = msgspec.field(default_factory=WorktreesConfig)
@@ -349,6 +360,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
             if value is not None:
                 parse_duration(value, key)
         parse_size(self.events_max_size, "events_max_size")
+        parse_size(self.prompt_max_size, "prompt_max_size")
+        if self.log_max_size is not None and parse_size(self.log_max_size, "log_max_size") < LOG_MIN:
+            raise ValueError(f"log_max_size must be at least {format_size(LOG_MIN)} (room for the log's beginning"
+                             f" and its end), got {self.log_max_size!r}; null: no cap")
         # User presets extend (and may override) the built-in ones.
         self.agents = msgspec.convert({**DEFAULT_AGENTS, **msgspec.to_builtins(self.agents)}, dict[str, AgentPreset])
         if self.default_agent not in self.agents:
@@ -374,6 +389,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         return parse_size(self.events_max_size)
 
     @property
+    def prompt_max_bytes(self) -> int:
+        return parse_size(self.prompt_max_size)
+
+    @property
+    def log_max_bytes(self) -> int | None:
+        return None if self.log_max_size is None else parse_size(self.log_max_size)
+
+    @property
     def min_start_interval_s(self) -> float | None:
         v = self.min_start_interval_per_source
         return None if v is None else parse_duration(v)
@@ -390,6 +413,9 @@ KEY_HELP: dict[str, str] = {
     " limit: {patterns, exit_codes, backoff, max_backoff}, session_pattern, resume: [argv with {session}]}}; extend the built-ins",
     "history_limit": "finished tasks kept in index.json; older ones move to history.jsonl",
     "events_max_size": "events.jsonl beyond this becomes events.jsonl.1 (the older one is dropped)",
+    "prompt_max_size": "a task's prompt at most (it is kept in index.json); longer: refused, exit 2",
+    "log_max_size": "each task's log on disk: beyond it its beginning and end are kept, the middle dropped with"
+    " a marker line (at least 4MiB; null: no cap)",
     "autostart": "the CLI starts the service when needed",
     "telegram": "the Telegram bot: token, allowed_chat_ids, allowed_user_ids, notify_chat_ids, api_base_url, events,"
     " allow_delegate, delegate_cwd (docs/telegram.md)",

@@ -16,7 +16,7 @@ import msgspec
 from datetime import datetime, timedelta
 
 from kugetsu import limits, placement
-from kugetsu.config import Config, format_duration, parse_duration
+from kugetsu.config import Config, format_duration, format_size, parse_duration
 from kugetsu.errors import (AmbiguousName, InvalidHost, NeedsPrompt, NoSuchTask, NotClustered, QueueFull, Rejected,
                             UnknownDependency, UnknownGroup, UsageError)
 from kugetsu.models import (PRIORITIES, Attempt, ClockError, Event, Hold, Index, LimitHit, SourceMark, Task, TaskState,
@@ -345,8 +345,22 @@ def resolve_agent(cfg: Config, req: Request) -> tuple[str | None, list[str], dic
     return agent, list(preset.command), {**preset.env, **req.env}
 
 
+def check_prompt(cfg: Config, prompt: str | None) -> None:
+    """A prompt over prompt_max_size is refused: it is kept with its task in the index, which
+    every command reads (a 64 MB prompt made each one cost a second and 200 MB)."""
+    if prompt is None:
+        return
+    size, cap = len(prompt.encode("utf-8", "surrogateescape")), cfg.prompt_max_bytes
+    if size > cap:
+        raise UsageError(
+            f"the prompt is {format_size(size)}, over prompt_max_size ({format_size(cap)}): put the long text in a"
+            " file the agent can read (in its --cwd) and give a short prompt that points to it; a preset with"
+            " {prompt_file} passes the prompt as a file rather than in the agent's argv; or raise prompt_max_size")
+
+
 def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task, list[Event]]:
     """Add a task to the queue, or refuse. Raises before changing anything."""
+    check_prompt(cfg, req.prompt)
     if req.name is not None and req.name.isascii() and req.name.isdigit():
         raise UsageError(
             f"invalid task name {req.name!r}: a name of digits only would be read as task #{req.name};"
@@ -501,6 +515,7 @@ def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> 
         if value is not None and value < 0:
             raise UsageError(f"a negative {what} ({value:g}s) makes no sense; 0 means none")
     command = None
+    check_prompt(cfg, change.prompt)
     if change.prompt is not None:
         if change.prompt == "":
             raise UsageError("the prompt is empty: an agent given nothing to do would start for nothing")

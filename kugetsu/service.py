@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kugetsu import control, limits, ops, placement, pm, runner
+from kugetsu import control, limits, logtail, ops, placement, pm, runner
 from kugetsu.config import Config, format_size, host_name, load_config
 from kugetsu.deadlines import DeadlineTimer
 from kugetsu.errors import DiskFull, KugetsuError, Unreachable
 from kugetsu.exits import Ending, Exits
 from kugetsu.models import Event, Index, Task
 from kugetsu.pm import GUARD_RECHECK
-from kugetsu.paths import Home, atomic_write, read_tail
+from kugetsu.paths import Home, atomic_write
 from kugetsu.processes import WARM_AHEAD, LetGo, Processes
 from kugetsu.store import Txn, open_store
 from kugetsu.wakeup import WakeSocket
@@ -49,6 +49,7 @@ __all__ = ["COMMIT_DELAY", "GUARD_RECHECK", "RECONCILE_EVERY", "WARM_AHEAD", "En
 log = logging.getLogger("kugetsu.service")
 
 RECONCILE_EVERY = 5.0  # seconds: a safety net; exits and deadlines do not wait for it
+LOG_CHECK_EVERY = 2.0  # seconds between looks at the running agents' log sizes (log_max_size)
 COMMIT_DELAY = 0.02  # seconds an exit's transaction stays open for the exits that follow (_hold)
 RETRY_FIRST, RETRY_MAX = 0.1, 5.0  # seconds: backoff while transactions fail (a full disk)
 
@@ -82,6 +83,10 @@ class Service:
         self._disk_check = True  # worktrees.max_disk: look at start, then whenever one is kept
         self.member: Member | None = None  # cluster mode: this machine's lease, wake-ups, shipped output
         self._termed: set[int] = set()  # cluster mode: tasks whose stop this service has signalled
+        self._watched_logs: dict[int, str] = {}  # this machine's agents' logs, for log_max_size
+        self._log_check: asyncio.TimerHandle | None = None
+        self._compacting: set[int] = set()  # logs being compacted in a worker thread
+        self._cap_failed: set[int] = set()  # logs that could not be compacted (said once)
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -120,6 +125,8 @@ class Service:
             if self.member is not None:
                 await asyncio.to_thread(self.member.stop)
             self._reconcile_handle.cancel()
+            if self._log_check is not None:
+                self._log_check.cancel()
             self.timer.cancel()
             self.worktrees.shutdown()
             self.procs.close()
@@ -296,16 +303,64 @@ class Service:
             self.procs.sync_warm(self.index, self.cfg)
         else:
             self.member.shipping({t.id: self.home.log(t.id) for t in self.index.active if t.host == self.member.name})
+        self._watch_logs(here)
         if not hold:
             self._committed(txn.events)
         if deferred:
             self.request_tick()  # the starts this tick committed: spawned by the next one
 
+    # ---- log_max_size: each log capped on disk -------------------------------------------
+
+    def _watch_logs(self, here: str | None) -> None:
+        """After each tick: the logs of this machine's running agents are looked at every
+        LOG_CHECK_EVERY seconds while there are any (none: no timer). A task that ended is
+        looked at once more (its last burst)."""
+        if self.cfg.log_max_bytes is None:
+            self._watched_logs.clear()
+            return
+        for t in self.index.active:
+            if t.log and placement.ours(t, here):
+                self._watched_logs[t.id] = t.log
+        if self._watched_logs and self._log_check is None:
+            self._log_check = self.loop.call_later(LOG_CHECK_EVERY, self._check_logs)
+
+    def _check_logs(self) -> None:
+        """One stat per watched log; a log over log_max_size is compacted in a worker thread
+        (a copy of a quarter of the cap: never on the loop)."""
+        self._log_check = None
+        cap = self.cfg.log_max_bytes
+        running = {t.id for t in self.index.active}
+        for task_id, path in list(self._watched_logs.items()):
+            if task_id not in running:
+                del self._watched_logs[task_id]  # this look is its last
+            if cap is None or task_id in self._compacting:
+                continue
+            try:
+                size = os.stat(path).st_size
+            except OSError:
+                continue
+            if size > cap:
+                self._compacting.add(task_id)
+                job = self.loop.run_in_executor(None, logtail.compact, path, cap)
+                job.add_done_callback(lambda done, task_id=task_id, size=size: self._compacted(task_id, size, done))
+        if self._watched_logs:
+            self._log_check = self.loop.call_later(LOG_CHECK_EVERY, self._check_logs)
+
+    def _compacted(self, task_id: int, size: int, done: asyncio.Future[int]) -> None:
+        self._compacting.discard(task_id)
+        err = done.exception()
+        if err is not None:  # e.g. a link planted in its place: said once, the next look retries
+            if task_id not in self._cap_failed:
+                self._cap_failed.add(task_id)
+                log.warning("could not cap task #%d's log (%s); retrying", task_id, err)
+        elif done.result():
+            log.debug("task #%d's log was %d bytes: %d dropped (log_max_size)", task_id, size, done.result())
+
     def _with_output(self, seen: pm.Exit, task: Task) -> pm.Exit:
         """What pm reads in the end of an agent's output (a provider's limit, the session id)."""
         if not task.log or not pm.reads_output(self.cfg, task):
             return seen
-        tail = read_tail(task.log, limits.TAIL_BYTES).decode(errors="replace")
+        tail = logtail.tail(task.log, max_bytes=limits.TAIL_BYTES).data.decode(errors="replace")
         return msgspec.structs.replace(seen, tail=tail)
 
     def _take(self, txn: Txn, plan: pm.Plan) -> pm.Plan:

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import psycopg
 
+from kugetsu import logtail
 from kugetsu.paths import open_file
 
 CHUNK = 64 * 1024  # bytes per row: a burst of output is a few rows, not one huge one
+ROUND = 64  # rows at most per read or write: memory stays at 4 MiB whatever cluster.log_max_size
 
 
 def shipped(conn: psycopg.Connection, task: int) -> int:
@@ -29,7 +31,10 @@ def shipped(conn: psycopg.Connection, task: int) -> int:
 
 
 def ship(conn: psycopg.Connection, task: int, path: Path, start: int, cap: int) -> int:
-    """Send what the log has past `start`, up to `cap` bytes in all. Returns the new offset."""
+    """Send what the log has past `start`, up to `cap` bytes in all, at most ROUND chunks a
+    call (the next round sends more). Returns the new offset. Once the log was capped on
+    disk (log_max_size), what follows its head is no longer at the offsets it had: shipping
+    stops there."""
     if start >= cap:
         return start
     try:
@@ -38,8 +43,10 @@ def ship(conn: psycopg.Connection, task: int, path: Path, start: int, cap: int) 
         return start
     rows = []
     with os.fdopen(fd, "rb") as f:
+        if logtail.dropped(fd) != (0, 0):
+            cap = min(cap, logtail.HEAD)
         f.seek(start)
-        data = f.read(cap - start)
+        data = f.read(max(0, min(cap - start, ROUND * CHUNK)))
     for i in range(0, len(data), CHUNK):
         rows.append((task, start + i, data[i : i + CHUNK]))
     if rows:
@@ -55,13 +62,16 @@ def mirror(conn: psycopg.Connection, task: int, path: Path) -> int:
     fd = open_file(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
     with os.fdopen(fd, "r+b") as f:
         have = os.fstat(f.fileno()).st_size
-        rows = conn.execute(
-            "SELECT pos, data FROM kugetsu.log_chunks WHERE task = %s AND pos + length(data) > %s ORDER BY pos",
-            (task, have)).fetchall()
-        for pos, data in rows:
-            if pos > have:
-                break  # a gap (a chunk still on its way): the next look fills it
-            data = bytes(data)[have - pos :]
-            f.write(data)
-            have += len(data)
-        return have
+        while True:  # ROUND rows at a time: never the whole shipped log in memory
+            rows = conn.execute(
+                "SELECT pos, data FROM kugetsu.log_chunks WHERE task = %s AND pos + length(data) > %s"
+                " ORDER BY pos LIMIT %s", (task, have, ROUND)).fetchall()
+            start = have
+            for pos, data in rows:
+                if pos > have:
+                    return have  # a gap (a chunk still on its way): the next look fills it
+                data = bytes(data)[have - pos :]
+                f.write(data)
+                have += len(data)
+            if len(rows) < ROUND or have == start:
+                return have

@@ -219,7 +219,9 @@ class Member:
                     if start is None:
                         start = logs.shipped(conn, task_id)
                     self._shipped[task_id] = logs.ship(conn, task_id, path, start, self.log_cap)
-                    if task_id not in running:  # it has ended: that was the last of it
+                    # It has ended and nothing was left to send (a round sends a bounded part):
+                    # that was the last of it.
+                    if task_id not in running and self._shipped[task_id] == start:
                         with self._lock:
                             if task_id not in self._logs:
                                 self._pending.pop(task_id, None)

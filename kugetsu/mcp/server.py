@@ -30,7 +30,7 @@ from mcp.types import CallToolResult, SubscribeRequestParams, TextContent, ToolA
 from pydantic import Field
 
 import kugetsu
-from kugetsu import control, ops, pm, render, waiting
+from kugetsu import control, logtail, ops, pm, render, waiting
 from kugetsu.config import Config, format_duration, load_config, parse_duration
 from kugetsu.errors import KugetsuError, Rejected, UsageError
 from kugetsu.mcp.models import (
@@ -44,7 +44,7 @@ from kugetsu.mcp.models import (
     WaitOut,
 )
 from kugetsu.models import Index, Task, TaskState
-from kugetsu.paths import Home, explain, read_tail
+from kugetsu.paths import Home, explain
 from kugetsu.store import StoreProtocol, open_store
 
 # The text a PM agent needs to use these tools well: sent as the server's instructions, and
@@ -451,12 +451,10 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             size = os.stat(path).st_size
         except FileNotFoundError:
             size = 0
-        data = read_tail(path, max_bytes) if size else b""
-        if lines is not None:
-            data = b"".join(data.splitlines(keepends=True)[-lines:]) if lines else b""
-        text = data.decode("utf-8", errors="replace")
+        end = logtail.tail(path, lines, max_bytes) if size else logtail.Tail(b"", 0, 0)
+        text = end.data.decode("utf-8", errors="replace")
         obj = {"id": found.id, "name": found.name, "state": found.state.value, "text": text, "size": size,
-               "truncated": len(data) < size}
+               "truncated": len(end.data) != end.size}
         shown = text if size else f"(no output yet: {found.name} is {found.state.value})"
         return _text(shown, obj)
 

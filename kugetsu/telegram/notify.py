@@ -27,7 +27,7 @@ from telegram.error import BadRequest, Forbidden, InvalidToken, RetryAfter, Tele
 
 from kugetsu.config import Config
 from kugetsu.models import Event, Task
-from kugetsu import ops
+from kugetsu import logtail, ops
 from kugetsu.ops import now
 from kugetsu.paths import Home, atomic_write, nofollow, read_file
 from kugetsu.store import open_store, decode_events
@@ -352,9 +352,6 @@ class Notifier:
 
 def _log_tail(path: Path, size: int = 8192) -> str | None:
     try:
-        with open(path, "rb", opener=nofollow) as f:
-            end = f.seek(0, os.SEEK_END)
-            f.seek(max(0, end - size))
-            return text.tail_lines(f.read())
+        return text.tail_lines(logtail.tail(path, max_bytes=size).data)
     except OSError:
         return None

@@ -152,13 +152,17 @@ class TaskTable(StateTable):
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]|\r(?!\n)")
 TAIL_BYTES = 64 * 1024
+LINE_SHOWN = 4096
 
 
 class LogView(Log):
     """The live tail of one log file: the last 64 KiB at first, then whatever is appended.
 
     Reads by offset, so a poll costs one stat when nothing changed; a file that shrinks or is
-    replaced (clean) is read again from its tail.
+    replaced (clean, the service's cap on a log) is read again from its tail. Bounded
+    whatever the agent writes: a poll reads at most TAIL_BYTES (more appended since the last
+    one is skipped, with a line that says so), and a line is shown up to LINE_SHOWN
+    characters (the rest is cut, counted at its end): a flood must not stop the app.
     """
 
     def __init__(self, *, poll: float = 1.0, **kw: object):
@@ -176,6 +180,10 @@ class LogView(Log):
         self._inode = 0
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._empty = True
+        self._mid_line = False  # reading from inside a line: drop up to its end
+        self._col = 0  # characters of the current line shown
+        self._cut = 0  # characters of the current line not shown
+        self._open = False  # the last line shown has not ended yet
 
     def follow(self, path: Path | None, placeholder: str = "(no output yet)") -> None:
         self.path, self._placeholder = path, placeholder
@@ -197,25 +205,60 @@ class LogView(Log):
             self.clear()
             self._inode = st.st_ino
             self._offset = max(0, st.st_size - TAIL_BYTES)
+            self._mid_line = self._offset > 0
         if st.st_size == self._offset:
             if self._empty:
                 self._show_placeholder()
             return
+        skipped = max(0, st.st_size - TAIL_BYTES - self._offset)
         try:
             with open(self.path, "rb", opener=nofollow) as f:  # never through a link planted in the home
-                f.seek(self._offset)
-                data = f.read(st.st_size - self._offset)
+                f.seek(self._offset + skipped)
+                data = f.read(TAIL_BYTES)
         except OSError:
             return
-        mid_file = self._offset > 0 and self._empty
-        self._offset += len(data)
-        if mid_file and b"\n" in data:  # started mid-file: drop the partial first line
-            data = data[data.find(b"\n") + 1 :]
-        text = _ANSI.sub("", self._decoder.decode(data))
+        self._offset += skipped + len(data)
         if self._empty:
             self.clear()
             self._empty = False
-        self.write(text)
+        if skipped:
+            self._decoder.reset()
+            self._emit(("\n" if self._col or self._cut else "") + f"[\u2026 {skipped} bytes skipped]\n")
+            self._col = self._cut = 0
+            self._mid_line = True
+        if self._mid_line and b"\n" in data:  # started inside a line: drop the part of it read
+            data = data[data.find(b"\n") + 1 :]
+        self._mid_line = False
+        self._emit(self._bounded(_ANSI.sub("", self._decoder.decode(data))))
+
+    def _emit(self, text: str) -> None:
+        """Append `text` to the pane: the first piece continues the open line, whole lines go in
+        with one write_lines (Log.write refreshes once per line: 64 KiB of short lines took
+        half a second, a frozen app under a flood)."""
+        parts = text.split("\n")
+        if self._open:
+            self.write(parts.pop(0), scroll_end=False)
+        self._open = parts[-1] != ""
+        if not self._open:
+            parts.pop()
+        if parts:  # write_lines drops an empty line: a blank shows as one space
+            self.write_lines([p or " " for p in parts])
+
+    def _bounded(self, text: str) -> str:
+        """`text` with each line cut at LINE_SHOWN characters, across writes (a line may come
+        in many); a cut line ends with how much of it was not shown."""
+        out = []
+        for i, part in enumerate(text.split("\n")):
+            if i:
+                if self._cut:
+                    out.append(f" \u2026 [{self._cut} characters cut]")
+                out.append("\n")
+                self._col = self._cut = 0
+            room = max(0, LINE_SHOWN - self._col)
+            out.append(part[:room])
+            self._col += min(room, len(part))
+            self._cut += max(0, len(part) - room)
+        return "".join(out)
 
     def _show_placeholder(self) -> None:
         if self._empty and self.lines != self._placeholder.split("\n"):
