@@ -1,0 +1,126 @@
+"""User and agent text is shown as text (issue 24, items 7 and 8): Rich/Textual markup in it is
+never read as markup (a `[/]` crashed the dashboard, a `[@click=app.quit]` would be a live
+action), and control characters in it (an OSC title, a screen clear, a carriage return, a bidi
+override) reach no terminal: the human output shows them escaped, `--json` stays exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+from dashboard_data import UTC, ago, settled, until, write_config
+
+from kugetsu import ops
+from kugetsu.models import Event, Index, Task, TaskState
+from kugetsu.paths import Home, atomic_write
+from kugetsu.store import encode_index
+from kugetsu.tui.app import make_app
+from kugetsu.tui.screens import DelegateForm, LogScreen
+from kugetsu.tui.widgets import TaskTable
+
+QUIT = "[@click=app.quit]quit[/]"  # markup with an action: if parsed, a click quits the app
+PRESET = "[/]x"  # `kugetsu hold '[/]x'` crashed every dashboard start while the hold lasted
+GROUP = "[bold"
+REASON = "cwd /tmp/x[/]y was removed before the task started"
+LINK = "[link=https://evil.example]docs[/link]"
+
+
+def _plain(markup: str | None) -> str:
+    """A border title (Textual hands it back as markup) as the text on screen."""
+    from textual.content import Content
+
+    return Content.from_markup(markup or "").plain
+
+
+def hostile_home(root: Path) -> Home:
+    """A home whose every free-text field holds markup; the hold and the pause go through the
+    real CLI."""
+    home = Home(root)
+    write_config(home, max_agents=2, groups={GROUP: {"max_agents": 1}},
+                 agents={"sim": {"command": ["sh", "-c", "echo {prompt}"]},
+                         PRESET: {"command": ["sh", "-c", "echo {prompt}"]}})
+    now = ops.now()
+    ago.now = now
+    running = Task(id=1, name="run-1", state=TaskState.RUNNING, command=["sim"], cwd="/w", source=LINK,
+                   agent=PRESET, created_at=ago(minutes=5), started_at=ago(minutes=4), pid=2**22 + 1, slot=1)
+    queued = Task(id=2, name="wait-2", state=TaskState.QUEUED, command=["sim"], cwd="/w", source="[bold]",
+                  group=GROUP, created_at=ago(minutes=3))
+    finished = [
+        Task(id=3, name="gone-3", state=TaskState.FAILED, command=["sim"], cwd="/tmp/x[/]y", source="cli",
+             created_at=ago(minutes=9), finished_at=ago(minutes=8), reason=REASON),
+        Task(id=4, name="quit-4", state=TaskState.FAILED, command=["sim"], cwd="/w", source="cli",
+             created_at=ago(minutes=7), finished_at=ago(minutes=6), exit_code=1, reason=QUIT),
+    ]
+    index = Index(next_id=5, next_seq=3, active=[running], queued=[queued], finished=finished)
+    atomic_write(home.index, encode_index(index))
+    events = [Event(type="failed", at=ago(minutes=8), task=3, name="gone-3", source="cli", reason=REASON, seq=1),
+              Event(type="failed", at=ago(minutes=6), task=4, name="quit-4", source="cli", reason=QUIT, seq=2)]
+    home.events.write_bytes(b"".join(msgspec.json.encode(e) + b"\n" for e in events))
+    home.log(4).write_text(f"agent says {QUIT}\n")
+    env = {**os.environ, "KUGETSU_HOME": str(root)}
+    for args in (["hold", PRESET], ["pause", "--group", GROUP]):
+        subprocess.run([sys.executable, "-m", "kugetsu", *args], env=env, check=True, capture_output=True, timeout=60)
+    return home
+
+
+async def test_the_dashboard_shows_markup_in_user_text_as_text(tmp_path):
+    home = hostile_home(tmp_path / "home")
+    app = make_app(home, tz=UTC, cwd="/")
+    async with app.run_test(size=(160, 40)) as pilot:
+        await settled(pilot)
+        summary = str(app.query_one("#summary").render())
+        assert f"{PRESET} held by hand" in summary and GROUP in summary
+        finished = app.query_one("#finished", TaskTable)
+        assert [str(c) for c in finished.get_row("4")][-1] == QUIT
+        assert [str(c) for c in finished.get_row("3")][-1] == REASON
+        running = app.query_one("#running", TaskTable)
+        assert LINK in [str(c) for c in running.get_row("1")]
+        # The Output pane's title names the task and how it ended: its reason, as written.
+        finished.focus()
+        finished.move_cursor(row=finished.get_row_index("4"))
+        await until(pilot, lambda: app.selected == 4, what="task 4 selected")
+        assert QUIT in _plain(app.query_one("#output").border_title)
+        await pilot.press("l")
+        assert isinstance(app.screen, LogScreen)
+        title = app.screen.query_one("#log-title")
+        assert QUIT in str(title.render())
+        # A markup action in the text is no action: clicking it leaves the app running.
+        await pilot.click("#log-title", offset=(len(str(title.render())) - 4, 0))
+        await pilot.pause()
+        assert app.is_running and isinstance(app.screen, LogScreen)
+        await pilot.press("escape")
+        finished.move_cursor(row=finished.get_row_index("3"))
+        await until(pilot, lambda: app.selected == 3, what="task 3 selected")
+        assert REASON in _plain(app.query_one("#output").border_title)
+        assert app.is_running
+
+
+async def test_the_delegate_form_and_notifications_show_markup_as_text(tmp_path):
+    """The form's errors quote what was typed; a home whose path holds markup is named in the
+    notifications: both as written."""
+    root = tmp_path / "x[" / "]y"
+    home = hostile_home(root)
+    app = make_app(home, tz=UTC, cwd="/")
+    async with app.run_test(size=(160, 40)) as pilot:
+        await pilot.press("d")
+        form = app.screen
+        assert isinstance(form, DelegateForm)
+        await until(pilot, lambda: form.query_one("#name").has_focus, what="the name field")
+        await pilot.press(*"[/]", "tab", *"[bold]x", "enter")
+        await settled(pilot)
+        assert "'[/]'" in str(form.query_one("#error").render())
+        await pilot.press("escape")
+        home.index.write_text("{not json")
+        await pilot.press("r")
+        await settled(pilot)
+        notes = [str(n.message) for n in app._notifications]
+        assert any(str(root) in n for n in notes), notes
+        assert app.is_running
+
