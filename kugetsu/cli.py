@@ -15,7 +15,7 @@ from kugetsu.config import Config, cluster_host, format_duration, get_value, loa
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
 from kugetsu.models import PRIORITIES, Index, TaskState
 from kugetsu.paths import Home, default_home, nofollow, read_tail
-from kugetsu.render import to_json
+from kugetsu.render import printable, to_json
 
 
 def _duration(text: str) -> float:
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         _flush_output()  # here, so that a failed write of the output is said like any error
         return code
     except KugetsuError as err:
-        print(f"kugetsu: {err}{_fix(err)}", file=sys.stderr)
+        _say(f"kugetsu: {err}{_fix(err)}", file=sys.stderr)
         return err.code
     except KeyboardInterrupt:
         return 130
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         from kugetsu.paths import explain
 
         error = explain(home, err)
-        print(f"kugetsu: {error}", file=sys.stderr)
+        _say(f"kugetsu: {error}", file=sys.stderr)
         return error.code
     finally:
         if collecting:
@@ -387,7 +387,7 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         raise UsageError("the prompt is empty: an agent given nothing to do would start for nothing;"
                          " give --prompt TEXT with the task in it")
     if prompt is not None and args.argv_command and not args.agent:
-        print("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"
+        _say("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"
               " in its arguments, or drop the command to run the agent preset)", file=sys.stderr)
     req = pm.Request(
         cwd=os.path.abspath(args.cwd or os.getcwd()),
@@ -412,7 +412,7 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     if not args.json:
         from kugetsu import render
 
-        print(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for), flush=True)
+        _say(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for), flush=True)
     if args.wait:  # the task just admitted, by id: never an older task of the same name
         code = _wait_for(home, [adm.task.id], None)
         if args.json:
@@ -459,7 +459,7 @@ def cmd_edit(home: Home, args: argparse.Namespace) -> int:
         print(to_json(ops.task_json(task, position)))
         return OK
     where = f"position {position}" if position is not None else "started"
-    print(f"{'edited' if changed else 'unchanged'} {task.name} (#{task.id}), {where}")
+    _say(f"{'edited' if changed else 'unchanged'} {task.name} (#{task.id}), {where}")
     return OK
 
 
@@ -492,8 +492,16 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
         _kept.append(shown := ops.queue_json(view))
         _print_json(shown)
     else:
-        print(render.queue_text(view, control.service_pid(home) is not None))
+        _say(render.queue_text(view, control.service_pid(home) is not None))
     return OK
+
+
+def _say(text: object = "", **kw: Any) -> None:
+    """print() for a person: names, prompts, paths and reasons in it are anyone's text (an
+    agent's, a chat's), so what a terminal would obey in it (an OSC that retitles the window, a
+    screen clear, a CR, a bidi override) is shown escaped (render.printable). --json output
+    never comes here: it stays exact."""
+    print(printable(str(text)), **kw)
 
 
 def _print_json(obj: object) -> None:
@@ -559,7 +567,10 @@ def cmd_status(home: Home, args: argparse.Namespace) -> int:
     control.ensure_service(home, cfg, index)
     task = pm.find(index, args.task)
     obj = ops.task_json(task, pm.position(index, cfg, ops.now(), task), cluster_host(cfg))
-    print(to_json(obj) if args.json else render.task_lines(obj))
+    if args.json:
+        print(to_json(obj))
+    else:
+        _say(render.task_lines(obj))
     return OK
 
 
@@ -575,7 +586,7 @@ def cmd_cancel(home: Home, args: argparse.Namespace) -> int:
     else:
         from kugetsu import render
 
-        print(render.cancelled(out))
+        _say(render.cancelled(out))
     return OK
 
 
@@ -597,7 +608,7 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     if not args.follow and (f is None or os.fstat(f.fileno()).st_size == 0):
         if f is not None:
             f.close()
-        print(f"(no output yet: {task.name} is {task.state.value})", file=sys.stderr)
+        _say(f"(no output yet: {task.name} is {task.state.value})", file=sys.stderr)
         return OK
     if f is not None and args.lines is not None:
         out.write(b"".join(f.read().splitlines(keepends=True)[-args.lines :]) if args.lines else b"")
@@ -607,7 +618,7 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     if args.follow and task.state is TaskState.QUEUED:  # nothing to show until it starts: say why
         cfg, index = ops.read(home)
         position = pm.positions(index, cfg, ops.now()).get(task.id)
-        print(f"(waiting: {task.name} is queued" + (f", position {position})" if position else ")"), file=sys.stderr)
+        _say(f"(waiting: {task.name} is queued" + (f", position {position})" if position else ")"), file=sys.stderr)
     while args.follow:
         task = pm.find(store.read(), str(task.id))
         path = ops.log_path(home, cfg, task)  # in a cluster: what the task's machine shipped since
@@ -659,7 +670,7 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
                 pass
             data = files[t.id].read() if t.id in files else b""
             if not data and not args.follow:
-                print(f"(no output yet: {t.name} is {t.state.value})", file=sys.stderr)
+                _say(f"(no output yet: {t.name} is {t.state.value})", file=sys.stderr)
             if data and args.lines is not None:
                 data = b"".join(data.splitlines(keepends=True)[-args.lines:]) if args.lines else b""
             emit(t.id, data, last=not args.follow or t.state.final)
@@ -668,7 +679,7 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
         queued = [t for t in live if t.state is TaskState.QUEUED]
         if queued:  # nothing to show of them until they start: say why
             positions = pm.positions(index, cfg, ops.now())
-            print("(waiting: " + ", ".join(f"{t.name} is queued, position {positions.get(t.id, '-')}" for t in queued)
+            _say("(waiting: " + ", ".join(f"{t.name} is queued, position {positions.get(t.id, '-')}" for t in queued)
                   + ")", file=sys.stderr)
         while live:
             now_index = {t.id: t for t in store.read().all_tasks()}
@@ -700,7 +711,7 @@ def cmd_wait(home: Home, args: argparse.Namespace) -> int:
     tasks = [pm.find_to_wait(index, ref) for ref in args.tasks]
     for ref, t in zip(args.tasks, tasks):
         if t.state.final and not ref.strip().lstrip("#").isdigit():  # the name may have meant a newer task
-            print(f"kugetsu: note: {ref} is task #{t.id}, which had already finished ({t.state.value}) before this"
+            _say(f"kugetsu: note: {ref} is task #{t.id}, which had already finished ({t.state.value}) before this"
                   f" wait; `kugetsu wait #{t.id}` names it for sure", file=sys.stderr)
     return _wait_for(home, [t.id for t in tasks], args.timeout)
 
@@ -713,19 +724,19 @@ def _wait_for(home: Home, ids: list[int], timeout: float | None) -> int:
 
     done = waiting.wait_final(home, ids, timeout, settle=True)
     if not done:
-        print(f"kugetsu: timed out after {format_duration(timeout or 0)}", file=sys.stderr)
+        _say(f"kugetsu: timed out after {format_duration(timeout or 0)}", file=sys.stderr)
         return TIMED_OUT
     tasks = {t.id: t for t in open_store(home).read().all_tasks()}
     bad = [tasks[i] for i in ids if tasks[i].state is not TaskState.SUCCEEDED]
     for t in bad:
-        print(f"{t.name} (#{t.id}) {t.state.value}" + (f": {t.reason}" if t.reason else ""), file=sys.stderr)
+        _say(f"{t.name} (#{t.id}) {t.state.value}" + (f": {t.reason}" if t.reason else ""), file=sys.stderr)
     return FAILURE if bad else OK
 
 
 def _priority_ignored(cfg_strategy: str, level: str) -> None:
     """Under `fifo` a priority changes nothing: say so rather than let it look obeyed."""
     if cfg_strategy == "fifo" and level != "normal":
-        print("kugetsu: note: priority is ignored under strategy fifo (`kugetsu config set strategy priority`"
+        _say("kugetsu: note: priority is ignored under strategy fifo (`kugetsu config set strategy priority`"
               " makes it count)", file=sys.stderr)
 
 
@@ -737,7 +748,7 @@ def cmd_priority(home: Home, args: argparse.Namespace) -> int:
     else:
         from kugetsu import render
 
-        print(render.priority_changed(task, position))
+        _say(render.priority_changed(task, position))
     return OK
 
 
@@ -756,16 +767,16 @@ def _pause(home: Home, args: argparse.Namespace, on: bool) -> int:
         return OK
     what = f"group {args.group}" if args.group else "kugetsu"
     if on:
-        print(f"{what} {'paused' if changed else 'was already paused'}: no queued task"
+        _say(f"{what} {'paused' if changed else 'was already paused'}: no queued task"
               f"{' of group ' + args.group if args.group else ''} starts, running ones go on;"
               f" `kugetsu resume{' --group ' + args.group if args.group else ''}` lets them start again")
     else:
-        print(f"{what} {'resumed' if changed else 'was not paused'}: {cap.active}/{cap.max_agents} running,"
+        _say(f"{what} {'resumed' if changed else 'was not paused'}: {cap.active}/{cap.max_agents} running,"
               f" {cap.queued} queued")
         if cap.paused or cap.paused_groups:
             from kugetsu import render
 
-            print(f"still{render.paused_note(cap).replace(' · ', ' ', 1)}")
+            _say(f"still{render.paused_note(cap).replace(' · ', ' ', 1)}")
     return OK
 
 
@@ -778,7 +789,7 @@ def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(ops.capacity_json(cfg, index)))
     else:
-        print(render.summary(cap))
+        _say(render.summary(cap))
     return OK
 
 
@@ -786,14 +797,14 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
     from kugetsu import config as C
 
     if args.action == "path":
-        print(home.config)
+        print(home.config)  # for scripts: $(kugetsu config path)
         return OK
     if args.action == "check":
         cfg = load_config(home)
         from kugetsu.store import open_store
 
         index = open_store(home).read()
-        print(f"ok: {home.config} ({'defaults' if not home.config.exists() else 'valid'}),"
+        _say(f"ok: {home.config} ({'defaults' if not home.config.exists() else 'valid'}),"
               f" {home.index} ({_count(len(index.all_tasks()), 'task')})")
         return OK
     if args.action in ("set", "unset"):
@@ -812,7 +823,7 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
         return OK
     for key, value in shown.items():
         text = value if isinstance(value, str) else to_json(value).replace("\n", "\n  ")
-        print(f"{key} = {text}" + (f"    # {C.KEY_HELP[key]}" if key in C.KEY_HELP and "\n" not in str(text) else ""))
+        _say(f"{key} = {text}" + (f"    # {C.KEY_HELP[key]}" if key in C.KEY_HELP and "\n" not in str(text) else ""))
     return OK
 
 
@@ -861,13 +872,13 @@ def cmd_serve(home: Home, args: argparse.Namespace) -> int:
         child = control.start_service(home)
         if child is None:
             pid = control.service_pid(home)
-            print(f"kugetsu service already running{f' (pid {pid})' if pid else ''}")
+            _say(f"kugetsu service already running{f' (pid {pid})' if pid else ''}")
             return OK
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             pid = control.service_pid(home)
             if pid:
-                print(f"kugetsu service started (pid {pid}), log: {home.service_log}")
+                _say(f"kugetsu service started (pid {pid}), log: {home.service_log}")
                 return OK
             if runner.process_start(child) is None:  # it exited: say why now, not in 10 s
                 raise KugetsuError(f"the service stopped at once; the end of {home.service_log}:\n"
@@ -888,12 +899,12 @@ def cmd_shutdown(home: Home, args: argparse.Namespace) -> int:
     control.check_wakeable(home)  # else "no service is running" would hide why it cannot be told
     pid = control.service_pid(home)
     if not control.send(home, b"shutdown") or pid is None:
-        print("no kugetsu service is running")
+        _say("no kugetsu service is running")
         return OK
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         if not control.service_holds_lock(home):  # not just its pid file gone: wholly stopped
-            print(f"kugetsu service stopped (pid {pid}); running agents keep running")
+            _say(f"kugetsu service stopped (pid {pid}); running agents keep running")
             return OK
         time.sleep(0.05)
     raise KugetsuError(f"the service (pid {pid}) did not stop within 15s")
@@ -906,7 +917,7 @@ def cmd_hosts(home: Home, args: argparse.Namespace) -> int:
         return OK
     from kugetsu import render
 
-    print(render.hosts_table(rows) if rows else "no machine has joined yet: run `kugetsu serve` on each machine")
+    _say(render.hosts_table(rows) if rows else "no machine has joined yet: run `kugetsu serve` on each machine")
     return OK
 
 
@@ -914,18 +925,18 @@ def cmd_store(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.cluster import migrate
 
     if args.action == "migrate":
-        print(migrate.migrate(home, args.url))
+        _say(migrate.migrate(home, args.url))
         return OK
     url = load_config(home).store
     if url is None:
         raise UsageError("store export: this machine is not in a cluster (config `store` is not set)")
-    print(migrate.export(url, Home(args.dir)))
+    _say(migrate.export(url, Home(args.dir)))
     return OK
 
 
 def cmd_clean(home: Home, args: argparse.Namespace) -> int:
     gone = ops.clean(home, args.older_than)
-    print(f"removed {len(gone)} finished task{'s' if len(gone) != 1 else ''} from the index")
+    _say(f"removed {len(gone)} finished task{'s' if len(gone) != 1 else ''} from the index")
     return OK
 
 
@@ -940,18 +951,18 @@ def cmd_worktrees(home: Home, args: argparse.Namespace) -> int:
             return OK
         for p in done:
             who = f"{p.entry.task.name} (#{p.entry.task.id})" if p.entry.task else f"{p.entry.path.name} (no task)"
-            print(f"{'removed' if p.removed else 'kept'} {who}: {p.note}")
+            _say(f"{'removed' if p.removed else 'kept'} {who}: {p.note}")
         if not done:
-            print("no worktrees of finished tasks to prune")
+            _say("no worktrees of finished tasks to prune")
         return OK
     index = ops.read(home)[1]
     rows = [_worktree_row(e, worktree.disk_usage(e.path)) for e in worktree.entries(home, index.all_tasks())]
     if args.json:
         print(to_json(rows))
     elif not rows:
-        print(f"no worktrees (they live in {home.root / 'worktrees'})")
+        _say(f"no worktrees (they live in {home.root / 'worktrees'})")
     else:
-        print(render.worktrees_table(rows, ops.now()))
+        _say(render.worktrees_table(rows, ops.now()))
     return OK
 
 
@@ -994,7 +1005,10 @@ def cmd_stats(home: Home, args: argparse.Namespace) -> int:
     control.ensure_service(home, cfg, index)
     window = stats.load(home, cfg, index, args.since or stats.DEFAULT_WINDOW, ops.now())
     report = stats.summarise(window, args.by)
-    print(to_json(report) if args.json else stats.render(report))
+    if args.json:
+        print(to_json(report))
+    else:
+        _say(stats.render(report))
     return OK
 
 
@@ -1002,7 +1016,10 @@ def cmd_doctor(home: Home, args: argparse.Namespace) -> int:
     from kugetsu import doctor
 
     checks = doctor.run(home)
-    print(to_json(doctor.report(checks)) if args.json else doctor.render(checks))
+    if args.json:
+        print(to_json(doctor.report(checks)))
+    else:
+        _say(doctor.render(checks))
     return OK if all(c.ok for c in checks) else FAILURE
 
 
@@ -1022,13 +1039,13 @@ def cmd_hold(home: Home, args: argparse.Namespace) -> int:
             raise UsageError(f"--until {args.until!r} is neither a time (15:00, 3pm, 2026-11-23T15:00Z) nor a"
                              " duration (30m, 2h)")
     for event in ops.hold(home, args.agent, until):
-        print(event.reason)
+        _say(event.reason)
     return OK
 
 
 def cmd_release(home: Home, args: argparse.Namespace) -> int:
     for event in ops.release(home, args.agent):
-        print(event.reason)
+        _say(event.reason)
     return OK
 
 
@@ -1040,7 +1057,7 @@ def cmd_retry(home: Home, args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(ops.task_json(adm.task, adm.position)))
     else:
-        print(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for))
+        _say(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for))
     return OK
 
 

@@ -124,3 +124,44 @@ async def test_the_delegate_form_and_notifications_show_markup_as_text(tmp_path)
         assert any(str(root) in n for n in notes), notes
         assert app.is_running
 
+
+# ---- the CLI: control characters ------------------------------------------------------------
+
+TITLE = "\x1b]0;pwned\x07"  # OSC 0: sets the terminal window's title
+CLEAR = "\x1b[2J"
+RLO = "\u202e"  # right-to-left override: `evil\u202etxt.sh` reads as `evilhs.txt`
+ATTACK = f"fix {TITLE}the bug{CLEAR}\rnow {RLO}gnp.exe"
+TERMINAL = ("\x1b", "\x07", "\r", RLO, "\x9b")
+
+
+def obeyed(text: str) -> list[str]:
+    return [c for c in TERMINAL if c in text]
+
+
+def shown(kg, *args: str) -> str:  # type: ignore[no-untyped-def]
+    """What the command prints, byte for byte (text mode would turn a CR into a newline)."""
+    r = subprocess.run([sys.executable, "-m", "kugetsu", *args], env=kg.env, capture_output=True, timeout=60)
+    assert r.returncode == 0, r
+    return r.stdout.decode("utf-8", "surrogateescape")
+
+
+def test_status_queue_and_hold_show_control_characters_escaped_and_json_exact(kg, tmp_path):
+    preset, group = "p\x1b[31m", "g\x1b]0;x\x07"
+    cwd = tmp_path / f"dir{CLEAR}{RLO}"
+    cwd.mkdir()
+    kg.config(autostart=False, max_agents=1, groups={group: {"max_agents": 1}},
+              agents={preset: {"command": ["sh", "-c", "echo {prompt}"]}})
+    kg.ok("delegate", "t1", "--agent", preset, "--group", group, "--cwd", str(cwd), "--prompt", ATTACK)
+    status = shown(kg, "status", "t1")
+    assert obeyed(status) == [], status
+    assert "fix \\x1b]0;pwned\\x07the bug\\x1b[2J\\rnow \\u202egnp.exe" in status
+    assert f"dir\\x1b[2J\\u202e" in status  # the cwd
+    exact = kg.json("status", "t1")
+    assert (exact["prompt"], exact["cwd"], exact["agent"], exact["group"]) == (ATTACK, str(cwd), preset, group)
+    queue = shown(kg, "queue")
+    assert obeyed(queue) == [] and "g\\x1b]0;x\\x07" in queue, queue
+    held = shown(kg, "hold", preset)
+    assert obeyed(held) == [] and "p\\x1b[31m held by hand" in held, held
+    queue = shown(kg, "queue")
+    assert obeyed(queue) == [] and "p\\x1b[31m held by hand" in queue, queue
+    assert [t["prompt"] for t in kg.json("queue")["active"]] == [ATTACK]
