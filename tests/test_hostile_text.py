@@ -165,3 +165,26 @@ def test_status_queue_and_hold_show_control_characters_escaped_and_json_exact(kg
     queue = shown(kg, "queue")
     assert obeyed(queue) == [] and "p\\x1b[31m held by hand" in queue, queue
     assert [t["prompt"] for t in kg.json("queue")["active"]] == [ATTACK]
+
+
+def test_the_bot_shows_a_prompt_from_the_chat_with_its_controls_escaped(kg, tmp_path):
+    """A prompt from Telegram with a bidi override and ESCs: /status shows them escaped (a
+    chat client reorders text at a U+202E just as a terminal does)."""
+    from fakebot import TOKEN, FakeBotAPI
+    from test_telegram_bot import ME, reply
+
+    api = FakeBotAPI().start()
+    try:
+        kg.config(max_agents=1, default_agent="say", agents={"say": {"command": ["sh", "-c", "sleep 30"]}},
+                  telegram={"token": TOKEN, "api_base_url": api.base_url, "allowed_chat_ids": [ME],
+                            "allow_delegate": True, "delegate_cwd": str(tmp_path)})
+        kg.ok("serve", "--detach")
+        api.message(ME, f"/delegate hostile {ATTACK}")
+        reply(api, ME, "hostile</b>")
+        assert kg.task("hostile")["prompt"] == ATTACK  # kept exact: only what is shown is escaped
+        api.message(ME, "/status hostile")
+        shown = reply(api, ME, "<pre>")
+        # (a <pre> drops colour and cursor sequences quietly, as for a log: `\x1b[2J` goes)
+        assert obeyed(shown) == [] and "fix \\x1b]0;pwned\\x07the bug\\rnow \\u202egnp.exe" in shown, shown
+    finally:
+        api.close()
