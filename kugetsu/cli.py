@@ -101,6 +101,9 @@ def _logs_args(lg: argparse.ArgumentParser) -> None:
     lg.add_argument("tasks", metavar="TASK", nargs="+", help="several: each line prefixed with its task's name")
     lg.add_argument("--follow", "-f", action="store_true", help="keep printing until the tasks end")
     lg.add_argument("--lines", "-n", type=_positive_int, metavar="N", help="only the last N lines")
+    lg.add_argument("--raw", action="store_true",
+                    help="on a terminal too, the bytes as written (by default a terminal gets the"
+                         " output's control characters shown escaped, not obeyed)")
 
 
 def _wait_args(w: argparse.ArgumentParser) -> None:
@@ -522,12 +525,24 @@ def _print_json(obj: object) -> None:
 class _Output:
     """sys.stdout's bytes, for output too long to copy into text (logs, queue --json). A
     write that fails (a full disk under `> file`) is one line on stderr and exit 1, not a
-    traceback, nor taken for kugetsu's own disk being full."""
+    traceback, nor taken for kugetsu's own disk being full.
 
-    def __init__(self) -> None:
+    `shown`: the bytes are an agent's output on their way to a terminal, where its escape
+    sequences would be obeyed (retitle the window, clear the screen, rewrite what is shown):
+    they are decoded as they come (a character split between two reads waits for its end;
+    an invalid byte reads `\\x9b`) and shown escaped (render.printable)."""
+
+    def __init__(self, shown: bool = False) -> None:
         self.raw = sys.stdout.buffer
+        self._decoder = None
+        if shown:
+            import codecs
+
+            self._decoder = codecs.getincrementaldecoder("utf-8")("backslashreplace")
 
     def write(self, data: bytes) -> None:
+        if self._decoder is not None:
+            data = printable(self._decoder.decode(data)).encode()
         _writing(self.raw.write, data)
 
     def flush(self) -> None:
@@ -590,6 +605,12 @@ def cmd_cancel(home: Home, args: argparse.Namespace) -> int:
     return OK
 
 
+def _log_output(args: argparse.Namespace) -> _Output:
+    """`logs` writes the bytes as the agent wrote them to a pipe or a file (what a script or
+    `> file` wants) and with --raw; to a terminal, escaped (_Output's `shown`)."""
+    return _Output(shown=not args.raw and sys.stdout.isatty())
+
+
 def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.store import open_store
 
@@ -599,7 +620,7 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     task = pm.find(store.read(), args.tasks[0])
     cfg = load_config(home)
     path = ops.log_path(home, cfg, task)
-    out = _Output()
+    out = _log_output(args)
     try:
         f = open(path, "rb", opener=nofollow)
     except FileNotFoundError:
@@ -649,7 +670,7 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
     tasks = list({t.id: t for t in (pm.find(index, ref) for ref in args.tasks)}.values())
     names = [t.name for t in tasks]
     prefix = {t.id: (f"{t.name}#{t.id}" if names.count(t.name) > 1 else t.name).encode() + b" | " for t in tasks}
-    out = _Output()
+    out = _log_output(args)
     files: dict[int, Any] = {}
     partial = {t.id: b"" for t in tasks}
 

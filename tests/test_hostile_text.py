@@ -188,3 +188,49 @@ def test_the_bot_shows_a_prompt_from_the_chat_with_its_controls_escaped(kg, tmp_
         assert obeyed(shown) == [] and "fix \\x1b]0;pwned\\x07the bug\\rnow \\u202egnp.exe" in shown, shown
     finally:
         api.close()
+
+
+def on_terminal(kg, *args: str) -> str:  # type: ignore[no-untyped-def]
+    """What the command writes when its stdout is a terminal (a pty), its newlines as written
+    (the pty's own CRLF translation undone)."""
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "kugetsu", *args], env=kg.env, stdout=slave,
+                                stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        os.close(slave)
+        slave = -1
+        out = b""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1)
+            try:
+                chunk = os.read(master, 65536) if ready else b"x"[:0]
+            except OSError:  # EIO: the child's end is closed
+                break
+            if ready and not chunk:
+                break
+            out += chunk
+        assert proc.wait(timeout=30) == 0
+        return out.decode("utf-8", "surrogateescape").replace("\r\n", "\n")
+    finally:
+        os.close(master)
+        if slave >= 0:
+            os.close(slave)
+
+
+def test_logs_on_a_terminal_show_an_agents_controls_escaped_and_piped_or_raw_as_written(kg):
+    """An agent's output is input: on a terminal `logs` shows its escape sequences instead of
+    obeying them; through a pipe (a file, a script) and with --raw it is the bytes written."""
+    written = (ATTACK + "\n").encode() + b"bad byte \x9b[31m\n"
+    kg.ok("delegate", "loud", "--", "sh", "-c", 'printf "%s\\n" "$1"; printf "bad byte \\233[31m\\n"', "sh", ATTACK)
+    kg.wait_state("loud", "succeeded")
+    piped = subprocess.run([sys.executable, "-m", "kugetsu", "logs", "loud"], env=kg.env, capture_output=True,
+                           timeout=60)
+    assert piped.stdout == written
+    shown = on_terminal(kg, "logs", "loud")
+    assert obeyed(shown) == [], shown
+    assert shown == "fix \\x1b]0;pwned\\x07the bug\\x1b[2J\\rnow \\u202egnp.exe\nbad byte \\x9b[31m\n"
+    several = on_terminal(kg, "logs", "loud", "loud", "--lines", "1")
+    assert obeyed(several) == [] and "loud | bad byte \\x9b[31m" in several, several
+    raw = on_terminal(kg, "logs", "--raw", "loud")
+    assert raw.encode("utf-8", "surrogateescape") == written
