@@ -391,7 +391,7 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
                          " give --prompt TEXT with the task in it")
     if prompt is not None and args.argv_command and not args.agent:
         _say("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"
-              " in its arguments, or drop the command to run the agent preset)", file=sys.stderr)
+             " in its arguments, or drop the command to run the agent preset)", file=sys.stderr)
     req = pm.Request(
         cwd=os.path.abspath(args.cwd or os.getcwd()),
         name=args.name,
@@ -701,7 +701,7 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
         if queued:  # nothing to show of them until they start: say why
             positions = pm.positions(index, cfg, ops.now())
             _say("(waiting: " + ", ".join(f"{t.name} is queued, position {positions.get(t.id, '-')}" for t in queued)
-                  + ")", file=sys.stderr)
+                 + ")", file=sys.stderr)
         while live:
             now_index = {t.id: t for t in store.read().all_tasks()}
             wrote = False
@@ -733,7 +733,7 @@ def cmd_wait(home: Home, args: argparse.Namespace) -> int:
     for ref, t in zip(args.tasks, tasks):
         if t.state.final and not ref.strip().lstrip("#").isdigit():  # the name may have meant a newer task
             _say(f"kugetsu: note: {ref} is task #{t.id}, which had already finished ({t.state.value}) before this"
-                  f" wait; `kugetsu wait #{t.id}` names it for sure", file=sys.stderr)
+                 f" wait; `kugetsu wait #{t.id}` names it for sure", file=sys.stderr)
     return _wait_for(home, [t.id for t in tasks], args.timeout)
 
 
@@ -758,7 +758,7 @@ def _priority_ignored(cfg_strategy: str, level: str) -> None:
     """Under `fifo` a priority changes nothing: say so rather than let it look obeyed."""
     if cfg_strategy == "fifo" and level != "normal":
         _say("kugetsu: note: priority is ignored under strategy fifo (`kugetsu config set strategy priority`"
-              " makes it count)", file=sys.stderr)
+             " makes it count)", file=sys.stderr)
 
 
 def cmd_priority(home: Home, args: argparse.Namespace) -> int:
@@ -789,11 +789,11 @@ def _pause(home: Home, args: argparse.Namespace, on: bool) -> int:
     what = f"group {args.group}" if args.group else "kugetsu"
     if on:
         _say(f"{what} {'paused' if changed else 'was already paused'}: no queued task"
-              f"{' of group ' + args.group if args.group else ''} starts, running ones go on;"
-              f" `kugetsu resume{' --group ' + args.group if args.group else ''}` lets them start again")
+             f"{' of group ' + args.group if args.group else ''} starts, running ones go on;"
+             f" `kugetsu resume{' --group ' + args.group if args.group else ''}` lets them start again")
     else:
         _say(f"{what} {'resumed' if changed else 'was not paused'}: {cap.active}/{cap.max_agents} running,"
-              f" {cap.queued} queued")
+             f" {cap.queued} queued")
         if cap.paused or cap.paused_groups:
             from kugetsu import render
 
@@ -826,7 +826,7 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
 
         index = open_store(home).read()
         _say(f"ok: {home.config} ({'defaults' if not home.config.exists() else 'valid'}),"
-              f" {home.index} ({_count(len(index.all_tasks()), 'task')})")
+             f" {home.index} ({_count(len(index.all_tasks()), 'task')})")
         return OK
     if args.action in ("set", "unset"):
         value = None if args.action == "unset" else parse_value(_stdin_value(args.key) if args.value == "-" else args.value)
