@@ -344,6 +344,22 @@ def resolve_agent(cfg: Config, req: Request) -> tuple[str | None, list[str], dic
     return agent, list(preset.command), {**preset.env, **req.env}
 
 
+def _check_text(req: Request) -> None:
+    """Everything a task keeps is UTF-8 text. An argument with a byte that is not (a shell's
+    $'\\x9b' arrives as a lone surrogate) cannot be stored: refused here, by name, not a
+    traceback from the index's encoder after the checks."""
+    fields = [("the working directory", req.cwd), ("the prompt", req.prompt), ("the source", req.source),
+              ("the agent preset", req.agent), ("the group", req.group)]
+    fields += [(f"argument {i} of the command", a) for i, a in enumerate(req.command or [])]
+    fields += [(f"the environment variable {k!r}", v) for k, v in req.env.items()]
+    for what, text in fields:
+        try:
+            (text or "").encode()
+        except UnicodeEncodeError:
+            raise UsageError(f"{what} is not UTF-8 text ({text!r}); kugetsu keeps tasks as text: give it in"
+                             " UTF-8 (or, in a command, let the shell make the byte: printf '\\233')") from None
+
+
 def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task, list[Event]]:
     """Add a task to the queue, or refuse. Raises before changing anything."""
     if req.name is not None and req.name.isascii() and req.name.isdigit():
@@ -367,6 +383,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         raise InvalidHost(req.pinned_host)
     if req.retries < 0:
         raise UsageError(f"invalid retries {req.retries}: a task is run again 0 or more times after a failure")
+    _check_text(req)
     agent, template, env = resolve_agent(cfg, req)
     after = dependencies(index, req.after)
     limit = cfg.max_queued_per_source

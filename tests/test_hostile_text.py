@@ -234,3 +234,18 @@ def test_logs_on_a_terminal_show_an_agents_controls_escaped_and_piped_or_raw_as_
     assert obeyed(several) == [] and "loud | bad byte \\x9b[31m" in several, several
     raw = on_terminal(kg, "logs", "--raw", "loud")
     assert raw.encode("utf-8", "surrogateescape") == written
+
+
+def test_a_command_or_prompt_that_is_not_utf8_is_refused_in_one_line_and_nothing_is_written(kg, tmp_path):
+    """An argument with a byte that is no UTF-8 (a shell's $'\\x9b') was a UnicodeEncodeError
+    traceback from the index's encoder; now a clear refusal, before anything is written."""
+    kg.config(autostart=False, agents={"p": {"command": ["sh", "-c", "echo {prompt}"]}})
+    os.mkdir(bytes(tmp_path) + b"/\xff")
+    for extra in ([b"--", b"echo", b"a\x9bb"], [b"--agent", b"p", b"--prompt", b"a\xffb"],
+                  [b"--cwd", bytes(tmp_path) + b"/\xff", b"--", b"true"]):
+        r = subprocess.run([sys.executable, "-m", "kugetsu", "delegate", "t", *extra], env=kg.env,
+                           capture_output=True, timeout=60)
+        err = r.stderr.decode()
+        assert r.returncode == 2 and "Traceback" not in err and err.count("\n") == 1, (extra, err)
+        assert err.startswith("kugetsu: ") and "UTF-8" in err, err
+        assert not kg.home.index.exists()
