@@ -356,7 +356,7 @@ def _check_text(req: Request) -> None:
         try:
             (text or "").encode()
         except UnicodeEncodeError:
-            raise UsageError(f"{what} is not UTF-8 text ({text!r}); kugetsu keeps tasks as text: give it in"
+            raise UsageError(f"{what} is not UTF-8 text ({text!r}), and a task is kept as text: give it in"
                              " UTF-8 (or, in a command, let the shell make the byte: printf '\\233')") from None
 
 
