@@ -15,7 +15,7 @@ from kugetsu.config import Config, cluster_host, format_duration, get_value, loa
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
 from kugetsu.models import PRIORITIES, Index, TaskState
 from kugetsu.paths import Home, default_home, nofollow, read_tail
-from kugetsu.render import to_json
+from kugetsu.render import printable, to_json
 
 
 def _duration(text: str) -> float:
@@ -101,6 +101,9 @@ def _logs_args(lg: argparse.ArgumentParser) -> None:
     lg.add_argument("tasks", metavar="TASK", nargs="+", help="several: each line prefixed with its task's name")
     lg.add_argument("--follow", "-f", action="store_true", help="keep printing until the tasks end")
     lg.add_argument("--lines", "-n", type=_positive_int, metavar="N", help="only the last N lines")
+    lg.add_argument("--raw", action="store_true",
+                    help="on a terminal too, the bytes as written (by default a terminal gets the"
+                         " output's control characters shown escaped, not obeyed)")
 
 
 def _wait_args(w: argparse.ArgumentParser) -> None:
@@ -287,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         _flush_output()  # here, so that a failed write of the output is said like any error
         return code
     except KugetsuError as err:
-        print(f"kugetsu: {err}{_fix(err)}", file=sys.stderr)
+        _say(f"kugetsu: {err}{_fix(err)}", file=sys.stderr)
         return err.code
     except KeyboardInterrupt:
         return 130
@@ -298,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         from kugetsu.paths import explain
 
         error = explain(home, err)
-        print(f"kugetsu: {error}", file=sys.stderr)
+        _say(f"kugetsu: {error}", file=sys.stderr)
         return error.code
     finally:
         if collecting:
@@ -387,8 +390,8 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         raise UsageError("the prompt is empty: an agent given nothing to do would start for nothing;"
                          " give --prompt TEXT with the task in it")
     if prompt is not None and args.argv_command and not args.agent:
-        print("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"
-              " in its arguments, or drop the command to run the agent preset)", file=sys.stderr)
+        _say("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"
+             " in its arguments, or drop the command to run the agent preset)", file=sys.stderr)
     req = pm.Request(
         cwd=os.path.abspath(args.cwd or os.getcwd()),
         name=args.name,
@@ -412,7 +415,7 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     if not args.json:
         from kugetsu import render
 
-        print(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for), flush=True)
+        _say(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for), flush=True)
     if args.wait:  # the task just admitted, by id: never an older task of the same name
         code = _wait_for(home, [adm.task.id], None)
         if args.json:
@@ -459,7 +462,7 @@ def cmd_edit(home: Home, args: argparse.Namespace) -> int:
         print(to_json(ops.task_json(task, position)))
         return OK
     where = f"position {position}" if position is not None else "started"
-    print(f"{'edited' if changed else 'unchanged'} {task.name} (#{task.id}), {where}")
+    _say(f"{'edited' if changed else 'unchanged'} {task.name} (#{task.id}), {where}")
     return OK
 
 
@@ -492,8 +495,16 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
         _kept.append(shown := ops.queue_json(view))
         _print_json(shown)
     else:
-        print(render.queue_text(view, control.service_pid(home) is not None))
+        _say(render.queue_text(view, control.service_pid(home) is not None))
     return OK
+
+
+def _say(text: object = "", **kw: Any) -> None:
+    """print() for a person: names, prompts, paths and reasons in it are anyone's text (an
+    agent's, a chat's), so what a terminal would obey in it (an OSC that retitles the window, a
+    screen clear, a CR, a bidi override) is shown escaped (render.printable). --json output
+    never comes here: it stays exact."""
+    print(printable(str(text)), **kw)
 
 
 def _print_json(obj: object) -> None:
@@ -514,12 +525,24 @@ def _print_json(obj: object) -> None:
 class _Output:
     """sys.stdout's bytes, for output too long to copy into text (logs, queue --json). A
     write that fails (a full disk under `> file`) is one line on stderr and exit 1, not a
-    traceback, nor taken for kugetsu's own disk being full."""
+    traceback, nor taken for kugetsu's own disk being full.
 
-    def __init__(self) -> None:
+    `shown`: the bytes are an agent's output on their way to a terminal, where its escape
+    sequences would be obeyed (retitle the window, clear the screen, rewrite what is shown):
+    they are decoded as they come (a character split between two reads waits for its end;
+    an invalid byte reads `\\x9b`) and shown escaped (render.printable)."""
+
+    def __init__(self, shown: bool = False) -> None:
         self.raw = sys.stdout.buffer
+        self._decoder = None
+        if shown:
+            import codecs
+
+            self._decoder = codecs.getincrementaldecoder("utf-8")("backslashreplace")
 
     def write(self, data: bytes) -> None:
+        if self._decoder is not None:
+            data = printable(self._decoder.decode(data)).encode()
         _writing(self.raw.write, data)
 
     def flush(self) -> None:
@@ -559,7 +582,10 @@ def cmd_status(home: Home, args: argparse.Namespace) -> int:
     control.ensure_service(home, cfg, index)
     task = pm.find(index, args.task)
     obj = ops.task_json(task, pm.position(index, cfg, ops.now(), task), cluster_host(cfg))
-    print(to_json(obj) if args.json else render.task_lines(obj))
+    if args.json:
+        print(to_json(obj))
+    else:
+        _say(render.task_lines(obj))
     return OK
 
 
@@ -575,8 +601,14 @@ def cmd_cancel(home: Home, args: argparse.Namespace) -> int:
     else:
         from kugetsu import render
 
-        print(render.cancelled(out))
+        _say(render.cancelled(out))
     return OK
+
+
+def _log_output(args: argparse.Namespace) -> _Output:
+    """`logs` writes the bytes as the agent wrote them to a pipe or a file (what a script or
+    `> file` wants) and with --raw; to a terminal, escaped (_Output's `shown`)."""
+    return _Output(shown=not args.raw and sys.stdout.isatty())
 
 
 def cmd_logs(home: Home, args: argparse.Namespace) -> int:
@@ -589,7 +621,7 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     task = pm.find(store.read(), args.tasks[0])
     cfg = load_config(home)
     path = ops.log_path(home, cfg, task)
-    out = _Output()
+    out = _log_output(args)
     try:
         f = open(path, "rb", opener=nofollow)
     except FileNotFoundError:
@@ -598,7 +630,7 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     if not args.follow and (f is None or os.fstat(f.fileno()).st_size == 0):
         if f is not None:
             f.close()
-        print(f"(no output yet: {task.name} is {task.state.value})", file=sys.stderr)
+        _say(f"(no output yet: {task.name} is {task.state.value})", file=sys.stderr)
         return OK
     follower = None
     if f is not None and args.lines is not None:  # a bounded window from the end, long lines cut
@@ -613,7 +645,7 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     if args.follow and task.state is TaskState.QUEUED:  # nothing to show until it starts: say why
         cfg, index = ops.read(home)
         position = pm.positions(index, cfg, ops.now()).get(task.id)
-        print(f"(waiting: {task.name} is queued" + (f", position {position})" if position else ")"), file=sys.stderr)
+        _say(f"(waiting: {task.name} is queued" + (f", position {position})" if position else ")"), file=sys.stderr)
     while args.follow:
         task = pm.find(store.read(), str(task.id))
         path = ops.log_path(home, cfg, task)  # in a cluster: what the task's machine shipped since
@@ -653,7 +685,7 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
     tasks = list({t.id: t for t in (pm.find(index, ref) for ref in args.tasks)}.values())
     names = [t.name for t in tasks]
     prefix = {t.id: (f"{t.name}#{t.id}" if names.count(t.name) > 1 else t.name).encode() + b" | " for t in tasks}
-    out = _Output()
+    out = _log_output(args)
     followers: dict[int, Any] = {}
     partial = {t.id: b"" for t in tasks}
 
@@ -687,7 +719,7 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
                 f = None
             size = os.fstat(f.fileno()).st_size if f is not None else 0
             if not size and not args.follow:
-                print(f"(no output yet: {t.name} is {t.state.value})", file=sys.stderr)
+                _say(f"(no output yet: {t.name} is {t.state.value})", file=sys.stderr)
             if f is not None and args.lines is not None:
                 end = logtail.tail(path, args.lines)
                 followers[t.id] = logtail.Follower(f, end.size)
@@ -700,8 +732,8 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
         queued = [t for t in live if t.state is TaskState.QUEUED]
         if queued:  # nothing to show of them until they start: say why
             positions = pm.positions(index, cfg, ops.now())
-            print("(waiting: " + ", ".join(f"{t.name} is queued, position {positions.get(t.id, '-')}" for t in queued)
-                  + ")", file=sys.stderr)
+            _say("(waiting: " + ", ".join(f"{t.name} is queued, position {positions.get(t.id, '-')}" for t in queued)
+                 + ")", file=sys.stderr)
         while live:
             now_index = {t.id: t for t in store.read().all_tasks()}
             wrote = False
@@ -734,8 +766,8 @@ def cmd_wait(home: Home, args: argparse.Namespace) -> int:
     tasks = [pm.find_to_wait(index, ref) for ref in args.tasks]
     for ref, t in zip(args.tasks, tasks):
         if t.state.final and not ref.strip().lstrip("#").isdigit():  # the name may have meant a newer task
-            print(f"kugetsu: note: {ref} is task #{t.id}, which had already finished ({t.state.value}) before this"
-                  f" wait; `kugetsu wait #{t.id}` names it for sure", file=sys.stderr)
+            _say(f"kugetsu: note: {ref} is task #{t.id}, which had already finished ({t.state.value}) before this"
+                 f" wait; `kugetsu wait #{t.id}` names it for sure", file=sys.stderr)
     return _wait_for(home, [t.id for t in tasks], args.timeout)
 
 
@@ -747,20 +779,20 @@ def _wait_for(home: Home, ids: list[int], timeout: float | None) -> int:
 
     done = waiting.wait_final(home, ids, timeout, settle=True)
     if not done:
-        print(f"kugetsu: timed out after {format_duration(timeout or 0)}", file=sys.stderr)
+        _say(f"kugetsu: timed out after {format_duration(timeout or 0)}", file=sys.stderr)
         return TIMED_OUT
     tasks = {t.id: t for t in open_store(home).read().all_tasks()}
     bad = [tasks[i] for i in ids if tasks[i].state is not TaskState.SUCCEEDED]
     for t in bad:
-        print(f"{t.name} (#{t.id}) {t.state.value}" + (f": {t.reason}" if t.reason else ""), file=sys.stderr)
+        _say(f"{t.name} (#{t.id}) {t.state.value}" + (f": {t.reason}" if t.reason else ""), file=sys.stderr)
     return FAILURE if bad else OK
 
 
 def _priority_ignored(cfg_strategy: str, level: str) -> None:
     """Under `fifo` a priority changes nothing: say so rather than let it look obeyed."""
     if cfg_strategy == "fifo" and level != "normal":
-        print("kugetsu: note: priority is ignored under strategy fifo (`kugetsu config set strategy priority`"
-              " makes it count)", file=sys.stderr)
+        _say("kugetsu: note: priority is ignored under strategy fifo (`kugetsu config set strategy priority`"
+             " makes it count)", file=sys.stderr)
 
 
 def cmd_priority(home: Home, args: argparse.Namespace) -> int:
@@ -771,7 +803,7 @@ def cmd_priority(home: Home, args: argparse.Namespace) -> int:
     else:
         from kugetsu import render
 
-        print(render.priority_changed(task, position))
+        _say(render.priority_changed(task, position))
     return OK
 
 
@@ -790,16 +822,16 @@ def _pause(home: Home, args: argparse.Namespace, on: bool) -> int:
         return OK
     what = f"group {args.group}" if args.group else "kugetsu"
     if on:
-        print(f"{what} {'paused' if changed else 'was already paused'}: no queued task"
-              f"{' of group ' + args.group if args.group else ''} starts, running ones go on;"
-              f" `kugetsu resume{' --group ' + args.group if args.group else ''}` lets them start again")
+        _say(f"{what} {'paused' if changed else 'was already paused'}: no queued task"
+             f"{' of group ' + args.group if args.group else ''} starts, running ones go on;"
+             f" `kugetsu resume{' --group ' + args.group if args.group else ''}` lets them start again")
     else:
-        print(f"{what} {'resumed' if changed else 'was not paused'}: {cap.active}/{cap.max_agents} running,"
-              f" {cap.queued} queued")
+        _say(f"{what} {'resumed' if changed else 'was not paused'}: {cap.active}/{cap.max_agents} running,"
+             f" {cap.queued} queued")
         if cap.paused or cap.paused_groups:
             from kugetsu import render
 
-            print(f"still{render.paused_note(cap).replace(' · ', ' ', 1)}")
+            _say(f"still{render.paused_note(cap).replace(' · ', ' ', 1)}")
     return OK
 
 
@@ -812,7 +844,7 @@ def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(ops.capacity_json(cfg, index)))
     else:
-        print(render.summary(cap))
+        _say(render.summary(cap))
     return OK
 
 
@@ -820,15 +852,15 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
     from kugetsu import config as C
 
     if args.action == "path":
-        print(home.config)
+        print(home.config)  # for scripts: $(kugetsu config path)
         return OK
     if args.action == "check":
         cfg = load_config(home)
         from kugetsu.store import open_store
 
         index = open_store(home).read()
-        print(f"ok: {home.config} ({'defaults' if not home.config.exists() else 'valid'}),"
-              f" {home.index} ({_count(len(index.all_tasks()), 'task')})")
+        _say(f"ok: {home.config} ({'defaults' if not home.config.exists() else 'valid'}),"
+             f" {home.index} ({_count(len(index.all_tasks()), 'task')})")
         return OK
     if args.action in ("set", "unset"):
         value = None if args.action == "unset" else parse_value(_stdin_value(args.key) if args.value == "-" else args.value)
@@ -846,7 +878,7 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
         return OK
     for key, value in shown.items():
         text = value if isinstance(value, str) else to_json(value).replace("\n", "\n  ")
-        print(f"{key} = {text}" + (f"    # {C.KEY_HELP[key]}" if key in C.KEY_HELP and "\n" not in str(text) else ""))
+        _say(f"{key} = {text}" + (f"    # {C.KEY_HELP[key]}" if key in C.KEY_HELP and "\n" not in str(text) else ""))
     return OK
 
 
@@ -895,13 +927,13 @@ def cmd_serve(home: Home, args: argparse.Namespace) -> int:
         child = control.start_service(home)
         if child is None:
             pid = control.service_pid(home)
-            print(f"kugetsu service already running{f' (pid {pid})' if pid else ''}")
+            _say(f"kugetsu service already running{f' (pid {pid})' if pid else ''}")
             return OK
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             pid = control.service_pid(home)
             if pid:
-                print(f"kugetsu service started (pid {pid}), log: {home.service_log}")
+                _say(f"kugetsu service started (pid {pid}), log: {home.service_log}")
                 return OK
             if runner.process_start(child) is None:  # it exited: say why now, not in 10 s
                 raise KugetsuError(f"the service stopped at once; the end of {home.service_log}:\n"
@@ -922,12 +954,12 @@ def cmd_shutdown(home: Home, args: argparse.Namespace) -> int:
     control.check_wakeable(home)  # else "no service is running" would hide why it cannot be told
     pid = control.service_pid(home)
     if not control.send(home, b"shutdown") or pid is None:
-        print("no kugetsu service is running")
+        _say("no kugetsu service is running")
         return OK
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         if not control.service_holds_lock(home):  # not just its pid file gone: wholly stopped
-            print(f"kugetsu service stopped (pid {pid}); running agents keep running")
+            _say(f"kugetsu service stopped (pid {pid}); running agents keep running")
             return OK
         time.sleep(0.05)
     raise KugetsuError(f"the service (pid {pid}) did not stop within 15s")
@@ -940,7 +972,7 @@ def cmd_hosts(home: Home, args: argparse.Namespace) -> int:
         return OK
     from kugetsu import render
 
-    print(render.hosts_table(rows) if rows else "no machine has joined yet: run `kugetsu serve` on each machine")
+    _say(render.hosts_table(rows) if rows else "no machine has joined yet: run `kugetsu serve` on each machine")
     return OK
 
 
@@ -948,18 +980,18 @@ def cmd_store(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.cluster import migrate
 
     if args.action == "migrate":
-        print(migrate.migrate(home, args.url))
+        _say(migrate.migrate(home, args.url))
         return OK
     url = load_config(home).store
     if url is None:
         raise UsageError("store export: this machine is not in a cluster (config `store` is not set)")
-    print(migrate.export(url, Home(args.dir)))
+    _say(migrate.export(url, Home(args.dir)))
     return OK
 
 
 def cmd_clean(home: Home, args: argparse.Namespace) -> int:
     gone = ops.clean(home, args.older_than)
-    print(f"removed {len(gone)} finished task{'s' if len(gone) != 1 else ''} from the index")
+    _say(f"removed {len(gone)} finished task{'s' if len(gone) != 1 else ''} from the index")
     return OK
 
 
@@ -974,18 +1006,18 @@ def cmd_worktrees(home: Home, args: argparse.Namespace) -> int:
             return OK
         for p in done:
             who = f"{p.entry.task.name} (#{p.entry.task.id})" if p.entry.task else f"{p.entry.path.name} (no task)"
-            print(f"{'removed' if p.removed else 'kept'} {who}: {p.note}")
+            _say(f"{'removed' if p.removed else 'kept'} {who}: {p.note}")
         if not done:
-            print("no worktrees of finished tasks to prune")
+            _say("no worktrees of finished tasks to prune")
         return OK
     index = ops.read(home)[1]
     rows = [_worktree_row(e, worktree.disk_usage(e.path)) for e in worktree.entries(home, index.all_tasks())]
     if args.json:
         print(to_json(rows))
     elif not rows:
-        print(f"no worktrees (they live in {home.root / 'worktrees'})")
+        _say(f"no worktrees (they live in {home.root / 'worktrees'})")
     else:
-        print(render.worktrees_table(rows, ops.now()))
+        _say(render.worktrees_table(rows, ops.now()))
     return OK
 
 
@@ -1028,7 +1060,10 @@ def cmd_stats(home: Home, args: argparse.Namespace) -> int:
     control.ensure_service(home, cfg, index)
     window = stats.load(home, cfg, index, args.since or stats.DEFAULT_WINDOW, ops.now())
     report = stats.summarise(window, args.by)
-    print(to_json(report) if args.json else stats.render(report))
+    if args.json:
+        print(to_json(report))
+    else:
+        _say(stats.render(report))
     return OK
 
 
@@ -1036,7 +1071,10 @@ def cmd_doctor(home: Home, args: argparse.Namespace) -> int:
     from kugetsu import doctor
 
     checks = doctor.run(home)
-    print(to_json(doctor.report(checks)) if args.json else doctor.render(checks))
+    if args.json:
+        print(to_json(doctor.report(checks)))
+    else:
+        _say(doctor.render(checks))
     return OK if all(c.ok for c in checks) else FAILURE
 
 
@@ -1056,13 +1094,13 @@ def cmd_hold(home: Home, args: argparse.Namespace) -> int:
             raise UsageError(f"--until {args.until!r} is neither a time (15:00, 3pm, 2026-11-23T15:00Z) nor a"
                              " duration (30m, 2h)")
     for event in ops.hold(home, args.agent, until):
-        print(event.reason)
+        _say(event.reason)
     return OK
 
 
 def cmd_release(home: Home, args: argparse.Namespace) -> int:
     for event in ops.release(home, args.agent):
-        print(event.reason)
+        _say(event.reason)
     return OK
 
 
@@ -1074,7 +1112,7 @@ def cmd_retry(home: Home, args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(ops.task_json(adm.task, adm.position)))
     else:
-        print(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for))
+        _say(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for))
     return OK
 
 

@@ -358,6 +358,22 @@ def check_prompt(cfg: Config, prompt: str | None) -> None:
             " {prompt_file} passes the prompt as a file rather than in the agent's argv; or raise prompt_max_size")
 
 
+def _check_text(req: Request) -> None:
+    """Everything a task keeps is UTF-8 text. An argument with a byte that is not (a shell's
+    $'\\x9b' arrives as a lone surrogate) cannot be stored: refused here, by name, not a
+    traceback from the index's encoder after the checks."""
+    fields = [("the working directory", req.cwd), ("the prompt", req.prompt), ("the source", req.source),
+              ("the agent preset", req.agent), ("the group", req.group)]
+    fields += [(f"argument {i} of the command", a) for i, a in enumerate(req.command or [])]
+    fields += [(f"the environment variable {k!r}", v) for k, v in req.env.items()]
+    for what, text in fields:
+        try:
+            (text or "").encode()
+        except UnicodeEncodeError:
+            raise UsageError(f"{what} is not UTF-8 text ({text!r}), and a task is kept as text: give it in"
+                             " UTF-8 (or, in a command, let the shell make the byte: printf '\\233')") from None
+
+
 def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task, list[Event]]:
     """Add a task to the queue, or refuse. Raises before changing anything."""
     check_prompt(cfg, req.prompt)
@@ -382,6 +398,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         raise InvalidHost(req.pinned_host)
     if req.retries < 0:
         raise UsageError(f"invalid retries {req.retries}: a task is run again 0 or more times after a failure")
+    _check_text(req)
     agent, template, env = resolve_agent(cfg, req)
     after = dependencies(index, req.after)
     limit = cfg.max_queued_per_source

@@ -195,7 +195,7 @@ async def on_button(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
     try:
         outcome = await asyncio.to_thread(_cancel, home, [ref], query.message.chat.id)  # type: ignore[union-attr]
     except KugetsuError as err:
-        await query.answer(str(err)[:190])
+        await query.answer(text.plain(text.esc(err))[:190])  # an answer has no parse mode: esc for its controls
         return
     await query.answer(text.plain(outcome)[:190])
     body, markup = await asyncio.to_thread(_queue_view, home)

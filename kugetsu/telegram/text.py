@@ -2,7 +2,7 @@
 
 Pure functions of tasks, config and a clock (no python-telegram-bot, no I/O), so the
 wording is testable without a bot. Every user-supplied string (names, sources, reasons,
-log lines) goes through `esc`; every message stays under Telegram's 4096 characters.
+log lines) goes through `esc` (HTML-escaped, controls shown escaped); every message stays under Telegram's 4096 characters.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def esc(text: object) -> str:
-    return html.escape(str(text), quote=False)
+    """Anyone's text as Telegram HTML: as written, its controls and bidi overrides (a chat
+    client reorders at a U+202E too) shown escaped (render.printable)."""
+    return html.escape(render.printable(str(text)), quote=False)
 
 
 def fit(lines: list[str], more: str = "... and {n} more") -> str:

@@ -29,7 +29,8 @@ from kugetsu.paths import Home
 from kugetsu.store import open_store
 from kugetsu.tui import view
 from kugetsu.tui.screens import SOURCE, ConfirmCancel, DelegateForm, HelpScreen, LogScreen, describe_error
-from kugetsu.tui.widgets import LogView, StateTable, TaskTable
+from kugetsu.render import printable
+from kugetsu.tui.widgets import LogView, StateTable, TaskTable, plain
 
 EVENTS_SHOWN = 100
 NOTHING_SELECTED = "(no task selected;\nd delegates one)"  # two lines: the pane is 31 columns wide at 80
@@ -157,6 +158,12 @@ class Dashboard(App[None]):
         if task is not None and task.host is not None and task.host != host_name(self.cfg):
             ops.log_path(self.home, self.cfg, task)
 
+    def notify(self, message: str, *, title: str = "", severity: Any = "information", timeout: float | None = None,
+               markup: bool = False) -> None:
+        """Every notification, the screens' too: its message quotes names, reasons and paths
+        (anyone's text), so it is never read as markup (see widgets.plain)."""
+        super().notify(printable(message), title=title, severity=severity, timeout=timeout, markup=False)
+
     def _report(self, message: str) -> None:
         if message != self.error:  # once per problem, not once a second
             self.error = message
@@ -167,7 +174,7 @@ class Dashboard(App[None]):
         summary = self.summary
         queue = pm.queue_view(self.index, self.cfg, now)  # once per refresh, for every pane
         text = view.summary(queue.capacity, self.service_pid)
-        summary.update(text + (" · files unreadable: see notification" if self.error else ""))
+        summary.update(plain(text + (" · files unreadable: see notification" if self.error else "")))
         summary.set_class(self.service_pid is None, "-down")
         summary.set_class(self.error is not None, "-error")
         self.running.sync(view.running_rows(queue, now, self.tz))
@@ -185,7 +192,7 @@ class Dashboard(App[None]):
             y = events.scroll_y
             self.call_after_refresh(lambda: events.scroll_y == y and events.scroll_end(animate=False, immediate=True))
         self._follow_selection()
-        self.output.border_title = view.task_title(self.selected_task())
+        self.output.border_title = plain(view.task_title(self.selected_task()))
         self.call_after_refresh(self._count_hidden)
 
     TABLE_TITLES = {"running": "Running", "queue": "Queue", "finished": "Finished"}
@@ -249,7 +256,7 @@ class Dashboard(App[None]):
         task = self.selected_task()
         path = None if selected is None else self.home.log(selected) if task is None else ops.log_path(self.home, self.cfg, task)
         output.follow(path, NOTHING_SELECTED if selected is None else "(no output yet)")
-        output.border_title = view.task_title(self.selected_task())
+        output.border_title = plain(view.task_title(self.selected_task()))
 
     # ---- actions ---------------------------------------------------------------------
 

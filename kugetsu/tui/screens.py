@@ -18,7 +18,7 @@ from kugetsu.errors import KugetsuError
 from kugetsu.models import Task, TaskState
 from kugetsu.paths import Home
 from kugetsu.tui.view import task_title
-from kugetsu.tui.widgets import LogView
+from kugetsu.tui.widgets import LogView, plain
 
 SOURCE = "dashboard"
 
@@ -55,7 +55,7 @@ class ConfirmCancel(ModalScreen[bool]):
         else:
             what = "It is queued: it leaves the queue and never starts."
         with Vertical(id="dialog"):
-            yield Label(f"Cancel {t.name} (#{t.id})?", id="question")
+            yield Label(plain(f"Cancel {t.name} (#{t.id})?"), id="question")
             yield Static(what, id="consequence")
             with Horizontal(id="buttons"):
                 yield Button("Yes, cancel (y)", variant="error", id="yes")
@@ -93,7 +93,7 @@ class DelegateForm(ModalScreen["ops.Admission | None"]):
                 yield Input(placeholder="what the agent should do", id="prompt", compact=True)
             with Horizontal(classes="field"):
                 yield Label("Agent")
-                yield Select([(a, a) for a in self.agents], value=self.default_agent, allow_blank=False,
+                yield Select([(plain(a), a) for a in self.agents], value=self.default_agent, allow_blank=False,
                              id="agent", compact=True)
             with Horizontal(classes="field"):
                 yield Label("Directory")
@@ -135,7 +135,7 @@ class DelegateForm(ModalScreen["ops.Admission | None"]):
             self.app.call_from_thread(self.dismiss, admission)
 
     def _show_error(self, message: str) -> None:
-        self.query_one("#error", Static).update(message)
+        self.query_one("#error", Static).update(plain(message))
 
 
 class LogScreen(Screen[None]):
@@ -150,7 +150,7 @@ class LogScreen(Screen[None]):
         self.poll = poll
 
     def compose(self) -> ComposeResult:
-        yield Static(task_title(self.target), id="log-title")
+        yield Static(plain(task_title(self.target)), id="log-title")
         yield LogView(poll=self.poll, id="full-log")
         yield Footer()
 

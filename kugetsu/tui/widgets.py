@@ -11,7 +11,17 @@ from rich.text import Text
 from textual.widgets import DataTable, Log
 
 from kugetsu.paths import nofollow
+from kugetsu.render import printable
 from kugetsu.tui.view import Row
+
+
+def plain(text: str, lines: bool = True, **style: object) -> Text:
+    """Anyone's text (a task's reason, a preset's name, a path in an error, an agent's output)
+    for a widget, as written: a Text is never read as markup (a `[/]` in a string was a
+    MarkupError that closed the dashboard, a `[@click=app.quit]` a live action), and what a
+    terminal would obey in it is shown escaped (render.printable; `lines` as there). Every
+    widget that shows such text takes it from here; markup is for the app's own words only."""
+    return Text(printable(text, lines), **style)  # type: ignore[arg-type]
 
 STATES = ("queued", "running", "stopping", "succeeded", "failed", "cancelled", "expired", "lost",
           "started", "config")
@@ -143,7 +153,7 @@ class StateTable(DataTable):
                 rich_style = self.get_component_rich_style(name, partial=True)
             except KeyError:  # not styled yet, or no longer (a refresh as the app mounts or closes)
                 pass
-        return Text(text, style=rich_style, no_wrap=True, overflow="ellipsis")  # type: ignore[arg-type]
+        return plain(text, lines=False, style=rich_style, no_wrap=True, overflow="ellipsis")
 
 
 class TaskTable(StateTable):
@@ -229,7 +239,8 @@ class LogView(Log):
         if self._mid_line and b"\n" in data:  # started inside a line: drop the part of it read
             data = data[data.find(b"\n") + 1 :]
         self._mid_line = False
-        self._emit(self._bounded(_ANSI.sub("", self._decoder.decode(data))))
+        # Colours and cursor moves dropped quietly; any other control character shown escaped.
+        self._emit(self._bounded(printable(_ANSI.sub("", self._decoder.decode(data)))))
 
     def _emit(self, text: str) -> None:
         """Append `text` to the pane: the first piece continues the open line, whole lines go in
