@@ -354,7 +354,7 @@ def check_prompt(cfg: Config, prompt: str | None) -> None:
     if size > cap:
         raise UsageError(
             f"the prompt is {format_size(size)}, over prompt_max_size ({format_size(cap)}): put the long text in a"
-            " file the agent can read (in its --cwd) and give a short prompt that points to it; a preset with"
+            " file the agent can read (in its working directory) and give a short prompt that points to it; a preset with"
             " {prompt_file} passes the prompt as a file rather than in the agent's argv; or raise prompt_max_size")
 
 
