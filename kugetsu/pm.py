@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 
 from kugetsu import limits, placement
 from kugetsu.config import Config, format_duration, parse_duration
-from kugetsu.errors import (AmbiguousName, InvalidHost, NeedsPrompt, NoSuchTask, NotClustered, QueueFull, Rejected,
+from kugetsu.errors import (AmbiguousName, EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered, QueueFull, Rejected,
                             UnknownDependency, UnknownGroup, UsageError)
 from kugetsu.models import PRIORITIES, Attempt, Event, Hold, Index, LimitHit, SourceMark, Task, TaskState, valid_host, valid_name
 from kugetsu.placement import Here, ours, starts_anywhere
@@ -314,6 +314,9 @@ class Request(msgspec.Struct, kw_only=True):
     # for a preset that uses it (wants_prompt_file).
     prompt_path: str | None = None
     after: list[str] = []  # tasks (ids or names) that must succeed before this one starts
+    # The task whose agent delegates (id, name), from that agent's environment (ops fills it
+    # in: KUGETSU_TASK_ID, KUGETSU_TASK_NAME): None from outside any task.
+    parent: tuple[int, str] | None = None
 
 
 _PLACEHOLDER = re.compile(r"\{(prompt|prompt_file|name|id)\}")
@@ -329,6 +332,53 @@ def render_command(template: list[str], values: dict[str, str]) -> list[str]:
 def wants_prompt_file(cfg: Config, req: Request) -> bool:
     """Does the request run a preset that takes its prompt as a file ({prompt_file})?"""
     return not req.command and any("{prompt_file}" in a for a in resolve_agent(cfg, req)[1])
+
+
+def check_prompt(prompt: str | None) -> None:
+    """A prompt given must say something: an agent started with nothing to do is a slot spent
+    for nothing (admission and edit; every front end gets this one check)."""
+    if prompt is not None and not prompt.strip():
+        raise EmptyPrompt
+
+
+def unused_prompt(req: Request) -> bool:
+    """A prompt given beside an explicit command and no preset: nothing puts it anywhere (the
+    command runs as given). Each front end says so in its own terms."""
+    return req.prompt is not None and bool(req.command) and req.agent is None
+
+
+def parent_task(index: Index, ref: tuple[int, str] | None) -> Task | None:
+    """The task a delegating agent runs in: None from outside any task, or when the id and
+    name its environment carries are not a task of this home (another home's agent)."""
+    if ref is None:
+        return None
+    return next((t for t in index.all_tasks() if t.id == ref[0] and t.name == ref[1]), None)
+
+
+def check_nesting(parent: Task | None) -> None:
+    """May the agent of `parent` delegate? (Admission asks, and the MCP server, which serves
+    such an agent only the tools that read.)"""
+    if parent is None or parent.nesting > 0:
+        return
+    where = f"this agent runs inside kugetsu task {parent.name} (#{parent.id})"
+    if parent.depth > 0:
+        raise Nested(f"{where} at depth {parent.depth + 1}, the deepest the preset that began the chain allows"
+                     " (its `nesting`): a task's agent delegates no deeper")
+    what = f"its preset {parent.agent!r}" if parent.agent else "it runs an explicit command, which"
+    raise Nested(f"{where}, and {what} allows no nesting: its agents may not delegate (set the preset's"
+                 " `nesting` to 1 or more to let them)")
+
+
+def nesting_of(index: Index, cfg: Config, req: Request, agent: str | None) -> tuple[int, int]:
+    """(depth, nesting) of a task admitted for `req` (see Task); raises Nested when its
+    delegator may not delegate."""
+    preset = cfg.agents.get(agent) if agent else None
+    own = preset.nesting if preset else 0
+    parent = parent_task(index, req.parent)
+    check_nesting(parent)
+    if parent is None:
+        return 0, own
+    return parent.depth + 1, min(parent.nesting - 1, own)
 
 
 def resolve_agent(cfg: Config, req: Request) -> tuple[str | None, list[str], dict[str, str]]:
@@ -367,7 +417,9 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         raise InvalidHost(req.pinned_host)
     if req.retries < 0:
         raise UsageError(f"invalid retries {req.retries}: a task is run again 0 or more times after a failure")
+    check_prompt(req.prompt)
     agent, template, env = resolve_agent(cfg, req)
+    depth, nesting = nesting_of(index, cfg, req, agent)
     after = dependencies(index, req.after)
     limit = cfg.max_queued_per_source
     if limit is not None:
@@ -420,6 +472,8 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         retries=req.retries,
         retry_delay=req.retry_delay,
         retry_of=req.retry_of,
+        depth=depth,
+        nesting=nesting,
     )
     index.next_id += 1
     index.queued.append(task)
@@ -501,8 +555,7 @@ def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> 
             raise UsageError(f"a negative {what} ({value:g}s) makes no sense; 0 means none")
     command = None
     if change.prompt is not None:
-        if change.prompt == "":
-            raise UsageError("the prompt is empty: an agent given nothing to do would start for nothing")
+        check_prompt(change.prompt)
         preset = cfg.agents.get(task.agent) if task.agent else None
         values = {"prompt": task.prompt or "", "prompt_file": change.prompt_path or "", "name": task.name,
                   "id": str(task.id)}
