@@ -17,8 +17,8 @@ from datetime import datetime, timedelta
 
 from kugetsu import limits, placement
 from kugetsu.config import Config, format_duration, parse_duration
-from kugetsu.errors import (AmbiguousName, EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered, QueueFull, Rejected,
-                            UnknownDependency, UnknownGroup, UsageError)
+from kugetsu.errors import (AmbiguousName, EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered,
+                            QueueFull, Rejected, UnknownDependency, UnknownGroup, UsageError)
 from kugetsu.models import PRIORITIES, Attempt, Event, Hold, Index, LimitHit, SourceMark, Task, TaskState, valid_host, valid_name
 from kugetsu.placement import Here, ours, starts_anywhere
 # Resources, guard_hold and clock are also used by the front ends, through pm.
