@@ -336,6 +336,8 @@ def _fix(err: KugetsuError) -> str:
     """How to fix an error, in the CLI's terms (pm's errors name no flag: each front end words it)."""
     from kugetsu import errors as E
 
+    if isinstance(err, E.EmptyPrompt):
+        return "; give --prompt TEXT with the task in it"
     if isinstance(err, E.NeedsPrompt):
         return ": give --prompt TEXT or --prompt-file FILE (or a command after --)"
     if isinstance(err, E.NoSuchTask):
@@ -386,12 +388,6 @@ def _undo_dashdash(args: argparse.Namespace) -> None:
 def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     cfg = load_config(home)
     prompt = _read_prompt(args)
-    if prompt == "":
-        raise UsageError("the prompt is empty: an agent given nothing to do would start for nothing;"
-                         " give --prompt TEXT with the task in it")
-    if prompt is not None and args.argv_command and not args.agent:
-        _say("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"
-             " in its arguments, or drop the command to run the agent preset)", file=sys.stderr)
     req = pm.Request(
         cwd=os.path.abspath(args.cwd or os.getcwd()),
         name=args.name,
@@ -410,6 +406,9 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         retries=args.retries,
         retry_delay=args.retry_delay,
     )
+    if pm.unused_prompt(req):
+        print("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"
+              " in its arguments, or drop the command to run the agent preset)", file=sys.stderr)
     adm = ops.delegate(home, cfg, req)
     _priority_ignored(cfg.strategy, args.priority)
     if not args.json:
@@ -452,9 +451,6 @@ def cmd_edit(home: Home, args: argparse.Namespace) -> int:
     if all(v is None for v in (change.prompt, change.priority, change.expire_after, change.timeout, change.group)):
         raise UsageError("nothing to change: give --prompt, --prompt-file, --priority, --expire-after, --timeout"
                          " or --group")
-    if change.prompt == "":
-        raise UsageError("the prompt is empty: an agent given nothing to do would start for nothing;"
-                         " give --prompt TEXT with the task in it")
     task, position, changed = ops.edit(home, args.task, change)
     if args.priority:
         _priority_ignored(load_config(home).strategy, args.priority)

@@ -174,6 +174,10 @@ class AgentPreset(msgspec.Struct, forbid_unknown_fields=True):
     limit: LimitConfig = msgspec.field(default_factory=LimitConfig)
     session_pattern: str | None = None  # its session id in its output (group 1)
     resume: Annotated[list[str], msgspec.Meta(min_length=1)] | None = None  # argv continuing {session}
+    # How many levels of tasks its agents may delegate beneath them (0: none; their `kugetsu
+    # mcp` serves only the tools that read). A task delegated from inside a task gets the
+    # smaller of its own preset's and what is left of its delegator's: recursion ends.
+    nesting: Annotated[int, msgspec.Meta(ge=0, le=8)] = 0
 
     def __post_init__(self) -> None:
         if self.session_pattern is not None:

@@ -55,6 +55,18 @@ class NeedsPrompt(UsageError):
         self.agent = agent
 
 
+class EmptyPrompt(UsageError):
+    """A prompt of nothing but whitespace: every front end (CLI, MCP, bot, dashboard) gets it
+    from pm, the one place that checks it."""
+
+    def __init__(self) -> None:
+        super().__init__("the prompt is empty: an agent given nothing to do would start for nothing")
+
+
+class Nested(UsageError):
+    """A task's own agent delegating where its preset allows no (more) nesting."""
+
+
 class NoSuchTask(NotFound):
     def __init__(self, ref: str):
         super().__init__(f"no task {ref!r}")

@@ -124,6 +124,10 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     first_command: list[str] | None = None  # the command before a resume replaced it
     # The agent's exit hit its provider's limit: back to the queue once its leftovers are gone.
     limit: LimitHit | None = None
+    # Delegated by another task's agent (pm.admit): how many tasks are above it (0: delegated
+    # from outside any task), and how many levels its own agent may still delegate beneath it.
+    depth: int = 0
+    nesting: int = 0
 
 
 class Attempt(msgspec.Struct, kw_only=True, omit_defaults=True):

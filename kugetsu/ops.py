@@ -110,6 +110,7 @@ def delegate_many(home: Home, cfg: Config, reqs: list[pm.Request]) -> list[Admis
             out[i] = err
             continue
         req.token = runner.new_token()
+        req.parent = req.parent or caller_task()
         todo.append(i)
     if not todo:
         return out  # type: ignore[return-value]
@@ -156,6 +157,14 @@ def _write_prompt(path: Path, prompt: str) -> None:
     line, where any local user can read it. fsync'd: the committed task must find it after a
     crash. A file already there is a crash's leftover or planted (ids are never reused)."""
     write_new(path, prompt.encode())
+
+
+def caller_task() -> tuple[int, str] | None:
+    """The task this process runs in, when an agent of kugetsu's started it (or something the
+    agent started): the id and name the runner put in its environment (pm.parent_task checks
+    them against the index)."""
+    ident, name = os.environ.get("KUGETSU_TASK_ID", ""), os.environ.get("KUGETSU_TASK_NAME")
+    return (int(ident), name) if ident.isascii() and ident.isdigit() and name else None
 
 
 def _check_request(req: pm.Request) -> None:

@@ -17,8 +17,8 @@ from datetime import datetime, timedelta
 
 from kugetsu import limits, placement
 from kugetsu.config import Config, format_duration, format_size, parse_duration
-from kugetsu.errors import (AmbiguousName, InvalidHost, NeedsPrompt, NoSuchTask, NotClustered, QueueFull, Rejected,
-                            UnknownDependency, UnknownGroup, UsageError)
+from kugetsu.errors import (AmbiguousName, EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered,
+                            QueueFull, Rejected, UnknownDependency, UnknownGroup, UsageError)
 from kugetsu.models import (PRIORITIES, Attempt, ClockError, Event, Hold, Index, LimitHit, SourceMark, Task, TaskState,
                             valid_host, valid_name)
 from kugetsu.placement import Here, ours, starts_anywhere
@@ -315,6 +315,9 @@ class Request(msgspec.Struct, kw_only=True):
     # for a preset that uses it (wants_prompt_file).
     prompt_path: str | None = None
     after: list[str] = []  # tasks (ids or names) that must succeed before this one starts
+    # The task whose agent delegates (id, name), from that agent's environment (ops fills it
+    # in: KUGETSU_TASK_ID, KUGETSU_TASK_NAME): None from outside any task.
+    parent: tuple[int, str] | None = None
 
 
 _PLACEHOLDER = re.compile(r"\{(prompt|prompt_file|name|id)\}")
@@ -332,6 +335,46 @@ def wants_prompt_file(cfg: Config, req: Request) -> bool:
     return not req.command and any("{prompt_file}" in a for a in resolve_agent(cfg, req)[1])
 
 
+def unused_prompt(req: Request) -> bool:
+    """A prompt given beside an explicit command and no preset: nothing puts it anywhere (the
+    command runs as given). Each front end says so in its own terms."""
+    return req.prompt is not None and bool(req.command) and req.agent is None
+
+
+def parent_task(index: Index, ref: tuple[int, str] | None) -> Task | None:
+    """The task a delegating agent runs in: None from outside any task, or when the id and
+    name its environment carries are not a task of this home (another home's agent)."""
+    if ref is None:
+        return None
+    return next((t for t in index.all_tasks() if t.id == ref[0] and t.name == ref[1]), None)
+
+
+def check_nesting(parent: Task | None) -> None:
+    """May the agent of `parent` delegate? (Admission asks, and the MCP server, which serves
+    such an agent only the tools that read.)"""
+    if parent is None or parent.nesting > 0:
+        return
+    where = f"this agent runs inside kugetsu task {parent.name} (#{parent.id})"
+    if parent.depth > 0:
+        raise Nested(f"{where} at depth {parent.depth + 1}, the deepest the preset that began the chain allows"
+                     " (its `nesting`): a task's agent delegates no deeper")
+    what = f"its preset {parent.agent!r}" if parent.agent else "it runs an explicit command, which"
+    raise Nested(f"{where}, and {what} allows no nesting: its agents may not delegate (set the preset's"
+                 " `nesting` to 1 or more to let them)")
+
+
+def nesting_of(index: Index, cfg: Config, req: Request, agent: str | None) -> tuple[int, int]:
+    """(depth, nesting) of a task admitted for `req` (see Task); raises Nested when its
+    delegator may not delegate."""
+    preset = cfg.agents.get(agent) if agent else None
+    own = preset.nesting if preset else 0
+    parent = parent_task(index, req.parent)
+    check_nesting(parent)
+    if parent is None:
+        return 0, own
+    return parent.depth + 1, min(parent.nesting - 1, own)
+
+
 def resolve_agent(cfg: Config, req: Request) -> tuple[str | None, list[str], dict[str, str]]:
     """(agent name, argv template, env) for a request."""
     if req.command:
@@ -346,10 +389,13 @@ def resolve_agent(cfg: Config, req: Request) -> tuple[str | None, list[str], dic
 
 
 def check_prompt(cfg: Config, prompt: str | None) -> None:
-    """A prompt over prompt_max_size is refused: it is kept with its task in the index, which
-    every command reads (a 64 MB prompt made each one cost a second and 200 MB)."""
+    """A prompt given must say something (an agent started with nothing to do is a slot spent
+    for nothing), and one over prompt_max_size is refused (a 64 MB prompt made every command
+    cost a second and 200 MB). Admission and edit: every front end gets these checks."""
     if prompt is None:
         return
+    if not prompt.strip():
+        raise EmptyPrompt
     size, cap = len(prompt.encode("utf-8", "surrogateescape")), cfg.prompt_max_bytes
     if size > cap:
         raise UsageError(
@@ -400,6 +446,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         raise UsageError(f"invalid retries {req.retries}: a task is run again 0 or more times after a failure")
     _check_text(req)
     agent, template, env = resolve_agent(cfg, req)
+    depth, nesting = nesting_of(index, cfg, req, agent)
     after = dependencies(index, req.after)
     limit = cfg.max_queued_per_source
     if limit is not None:
@@ -452,6 +499,8 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         retries=req.retries,
         retry_delay=req.retry_delay,
         retry_of=req.retry_of,
+        depth=depth,
+        nesting=nesting,
     )
     index.next_id += 1
     index.queued.append(task)
@@ -534,8 +583,6 @@ def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> 
     command = None
     check_prompt(cfg, change.prompt)
     if change.prompt is not None:
-        if change.prompt == "":
-            raise UsageError("the prompt is empty: an agent given nothing to do would start for nothing")
         preset = cfg.agents.get(task.agent) if task.agent else None
         values = {"prompt": task.prompt or "", "prompt_file": change.prompt_path or "", "name": task.name,
                   "id": str(task.id)}

@@ -78,7 +78,7 @@ class Processes:
                 runner.release(warm)
                 return warm
             self.drop(warm)
-        return runner.spawn(self.home, task.id, task.name, task.command, cwd, env, token=task.token)
+        return runner.spawn(self.home, task.id, task.name, task.command, cwd, env, token=task.token, depth=task.depth)
 
     def sync_warm(self, index: Index, cfg: Config) -> None:
         """Keep the wrappers of the first WARM_AHEAD queued tasks in start order started and
@@ -101,7 +101,8 @@ class Processes:
                 self.drop(self.warm.pop(task.id))  # its prompt was edited: it would run the old one
             try:
                 self.warm[task.id] = runner.spawn(
-                    self.home, task.id, task.name, task.command, task.cwd, task.env, warm=True, token=task.token
+                    self.home, task.id, task.name, task.command, task.cwd, task.env, warm=True, token=task.token,
+                    depth=task.depth,
                 )
             except (OSError, ValueError):
                 pass  # it gets a normal start, and its error, when its turn comes

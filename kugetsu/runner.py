@@ -99,14 +99,20 @@ class Spawned(msgspec.Struct):
     argv: list[str] = []  # what it runs: a warm wrapper whose task's command changed since (`edit`) is stale
 
 
-def agent_env(home: Home, task_id: int, name: str, token: str | None, env: dict[str, str]) -> dict[str, str]:
+def agent_env(home: Home, task_id: int, name: str, token: str | None, env: dict[str, str],
+              depth: int = 0) -> dict[str, str]:
     """The environment an agent runs with: the service's own, less kugetsu's variables and
-    secrets (see _OURS), plus the preset's variables and the task's identity."""
+    secrets (see _OURS), plus the preset's variables and the task's identity. KUGETSU_TASK_ID
+    and KUGETSU_TASK_NAME also tell a `kugetsu delegate` or `kugetsu mcp` the agent runs that
+    it runs inside this task (pm.check_nesting); KUGETSU_DEPTH says how many tasks deep (1: a
+    task delegated from outside). None of them is a secret: set here for each agent, whatever
+    the service's own environment held."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(_OURS) and k not in _DB_SECRETS}
     store = os.environ.get(STORE_ENV)
     if store:  # so that `kugetsu` run by the agent uses the same queue; its password stays here
         base[STORE_ENV] = redact_url(store, mask=None)
-    out = {**base, **env, "KUGETSU_TASK_ID": str(task_id), "KUGETSU_TASK_NAME": name, "KUGETSU_HOME": str(home.root)}
+    out = {**base, **env, "KUGETSU_TASK_ID": str(task_id), "KUGETSU_TASK_NAME": name, "KUGETSU_HOME": str(home.root),
+           "KUGETSU_DEPTH": str(depth + 1)}
     if token:
         out[TOKEN_VAR] = token
     return out
@@ -114,7 +120,7 @@ def agent_env(home: Home, task_id: int, name: str, token: str | None, env: dict[
 
 def spawn(
     home: Home, task_id: int, name: str, argv: list[str], cwd: str, env: dict[str, str],
-    warm: bool = False, token: str | None = None,
+    warm: bool = False, token: str | None = None, depth: int = 0,
 ) -> Spawned:
     """Start the task's wrapper: running at once, or (warm) waiting for `release`."""
     import subprocess  # only the service spawns; the CLI never pays for this import
@@ -131,7 +137,7 @@ def spawn(
         exit_file.unlink(missing_ok=True)
         raise
     os.close(fd)
-    full_env = agent_env(home, task_id, name, token, env)
+    full_env = agent_env(home, task_id, name, token, env, depth)
     full_env.update((f"KUGETSU_ARG_{i}", arg) for i, arg in enumerate(argv))
     gate_r, gate_w = os.pipe() if warm else (None, None)  # not inheritable: only this wrapper gets it
     try:

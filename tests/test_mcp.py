@@ -21,7 +21,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from conftest import REPO, processes_under, wait_for_async
+from conftest import REPO, processes_under, wait_for, wait_for_async
 from rawclient import closed_by_server
 
 mcp = pytest.importorskip("mcp", reason="the MCP SDK is in the test extra: pip install -e '.[test]'")
@@ -229,7 +229,10 @@ async def test_queue_full_is_a_normal_result_that_says_to_back_off(kg):
         assert not r.is_error  # back-pressure, not a failure: exit 3 for the CLI
         assert r.structured_content == {
             "admitted": False, "task": None, "retry_after": 60,
-            "rejected": "queue full: 2/2 waiting, 1/1 running; try again when a task finishes"}
+            "rejected": "queue full: 2/2 waiting, 1/1 running; try again when a task finishes",
+            "message": "rejected: queue full: 2/2 waiting, 1/1 running; try again when a task finishes",
+            "advice": "Nothing was queued. Back off: try again in about 60s (or after one of your tasks ends);"
+                      " do not retry at once."}
         assert text(r).startswith("rejected: queue full: 2/2 waiting") and "Nothing was queued" in text(r)
         assert "try again in about 60s" in text(r) and "do not retry at once" in text(r)
         assert [t["name"] for t in kg.index()["queued"]] == ["t2", "t3"]
@@ -623,3 +626,278 @@ async def test_delegate_with_retries(kg):
         r = await c.call_tool("wait", {"tasks": ["r"], "timeout": "20s"})
         [task] = r.structured_content["tasks"]
     assert task["state"] == "failed" and task["attempt"] == 2 and task["attempts"][0]["exit_code"] == 5
+
+
+# ---- as real clients see it (issue 25, item 6) --------------------------------------------
+
+
+async def test_what_the_model_must_do_is_in_the_structured_result_too(kg):
+    """Claude Code shows the model the structured content, not the text: the advice to back
+    off (and what to do next) must be there too, short, and the same words as the text."""
+    kg.config(autostart=False, max_agents=1, max_queue=1)
+    async with connect(kg) as c:
+        r = await c.call_tool("delegate", {"name": "a", "command": ["true"]})
+        assert r.structured_content["message"] == text(r).split("\n")[0] == "started a (#1), slot 1/1"
+        assert "wait" in r.structured_content["advice"]
+        await c.call_tool("delegate", {"name": "b", "command": ["true"]})
+        r = await c.call_tool("delegate", {"name": "c", "command": ["true"]})
+        out = r.structured_content
+        assert not out["admitted"] and out["retry_after"] == 60
+        assert "Back off" in out["advice"] and "do not retry at once" in out["advice"] and out["advice"] in text(r)
+        assert out["message"].startswith("rejected: queue full")
+        r = await c.call_tool("wait", {"tasks": ["b"], "timeout": "1s"})
+        assert not r.structured_content["done"] and "call wait again" in r.structured_content["advice"]
+        tools = {t.name: t for t in (await c.list_tools()).tools}
+    assert {"message", "advice"} <= set(tools["delegate"].output_schema["properties"])
+
+
+async def test_argument_errors_are_one_clear_line(kg):
+    kg.config(autostart=False)
+    kg.ok("delegate", "x", "--", "true")
+    before = kg.home.index.read_bytes()
+    async with connect(kg) as c:
+        for tool, args, want in [
+            ("status", {}, "status: argument task is missing"),
+            ("logs", {"task": "x", "lines": -1}, "logs: argument lines: must be 0 or more"),
+            ("logs", {"task": "x", "max_bytes": "lots"}, "logs: argument max_bytes: must be an integer"),
+            ("priority", {"task": "x", "level": "asap"}, "priority: argument level: must be one of urgent, high,"
+                                                          " normal, low"),
+            ("queue", {"finished": "maybe"}, "queue: argument finished: must be true or false"),
+            ("cancel", {"tasks": "x"}, "cancel: argument tasks: must be a list"),
+            ("delegate", {"command": ["true"], "timout": 5},
+             "delegate: unknown argument 'timout' (did you mean timeout?); it takes:"),
+            ("status", {"task": "x", "verbose": True}, "status: unknown argument 'verbose'; it takes: task"),
+        ]:
+            r = await c.call_tool(tool, args)
+            assert r.is_error, (tool, args)
+            assert text(r).startswith(want), (tool, args, text(r))
+            assert "\n" not in text(r) and "pydantic" not in text(r) and "validation error" not in text(r)
+    assert kg.home.index.read_bytes() == before
+
+
+async def test_task_ids_are_accepted_as_numbers(kg):
+    """Every id in every result is a number: a model passes it back as one."""
+    kg.config(autostart=False, max_agents=1)
+    async with connect(kg) as c:
+        await c.call_tool("delegate", {"name": "a", "command": ["true"]})
+        r = await c.call_tool("delegate", {"name": "b", "command": ["true"]})
+        assert not r.is_error
+        r = await c.call_tool("status", {"task": 2})
+        assert not r.is_error and r.structured_content["name"] == "b"
+        r = await c.call_tool("logs", {"task": 2})
+        assert not r.is_error and r.structured_content["id"] == 2
+        r = await c.call_tool("priority", {"task": 2, "level": "high"})
+        assert not r.is_error and r.structured_content["priority"] == "high"
+        r = await c.call_tool("cancel", {"tasks": [2]})
+        assert not r.is_error and r.structured_content["tasks"][0]["state"] == "cancelled"
+        r = await c.call_tool("status", {"task": True})
+        assert r.is_error and text(r).startswith("status: argument task: must be a task id or name")
+
+
+async def test_a_prompt_beside_a_command_is_said_to_be_unused(kg):
+    kg.config(autostart=False)
+    async with connect(kg) as c:
+        r = await c.call_tool("delegate", {"name": "a", "command": ["true"], "prompt": "fix issue 7"})
+    assert not r.is_error and r.structured_content["admitted"]
+    assert "the prompt is not used" in text(r) and "the prompt is not used" in r.structured_content["advice"]
+    cli = kg.run("delegate", "b", "--prompt", "fix issue 7", "--", "true")
+    assert cli.returncode == 0 and "warning: the prompt is not used" in cli.stderr
+
+
+EMPTY_PROMPT = "the prompt is empty: an agent given nothing to do would start for nothing"
+
+
+@pytest.mark.parametrize("prompt", ["", " \n\t"])
+async def test_an_empty_prompt_is_refused_by_every_front_end(kg, prompt):
+    kg.config(autostart=False, agents={"echo": {"command": ["echo", "{prompt}"]}}, default_agent="echo")
+    async with connect(kg) as c:
+        r = await c.call_tool("delegate", {"name": "a", "prompt": prompt})
+    assert r.is_error and text(r).startswith(EMPTY_PROMPT), text(r)
+    cli = kg.run("delegate", "b", "--prompt", prompt)
+    assert cli.returncode == 2 and EMPTY_PROMPT in cli.stderr
+    assert not kg.home.index.exists() or kg.index()["queued"] == []
+
+
+def _walk(schema, path=""):
+    """Every sub-schema of a JSON schema, with its path."""
+    if not isinstance(schema, dict):
+        yield path, schema
+        return
+    yield path, schema
+    for key in ("properties", "$defs", "patternProperties"):
+        for name, sub in schema.get(key, {}).items():
+            yield from _walk(sub, f"{path}.{key}.{name}")
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        for i, sub in enumerate(schema.get(key, [])):
+            yield from _walk(sub, f"{path}.{key}[{i}]")
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(schema.get(key), dict):
+            yield from _walk(schema[key], f"{path}.{key}")
+
+
+CONSTRAINS = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "items", "not"}
+
+
+async def test_schemas_pass_strict_validation(kg):
+    """What the Inspector's --strict (core/json/schemaLint.ts) finds: a `type` array, a bare
+    boolean schema, a remote $ref, a schema that constrains nothing."""
+    kg.config(autostart=False)
+    async with connect(kg) as c:
+        tools = (await c.list_tools()).tools
+    problems = []
+    for tool in tools:
+        for kind, schema in (("input", tool.input_schema), ("output", tool.output_schema)):
+            for path, sub in _walk(schema):
+                if isinstance(sub, bool):
+                    problems.append(f"{tool.name} {kind}{path}: bare {sub}")
+                elif isinstance(sub.get("type"), list):
+                    problems.append(f"{tool.name} {kind}{path}: type {sub['type']}")
+                elif not CONSTRAINS & set(sub):
+                    problems.append(f"{tool.name} {kind}{path}: constrains nothing")
+                elif str(sub.get("$ref", "#")).startswith("#") is False:
+                    problems.append(f"{tool.name} {kind}{path}: remote $ref")
+    assert problems == []
+
+
+def test_the_official_inspector_strict_finds_nothing(kg):
+    from agentclis import agent_cli
+
+    inspector = agent_cli("inspector")
+    kg.config(autostart=False)
+    r = subprocess.run([str(inspector), "--cli", "--strict", "--method", "tools/list", "--",
+                        sys.executable, "-m", "kugetsu", "mcp"], env=kg.env, cwd=str(kg.rec),
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert {t["name"] for t in json.loads(r.stdout)["tools"]} == TOOLS
+    assert "schemaFindings" not in json.loads(r.stdout)
+    assert "Warning:" not in r.stderr and "Error:" not in r.stderr, r.stderr[-3000:]
+
+
+def _raw_initialize(kg) -> tuple[float, float, dict]:
+    """Start `kugetsu mcp`, send initialize as a client does the moment it started it, and
+    time (spawn -> initialize answered, initialize answered -> tools/list answered)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kugetsu", "mcp"], env=kg.env, cwd=str(kg.rec),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        t0 = time.monotonic()
+        proc.stdin.write(json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "t", "version": "1"}}}).encode() + b"\n")
+        proc.stdin.flush()
+        init = json.loads(proc.stdout.readline())
+        t1 = time.monotonic()
+        proc.stdin.write(b'{"jsonrpc":"2.0","method":"notifications/initialized"}\n'
+                         b'{"jsonrpc":"2.0","id":1,"method":"tools/list"}\n')
+        proc.stdin.flush()
+        listed = json.loads(proc.stdout.readline())
+        t2 = time.monotonic()
+        assert listed["id"] == 1 and len(listed["result"]["tools"]) == len(TOOLS)
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
+        err = proc.stderr.read().decode()
+        assert err == "", err  # the SDK agreed with the early answer (it says so on stderr if not)
+        return t1 - t0, t2 - t1, init
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_initialize_is_answered_before_the_sdk_is_loaded(kg):
+    """A client's first model turn must not wait for the SDK's import (~1 s on 2 cores): the
+    handshake is answered from a lean module while the rest loads. Timed against itself (the
+    time to the handshake against the time the tools then take), so a loaded machine slows
+    both alike."""
+    kg.config(autostart=False)
+    init, rest, answer = _raw_initialize(kg)
+    assert answer["id"] == 0 and answer["result"]["protocolVersion"] == "2025-06-18"
+    assert answer["result"]["serverInfo"]["name"] == "kugetsu"
+    assert init < rest, (init, rest)
+
+
+async def test_the_early_initialize_answer_is_the_sdks(kg):
+    """The lean answer says what the SDK would: the real client, both protocol eras."""
+    kg.config(autostart=False, max_agents=4)
+    async with connect(kg) as c:
+        legacy = c.server_capabilities, c.instructions
+        assert (await c.call_tool("capacity", {})).structured_content["free"] == 4
+    async with connect(kg, mode="auto") as c:
+        assert (await c.call_tool("capacity", {})).structured_content["free"] == 4
+        modern = c.server_capabilities, c.instructions
+    assert legacy[1] == modern[1] and legacy[0].tools and legacy[0].resources.subscribe
+
+
+# A task's agent that is itself an MCP client: it starts `kugetsu mcp` as Claude Code would
+# in a project where `claude mcp add kugetsu` was run, lists the tools, tries to delegate a
+# task running this same script, and tries the CLI too; it records what it saw.
+NESTED_AGENT = r'''
+import json, os, subprocess, sys, anyio
+from mcp import Client, StdioServerParameters
+
+async def main():
+    out = {"depth": os.environ.get("KUGETSU_DEPTH")}
+    params = StdioServerParameters(command=sys.executable, args=["-m", "kugetsu", "mcp"], env=dict(os.environ))
+    async with Client(params, mode="legacy") as c:
+        out["tools"] = sorted(t.name for t in (await c.list_tools()).tools)
+        child = os.environ["KUGETSU_TASK_NAME"] + "-sub"
+        r = await c.call_tool("delegate", {"name": child, "command": [sys.executable, sys.argv[0], sys.argv[1]],
+                                           "agent": sys.argv[1]})
+        out["delegate"] = {"error": r.is_error, "text": "\n".join(x.text for x in r.content)}
+    cli = subprocess.run([sys.executable, "-m", "kugetsu", "delegate", child + "-cli", "--", "true"],
+                         capture_output=True, text=True)
+    out["cli"] = {"code": cli.returncode, "stderr": cli.stderr}
+    with open(os.path.join(REC, os.environ["KUGETSU_TASK_NAME"] + ".json"), "w") as f:
+        json.dump(out, f)
+
+anyio.run(main)
+'''
+
+
+def _nested(kg, tmp_path, **preset) -> Path:
+    script = tmp_path / "nested_agent.py"
+    script.write_text(f"REC = {str(kg.rec)!r}\n" + NESTED_AGENT)
+    kg.config(max_agents=4, agents={"nester": {"command": [sys.executable, str(script), "nester"], **preset}})
+    return script
+
+
+def _seen(kg, name: str) -> dict:
+    path = kg.rec / f"{name}.json"
+    # Two SDK imports per level (the agent's client, its server): slow on a loaded machine.
+    wait_for(lambda: path.exists() or kg.task(name)["state"] not in ("queued", "running"), 180.0, f"{name}'s record")
+    assert path.exists(), kg.ok("logs", name)
+    return json.loads(path.read_text())
+
+
+READ_ONLY = ["capacity", "logs", "queue", "status", "wait"]
+
+
+def test_a_workers_kugetsu_mcp_is_read_only_by_default(kg, tmp_path):
+    """`claude mcp add kugetsu` in a project gives every worker started there kugetsu's tools:
+    by default a worker's server serves only the readers, and delegating is refused with a
+    message that says why and what allows it; the CLI refuses it too."""
+    _nested(kg, tmp_path)
+    kg.ok("delegate", "outer", "--agent", "nester", "--prompt", "go")
+    seen = _seen(kg, "outer")
+    assert seen["depth"] == "1" and seen["tools"] == READ_ONLY
+    assert seen["delegate"]["error"] and "runs inside kugetsu task outer (#1)" in seen["delegate"]["text"]
+    assert "nesting" in seen["delegate"]["text"]
+    assert seen["cli"]["code"] == 2 and "runs inside kugetsu task outer (#1)" in seen["cli"]["stderr"]
+    kg.wait_state("outer", "succeeded", timeout=120)
+    assert [t["name"] for t in kg.json("queue", "--all")["finished"]] == ["outer"]
+
+
+def test_a_preset_with_nesting_may_delegate_down_to_its_depth(kg, tmp_path):
+    """nesting: 1 lets its agents delegate one level down; the tasks they delegate may not
+    delegate again (the limit is inherited, whatever the children's presets say)."""
+    _nested(kg, tmp_path, nesting=1)
+    kg.ok("delegate", "outer", "--agent", "nester", "--prompt", "go")
+    outer = _seen(kg, "outer")
+    assert outer["depth"] == "1" and outer["tools"] == sorted(TOOLS)
+    assert not outer["delegate"]["error"], outer
+    assert outer["cli"]["code"] == 0, outer["cli"]
+    inner = _seen(kg, "outer-sub")
+    assert inner["depth"] == "2" and inner["tools"] == READ_ONLY
+    assert inner["delegate"]["error"] and "depth" in inner["delegate"]["text"], inner
+    assert inner["cli"]["code"] == 2
+    for name in ("outer", "outer-sub"):
+        kg.wait_state(name, "succeeded", timeout=120)

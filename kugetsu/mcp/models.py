@@ -11,16 +11,17 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field
 
 State = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired", "lost"]
 Level = Literal["urgent", "high", "normal", "low"]
-# Nullable values as {"type": [T, "null"]} rather than pydantic's anyOf of two schemas: the
-# same meaning, a shorter schema, and a client's validator (the SDK's checks every result)
-# does not build an error for the failed branch of each of twenty fields.
-OptStr = Annotated[str | None, WithJsonSchema({"type": ["string", "null"]})]
-OptInt = Annotated[int | None, WithJsonSchema({"type": ["integer", "null"]})]
-OptFloat = Annotated[float | None, WithJsonSchema({"type": ["number", "null"]})]
+# Nullable values as pydantic writes them, {"anyOf": [{"type": T}, {"type": "null"}]}, never
+# {"type": [T, "null"]}: legal JSON Schema, but clients that map tool schemas onto a single
+# `type` (Gemini's OpenAPI subset) reject or loosen it, and the official Inspector's --strict
+# warns about every one (tests/test_mcp.py runs it).
+OptStr = str | None
+OptInt = int | None
+OptFloat = float | None
 
 
 class TaskOut(BaseModel):
@@ -56,8 +57,7 @@ class TaskOut(BaseModel):
     worktree: OptStr
     agent_pid: OptInt = Field(description="while running: the agent's own pid")
     base_commit: OptStr
-    worktree_state: Annotated[Literal["active", "kept", "removed", "pruned"] | None,
-                              WithJsonSchema({"enum": ["active", "kept", "removed", "pruned", None]})]
+    worktree_state: Literal["active", "kept", "removed", "pruned"] | None
     host: OptStr = Field(description="cluster mode: the machine it runs (or ran) on")
     pinned_host: OptStr = Field(description="cluster mode: the machine it must run on")
     after: list[int] = Field(description="ids of the tasks that must succeed before it starts (`delegate --after`)")
@@ -68,6 +68,10 @@ class TaskOut(BaseModel):
     retry_of: OptInt = Field(None, description="the finished task this one runs again (`kugetsu retry`)")
     not_before: OptStr = Field(None, description="a retry waits for its delay: it starts no earlier")
     session: OptStr = Field(None, description="the agent's session id, read from its output (it resumes it)")
+    depth: int = Field(0, description="tasks above it: 0 when delegated from outside any task, 1 when a task's agent"
+                       " delegated it, ...")
+    nesting: int = Field(0, description="levels of tasks its agent may still delegate beneath it (its preset's"
+                         " `nesting`, within its delegator's); 0: its agent may not delegate")
 
 
 class AttemptOut(BaseModel):
@@ -128,6 +132,10 @@ class DelegateOut(BaseModel):
     rejected: OptStr = Field(
         description="when not admitted: why (queue full, a per-source limit). Back off, then try again")
     retry_after: OptInt = Field(description="when rejected: seconds to wait before trying again")
+    # Claude Code shows the model this structured result, not the text: what to do is here too.
+    message: str = Field(description="the result in one line: started NAME (#ID), slot N/M; queued ..., position N"
+                         " of M; or rejected: why")
+    advice: str = Field(description="what to do now (when rejected: back off, do not retry at once)")
 
 
 class CancelOut(BaseModel):
@@ -137,6 +145,8 @@ class CancelOut(BaseModel):
 class WaitOut(BaseModel):
     done: bool = Field(description="every task is final; false: the timeout came first and they go on")
     all_succeeded: bool = Field(description="every task succeeded (what `kugetsu wait` exits 0 for)")
+    advice: OptStr = Field(description="what to do now: call wait again (timed out), or read the logs of the tasks"
+                           " that did not succeed; null when all succeeded")
     tasks: list[TaskOut]
 
 

@@ -12,6 +12,7 @@ are read per call, as the CLI reads them, so nothing here can be stale.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import json
@@ -24,15 +25,16 @@ import anyio.to_thread
 import msgspec
 from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
-from mcp.server.mcpserver.exceptions import ResourceNotFoundError
+from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
 from mcp.server.subscriptions import InMemorySubscriptionBus, ResourceUpdated
 from mcp.types import CallToolResult, SubscribeRequestParams, TextContent, ToolAnnotations, UnsubscribeRequestParams
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 import kugetsu
 from kugetsu import control, logtail, ops, pm, render, waiting
 from kugetsu.config import Config, format_duration, load_config, parse_duration
-from kugetsu.errors import KugetsuError, Rejected, UsageError
+from kugetsu.errors import KugetsuError, Nested, Rejected, UsageError
+from kugetsu.mcp.handshake import INSTRUCTIONS, NAME, TITLE, differs
 from kugetsu.mcp.models import (
     CancelOut,
     CapacityOut,
@@ -46,26 +48,6 @@ from kugetsu.mcp.models import (
 from kugetsu.models import Index, Task, TaskState
 from kugetsu.paths import Home, explain
 from kugetsu.store import StoreProtocol, open_store
-
-# The text a PM agent needs to use these tools well: sent as the server's instructions, and
-# in README ("PM agent instructions") for clients that do not show them (a test keeps the two equal).
-INSTRUCTIONS = """\
-You delegate coding work to worker agents through kugetsu, which runs at most max_agents
-of them at once and queues the rest.
-1. Call `capacity` before delegating a batch: free > 0 means a task starts at once; a
-   queue near max_queue means wait before sending more.
-2. Delegate each issue with `delegate`: name = your issue id (e.g. issue-16), source = who
-   you are (e.g. pm), prompt = the full instructions for the worker. The result says
-   "started ... slot N" or "queued ... position N".
-3. If `delegate` answers "rejected" (queue full, or your source's limit), nothing was queued:
-   back off. Wait about a minute, or `wait` for one of your running tasks, then try again.
-   Never retry in a tight loop.
-4. Call `wait` with the names you delegated; it returns when they are final (give a timeout
-   such as 10m if your client limits tool time, and call it again while done is false).
-5. For each task that did not succeed, read `logs` (the end of its output) and `status`
-   (its reason) before you retry it, fix the issue, or report it.
-Use `queue` to see everything, `cancel` for work you no longer want, `priority` to move a
-queued task ahead (under the priority or fair strategy)."""
 
 BACK_OFF_S = 60  # what a rejected delegate suggests: "try again in a minute"
 LOG_BYTES = 16 * 1024  # the logs tool's default cap
@@ -233,9 +215,9 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
     """The server with its tools and resources, and the follower registry (whose `run`
     the caller runs beside the transport)."""
     follow = Follow(home)
-    server = MCPServer(
-        "kugetsu",
-        title="kugetsu: capacity manager for parallel AI coding agents",
+    server = _Server(
+        NAME,
+        title=TITLE,
         instructions=INSTRUCTIONS,
         version=kugetsu.__version__,
         log_level="WARNING",
@@ -339,12 +321,22 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         try:
             adm = await admitter.admit(req)
         except Rejected as err:
-            text = (f"rejected: {err}. Nothing was queued. Back off: try again in about {BACK_OFF_S}s"
-                    " (or after one of your tasks ends); do not retry at once.")
-            return _text(text, {"admitted": False, "task": None, "rejected": str(err), "retry_after": BACK_OFF_S})
+            line = f"rejected: {err}"
+            advice = (f"Nothing was queued. Back off: try again in about {BACK_OFF_S}s (or after one of your"
+                      " tasks ends); do not retry at once.")
+            return _text(f"{line}. {advice}", {"admitted": False, "task": None, "rejected": str(err),
+                                              "retry_after": BACK_OFF_S, "message": line, "advice": advice})
         line = render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for)
         task = ops.task_json(adm.task, adm.position)
-        return _text(line, {"admitted": True, "task": task, "rejected": None, "retry_after": None})
+        advice = (f"It runs on its own; call wait with {adm.task.name!r} (or {adm.task.id}) when you need its"
+                  " result, then logs if it did not succeed.")
+        text = line
+        if pm.unused_prompt(req):  # as the CLI warns
+            warning = ("warning: the prompt is not used: `command` runs as given (put the prompt in its arguments,"
+                       " or leave out `command` to run the agent preset)")
+            text, advice = f"{line}\n{warning}", f"{warning}. {advice}"
+        return _text(text, {"admitted": True, "task": task, "rejected": None, "retry_after": None,
+                            "message": line, "advice": advice})
 
     @server.tool(annotations=read_only)
     @answers
@@ -427,9 +419,14 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         done = waiting.all_final(index, ids)
         ok = done and all(t.state is TaskState.SUCCEEDED for t in out)
         lines = [_final_line(t) for t in out]
+        advice = None
         if not done:
-            lines.append(f"timed out after {format_duration(seconds or 0)} while they go on: call wait again to keep waiting")
-        return _text("\n".join(lines), {"done": done, "all_succeeded": ok,
+            advice = f"timed out after {format_duration(seconds or 0)} while they go on: call wait again to keep waiting"
+            lines.append(advice)
+        elif not ok:
+            failed = ", ".join(t.name for t in out if t.state is not TaskState.SUCCEEDED)
+            advice = f"not all succeeded: read logs (and status, for the reason) of {failed} before you retry or report"
+        return _text("\n".join(lines), {"done": done, "all_succeeded": ok, "advice": advice,
                                         "tasks": [ops.task_json(t, p) for t, p in _awaited(cfg, index, ids)]})
 
     @server.tool(annotations=read_only)
@@ -489,7 +486,127 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             raise ResourceNotFoundError(str(err)) from None
         return _dumps(_task_json(cfg, index, found)).decode()
 
+    server.refuse_writers(_nesting_refusal(home))
     return server, follow
+
+
+WRITERS = ("delegate", "cancel", "priority")  # the tools that change the queue (the others only read)
+
+
+def _nesting_refusal(home: Home) -> str | None:
+    """Why this server may not change the queue: it runs for an agent inside a task whose
+    preset allows no (more) nesting (pm.check_nesting). None: it may."""
+    ref = ops.caller_task()
+    if ref is None:
+        return None
+    try:
+        _cfg, index = ops.read(home)
+        pm.check_nesting(pm.parent_task(index, ref))
+    except Nested as err:
+        return str(err)
+    except (KugetsuError, OSError):
+        return None  # unreadable now: admission checks it again on each delegate
+    return None
+
+
+class _Server(MCPServer):
+    """MCPServer whose tools answer a bad argument with one line in kugetsu's words (not the
+    SDK's pydantic report), refuse unknown arguments naming the known ones, take a task id
+    given as a number, and, for an agent that may not delegate, serve only the readers."""
+
+    refusal: str | None = None
+
+    def refuse_writers(self, refusal: str | None) -> None:
+        self.refusal = refusal
+        if refusal is not None:
+            for name in WRITERS:
+                self._tool_manager.remove_tool(name)
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+        tool = self._tool_manager.get_tool(name)
+        if tool is None and name in WRITERS and self.refusal is not None:
+            return _text(f"{name}: kugetsu's tools only read here: {self.refusal}", error=True)
+        if tool is None:
+            return await super().call_tool(name, arguments, context)
+        props: dict[str, Any] = tool.parameters.get("properties", {})
+        unknown = [k for k in arguments if k not in props]
+        if unknown:
+            return _text(f"{name}: {_unknown(unknown, list(props))}", error=True)
+        arguments = {k: _as_refs(v, props[k]) for k, v in arguments.items()}
+        try:
+            return await super().call_tool(name, arguments, context)
+        except ToolError as err:
+            if not isinstance(err.__cause__, ValidationError):
+                raise
+            return _text(f"{name}: {_invalid(err.__cause__, props)}", error=True)
+
+
+def _unknown(unknown: list[str], known: list[str]) -> str:
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=1)
+        parts.append(f"{key!r}" + (f" (did you mean {close[0]}?)" if close else ""))
+    s = "s" if len(unknown) > 1 else ""
+    return f"unknown argument{s} {', '.join(parts)}; it takes: {', '.join(known) or 'none'}"
+
+
+def _as_refs(value: Any, schema: dict[str, Any]) -> Any:
+    """A task id given as a number (every result gives ids as numbers) where the schema
+    takes a task reference, a string: its digits."""
+    def number(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if schema.get("type") == "string" and number(value):
+        return str(value)
+    if schema.get("type") == "array" and schema.get("items", {}).get("type") == "string" and isinstance(value, list):
+        return [str(v) if number(v) else v for v in value]
+    return value
+
+
+# What a value must be, by the validator's error type (kugetsu's words; the field's schema
+# fills in the choices and bounds).
+_MUST = {
+    "string_type": "a string", "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+    "float_type": "a number", "float_parsing": "a number", "bool_type": "true or false",
+    "bool_parsing": "true or false", "list_type": "a list", "dict_type": "an object",
+}
+_NOUNS = {"task": "a task id or name (7, #7 or issue-16)", "tasks": "a list of task ids or names"}
+
+
+def _invalid(err: ValidationError, props: dict[str, Any]) -> str:
+    """One line for the arguments the validator refused: which, and what they must be."""
+    by_field: dict[str, list[dict[str, Any]]] = {}
+    for e in err.errors():
+        by_field.setdefault(str(e["loc"][0]) if e["loc"] else "", []).append(e)
+    parts = []
+    for field, errors in by_field.items():
+        e = errors[0]
+        schema = props.get(field, {})
+        if e["type"] == "missing":
+            parts.append(f"argument {field} is missing")
+            continue
+        where = field + "".join(f"[{p}]" for p in e["loc"][1:] if isinstance(p, int))
+        ctx = e.get("ctx") or {}
+        if len(errors) > 1 or e["type"] not in (*_MUST, "literal_error", "greater_than_equal", "less_than_equal",
+                                                "too_short", "too_long", "greater_than", "less_than"):
+            must = "a valid value" + (f" ({schema['description']})" if schema.get("description") else "")
+        elif e["type"] == "literal_error":
+            must = f"one of {', '.join(str(v) for v in schema.get('enum', []))}"
+        elif e["type"] in ("greater_than_equal", "greater_than"):
+            must = f"{ctx.get('ge', ctx.get('gt'))} or more" if "ge" in ctx else f"more than {ctx.get('gt')}"
+        elif e["type"] in ("less_than_equal", "less_than"):
+            must = f"{ctx.get('le', ctx.get('lt'))} or less" if "le" in ctx else f"less than {ctx.get('lt')}"
+        elif e["type"] == "too_short":
+            must = f"a list of at least {ctx.get('min_length')}"
+        elif e["type"] == "too_long":
+            must = f"a list of at most {ctx.get('max_length')}"
+        elif where == field and field in _NOUNS:
+            must = _NOUNS[field]
+        else:
+            must = _MUST[e["type"]]
+        got = json.dumps(e.get("input"), default=str)
+        parts.append(f"argument {where}: must be {must} (got {got[:40]}{'...' if len(got) > 40 else ''})")
+    return "; ".join(parts).replace("\n", " ") + "; see the tool's input schema"
 
 
 class Admitter:
@@ -574,3 +691,44 @@ def _final_line(t: Task) -> str:
     if t.state.final and t.state is not TaskState.SUCCEEDED:
         line += " (read its logs)"
     return line
+
+
+async def serve_stdio(server: MCPServer, follow: Follow, first: bytes, early: dict[str, Any] | None) -> None:
+    """The SDK's stdio transport, after kugetsu.mcp.handshake read the client's first line
+    (and perhaps answered it): that line is handed to the SDK first, and the SDK's answer to
+    an `initialize` answered already is dropped, not sent twice."""
+    from mcp.server.stdio import stdio_server
+    from mcp.shared.message import SessionMessage
+    from mcp_types import jsonrpc_message_adapter
+
+    low = server._lowlevel_server  # noqa: SLF001 (the transport's streams are ours to wire)
+    async with stdio_server() as (read, write):
+        to_sdk, from_client = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+        from_sdk, to_client = anyio.create_memory_object_stream[SessionMessage](0)
+
+        async def client_in() -> None:
+            async with to_sdk:
+                if first.strip():
+                    try:
+                        await to_sdk.send(SessionMessage(jsonrpc_message_adapter.validate_json(first, by_name=False)))
+                    except ValueError as err:  # as the SDK's reader hands on a line it cannot read
+                        await to_sdk.send(err)
+                async for message in read:
+                    await to_sdk.send(message)
+
+        async def client_out() -> None:
+            pending = early
+            async with to_client, write:  # closing `write` ends the transport's writer
+                async for message in to_client:
+                    if pending is not None and getattr(message.message, "id", None) == pending["id"]:
+                        differs(pending, json.loads(message.message.model_dump_json(by_alias=True, exclude_unset=True)))
+                        pending = None
+                        continue
+                    await write.send(message)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follow.run)
+            tg.start_soon(client_in)
+            tg.start_soon(client_out)
+            await low.run(from_client, from_sdk, low.create_initialization_options())  # until the client closes stdin
+            tg.cancel_scope.cancel()
