@@ -169,6 +169,9 @@ class AgentPreset(msgspec.Struct, forbid_unknown_fields=True):
     limit: LimitConfig = msgspec.field(default_factory=LimitConfig)
     session_pattern: str | None = None  # its session id in its output (group 1)
     resume: Annotated[list[str], msgspec.Meta(min_length=1)] | None = None  # argv continuing {session}
+    # What its output is (kugetsu/agents): "text", or the agent's structured stream, read first
+    # for the session, a limit, an error, usage and denials (the patterns are the fallback).
+    output: Literal["text", "claude", "codex", "opencode"] = "text"
 
     def __post_init__(self) -> None:
         if self.session_pattern is not None:
@@ -387,7 +390,8 @@ KEY_HELP: dict[str, str] = {
     "kill_grace": "SIGTERM -> SIGKILL delay",
     "default_agent": "preset used when no command is given",
     "agents": "presets {name: {command: [argv with {prompt} {prompt_file} {name} {id}], env: {}, max_agents,"
-    " limit: {patterns, exit_codes, backoff, max_backoff}, session_pattern, resume: [argv with {session}]}}; extend the built-ins",
+    " limit: {patterns, exit_codes, backoff, max_backoff}, session_pattern, resume: [argv with {session}],"
+    " output: text|claude|codex|opencode}}; extend the built-ins",
     "history_limit": "finished tasks kept in index.json; older ones move to history.jsonl",
     "events_max_size": "events.jsonl beyond this becomes events.jsonl.1 (the older one is dropped)",
     "autostart": "the CLI starts the service when needed",

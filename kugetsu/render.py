@@ -195,6 +195,10 @@ def task_lines(task: dict[str, Any]) -> str:
         if key == "attempts":  # the runs before this one: how each ended
             value = "; ".join(f"#{i} exit {a.get('exit_code', '-')}" + (f" ({a['reason']})" if a.get("reason") else "")
                               for i, a in enumerate(value, 1))
+        elif key == "usage":  # all its runs, as its agent reported (README, "Agents")
+            from kugetsu.agents.report import Usage, describe
+
+            value = describe(Usage(**value))
         elif isinstance(value, list):
             value = " ".join("{prompt}" if prompt and v == prompt else _quote(v) for v in value)
         text = str(value).replace("\n", "\n" + " " * (width + 2))
