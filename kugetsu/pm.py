@@ -1053,7 +1053,7 @@ def _requeue_limited(index: Index, cfg: Config, task: Task, now: datetime, code:
         task.command = [re.sub(r"\{(session|prompt|name|id)\}", lambda m: values[m.group(1)], a) for a in preset.resume]
     _requeue(index, task, now, code, f"{what} ({describe_exit(code) if code is not None else 'no exit status'})", True)
     until = index.holds[agent].until
-    note = f"{what}: back in the queue, held until {clock(until)}" if until else f"{what}: back in the queue"
+    note = f"{what}: back in the queue, held until {clock(until, now)}" if until else f"{what}: back in the queue"
     return [_event("requeued", task, now, exit_code=code, reason=note)]
 
 
@@ -1069,7 +1069,7 @@ def _requeue_retry(index: Index, task: Task, now: datetime, code: int | None, re
     if task.retry_delay:
         task.not_before = now + timedelta(seconds=task.retry_delay)
     failures = sum(1 for a in task.attempts if not a.limit)
-    when = f" at {clock(task.not_before)}" if task.not_before else ""
+    when = f" at {clock(task.not_before, now)}" if task.not_before else ""
     return [_event("requeued", task, now, exit_code=code, reason=f"{why}; retry {failures} of {task.retries}{when}")]
 
 
@@ -1089,7 +1089,7 @@ def _hold_event(kind: str, agent: str, hold: Hold, index: Index, now: datetime) 
     n = sum(1 for t in index.queued if t.agent == agent)
     tasks = f"{n} task{'' if n == 1 else 's'}"
     if kind == "held":
-        text = f"{hold.reason}: {tasks} held" + (f" until {clock(hold.until)}" if hold.until else " until released")
+        text = f"{hold.reason}: {tasks} held" + (f" until {clock(hold.until, now)}" if hold.until else " until released")
     else:
         over = f"{agent} released" if hold.reason.endswith("by hand") else f"{hold.reason} over"
         text = f"{over}: {tasks} may start"

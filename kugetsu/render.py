@@ -56,7 +56,9 @@ def holds_line(cap: Capacity) -> str:
     reason names its preset)."""
     from kugetsu.policy import clock
 
-    parts = [f"{h.reason} " + (f"until {clock(h.until)}" if h.until else "until released")
+    # A hold's end is shown with its date when it is more than a day after the hold began
+    # (so more than a day from now, too).
+    parts = [f"{h.reason} " + (f"until {clock(h.until, h.since)}" if h.until else "until released")
              + f", {h.queued} task{'' if h.queued == 1 else 's'} waiting" for h in cap.holds.values()]
     return "held: " + " · ".join(parts)
 
