@@ -505,7 +505,8 @@ def read_raw(home: Home) -> dict[str, Any]:
 
 def with_builtin_presets(raw: dict[str, Any]) -> dict[str, Any]:
     """A built-in preset named in config.json keeps the built-in keys it does not set (so
-    `config set agents.claude.max_agents 2` is all it takes), inside `limit` too."""
+    `config set agents.claude.max_agents 2` is all it takes), inside `limit` and `env` too
+    (an API key added to its env keeps the variables the built-in one needs)."""
     agents = raw.get("agents")
     if not isinstance(agents, dict) or not any(n in DEFAULT_AGENTS and isinstance(p, dict) for n, p in agents.items()):
         return raw
@@ -514,10 +515,11 @@ def with_builtin_presets(raw: dict[str, Any]) -> dict[str, Any]:
         base = DEFAULT_AGENTS.get(name)
         if base is None or not isinstance(preset, dict):
             continue
-        limit = preset.get("limit", {})
         merged[name] = {**base, **preset}
-        if isinstance(limit, dict):
-            merged[name]["limit"] = {**base.get("limit", {}), **limit}
+        for key in ("limit", "env"):
+            value = preset.get(key, {})
+            if isinstance(value, dict):
+                merged[name][key] = {**base.get(key, {}), **value}
     return {**raw, "agents": merged}
 
 
