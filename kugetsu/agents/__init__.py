@@ -17,6 +17,20 @@ if TYPE_CHECKING:
 
 KINDS = ("text", "claude", "codex", "opencode")
 
+# The versions of the real CLIs the test suite runs (tests/agent_clis.json pins the same):
+# their wording, flags and structured output are known to be read right. `kugetsu doctor`
+# reports each installed one's version and warns about a newer one.
+VERIFIED = {"claude": "2.1.331", "codex": "0.169.0", "opencode": "1.18.33"}
+
+
+def version_tuple(text: str) -> tuple[int, ...] | None:
+    """The first dotted version in a CLI's `--version` output (`2.1.331 (Claude Code)`,
+    `codex-cli 0.169.0`), as numbers for comparing."""
+    import re
+
+    m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    return tuple(int(g) for g in m.groups() if g is not None) if m else None
+
 
 def _module(kind: str):  # type: ignore[no-untyped-def]
     if kind not in KINDS or kind == "text":
