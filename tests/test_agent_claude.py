@@ -194,3 +194,25 @@ def test_a_run_denied_permission_fails_instead_of_passing_for_a_success(kg, api,
     assert task["state"] == "failed" and task["exit_code"] == 0, task
     assert "claude was denied permission: Bash: curl -s http://127.0.0.1:9/x" in task["reason"]
     assert "denied: Bash" in kg.ok("logs", "d")
+
+
+def test_in_text_mode_a_reset_printed_to_the_minute_that_has_come_backs_off_instead_of_a_day(kg, api, claude):
+    # The prose fallback: a preset without the structured output reads Claude Code's words.
+    # The API's reset is now, Claude prints it to the minute ("resets 5:36pm (UTC)"), and that
+    # minute has begun when kugetsu reads it: try again shortly, not at 5:36pm tomorrow.
+    flags = ["--permission-mode", "acceptEdits"]
+    claude(auth="subscription", limit={"backoff": "1s"},
+           agents={"prose": {"command": ["claude", "-p", "{prompt}", *flags], "output": "text"}})
+    config = json.loads(kg.home.config.read_text())
+    config["agents"]["prose"]["env"] = config["agents"]["claude"]["env"]
+    config["agents"]["prose"]["limit"] = {"patterns": [r"(?i)you've hit your [\w -]{0,30}\blimit\b"], "backoff": "1s"}
+    kg.home.config.write_text(json.dumps(config))
+    api.replies.extend([lambda body: subscription_limit(int(time.time())), text("Done now.")])
+    kg.ok("delegate", "p", "--agent", "prose", "--prompt", "prose please", "--cwd", str(kg.rec))
+    task = kg.wait_state("p", "succeeded", "failed", timeout=RUN)
+    assert task["state"] == "succeeded" and [a["limit"] for a in task["attempts"]] == [True], task
+    [held] = kg.events("held")
+    assert "limit: 1 task held until" in held["reason"]
+    until = datetime.fromisoformat(held["value"]["until"])
+    assert (until - datetime.fromisoformat(held["at"])).total_seconds() <= 2  # the backoff, not a day
+    assert "You've hit your" in kg.ok("logs", "p")
