@@ -49,3 +49,32 @@ def render(kind: str, line: str) -> str | None:
     (and a line that is not the kind's structure) shows as it is."""
     module = _module(kind)
     return module.render(line) if module is not None else line
+
+
+class Renderer:
+    """A log of this kind as the text a person reads, fed as it grows: each whole line
+    rendered (a line still being written waits for its end). Plain text passes as it is."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.partial = ""
+
+    def feed(self, text: str, last: bool = False) -> str:
+        """The readable text of what `text` adds; `last`: the log is complete (a final line
+        without its newline is shown too)."""
+        if self.kind == "text" or self.kind not in KINDS:
+            return text
+        lines = (self.partial + text).split("\n")
+        self.partial = "" if last else lines.pop()
+        shown = (render(self.kind, line) for line in lines if line.strip())
+        return "".join(t + "\n" for t in shown if t is not None)
+
+
+def render_tail(kind: str, text: str, cut: bool) -> str:
+    """The readable text of the end of a log (`cut`: it starts mid-file, so its first line
+    is a fragment and is left out)."""
+    if kind == "text" or kind not in KINDS:
+        return text
+    if cut:
+        text = text[text.find("\n") + 1:] if "\n" in text else ""
+    return Renderer(kind).feed(text, last=True)
