@@ -102,8 +102,8 @@ def _logs_args(lg: argparse.ArgumentParser) -> None:
     lg.add_argument("--follow", "-f", action="store_true", help="keep printing until the tasks end")
     lg.add_argument("--lines", "-n", type=_positive_int, metavar="N", help="only the last N lines")
     lg.add_argument("--raw", action="store_true",
-                    help="on a terminal too, the bytes as written (by default a terminal gets the"
-                         " output's control characters shown escaped, not obeyed)")
+                    help="the bytes exactly as the agent wrote them (by default a structured output is shown as"
+                         " text, and on a terminal control characters are shown escaped, not obeyed)")
 
 
 def _wait_args(w: argparse.ArgumentParser) -> None:
@@ -545,6 +545,25 @@ class _Output:
         _writing(self.raw.flush)
 
 
+class _Rendered:
+    """An agent's structured output (its preset's `output`) as the text a person reads
+    (kugetsu.agents.Renderer), written to `out` as it comes."""
+
+    def __init__(self, out: _Output, kind: str) -> None:
+        import codecs
+
+        from kugetsu import agents
+
+        self.out, self.lines = out, agents.Renderer(kind)
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def write(self, data: bytes, last: bool = False) -> None:
+        self.out.write(self.lines.feed(self.decoder.decode(data, final=last), last).encode())
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
 def _writing(write: Callable[..., object], *args: bytes) -> None:
     try:
         write(*args)
@@ -617,7 +636,9 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     task = pm.find(store.read(), args.tasks[0])
     cfg = load_config(home)
     path = ops.log_path(home, cfg, task)
-    out = _log_output(args)
+    kind = "text" if args.raw else ops.output_kind(cfg, task)
+    base = _log_output(args)
+    out: Any = base if kind == "text" else _Rendered(base, kind)
     try:
         f = open(path, "rb", opener=nofollow)
     except FileNotFoundError:
@@ -659,6 +680,9 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
         from kugetsu import waiting
 
         waiting.wait_change(home, [task], 1.0, here=cluster_host(cfg))
+    if isinstance(out, _Rendered):
+        out.write(b"", last=True)
+        out.flush()
     return OK
 
 
@@ -694,6 +718,9 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
         if last and tail:
             lines.append(tail)
         partial[task_id] = b"" if last else tail
+        if kinds[task_id] != "text":  # whole lines only, so each rendered on its own
+            shown = agents.Renderer(kinds[task_id]).feed(b"\n".join(lines).decode(errors="replace"), last=True)
+            lines = [line.encode() for line in shown.splitlines()]
         out.write(b"".join(prefix[task_id] + line + b"\n" for line in lines))
 
     def read_all(task_id: int, last: bool) -> bool:
@@ -706,6 +733,9 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
         return wrote
 
     cfg = load_config(home)
+    kinds = {t.id: "text" if args.raw else ops.output_kind(cfg, t) for t in tasks}
+    from kugetsu import agents
+
     try:
         for t in tasks:
             path = ops.log_path(home, cfg, t)

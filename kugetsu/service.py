@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kugetsu import control, limits, logtail, ops, placement, pm, runner
+from kugetsu import agents, control, limits, logtail, ops, placement, pm, runner
 from kugetsu.config import Config, format_size, host_name, load_config
 from kugetsu.deadlines import DeadlineTimer
 from kugetsu.errors import DiskFull, KugetsuError, Unreachable
@@ -360,7 +360,8 @@ class Service:
         """What pm reads in the end of an agent's output (a provider's limit, the session id)."""
         if not task.log or not pm.reads_output(self.cfg, task):
             return seen
-        tail = logtail.tail(task.log, max_bytes=limits.TAIL_BYTES).data.decode(errors="replace")
+        size = agents.TAIL_BYTES if ops.output_kind(self.cfg, task) != "text" else limits.TAIL_BYTES
+        tail = logtail.tail(task.log, max_bytes=size).data.decode(errors="replace")
         return msgspec.structs.replace(seen, tail=tail)
 
     def _take(self, txn: Txn, plan: pm.Plan) -> pm.Plan:

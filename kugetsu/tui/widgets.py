@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import os
 import re
+from typing import Any
 from pathlib import Path
 
 from rich.text import Text
@@ -189,14 +190,21 @@ class LogView(Log):
         self._offset = 0
         self._inode = 0
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._readable = self._renderer()
         self._empty = True
         self._mid_line = False  # reading from inside a line: drop up to its end
         self._col = 0  # characters of the current line shown
         self._cut = 0  # characters of the current line not shown
         self._open = False  # the last line shown has not ended yet
 
-    def follow(self, path: Path | None, placeholder: str = "(no output yet)") -> None:
-        self.path, self._placeholder = path, placeholder
+    def _renderer(self) -> Any:
+        from kugetsu.agents import Renderer
+
+        return Renderer(getattr(self, "_kind", "text"))
+
+    def follow(self, path: Path | None, placeholder: str = "(no output yet)", kind: str = "text") -> None:
+        """Show `path`; `kind`: its preset's output (a structured one is shown as text)."""
+        self.path, self._placeholder, self._kind = path, placeholder, kind
         self._reset()
         self.clear()
         self.poll()
@@ -228,19 +236,25 @@ class LogView(Log):
         except OSError:
             return
         self._offset += skipped + len(data)
-        if self._empty:
-            self.clear()
-            self._empty = False
         if skipped:
             self._decoder.reset()
-            self._emit(("\n" if self._col or self._cut else "") + f"[\u2026 {skipped} bytes skipped]\n")
-            self._col = self._cut = 0
+            self._readable = self._renderer()  # a structured line cut by the skip is no line
             self._mid_line = True
         if self._mid_line and b"\n" in data:  # started inside a line: drop the part of it read
             data = data[data.find(b"\n") + 1 :]
         self._mid_line = False
-        # Colours and cursor moves dropped quietly; any other control character shown escaped.
-        self._emit(self._bounded(printable(_ANSI.sub("", self._decoder.decode(data)))))
+        # A structured output (its preset's `output`) as the text a person reads; colours and
+        # cursor moves dropped quietly; any other control character shown escaped.
+        text = printable(_ANSI.sub("", self._readable.feed(self._decoder.decode(data))))
+        if not text and not skipped:
+            return
+        if self._empty:
+            self.clear()
+            self._empty = False
+        if skipped:
+            self._emit(("\n" if self._col or self._cut else "") + f"[\u2026 {skipped} bytes skipped]\n")
+            self._col = self._cut = 0
+        self._emit(self._bounded(text))
 
     def _emit(self, text: str) -> None:
         """Append `text` to the pane: the first piece continues the open line, whole lines go in
