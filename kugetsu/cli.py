@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from kugetsu import control, ops, pm, runner
 from kugetsu.config import Config, cluster_host, format_duration, get_value, load_config, parse_duration, parse_value
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
-from kugetsu.models import PRIORITIES, Index, TaskState
+from kugetsu.models import PRIORITIES, Index, Task, TaskState
 from kugetsu.paths import Home, default_home, nofollow, read_tail
 from kugetsu.render import to_json
 
@@ -101,6 +101,8 @@ def _logs_args(lg: argparse.ArgumentParser) -> None:
     lg.add_argument("tasks", metavar="TASK", nargs="+", help="several: each line prefixed with its task's name")
     lg.add_argument("--follow", "-f", action="store_true", help="keep printing until the tasks end")
     lg.add_argument("--lines", "-n", type=_positive_int, metavar="N", help="only the last N lines")
+    lg.add_argument("--raw", action="store_true",
+                    help="the agent's output as it is (a preset with a structured output is shown as text)")
 
 
 def _wait_args(w: argparse.ArgumentParser) -> None:
@@ -526,6 +528,31 @@ class _Output:
         _writing(self.raw.flush)
 
 
+class _Rendered:
+    """An agent's structured output (its preset's `output`) as the text a person reads: each
+    whole line rendered by kugetsu.agents (a line still being written waits for its end)."""
+
+    def __init__(self, out: _Output, kind: str) -> None:
+        from kugetsu import agents
+
+        self.out, self.kind, self.render, self.partial = out, kind, agents.render, b""
+
+    def write(self, data: bytes, last: bool = False) -> None:
+        lines = (self.partial + data).split(b"\n")
+        self.partial = b"" if last else lines.pop()
+        shown = [self.render(self.kind, line.decode(errors="replace")) for line in lines if line or not last]
+        self.out.write("".join(t + "\n" for t in shown if t is not None).encode())
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def _output_kind(cfg: Any, task: Task, raw: bool) -> str:
+    """How `kugetsu logs` shows a task's log: its preset's output kind, or as it is."""
+    preset = cfg.agents.get(task.agent) if task.agent and not raw else None
+    return preset.output if preset is not None else "text"
+
+
 def _writing(write: Callable[..., object], *args: bytes) -> None:
     try:
         write(*args)
@@ -588,7 +615,8 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     task = pm.find(store.read(), args.tasks[0])
     cfg = load_config(home)
     path = ops.log_path(home, cfg, task)
-    out = _Output()
+    kind = _output_kind(cfg, task, args.raw)
+    out: Any = _Output() if kind == "text" else _Rendered(_Output(), kind)
     try:
         f = open(path, "rb", opener=nofollow)
     except FileNotFoundError:
@@ -624,6 +652,9 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
         from kugetsu import waiting
 
         waiting.wait_change(home, [task], 1.0, here=cluster_host(cfg))
+    if isinstance(out, _Rendered):
+        out.write(b"", last=True)
+        out.flush()
     return OK
 
 
@@ -648,9 +679,15 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
         if last and tail:
             lines.append(tail)
         partial[task_id] = b"" if last else tail
+        if kinds[task_id] != "text":
+            shown = (agents.render(kinds[task_id], line.decode(errors="replace")) for line in lines)
+            lines = [t.encode() for text in shown if text is not None for t in text.split("\n")]
         out.write(b"".join(prefix[task_id] + line + b"\n" for line in lines))
 
     cfg = load_config(home)
+    kinds = {t.id: _output_kind(cfg, t, args.raw) for t in tasks}
+    from kugetsu import agents
+
     try:
         for t in tasks:
             try:

@@ -96,15 +96,21 @@ def format_size(size: float) -> str:
 # The built-in presets' limit patterns are best-effort: what these agents printed when their
 # provider refused them, as far as known (README, "Provider limits"); users tune them.
 _HTTP_LIMIT = r"(?i)\b429\b.{0,40}(too many requests|rate.?limit)|rate_limit_(error|exceeded)"
+_CLAUDE_FLAGS = ["--output-format", "stream-json", "--verbose", "--permission-mode", "acceptEdits"]
 DEFAULT_AGENTS: dict[str, dict[str, Any]] = {
     "opencode": {"command": ["opencode", "run", "{prompt}"], "env": {},
                  "limit": {"patterns": [_HTTP_LIMIT, r"(?i)(usage|quota|rate) limit (reached|exceeded)",
                                         r"(?i)insufficient_quota"]}},
-    "claude": {"command": ["claude", "-p", "{prompt}"], "env": {},
+    # Claude Code headless: its stream-json output (session, limits, errors, usage, denials;
+    # kugetsu/agents/claude.py) with edits allowed in its working directory, and no retries of
+    # its own (kugetsu holds the preset and resumes the session instead: README, "Agents").
+    "claude": {"command": ["claude", "-p", "{prompt}", *_CLAUDE_FLAGS], "env": {"CLAUDE_CODE_MAX_RETRIES": "0"},
+               "output": "claude",
                "limit": {"patterns": [_HTTP_LIMIT, r"(?i)usage limit reached", r"(?i)\b(5-hour|weekly|session|opus) limit reached",
-                                      r"(?i)you've (hit|reached) your (usage )?limit"]},
+                                      r"(?i)you've (hit|reached) your [\w -]{0,30}\blimit\b",
+                                      r"(?i)\bAPI Error:.{0,40}\b(429|529)\b|\boverloaded_error\b"]},
                "session_pattern": r'"session_id"\s*:\s*"([0-9a-fA-F-]{36})"',
-               "resume": ["claude", "-p", "--resume", "{session}", "Continue where you left off."]},
+               "resume": ["claude", "-p", "--resume", "{session}", "Continue where you left off.", *_CLAUDE_FLAGS]},
     "codex": {"command": ["codex", "exec", "{prompt}"], "env": {},
               "limit": {"patterns": [_HTTP_LIMIT, r"(?i)you've hit your usage limit", r"(?i)usage_limit_reached",
                                      r"(?i)rate limit (reached|exceeded)"]},
@@ -169,6 +175,9 @@ class AgentPreset(msgspec.Struct, forbid_unknown_fields=True):
     limit: LimitConfig = msgspec.field(default_factory=LimitConfig)
     session_pattern: str | None = None  # its session id in its output (group 1)
     resume: Annotated[list[str], msgspec.Meta(min_length=1)] | None = None  # argv continuing {session}
+    # What its output is (kugetsu/agents): "text", or the agent's structured stream, read first
+    # for the session, a limit, an error, usage and denials (the patterns are the fallback).
+    output: Literal["text", "claude", "codex", "opencode"] = "text"
 
     def __post_init__(self) -> None:
         if self.session_pattern is not None:
@@ -387,7 +396,8 @@ KEY_HELP: dict[str, str] = {
     "kill_grace": "SIGTERM -> SIGKILL delay",
     "default_agent": "preset used when no command is given",
     "agents": "presets {name: {command: [argv with {prompt} {prompt_file} {name} {id}], env: {}, max_agents,"
-    " limit: {patterns, exit_codes, backoff, max_backoff}, session_pattern, resume: [argv with {session}]}}; extend the built-ins",
+    " limit: {patterns, exit_codes, backoff, max_backoff}, session_pattern, resume: [argv with {session}],"
+    " output: text|claude|codex|opencode}}; extend the built-ins",
     "history_limit": "finished tasks kept in index.json; older ones move to history.jsonl",
     "events_max_size": "events.jsonl beyond this becomes events.jsonl.1 (the older one is dropped)",
     "autostart": "the CLI starts the service when needed",

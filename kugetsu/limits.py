@@ -30,11 +30,19 @@ _SPAN_PART = rf"(?i)(\d+(?:\.\d+)?)\s*({_UNIT})(?![a-z])"
 _ISO = r"\b(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)(?![\d:])"
 # A Unix time in seconds: ten digits (2001 to 2286), e.g. `usage limit reached|1763910000`
 _UNIX = r"(?<![\d.])(\d{10})(?:\.(\d+))?(?![\d])"
-# `resets at 3pm`, `reset at 3:30 PM`, `resets 15:00 (Europe/Berlin)`, `try again at 4:05 pm`
+# `resets at 3pm`, `reset at 3:30 PM`, `resets 15:00 (Europe/Berlin)`, `try again at 4:05 pm`;
+# with a date before it (Claude Code, a reset more than a day away): `resets Nov 27, 3pm (UTC)`
+_MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
 _CLOCK = (
-    r"(?i)\b(?:resets?|again|until|after|at)\s+(?:at\s+)?(\d{1,2})(?::(\d{2}))?(?::(\d{2}))?\s*(am|pm|a\.m\.|p\.m\.)?"
+    r"(?i)\b(?:resets?|again|until|after|at)\s+(?:at\s+)?"
+    r"(?:(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?\s+(\d{1,2})(?:st|nd|rd|th)?,?\s+(?:at\s+)?)?"
+    r"(\d{1,2})(?::(\d{2}))?(?::(\d{2}))?\s*(am|pm|a\.m\.|p\.m\.)?"
     r"(?:\s*\(([A-Za-z_]+(?:/[A-Za-z_+-]+)*)\))?(?![\d:])"
 )
+# Providers print a reset time truncated to the minute (`resets 2:39pm` for 14:39:05), so an
+# agent resumed at it may be refused once more and print the same minute: a clock time this
+# recent is "try again shortly" (the preset's backoff), not tomorrow's.
+JUST_PAST = timedelta(minutes=15)
 
 
 def _unit_seconds(unit: str) -> int:
@@ -66,10 +74,13 @@ def _zone(name: str | None, default: tzinfo) -> tzinfo:
         return default
 
 
-def _clock_time(m: re.Match[str], now: datetime, local: tzinfo) -> datetime | None:
-    hour, minute, second = int(m.group(1)), int(m.group(2) or 0), int(m.group(3) or 0)
-    meridiem = (m.group(4) or "").lower().replace(".", "")
-    if not meridiem and m.group(2) is None:
+def _clock_time(m: re.Match[str], now: datetime, local: tzinfo, just_past: timedelta = timedelta(0)) -> datetime | None:
+    """The moment a _CLOCK match names: the next one to come, or one within `just_past`
+    before now (then as it is: the caller reads that as "now")."""
+    month, day = m.group(1), m.group(2)
+    hour, minute, second = int(m.group(3)), int(m.group(4) or 0), int(m.group(5) or 0)
+    meridiem = (m.group(6) or "").lower().replace(".", "")
+    if not meridiem and m.group(4) is None:
         return None  # a bare number (`at 3`) is not a time
     if meridiem:
         if not 1 <= hour <= 12:
@@ -77,11 +88,20 @@ def _clock_time(m: re.Match[str], now: datetime, local: tzinfo) -> datetime | No
         hour = hour % 12 + (12 if meridiem == "pm" else 0)
     if hour > 23 or minute > 59 or second > 59:
         return None
-    zone = _zone(m.group(5), local)
+    zone = _zone(m.group(7), local)
     here = now.astimezone(zone)
-    at = here.replace(hour=hour, minute=minute, second=second, microsecond=0)
-    if at <= here:  # a clock time already past today is tomorrow's
-        at += timedelta(days=1)
+    try:
+        if month:  # a date without its year: this year's, or next year's once it is past
+            at = here.replace(month=_MONTHS.index(month.lower()[:3]) + 1, day=int(day), hour=hour, minute=minute,
+                              second=second, microsecond=0)
+            if at < here - just_past:
+                at = at.replace(year=at.year + 1)
+        else:  # a clock time already past today is tomorrow's
+            at = here.replace(hour=hour, minute=minute, second=second, microsecond=0)
+            if at < here - just_past or (not just_past and at <= here):
+                at += timedelta(days=1)
+    except ValueError:  # Feb 30, or Feb 29 of a year without it
+        return None
     return at.astimezone(timezone.utc)
 
 
@@ -92,8 +112,11 @@ def reset_time(text: str, now: datetime, local: tzinfo | None = None) -> datetim
     `Retry-After: 120`), an ISO 8601 time, a Unix time (ten digits, as Claude Code's
     `usage limit reached|1763910000`), and a clock time (`resets at 3pm`, `resets 3:30 PM
     (Europe/Berlin)`, `try again at 15:00`) in the named zone or else `local` (the machine's
-    zone when None); a clock time already past is tomorrow's. The last mention in the text
-    wins (the latest message). Times in the past are ignored. `now` must be aware."""
+    zone when None), with a date before it (`resets Nov 27, 3pm (UTC)`); a clock time already
+    past is tomorrow's, except one just past (JUST_PAST: printed to the minute) which, like
+    any time just past, means "shortly": None, the preset backs off. The last mention in the
+    text wins (the latest message). Times further in the past are ignored. `now` must be aware."""
+    text = _straight(text)
     local = local or now.astimezone().tzinfo or timezone.utc
     found: list[tuple[int, datetime]] = []
     for m in re.finditer(_SPAN, text):
@@ -111,17 +134,31 @@ def reset_time(text: str, now: datetime, local: tzinfo | None = None) -> datetim
         seconds = float(m.group(1) + "." + (m.group(2) or "0"))
         found.append((m.start(), datetime.fromtimestamp(seconds, timezone.utc)))
     for m in re.finditer(_CLOCK, text):
-        if any(a <= m.start(1) < b for a, b in iso_spans):
+        if any(a <= m.start(3) < b for a, b in iso_spans):
             continue  # the hour of an ISO time
-        at = _clock_time(m, now, local)
+        at = _clock_time(m, now, local, JUST_PAST)
         if at is not None:
             found.append((m.start(), at))
-    future = [(pos, at) for pos, at in found if now < at <= now + timedelta(days=366)]
-    return max(future, key=lambda pa: pa[0])[1] if future else None
+    recent = [(pos, at) for pos, at in found if now - JUST_PAST <= at <= now + timedelta(days=366)]
+    if not recent:
+        return None
+    at = max(recent, key=lambda pa: pa[0])[1]
+    return at if at > now else None
+
+
+# Agents print typographic apostrophes and quotes (Codex: `You’ve hit your usage limit`):
+# patterns are written with plain ones, so the text is read with plain ones.
+_TYPOGRAPHIC = str.maketrans({"\u2018": "'", "\u2019": "'", "\u02bc": "'", "\u201c": '"', "\u201d": '"'})
+
+
+def _straight(text: str) -> str:
+    return text.translate(_TYPOGRAPHIC)
 
 
 def matches(patterns: list[str], text: str) -> bool:
-    """Does any of the patterns (regular expressions) occur in the text?"""
+    """Does any of the patterns (regular expressions) occur in the text? (Its typographic
+    apostrophes and quotes read as plain ones.)"""
+    text = _straight(text)
     return any(re.search(p, text, re.MULTILINE) for p in patterns)
 
 

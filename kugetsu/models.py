@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from kugetsu.agents.report import Usage
+
 INDEX_VERSION = 1
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -124,6 +126,9 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     first_command: list[str] | None = None  # the command before a resume replaced it
     # The agent's exit hit its provider's limit: back to the queue once its leftovers are gone.
     limit: LimitHit | None = None
+    # Tokens (and cost) of all its runs, as its agent's structured output reported them
+    # (each requeued run's own in its Attempt): README, "Agents".
+    usage: Usage | None = None
 
 
 class Attempt(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -134,6 +139,7 @@ class Attempt(msgspec.Struct, kw_only=True, omit_defaults=True):
     exit_code: int | None = None
     reason: str | None = None
     limit: bool = False  # it hit its provider's limit (a retry is not used up)
+    usage: Usage | None = None  # what this run used, as its agent reported
 
 
 class LimitHit(msgspec.Struct, kw_only=True):

@@ -19,6 +19,7 @@ from kugetsu import limits, placement
 from kugetsu.config import Config, format_duration, parse_duration
 from kugetsu.errors import (AmbiguousName, InvalidHost, NeedsPrompt, NoSuchTask, NotClustered, QueueFull, Rejected,
                             UnknownDependency, UnknownGroup, UsageError)
+from kugetsu.agents.report import Usage
 from kugetsu.models import PRIORITIES, Attempt, Event, Hold, Index, LimitHit, SourceMark, Task, TaskState, valid_host, valid_name
 from kugetsu.placement import Here, ours, starts_anywhere
 # Resources, guard_hold and clock are also used by the front ends, through pm.
@@ -838,11 +839,11 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
         task = live.get(e.task)
         if task is None or task.ended_at is not None:
             continue
-        read_output(cfg, task, e.code, e.tail, now)
+        reason = e.reason or read_output(cfg, task, e.code, e.tail, now)
         if e.leftovers:  # it keeps its slot while they are found and ended
-            agent_ended(task, now, e.code, e.reason, cfg.kill_grace_s)
+            agent_ended(task, now, e.code, reason, cfg.kill_grace_s)
         else:
-            plan.events += conclude(index, cfg, task, now, e.code, e.reason)
+            plan.events += conclude(index, cfg, task, now, e.code, reason)
     for f in obs.found:
         task = live.get(f.task)
         if task is None or task.ended_at is None:
@@ -944,23 +945,48 @@ def may_requeue(cfg: Config, task: Task) -> bool:
 def reads_output(cfg: Config, task: Task) -> bool:
     """Does the task's preset need the end of its log at its exit (limit patterns, session)?"""
     preset = cfg.agents.get(task.agent) if task.agent else None
-    return preset is not None and bool(preset.limit.patterns or preset.session_pattern)
+    return preset is not None and bool(preset.output != "text" or preset.limit.patterns or preset.session_pattern)
 
 
-def read_output(cfg: Config, task: Task, code: int | None, tail: str | None, now: datetime) -> None:
-    """What the end of an agent's output says: its session id, and whether it hit its
-    provider's limit (an exit that is not 0, with one of the preset's limit exit codes or
-    patterns), and when that resets."""
+def read_output(cfg: Config, task: Task, code: int | None, tail: str | None, now: datetime) -> str | None:
+    """What the end of an agent's output says: its session id, the tokens it used, whether
+    it hit its provider's limit (an exit that is not 0, with one of the preset's limit exit
+    codes or patterns, or a limit its structured output reports), and when that resets.
+    A preset with a structured `output` is read first (kugetsu/agents); its text patterns
+    fill in what the report did not say. A run its agent reports was denied permissions
+    fails even on exit 0 (it did not do what it was asked). Returns what the agent said of
+    its failure, for the task's reason (None: nothing)."""
     preset = cfg.agents.get(task.agent) if task.agent else None
     if preset is None:
-        return
-    session = limits.session_of(preset.session_pattern, tail) if tail else None
+        return None
+    report = None
+    if preset.output != "text" and tail:
+        from kugetsu import agents
+
+        report = agents.read(preset.output, tail, now)
+    session = (report.session if report else None) or (limits.session_of(preset.session_pattern, tail) if tail else None)
     if session:
         task.session = session
-    if not code or task.stop is not None or not preset.limit.enabled:
-        return
-    if code in preset.limit.exit_codes or (tail and limits.matches(preset.limit.patterns, tail)):
-        task.limit = LimitHit(until=limits.reset_time(tail or "", now))
+    if report is not None and report.usage is not None:
+        from kugetsu.agents.report import total
+
+        task.usage = total([task.usage, report.usage])
+    if task.stop is not None:
+        return None
+    if report is not None and report.denied and not report.limited:
+        task.stop, task.reason = TaskState.FAILED, f"{task.agent} was denied permission: {', '.join(report.denied[:5])}"
+        return task.reason
+    if not code:
+        return None
+    limited = report is not None and report.limited
+    if limited or (preset.limit.enabled and (code in preset.limit.exit_codes
+                                             or (tail and limits.matches(preset.limit.patterns, tail)))):
+        said = report.limit_text if report is not None else None
+        until = report.reset_at if report is not None else None
+        task.limit = LimitHit(until=until or limits.reset_time(said or tail or "", now))
+        return None
+    error = report.error if report is not None else None
+    return f"{describe_exit(code)}: {error[:300]}" if error else None
 
 
 def conclude(index: Index, cfg: Config, task: Task, now: datetime, code: int | None,
@@ -982,7 +1008,8 @@ def _requeue(index: Index, task: Task, now: datetime, code: int | None, reason: 
     """running -> queued again, in its place (its key is its priority and its id), with how
     this run ended kept in `attempts`. A queue deadline is for tasks never started: it goes."""
     index.active.remove(task)
-    task.attempts.append(Attempt(started_at=task.started_at, ended_at=now, exit_code=code, reason=reason, limit=limit))
+    task.attempts.append(Attempt(started_at=task.started_at, ended_at=now, exit_code=code, reason=reason, limit=limit,
+                                 usage=_run_usage(task)))
     task.attempt += 1
     task.state = TaskState.QUEUED
     task.slot = task.pid = task.pid_start = task.started_at = task.ended_at = task.exit_code = None
@@ -991,6 +1018,17 @@ def _requeue(index: Index, task: Task, now: datetime, code: int | None, reason: 
     task.leftovers = 0
     task.expires_at = None
     index.queued.append(task)
+
+
+def _run_usage(task: Task) -> Usage | None:
+    """The usage of the run ending now: the task's total less its earlier attempts'."""
+    if task.usage is None:
+        return None
+    from kugetsu.agents.report import total
+
+    before = total([a.usage for a in task.attempts])
+    run = task.usage - before if before is not None else task.usage
+    return run if run.tokens or run.cost_usd else None
 
 
 def _requeue_limited(index: Index, cfg: Config, task: Task, now: datetime, code: int | None, hit: LimitHit) -> list[Event]:
@@ -1015,7 +1053,7 @@ def _requeue_limited(index: Index, cfg: Config, task: Task, now: datetime, code:
         task.command = [re.sub(r"\{(session|prompt|name|id)\}", lambda m: values[m.group(1)], a) for a in preset.resume]
     _requeue(index, task, now, code, f"{what} ({describe_exit(code) if code is not None else 'no exit status'})", True)
     until = index.holds[agent].until
-    note = f"{what}: back in the queue, held until {clock(until)}" if until else f"{what}: back in the queue"
+    note = f"{what}: back in the queue, held until {clock(until, now)}" if until else f"{what}: back in the queue"
     return [_event("requeued", task, now, exit_code=code, reason=note)]
 
 
@@ -1031,7 +1069,7 @@ def _requeue_retry(index: Index, task: Task, now: datetime, code: int | None, re
     if task.retry_delay:
         task.not_before = now + timedelta(seconds=task.retry_delay)
     failures = sum(1 for a in task.attempts if not a.limit)
-    when = f" at {clock(task.not_before)}" if task.not_before else ""
+    when = f" at {clock(task.not_before, now)}" if task.not_before else ""
     return [_event("requeued", task, now, exit_code=code, reason=f"{why}; retry {failures} of {task.retries}{when}")]
 
 
@@ -1051,7 +1089,7 @@ def _hold_event(kind: str, agent: str, hold: Hold, index: Index, now: datetime) 
     n = sum(1 for t in index.queued if t.agent == agent)
     tasks = f"{n} task{'' if n == 1 else 's'}"
     if kind == "held":
-        text = f"{hold.reason}: {tasks} held" + (f" until {clock(hold.until)}" if hold.until else " until released")
+        text = f"{hold.reason}: {tasks} held" + (f" until {clock(hold.until, now)}" if hold.until else " until released")
     else:
         over = f"{agent} released" if hold.reason.endswith("by hand") else f"{hold.reason} over"
         text = f"{over}: {tasks} may start"

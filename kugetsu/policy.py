@@ -71,10 +71,15 @@ def simple_order(index: Index, cfg: Config) -> bool:
     )
 
 
-def clock(at: datetime) -> str:
-    """A moment as people read it on this machine: 15:00, or 15:00:12 within the minute."""
+def clock(at: datetime, now: datetime) -> str:
+    """A moment as people read it on this machine: 15:00, or 15:00:12 within the minute; one
+    more than a day from `now` with its date: Nov 27 15:00 (a weekly limit's reset must not
+    read as today's)."""
     local = at.astimezone()
-    return local.strftime("%H:%M:%S" if local.second else "%H:%M")
+    text = local.strftime("%H:%M:%S" if local.second else "%H:%M")
+    if abs(at - now) > timedelta(days=1):
+        text = f"{local.strftime('%b')} {local.day} {text}"
+    return text
 
 
 class Board:
@@ -160,11 +165,11 @@ class Board:
         until = self.held_until(agent)
         if until is not None:
             hold = self.holds[agent]  # type: ignore[index]
-            return f"{hold.reason}, retry at {clock(until)}" if hold.until is not None else f"{hold.reason}"
+            return f"{hold.reason}, retry at {clock(until, self.now)}" if hold.until is not None else f"{hold.reason}"
         if agent is not None and agent in self.agent_caps and self.by_agent[agent] >= self.agent_caps[agent]:
             return f"agent {agent} full ({self.by_agent[agent]}/{self.agent_caps[agent]} running)"
         if not_before is not None and not_before > self.now:
-            return f"retry at {clock(not_before)}"
+            return f"retry at {clock(not_before, self.now)}"
         limit = self.source_limit
         if limit is not None and self.by_source[source] >= limit:
             return f"source {source} has {self.by_source[source]} running (limit {limit})"

@@ -56,7 +56,9 @@ def holds_line(cap: Capacity) -> str:
     reason names its preset)."""
     from kugetsu.policy import clock
 
-    parts = [f"{h.reason} " + (f"until {clock(h.until)}" if h.until else "until released")
+    # A hold's end is shown with its date when it is more than a day after the hold began
+    # (so more than a day from now, too).
+    parts = [f"{h.reason} " + (f"until {clock(h.until, h.since)}" if h.until else "until released")
              + f", {h.queued} task{'' if h.queued == 1 else 's'} waiting" for h in cap.holds.values()]
     return "held: " + " · ".join(parts)
 
@@ -195,6 +197,10 @@ def task_lines(task: dict[str, Any]) -> str:
         if key == "attempts":  # the runs before this one: how each ended
             value = "; ".join(f"#{i} exit {a.get('exit_code', '-')}" + (f" ({a['reason']})" if a.get("reason") else "")
                               for i, a in enumerate(value, 1))
+        elif key == "usage":  # all its runs, as its agent reported (README, "Agents")
+            from kugetsu.agents.report import Usage, describe
+
+            value = describe(Usage(**value))
         elif isinstance(value, list):
             value = " ".join("{prompt}" if prompt and v == prompt else _quote(v) for v in value)
         text = str(value).replace("\n", "\n" + " " * (width + 2))

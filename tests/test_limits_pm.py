@@ -79,7 +79,7 @@ def test_built_in_presets_recognise_their_limit_messages():
 def test_a_preset_sets_only_what_it_changes_and_bad_values_are_refused():
     cfg = validate({"agents": {"claude": {"max_agents": 2, "limit": {"exit_codes": [75]}}}})
     claude = cfg.agents["claude"]
-    assert claude.command == ["claude", "-p", "{prompt}"] and claude.max_agents == 2
+    assert claude.command[:3] == ["claude", "-p", "{prompt}"] and claude.max_agents == 2
     assert claude.limit.exit_codes == [75] and claude.limit.patterns  # the built-in patterns stay
     for bad, says in [({"limit": {"patterns": ["("]}}, "not a regular expression"),
                       ({"resume": ["claude", "--resume"]}, "must contain {session}"),
@@ -130,10 +130,10 @@ def test_a_limit_requeues_in_place_holds_the_preset_and_lets_other_presets_start
     reset = datetime.fromtimestamp(1795446000, UTC)
     assert index.holds["fake"].until == reset
     assert [e.type for e in plan.events] == ["requeued", "held", "started"]
-    assert plan.events[1].reason == f"fake usage limit: 2 tasks held until {pm.clock(reset)}"
+    assert plan.events[1].reason == f"fake usage limit: 2 tasks held until {pm.clock(reset, NOW)}"
     view = pm.queue_view(index, cfg, at)
     assert [t.name for t in view.queued] == ["a", "b"]
-    assert view.waiting_for[a.id] == f"fake usage limit, retry at {pm.clock(reset)}"
+    assert view.waiting_for[a.id] == f"fake usage limit, retry at {pm.clock(reset, NOW)}"
     assert pm.next_deadline(index) == reset  # the service's one timer is set for it
     # At the reset time the hold ends and a starts (c has ended), in the same step.
     exit_(index, cfg, at + timedelta(seconds=1), "c", 0, "")
@@ -180,7 +180,7 @@ def test_retries_count_and_stop_and_a_cancel_is_never_retried():
         exit_(index, cfg, now, "a", 3, "boom")
         [a] = index.queued
         assert a.attempt == attempt + 1 and a.not_before == now + timedelta(seconds=30)
-        assert pm.waiting_for(index, cfg, now)[a.id] == f"retry at {pm.clock(a.not_before)}"
+        assert pm.waiting_for(index, cfg, now)[a.id] == f"retry at {pm.clock(a.not_before, now)}"
         assert pm.next_to_start(index, cfg, now) is None
         now = a.not_before
     run_all(index, cfg, now)
@@ -261,7 +261,7 @@ def test_every_front_end_shows_the_hold():
     admit(index, cfg, "a")
     run_all(index, cfg, NOW)
     plan = exit_(index, cfg, NOW, "a", 1, "usage limit reached; try again in 5 minutes")
-    at = pm.clock(NOW + timedelta(minutes=5))
+    at = pm.clock(NOW + timedelta(minutes=5), NOW)
     qv = pm.queue_view(index, cfg, NOW)
     line = f"held: fake usage limit until {at}, 1 task waiting"
     assert line in render.summary(qv.capacity)  # `kugetsu queue`, `capacity`, the bot's /queue
@@ -271,3 +271,65 @@ def test_every_front_end_shows_the_hold():
     assert text.notification(held, None, cfg, None) == f"⏸️ fake usage limit: 1 task held until {at}"
     assert msgspec.to_builtins(pm.capacity(index, cfg, NOW))["holds"]["fake"]["queued"] == 1
     assert msgspec.to_builtins(pm.capacity(index, cfg, NOW + timedelta(minutes=5)))["holds"] == {}
+
+
+# ---- issue 25: what the real agents print (Claude Code 2.1.331, Codex) ---------------------
+
+
+@pytest.mark.parametrize("text, at", [
+    # Claude Code on a subscription; a reset more than a day away is printed with its date.
+    ("You've hit your session limit · resets 5:33pm (UTC)", datetime(2026, 11, 23, 17, 33, tzinfo=UTC)),
+    ("You've hit your weekly limit · resets Nov 27, 3pm (UTC)", datetime(2026, 11, 27, 15, 0, tzinfo=UTC)),
+    ("You've hit your Opus limit · resets Nov 27, 5:17pm (Europe/Berlin)", datetime(2026, 11, 27, 16, 17, tzinfo=UTC)),
+    ("You've hit your weekly limit · resets Jan 2, 9am (UTC)", datetime(2027, 1, 2, 9, 0, tzinfo=UTC)),  # next year's
+    # Codex, with a curly apostrophe.
+    ("ERROR: You\u2019ve hit your usage limit. Upgrade to Pro or try again at 2:48 PM.",
+     datetime(2026, 11, 23, 14, 48, tzinfo=UTC)),
+])
+def test_reset_times_as_the_real_agents_print_them(text, at):
+    assert limits.reset_time(text, NOW, UTC) == at
+
+
+@pytest.mark.parametrize("text", [
+    "You've hit your session limit · resets 2pm (UTC)",  # printed to the minute: now is 14:00:00.002
+    "You've hit your session limit · resets 1:59pm (UTC)",
+    "try again at 1:50 PM.",
+])
+def test_a_reset_time_now_or_just_past_means_shortly_not_tomorrow(text):
+    # Providers print the reset truncated to the minute: a resumed agent that comes a moment
+    # early reads its own minute again. That is "try again shortly" (the preset's backoff).
+    assert limits.reset_time(text, NOW + timedelta(milliseconds=2), UTC) is None
+
+
+def test_the_built_in_claude_preset_recognises_what_claude_code_prints():
+    cfg = Config()
+    for message in [
+        "You've hit your session limit · resets 5:33pm (UTC)",
+        "You've hit your 5-hour limit · resets 6:17pm (UTC)",
+        "You've hit your weekly limit · resets Nov 27, 3pm (UTC)",
+        "You\u2019ve hit your Opus limit · resets Nov 27, 3pm (UTC)",
+        "You've hit your Sonnet limit",
+        "API Error: Request rejected (429) · this may be a temporary capacity issue.",
+        "API Error: Request rejected (429) · Number of request tokens has exceeded your per-minute rate limit",
+    ]:
+        assert limits.matches(cfg.agents["claude"].limit.patterns, message), message
+    assert not limits.matches(cfg.agents["claude"].limit.patterns, "You've hit your stride; 429 tests pass")
+
+
+def test_a_curly_apostrophe_matches_a_pattern_written_with_a_straight_one():
+    assert limits.matches([r"(?i)you've hit your usage limit"], "ERROR: You\u2019ve hit your usage limit.")
+
+
+def test_a_hold_more_than_a_day_away_shows_its_date():
+    far = NOW + timedelta(days=3, hours=1)
+    assert pm.clock(far, NOW) == far.astimezone().strftime("%b %-d %H:%M")
+    assert pm.clock(NOW + timedelta(hours=2), NOW) == (NOW + timedelta(hours=2)).astimezone().strftime("%H:%M")
+    from kugetsu import render
+
+    cfg, index = setup()
+    admit(index, cfg, "a")
+    run_all(index, cfg, NOW)
+    exit_(index, cfg, NOW, "a", 1, "usage limit reached; resets Nov 27, 3pm (UTC)")
+    summary = render.summary(pm.queue_view(index, cfg, NOW).capacity)
+    at = datetime(2026, 11, 27, 15, tzinfo=UTC).astimezone().strftime("%b %-d %H:%M")
+    assert f"until {at}," in summary, summary
