@@ -14,23 +14,7 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
-from kugetsu.agents.report import Report, Usage
-
-
-def _objects(tail: str) -> list[dict[str, Any]]:
-    """The JSON objects among the lines (the first line of a tail may be cut, stderr may be mixed in)."""
-    out = []
-    for line in tail.splitlines():
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
+from kugetsu.agents.report import Report, Usage, json_objects as _objects
 
 
 def _int(v: object) -> int:

@@ -7,9 +7,28 @@ did not say (README, "Agents").
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
+from typing import Any
 
 import msgspec
+
+
+def json_objects(tail: str) -> list[dict[str, Any]]:
+    """The JSON objects among a log's lines, one a line (the first line of a tail may be cut,
+    stderr may be mixed in: what is not an object is skipped)."""
+    out = []
+    for line in tail.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
 
 class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Tokens (and the cost, where the agent reports one) of a run, or of several summed."""

@@ -149,6 +149,15 @@ def rate_limit(retry_after: int = 20, **kw: Any) -> Reply:
     return Reply(status=429, headers=headers, body=body, **kw)
 
 
+def cwd_of(body: dict[str, Any]) -> str | None:
+    """The agent's working directory, as it told the model (Codex: `<cwd>...</cwd>` in its
+    environment context; opencode: `Working directory: ...` in its system prompt)."""
+    import re
+
+    m = re.search(r"<cwd>([^<]+)</cwd>|Working directory: *([^\n\\]+)", json.dumps(body))
+    return (m.group(1) or m.group(2)).strip() if m else None
+
+
 def side_request(body: dict[str, Any]) -> bool:
     """A request the agent makes beside its turns (opencode names its session with its small
     model): it never takes a scripted reply."""
@@ -161,13 +170,15 @@ class FakeOpenAI:
     """The server. `with FakeOpenAI() as api:` serves on api.base_url (`http://127.0.0.1:P/v1`)."""
 
     def __init__(self, default: Callable[[str, dict[str, Any]], Reply] | None = None):
-        self.queue: list[Reply] = []
+        self.queue: list[Reply | Callable[[dict[str, Any]], Reply]] = []
         self.requests: list[dict[str, Any]] = []  # {"path", "body", "headers", "status"}
         self.default = default or (lambda path, body: chat_text("ok") if path == "chat" else responses_text("ok"))
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
 
-    def push(self, *replies: Reply) -> None:
+    def push(self, *replies: Reply | Callable[[dict[str, Any]], Reply]) -> None:
+        """Queue replies: a Reply, or a function of the request's body making one (a turn
+        that depends on what the agent sent, e.g. its working directory)."""
         with self._lock:
             self.queue.extend(replies)
 
@@ -176,6 +187,9 @@ class FakeOpenAI:
             return self.default(path, body)
         with self._lock:
             for i, r in enumerate(self.queue):
+                if not isinstance(r, Reply):
+                    self.queue.pop(i)
+                    return r(body)
                 if (r.path is None or r.path == path) and (r.when is None or r.when(body)):
                     return self.queue.pop(i)
         return self.default(path, body)
