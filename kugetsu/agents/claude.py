@@ -10,11 +10,10 @@ among them) comes as an assistant message with `error` set ("rate_limit", ...) a
 
 from __future__ import annotations
 
-import json
 from datetime import datetime, timezone
 from typing import Any
 
-from kugetsu.agents.report import Report, Usage, json_objects as _objects
+from kugetsu.agents.report import Report, Usage, json_object, json_objects as _objects
 
 
 def _int(v: object) -> int:
@@ -100,14 +99,8 @@ def read(tail: str, now: datetime) -> Report:
 def render(line: str) -> str | None:
     """One stream-json line as a person reads it: the assistant's text, its tool calls, the
     end (with tokens and cost); nothing for the bookkeeping lines. Not JSON: as it is."""
-    s = line.strip()
-    if not s.startswith("{"):
-        return line
-    try:
-        obj = json.loads(s)
-    except ValueError:
-        return line
-    if not isinstance(obj, dict):
+    obj = json_object(line)
+    if obj is None:
         return line
     kind = obj.get("type")
     if kind == "system" and obj.get("subtype") == "init":

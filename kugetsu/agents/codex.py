@@ -19,12 +19,11 @@ A task's log holds all its runs (a resumed one is appended): each run starts wit
 
 from __future__ import annotations
 
-import json
 import re
 from datetime import datetime, timezone
 from typing import Any
 
-from kugetsu.agents.report import Report, Usage, describe, json_objects, total
+from kugetsu.agents.report import Report, Usage, describe, json_object, json_objects, total
 
 # What Codex says when its provider refused for a limit (typographic apostrophe or not).
 _LIMITED = re.compile(
@@ -109,14 +108,8 @@ def render(line: str) -> str | None:
     """One `--json` line as a person reads it: the agent's messages, the commands it ran and
     the files it changed, the end of its turn (with tokens) or its error; nothing for the
     bookkeeping lines. Not JSON: as it is."""
-    s = line.strip()
-    if not s.startswith("{"):
-        return line
-    try:
-        obj = json.loads(s)
-    except ValueError:
-        return line
-    if not isinstance(obj, dict):
+    obj = json_object(line)
+    if obj is None:
         return line
     kind = obj.get("type")
     if kind == "thread.started":

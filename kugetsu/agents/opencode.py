@@ -27,7 +27,7 @@ from datetime import datetime, timedelta, timezone
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-from kugetsu.agents.report import Report, Usage, describe, json_objects, total
+from kugetsu.agents.report import Report, Usage, describe, json_object, json_objects, total
 
 _LIMITED = re.compile(
     r"(?i)\b429\b|too many requests|\brate.?limit|insufficient_quota|exceeded your current quota|\bquota exceeded\b"
@@ -168,14 +168,8 @@ def render(line: str) -> str | None:
     """One `--format json` line as a person reads it: the agent's text, its tool calls (and
     their errors), the end of its run (with tokens) or its error; nothing for the bookkeeping
     lines. Not JSON: as it is."""
-    s = line.strip()
-    if not s.startswith("{"):
-        return line
-    try:
-        obj = json.loads(s)
-    except ValueError:
-        return line
-    if not isinstance(obj, dict):
+    obj = json_object(line)
+    if obj is None:
         return line
     kind = obj.get("type")
     part = _dict(obj.get("part"))
