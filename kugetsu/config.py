@@ -523,7 +523,9 @@ def read_raw(home: Home) -> dict[str, Any]:
 
 def with_builtin_presets(raw: dict[str, Any]) -> dict[str, Any]:
     """A built-in preset named in config.json keeps the built-in keys it does not set (so
-    `config set agents.claude.max_agents 2` is all it takes), inside `limit` too."""
+    `config set agents.claude.max_agents 2` is all it takes), inside `limit` and `env` too
+    (a key given in `env` adds to the built-in's or replaces its value: the opencode preset's
+    OPENCODE_CONFIG_CONTENT stays when a user adds an API key)."""
     agents = raw.get("agents")
     if not isinstance(agents, dict) or not any(n in DEFAULT_AGENTS and isinstance(p, dict) for n, p in agents.items()):
         return raw
@@ -532,10 +534,10 @@ def with_builtin_presets(raw: dict[str, Any]) -> dict[str, Any]:
         base = DEFAULT_AGENTS.get(name)
         if base is None or not isinstance(preset, dict):
             continue
-        limit = preset.get("limit", {})
         merged[name] = {**base, **preset}
-        if isinstance(limit, dict):
-            merged[name]["limit"] = {**base.get("limit", {}), **limit}
+        for key in ("limit", "env"):
+            if isinstance(preset.get(key, {}), dict):
+                merged[name][key] = {**base.get(key, {}), **preset.get(key, {})}
     return {**raw, "agents": merged}
 
 

@@ -75,11 +75,14 @@ def test_codex_quota_and_rate_limit_are_limits_other_failures_are_errors():
 
 
 def test_codex_only_the_last_run_counts():
-    # The log of a task holds each run (a resume is appended): the limited first run's
-    # message and usage are not the successful resume's.
-    tail = cx(started(), completed(500, 50), *failed(LIMIT.format(when="6:12 PM")), started(), completed(300, 30))
+    # The log of a task holds each run (a resume is appended): the limited run's message is
+    # not the successful resume's, and Codex counts the whole thread, so a run's own usage is
+    # the difference from the same thread's last count before it (a refused run has none).
+    tail = cx(started(), completed(500, 50), started(), *failed(LIMIT.format(when="6:12 PM")), started(), completed(880, 81))
     report = codex.read(tail, NOW)
-    assert not report.limited and report.error is None and report.usage == Usage(input_tokens=300, output_tokens=30)
+    assert not report.limited and report.error is None and report.usage == Usage(input_tokens=380, output_tokens=31)
+    other = "11111111-2222-3333-4444-555555555555"  # a run started over (a retry): a new thread, its own count
+    assert codex.read(tail + cx(started(other), completed(70, 7)), NOW).usage == Usage(input_tokens=70, output_tokens=7)
 
 
 def test_codex_render():

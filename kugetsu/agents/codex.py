@@ -14,7 +14,8 @@ plan and billing details.` (API key: insufficient_quota), or `exceeded retry lim
 status: 429 Too Many Requests` (its own retries of a rate limit used up).
 
 A task's log holds all its runs (a resumed one is appended): each run starts with its
-`thread.started`, and only the last run is read.
+`thread.started`, and only the last run is read. Its usage counts the whole thread (`codex exec
+resume` goes on counting): a run's own is the difference from the thread's run before it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import re
 from datetime import datetime, timezone
 from typing import Any
 
-from kugetsu.agents.report import Report, Usage, describe, json_object, json_objects, total
+from kugetsu.agents.report import Report, Usage, describe, json_object, json_objects
 
 # What Codex says when its provider refused for a limit (typographic apostrophe or not).
 _LIMITED = re.compile(
@@ -70,32 +71,50 @@ def dated_reset(text: str, now: datetime) -> datetime | None:
     return at if at > now else None
 
 
-def _last_run(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    starts = [i for i, o in enumerate(objects) if o.get("type") == "thread.started"]
-    return objects[starts[-1]:] if starts else objects
+def _runs(objects: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The log's runs, each from its `thread.started` (what comes before the first: one run)."""
+    runs: list[list[dict[str, Any]]] = [[]]
+    for obj in objects:
+        if obj.get("type") == "thread.started" and runs[-1]:
+            runs.append([])
+        runs[-1].append(obj)
+    return runs
+
+
+def _thread(run: list[dict[str, Any]]) -> str | None:
+    first = run[0] if run else {}
+    tid = first.get("thread_id") if first.get("type") == "thread.started" else None
+    return tid if isinstance(tid, str) and tid else None
+
+
+def _used(run: list[dict[str, Any]]) -> Usage | None:
+    """The thread's usage so far at the end of a run: Codex's turn.completed counts the whole
+    thread (a resumed one: its earlier runs too), so the last one says it all."""
+    done = [usage_of(o.get("usage")) for o in run if o.get("type") == "turn.completed"]
+    return next((u for u in reversed(done) if u is not None), None)
 
 
 def read(tail: str, now: datetime) -> Report:
-    """What the end of a `codex exec --json` log says about its last run. Total: never raises."""
+    """What the end of a `codex exec --json` log says about its last run. Total: never raises.
+    Its usage is what the thread used since the same thread's run before it in the log (a
+    refused run reports none: its tokens count with the run that resumes it)."""
     report = Report()
-    failed: str | None = None
-    said: str | None = None
-    usages: list[Usage] = []
-    for obj in _last_run(json_objects(tail)):
+    runs = _runs(json_objects(tail))
+    run = runs[-1]
+    report.session = _thread(run)
+    used = _used(run)
+    if used is not None:
+        before = next((u for r in reversed(runs[:-1]) if _thread(r) == report.session and (u := _used(r))), None)
+        report.usage = used - before if before is not None and report.session else used
+    failed = said = None
+    for obj in run:
         kind = obj.get("type")
-        if kind == "thread.started" and isinstance(obj.get("thread_id"), str) and obj["thread_id"]:
-            report.session = obj["thread_id"]
-        elif kind == "turn.completed":
-            usage = usage_of(obj.get("usage"))
-            if usage is not None:
-                usages.append(usage)
-        elif kind == "turn.failed":
+        if kind == "turn.failed":
             error = obj.get("error")
             if isinstance(error, dict) and isinstance(error.get("message"), str):
                 failed = error["message"]
         elif kind == "error" and isinstance(obj.get("message"), str):
             said = obj["message"]
-    report.usage = total(list(usages))
     report.error = failed or said
     if report.error and _LIMITED.search(report.error):
         report.limited = True
