@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from kugetsu import control, ops, pm, runner
 from kugetsu.config import Config, cluster_host, format_duration, get_value, load_config, parse_duration, parse_value
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
-from kugetsu.models import PRIORITIES, Index, Task, TaskState
+from kugetsu.models import PRIORITIES, Index, TaskState
 from kugetsu.paths import Home, default_home, nofollow, read_tail
 from kugetsu.render import to_json
 
@@ -529,28 +529,22 @@ class _Output:
 
 
 class _Rendered:
-    """An agent's structured output (its preset's `output`) as the text a person reads: each
-    whole line rendered by kugetsu.agents (a line still being written waits for its end)."""
+    """An agent's structured output (its preset's `output`) as the text a person reads
+    (kugetsu.agents.Renderer), written to `out` as it comes."""
 
     def __init__(self, out: _Output, kind: str) -> None:
+        import codecs
+
         from kugetsu import agents
 
-        self.out, self.kind, self.render, self.partial = out, kind, agents.render, b""
+        self.out, self.lines = out, agents.Renderer(kind)
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def write(self, data: bytes, last: bool = False) -> None:
-        lines = (self.partial + data).split(b"\n")
-        self.partial = b"" if last else lines.pop()
-        shown = [self.render(self.kind, line.decode(errors="replace")) for line in lines if line or not last]
-        self.out.write("".join(t + "\n" for t in shown if t is not None).encode())
+        self.out.write(self.lines.feed(self.decoder.decode(data, final=last), last).encode())
 
     def flush(self) -> None:
         self.out.flush()
-
-
-def _output_kind(cfg: Any, task: Task, raw: bool) -> str:
-    """How `kugetsu logs` shows a task's log: its preset's output kind, or as it is."""
-    preset = cfg.agents.get(task.agent) if task.agent and not raw else None
-    return preset.output if preset is not None else "text"
 
 
 def _writing(write: Callable[..., object], *args: bytes) -> None:
@@ -615,7 +609,7 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     task = pm.find(store.read(), args.tasks[0])
     cfg = load_config(home)
     path = ops.log_path(home, cfg, task)
-    kind = _output_kind(cfg, task, args.raw)
+    kind = "text" if args.raw else ops.output_kind(cfg, task)
     out: Any = _Output() if kind == "text" else _Rendered(_Output(), kind)
     try:
         f = open(path, "rb", opener=nofollow)
@@ -679,13 +673,13 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
         if last and tail:
             lines.append(tail)
         partial[task_id] = b"" if last else tail
-        if kinds[task_id] != "text":
-            shown = (agents.render(kinds[task_id], line.decode(errors="replace")) for line in lines)
-            lines = [t.encode() for text in shown if text is not None for t in text.split("\n")]
+        if kinds[task_id] != "text":  # whole lines only, so each rendered on its own
+            shown = agents.Renderer(kinds[task_id]).feed(b"\n".join(lines).decode(errors="replace"), last=True)
+            lines = [line.encode() for line in shown.splitlines()]
         out.write(b"".join(prefix[task_id] + line + b"\n" for line in lines))
 
     cfg = load_config(home)
-    kinds = {t.id: _output_kind(cfg, t, args.raw) for t in tasks}
+    kinds = {t.id: "text" if args.raw else ops.output_kind(cfg, t) for t in tasks}
     from kugetsu import agents
 
     try:

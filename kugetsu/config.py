@@ -524,8 +524,7 @@ def read_raw(home: Home) -> dict[str, Any]:
 def with_builtin_presets(raw: dict[str, Any]) -> dict[str, Any]:
     """A built-in preset named in config.json keeps the built-in keys it does not set (so
     `config set agents.claude.max_agents 2` is all it takes), inside `limit` and `env` too
-    (a key given in `env` adds to the built-in's or replaces its value: the opencode preset's
-    OPENCODE_CONFIG_CONTENT stays when a user adds an API key)."""
+    (an API key added to its env keeps the variables the built-in one needs)."""
     agents = raw.get("agents")
     if not isinstance(agents, dict) or not any(n in DEFAULT_AGENTS and isinstance(p, dict) for n, p in agents.items()):
         return raw
@@ -536,8 +535,9 @@ def with_builtin_presets(raw: dict[str, Any]) -> dict[str, Any]:
             continue
         merged[name] = {**base, **preset}
         for key in ("limit", "env"):
-            if isinstance(preset.get(key, {}), dict):
-                merged[name][key] = {**base.get(key, {}), **preset.get(key, {})}
+            value = preset.get(key, {})
+            if isinstance(value, dict):
+                merged[name][key] = {**base.get(key, {}), **value}
     return {**raw, "agents": merged}
 
 

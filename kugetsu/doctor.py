@@ -33,6 +33,7 @@ class Check:
     ok: bool
     detail: str
     fix: str | None = None
+    warning: bool = False  # not a problem, but worth a look (shown with its fix)
 
 
 def run(home: Home, env: dict[str, str] | None = None) -> list[Check]:
@@ -309,7 +310,7 @@ def _agents(home: Home, cfg: Config, index: Index, path: str, services: bool) ->
         found = runner.which(exe, preset.env.get("PATH", path))
         label = f"agent {name}"
         if found:
-            out.append(Check(label, True, f"{exe} -> {found}"))
+            out.append(_agent_version(label, exe, found, preset.output, {**os.environ, "PATH": path, **preset.env}))
             continue
         why = [w for w, yes in (("the default agent", name == cfg.default_agent), ("in config.json", name in configured),
                                 ("used by a live task", name in used)) if yes]
@@ -324,6 +325,33 @@ def _agents(home: Home, cfg: Config, index: Index, path: str, services: bool) ->
         out.append(Check(label, False, f"{exe!r} is not on {where} ({', '.join(why)}):"
                                        f" its tasks are refused at delegate", fix))
     return out
+
+
+def _agent_version(label: str, exe: str, found: str, output: str, env: dict[str, str]) -> Check:
+    """A known agent CLI (by its preset's output kind, else its name): its version, and a
+    warning when it is newer than the one verified (its wording may have changed)."""
+    from kugetsu.agents import VERIFIED, version_tuple
+
+    kind = output if output in VERIFIED else os.path.basename(exe)
+    if kind not in VERIFIED:
+        return Check(label, True, f"{exe} -> {found}")
+    import subprocess
+
+    try:
+        done = subprocess.run([found, "--version"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=10, env=env)
+        said = (done.stdout or done.stderr).strip()
+    except (OSError, subprocess.SubprocessError):
+        said = ""
+    version, verified = version_tuple(said), version_tuple(VERIFIED[kind])
+    if version is None:
+        return Check(label, True, f"{exe} -> {found} (its version could not be read)")
+    shown = ".".join(map(str, version))
+    if verified is not None and version > verified:
+        return Check(label, True, f"{exe} -> {found}, version {shown}, newer than the {VERIFIED[kind]} verified",
+                     f"if its limits, sessions or usage stop being recognised, tune agents.{label.split()[-1]}"
+                     " (limit.patterns, session_pattern, output): README, Agents", warning=True)
+    return Check(label, True, f"{exe} -> {found}, version {shown}")
 
 
 # ---- Telegram and the clock ------------------------------------------------------------
@@ -391,8 +419,8 @@ def render(checks: list[Check]) -> str:
     width = max(len(c.name) for c in checks)
     lines = []
     for c in checks:
-        lines.append(f"{'ok' if c.ok else 'PROBLEM':7}  {c.name:{width}}  {c.detail}")
-        if not c.ok and c.fix:
+        lines.append(f"{'warning' if c.ok and c.warning else 'ok' if c.ok else 'PROBLEM':7}  {c.name:{width}}  {c.detail}")
+        if (not c.ok or c.warning) and c.fix:
             lines.append(f"{'':7}  {'':{width}}  fix: {c.fix}")
     problems = sum(1 for c in checks if not c.ok)
     lines.append("")

@@ -664,6 +664,12 @@ def hosts(home: Home) -> list[dict[str, Any]]:
     return out
 
 
+def output_kind(cfg: Config, task: Task) -> str:
+    """What a task's log is (its preset's `output`): how the front ends show it as text."""
+    preset = cfg.agents.get(task.agent) if task.agent else None
+    return preset.output if preset is not None else "text"
+
+
 def log_path(home: Home, cfg: Config, task: Task) -> Path:
     """Where this machine reads a task's output: its log, or in a cluster, for a task that ran
     on another machine, the local mirror of what that machine shipped (brought up to date

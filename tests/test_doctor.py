@@ -169,3 +169,26 @@ def test_the_doctor_writes_nothing(kg):
     assert not kg.home.root.exists()
     r = kg.run("doctor", "--frob")
     assert r.returncode == 2 and "unrecognized arguments: --frob" in r.stderr and not kg.home.root.exists()
+
+
+def test_each_installed_agent_s_version_is_reported_and_a_newer_one_than_verified_is_a_warning(kg, tmp_path):
+    from agentclis import PINS, agent_cli
+
+    real = agent_cli("claude")  # the pinned Claude Code: its version is the verified one
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    (newer / "codex").write_text("#!/bin/sh\necho 'codex-cli 99.1.0'\n")
+    (newer / "codex").chmod(0o755)
+    kg.env["PATH"] = f"{real.parent}{os.pathsep}{newer}{os.pathsep}{kg.env['PATH']}"
+    code, checks = diagnose(kg)
+    claude = checks["agent claude"]
+    assert claude["ok"] and not claude.get("warning"), claude
+    assert f"version {PINS['claude']['version']}" in claude["detail"]
+    codex = checks["agent codex"]
+    assert codex["ok"] and codex["warning"] and "version 99.1.0, newer than" in codex["detail"], codex
+    assert "README" in codex["fix"]
+    text = kg.ok("doctor") if code == 0 else kg.run("doctor").stdout
+    assert any(line.startswith("warning") and "agent codex" in line for line in text.splitlines()), text
+    from kugetsu.agents import VERIFIED
+
+    assert VERIFIED == {name: pin["version"] for name, pin in PINS.items()}  # one table, two copies: kept equal

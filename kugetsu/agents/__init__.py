@@ -17,6 +17,20 @@ if TYPE_CHECKING:
 
 KINDS = ("text", "claude", "codex", "opencode")
 
+# The versions of the real CLIs the test suite runs (tests/agent_clis.json pins the same):
+# their wording, flags and structured output are known to be read right. `kugetsu doctor`
+# reports each installed one's version and warns about a newer one.
+VERIFIED = {"claude": "2.1.331", "codex": "0.169.0", "opencode": "1.18.33"}
+
+
+def version_tuple(text: str) -> tuple[int, ...] | None:
+    """The first dotted version in a CLI's `--version` output (`2.1.331 (Claude Code)`,
+    `codex-cli 0.169.0`), as numbers for comparing."""
+    import re
+
+    m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    return tuple(int(g) for g in m.groups() if g is not None) if m else None
+
 
 def _module(kind: str):  # type: ignore[no-untyped-def]
     if kind not in KINDS or kind == "text":
@@ -35,3 +49,32 @@ def render(kind: str, line: str) -> str | None:
     (and a line that is not the kind's structure) shows as it is."""
     module = _module(kind)
     return module.render(line) if module is not None else line
+
+
+class Renderer:
+    """A log of this kind as the text a person reads, fed as it grows: each whole line
+    rendered (a line still being written waits for its end). Plain text passes as it is."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.partial = ""
+
+    def feed(self, text: str, last: bool = False) -> str:
+        """The readable text of what `text` adds; `last`: the log is complete (a final line
+        without its newline is shown too)."""
+        if self.kind == "text" or self.kind not in KINDS:
+            return text
+        lines = (self.partial + text).split("\n")
+        self.partial = "" if last else lines.pop()
+        shown = (render(self.kind, line) for line in lines if line.strip())
+        return "".join(t + "\n" for t in shown if t is not None)
+
+
+def render_tail(kind: str, text: str, cut: bool) -> str:
+    """The readable text of the end of a log (`cut`: it starts mid-file, so its first line
+    is a fragment and is left out)."""
+    if kind == "text" or kind not in KINDS:
+        return text
+    if cut:
+        text = text[text.find("\n") + 1:] if "\n" in text else ""
+    return Renderer(kind).feed(text, last=True)

@@ -440,6 +440,8 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
                                            " max_bytes allows)")] = None,
         max_bytes: Annotated[int, Field(ge=1, le=LOG_BYTES_MAX, description="read at most this many bytes from"
                                         " the end of the log")] = LOG_BYTES,
+        raw: Annotated[bool, Field(description="the agent's structured output (JSON lines) as it is, not as"
+                                   " text")] = False,
     ) -> Annotated[CallToolResult, LogsOut]:
         """The end of a task's output (its agent's stdout and stderr), bounded: the last `lines`
         lines within the last `max_bytes` bytes (16 KiB by default). Read it when a task
@@ -455,6 +457,11 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         if lines is not None:
             data = b"".join(data.splitlines(keepends=True)[-lines:]) if lines else b""
         text = data.decode("utf-8", errors="replace")
+        kind = "text" if raw else ops.output_kind(cfg, found)
+        if kind != "text":  # e.g. Claude Code's stream-json: its messages, tool calls and end, as text
+            from kugetsu.agents import render_tail
+
+            text = render_tail(kind, text, cut=len(data) < size and lines is None)
         obj = {"id": found.id, "name": found.name, "state": found.state.value, "text": text, "size": size,
                "truncated": len(data) < size}
         shown = text if size else f"(no output yet: {found.name} is {found.state.value})"

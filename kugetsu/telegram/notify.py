@@ -301,7 +301,9 @@ class Notifier:
         task = self._task(event.task) if event.task is not None else None
         tail = None
         if event.type in ("failed", "lost") and event.task is not None:
-            tail = _log_tail(self.home.log(event.task) if task is None else ops.log_path(self.home, self.get_cfg(), task))
+            cfg = self.get_cfg()
+            tail = _log_tail(self.home.log(event.task) if task is None else ops.log_path(self.home, cfg, task),
+                             "text" if task is None else ops.output_kind(cfg, task))
         return text.notification(event, task, self.get_cfg(), tail)
 
     def _task(self, task_id: int) -> Task | None:
@@ -350,11 +352,17 @@ class Notifier:
             delay = min(delay * 2, BACKOFF_MAX)
 
 
-def _log_tail(path: Path, size: int = 8192) -> str | None:
+def _log_tail(path: Path, kind: str = "text", size: int = 8192) -> str | None:
+    """The last lines of a task's log, as text (a structured output rendered: kugetsu.agents)."""
+    from kugetsu.agents import render_tail
+
     try:
         with open(path, "rb", opener=nofollow) as f:
             end = f.seek(0, os.SEEK_END)
-            f.seek(max(0, end - size))
-            return text.tail_lines(f.read())
+            f.seek(max(0, end - size * (8 if kind != "text" else 1)))  # JSON lines say less per byte
+            data = f.read()
     except OSError:
         return None
+    if kind != "text":
+        data = render_tail(kind, data.decode("utf-8", "replace"), cut=end > len(data)).encode()
+    return text.tail_lines(data)

@@ -248,7 +248,8 @@ class Dashboard(App[None]):
         output = self.output
         task = self.selected_task()
         path = None if selected is None else self.home.log(selected) if task is None else ops.log_path(self.home, self.cfg, task)
-        output.follow(path, NOTHING_SELECTED if selected is None else "(no output yet)")
+        output.follow(path, NOTHING_SELECTED if selected is None else "(no output yet)",
+                      "text" if task is None else ops.output_kind(self.cfg, task))
         output.border_title = view.task_title(self.selected_task())
 
     # ---- actions ---------------------------------------------------------------------
@@ -279,7 +280,7 @@ class Dashboard(App[None]):
         if task is None:
             self.notify("select a task first (tab and arrow keys)", severity="warning")
             return
-        self.push_screen(LogScreen(self.home, task, self.poll))
+        self.push_screen(LogScreen(self.home, task, self.poll, ops.output_kind(self.cfg, task)))
 
     def action_cancel(self) -> None:
         task = self.selected_task()

@@ -143,11 +143,12 @@ class LogScreen(Screen[None]):
 
     BINDINGS = [Binding("escape,l", "app.pop_screen", "back")]
 
-    def __init__(self, home: Home, task: Task, poll: float):
+    def __init__(self, home: Home, task: Task, poll: float, kind: str = "text"):
         super().__init__()
         self.home = home
         self.target = task
         self.poll = poll
+        self.kind = kind  # its preset's output: a structured one is shown as text
 
     def compose(self) -> ComposeResult:
         yield Static(task_title(self.target), id="log-title")
@@ -155,7 +156,7 @@ class LogScreen(Screen[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one(LogView).follow(self.home.log(self.target.id))
+        self.query_one(LogView).follow(self.home.log(self.target.id), kind=self.kind)
 
 
 HELP = """\

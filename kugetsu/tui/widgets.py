@@ -175,10 +175,14 @@ class LogView(Log):
         self._offset = 0
         self._inode = 0
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        from kugetsu.agents import Renderer
+
+        self._readable = Renderer(getattr(self, "_kind", "text"))
         self._empty = True
 
-    def follow(self, path: Path | None, placeholder: str = "(no output yet)") -> None:
-        self.path, self._placeholder = path, placeholder
+    def follow(self, path: Path | None, placeholder: str = "(no output yet)", kind: str = "text") -> None:
+        """Show `path`; `kind`: its preset's output (a structured one is shown as text)."""
+        self.path, self._placeholder, self._kind = path, placeholder, kind
         self._reset()
         self.clear()
         self.poll()
@@ -211,7 +215,9 @@ class LogView(Log):
         self._offset += len(data)
         if mid_file and b"\n" in data:  # started mid-file: drop the partial first line
             data = data[data.find(b"\n") + 1 :]
-        text = _ANSI.sub("", self._decoder.decode(data))
+        text = _ANSI.sub("", self._readable.feed(self._decoder.decode(data)))
+        if not text:
+            return
         if self._empty:
             self.clear()
             self._empty = False
