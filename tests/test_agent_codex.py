@@ -153,3 +153,19 @@ def test_quota_and_rate_limit_hold_codex_with_a_backoff_and_resume(codex, api, r
     assert "codex usage limit" in held["reason"]
     assert "Continue where you left off." in said(api.bodies("responses")[-1])
     assert "quota work" in said(api.bodies("responses")[-1])
+
+
+def test_a_long_run_cut_short_by_a_limit_still_resumes_its_thread(codex, api):
+    # Codex names its thread only in the first line of a run; a run that printed more than the
+    # 16 KiB kugetsu reads at its end must still resume that thread, not start over.
+    api.push(responses_call("exec_command", {"cmd": "head -c 40000 /dev/zero | tr '\\0' x"}),
+             usage_limit(int(time.time()) + 3 * 3600),
+             responses_text("Resumed."))
+    codex.ok("delegate", "long", "--agent", "codex", "--prompt", "print a lot", "--cwd", str(codex.rec))
+    wait_for(lambda: codex.task("long")["attempts"], RUN, "long to hit the limit")
+    assert codex.home.log(codex.task("long")["id"]).stat().st_size > 20000
+    codex.ok("release", "codex")
+    task = codex.wait_state("long", "succeeded", "failed", timeout=RUN)
+    assert task["state"] == "succeeded" and task["command"][:3] == ["codex", "exec", "resume"], task
+    s = said(api.bodies("responses")[-1])
+    assert s.index("print a lot") < s.index("call exec_command") < s.index("Continue where you left off."), s
