@@ -169,3 +169,21 @@ def test_a_long_run_cut_short_by_a_limit_still_resumes_its_thread(codex, api):
     assert task["state"] == "succeeded" and task["command"][:3] == ["codex", "exec", "resume"], task
     s = said(api.bodies("responses")[-1])
     assert s.index("print a lot") < s.index("call exec_command") < s.index("Continue where you left off."), s
+
+
+def test_a_reset_printed_to_the_minute_that_has_come_backs_off_instead_of_holding_a_day(codex, api):
+    # Codex prints `try again at 5:16 PM` for a reset at 17:16:59: read at 17:16:30 that
+    # minute is just past, which means "shortly" (the preset's backoff), not tomorrow.
+    codex.config(agents={"codex": {"limit": {"backoff": "2s"}}})
+
+    def refuse(body):
+        now = int(time.time())
+        return usage_limit(now - now % 60 + 59)
+
+    api.push(refuse, responses_text("Served."))
+    started = time.time()
+    codex.ok("delegate", "m", "--agent", "codex", "--prompt", "minute work", "--cwd", str(codex.rec))
+    task = codex.wait_state("m", "succeeded", "failed", timeout=RUN)
+    assert task["state"] == "succeeded" and [x["limit"] for x in task["attempts"]] == [True], task
+    [held] = codex.events("held")
+    assert datetime.fromisoformat(held["value"]["until"]).timestamp() < started + 120, held
