@@ -26,6 +26,8 @@ from conftest import wait_for
 from fakeproviders.openai import (KEY, FakeOpenAI, insufficient_quota, rate_limit, responses_call,
                                   responses_custom_call, responses_text, usage_limit)
 
+pytestmark = pytest.mark.agent_cli
+
 RUN = 90  # seconds a task of a few Codex runs may take on a loaded machine
 ZONE = "Asia/Kolkata"  # UTC+5:30: Codex prints a reset in its zone, kugetsu reads it in its own
 

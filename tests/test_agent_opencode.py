@@ -27,6 +27,8 @@ from agentclis import agent_cli
 from conftest import wait_for
 from fakeproviders.openai import KEY, FakeOpenAI, chat_call, chat_text, cwd_of, insufficient_quota, rate_limit
 
+pytestmark = pytest.mark.agent_cli
+
 RUN = 240  # seconds a task of two opencode runs may take on a loaded machine
 
 
@@ -159,3 +161,16 @@ def test_a_rate_limit_opencode_gives_up_on_holds_with_a_backoff_and_resumes(open
     assert "opencode usage limit" in opencode.events("held")[0]["reason"]
     s = said(turns(api)[-1])
     assert s.index("rate limited work") < s.index("Continue where you left off."), s
+
+
+@pytest.mark.timeout(600)
+def test_a_write_outside_its_directory_is_denied_and_fails_the_task(opencode, api, tmp_path):
+    # In `run`, opencode rejects what its permissions would ask about (a file outside its
+    # directory) and the run ends with exit 0: kugetsu fails the task, saying what was denied.
+    outside = tmp_path / "outside.txt"
+    api.push(chat_call("write", {"filePath": str(outside), "content": "no\n"}), chat_text("I could not."))
+    opencode.ok("delegate", "d", "--agent", "opencode", "--prompt", "write outside", "--cwd", str(opencode.rec))
+    task = opencode.wait_state("d", "succeeded", "failed", timeout=RUN)
+    assert task["state"] == "failed" and task["exit_code"] == 0, task
+    assert f"opencode was denied permission: write: {outside}" in task["reason"]
+    assert not outside.exists()
