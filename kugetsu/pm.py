@@ -978,15 +978,18 @@ def read_output(cfg: Config, task: Task, code: int | None, tail: str | None, now
         return task.reason
     if not code:
         return None
+    # The patterns and a reset time in prose are read in the agent's own words about its end
+    # when its stream gives them (the stream also holds whatever it read: a file quoting a
+    # limit message is not its limit), else in the tail.
+    said = (report.limit_text or report.error) if report is not None else None
+    words = said if said is not None else tail or ""
     limited = report is not None and report.limited
     if limited or (preset.limit.enabled and (code in preset.limit.exit_codes
-                                             or (tail and limits.matches(preset.limit.patterns, tail)))):
-        said = report.limit_text if report is not None else None
+                                             or limits.matches(preset.limit.patterns, words))):
         until = report.reset_at if report is not None else None
-        task.limit = LimitHit(until=until or limits.reset_time(said or tail or "", now))
+        task.limit = LimitHit(until=until or limits.reset_time(words, now))
         return None
-    error = report.error if report is not None else None
-    return f"{describe_exit(code)}: {error[:300]}" if error else None
+    return f"{describe_exit(code)}: {said[:300]}" if said else None
 
 
 def conclude(index: Index, cfg: Config, task: Task, now: datetime, code: int | None,

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kugetsu import control, limits, ops, placement, pm, runner
+from kugetsu import agents, control, limits, ops, placement, pm, runner
 from kugetsu.config import Config, format_size, host_name, load_config
 from kugetsu.deadlines import DeadlineTimer
 from kugetsu.errors import DiskFull, KugetsuError, Unreachable
@@ -283,13 +283,14 @@ class Service:
         """What pm reads in the end of an agent's output (a provider's limit, the session id)."""
         if not task.log or not pm.reads_output(self.cfg, task):
             return seen
-        tail = read_tail(task.log, limits.TAIL_BYTES)
-        preset = self.cfg.agents.get(task.agent) if task.agent else None
-        if preset is not None and preset.output == "codex":
+        kind = ops.output_kind(self.cfg, task)
+        size = agents.TAIL_BYTES if kind != "text" else limits.TAIL_BYTES
+        tail = read_tail(task.log, size)
+        if kind == "codex":
             # Codex names its thread in a run's first line alone (after a few lines of
             # stderr): a log longer than the tail keeps its first lines with it, or a long run
             # cut short by a limit could not be resumed.
-            tail = read_head(task.log, limits.TAIL_BYTES, 4096) + tail
+            tail = read_head(task.log, size, 4096) + tail
         return msgspec.structs.replace(seen, tail=tail.decode(errors="replace"))
 
     def _take(self, txn: Txn, plan: pm.Plan) -> pm.Plan:

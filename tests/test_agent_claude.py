@@ -173,11 +173,16 @@ def test_a_weekly_limit_shows_its_date_and_release_resumes(kg, api, claude):
     assert said.index("weekly work") < said.index("Continue where you left off."), said
 
 
-def test_an_api_rate_limit_is_left_to_kugetsu_not_retried_by_claude(kg, api, claude):
-    # With an API key, a 429 is `API Error: Request rejected (429) · ...`; Claude Code left to
-    # itself retries it for minutes while it holds its slot.
+@pytest.mark.parametrize("refusal", ["429", "529"])
+def test_an_api_rate_limit_is_left_to_kugetsu_not_retried_by_claude(kg, api, claude, refusal):
+    # With an API key, a 429 is `API Error: Request rejected (429) · ...` (an overloaded API:
+    # `API Error: 529 Overloaded`); Claude Code left to itself retries it for minutes while it
+    # holds its slot.
+    from fakeproviders.anthropic import error
+
     claude(limit={"backoff": "1s"})
-    api.replies.extend([api_rate_limit(), text("Served.")])
+    api.replies.extend([api_rate_limit() if refusal == "429" else error(529, "overloaded_error", "Overloaded"),
+                        text("Served.")])
     kg.ok("delegate", "r", "--agent", "claude", "--prompt", "rate limited", "--cwd", str(kg.rec))
     task = kg.wait_state("r", "succeeded", "failed", timeout=RUN)
     assert task["state"] == "succeeded" and [a["limit"] for a in task["attempts"]] == [True], task
@@ -216,3 +221,20 @@ def test_in_text_mode_a_reset_printed_to_the_minute_that_has_come_backs_off_inst
     until = datetime.fromisoformat(held["value"]["until"])
     assert (until - datetime.fromisoformat(held["at"])).total_seconds() <= 2  # the backoff, not a day
     assert "You've hit your" in kg.ok("logs", "p")
+
+
+def test_limit_words_in_what_the_agent_read_are_not_its_own_limit(kg, api, claude):
+    # The stream holds everything the agent read: a file quoting a limit message must not
+    # turn a server error into a week-long hold. The patterns read the agent's own words.
+    claude()
+    (kg.rec / "notes.txt").write_text("Seen yesterday: You've hit your weekly limit · resets Nov 27, 3pm (UTC)\n")
+    from fakeproviders.anthropic import error
+
+    api.replies.extend([tool_use("Bash", {"command": f"cat {kg.rec / 'notes.txt'}"}),
+                        error(500, "api_error", "Internal server error")])
+    kg.ok("delegate", "n", "--agent", "claude", "--prompt", "read the notes", "--cwd", str(kg.rec))
+    task = kg.wait_state("n", "failed", "queued", timeout=RUN)
+    assert task["state"] == "failed" and task["exit_code"] == 1, task
+    assert task["reason"].startswith("exit code 1: API Error: 500"), task["reason"]
+    assert "You've hit your weekly limit" in kg.ok("logs", "n", "--raw")  # it was read, as a tool result
+    assert not kg.events("held")

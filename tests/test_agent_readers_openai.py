@@ -201,3 +201,13 @@ def test_readers_never_raise(objs, noise):
         module.read(tail, NOW)
         for line in tail.splitlines():
             module.render(line)
+
+
+def test_hostile_values_are_read_as_nothing_said():
+    huge = {"error": {"type": "usage_limit_reached", "message": "limit", "resets_in_seconds": 1e300}}
+    report = opencode.read(cx(api_error(429, huge, {"retry-after-ms": "1e308", "x-ratelimit-reset-tokens": "9e300s"})), NOW)
+    assert report.limited and report.reset_at is None
+    for module, line in ((codex, started("--dangerously-bypass-approvals-and-sandbox")),
+                         (opencode, oc("step_start") | {"sessionID": "--auto"})):
+        assert module.read(cx(line), NOW).session is None  # it would become an option of the resume
+    assert codex.read(cx(started(), completed(10**30, 5)), NOW).usage == Usage(output_tokens=5)

@@ -224,3 +224,26 @@ async def test_help_keys_are_inert_under_a_dialog_and_q_quits(tmp_path):
         assert not isinstance(app.screen, HelpScreen)
         await pilot.press("q")
         await until(pilot, lambda: not app.is_running, what="the app to quit")
+
+
+async def test_a_structured_log_is_shown_as_text_a_line_once_it_is_whole(tmp_path):
+    # Task 5 runs the built-in claude preset: its log is Claude Code's stream-json.
+    home = live_home(tmp_path)
+    say = {"type": "assistant", "message": {"content": [{"type": "text", "text": "Fixing the parser."}]}}
+    call = {"type": "assistant", "message": {"content": [
+        {"type": "tool_use", "name": "Edit", "input": {"file_path": "/src/parse.py"}}]}}
+    end = json.dumps({"type": "result", "is_error": False, "result": "done", "total_cost_usd": 0.5,
+                      "usage": {"input_tokens": 1200, "output_tokens": 30}})
+    home.log(5).write_text(json.dumps(say) + "\n" + json.dumps(call) + "\n" + end[:20])
+    app = app_for(home)
+    async with app.run_test() as pilot:
+        output = app.query_one("#output", LogView)
+        await focus_task(pilot, "running", 5)
+        await until(pilot, lambda: "> Edit(/src/parse.py)" in output.lines, what="the rendered stream")
+        assert "Fixing the parser." in output.lines and not any('"type"' in line for line in output.lines)
+        with home.log(5).open("a") as f:  # the last line, finished
+            f.write(end[20:] + "\n")
+        await until(pilot, lambda: any("1,200 tokens in" in line for line in output.lines), what="the end line")
+        await pilot.press("l")
+        full = app.screen.query_one(LogView)
+        await until(pilot, lambda: "> Edit(/src/parse.py)" in full.lines, what="the full-screen log rendered")

@@ -17,6 +17,11 @@ if TYPE_CHECKING:
 
 KINDS = ("text", "claude", "codex", "opencode")
 
+# How much of the end of a structured log is read at an agent's exit: its last lines are long
+# (Claude Code's `result` carries the final message, usage per model, denials with their
+# inputs), and a cut line cannot be read. Plain text: limits.TAIL_BYTES.
+TAIL_BYTES = 128 * 1024
+
 # The versions of the real CLIs the test suite runs (tests/agent_clis.json pins the same):
 # their wording, flags and structured output are known to be read right. `kugetsu doctor`
 # reports each installed one's version and warns about a newer one.

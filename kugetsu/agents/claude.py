@@ -10,14 +10,34 @@ among them) comes as an assistant message with `error` set ("rate_limit", ...) a
 
 from __future__ import annotations
 
+import math
+import re
 from datetime import datetime, timezone
 from typing import Any
 
 from kugetsu.agents.report import Report, Usage, json_object, json_objects as _objects
 
 
+# A session id as Claude Code makes them (a UUID); anything else is not passed to --resume.
+_SESSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]{0,127}")
+
+
 def _int(v: object) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+    """A token count: a whole number a 64-bit store can hold, else 0."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**53 else 0
+
+
+def _list(v: object) -> list[Any]:
+    return v if isinstance(v, list) else []
+
+
+def _dict(v: object) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
+def _cost(v: object) -> float | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v < 1e12
+    return float(v) if ok else None  # type: ignore[arg-type]
 
 
 def usage_of(raw: object, cost: object = None) -> Usage | None:
@@ -28,7 +48,7 @@ def usage_of(raw: object, cost: object = None) -> Usage | None:
     return Usage(input_tokens=_int(raw.get("input_tokens")), output_tokens=_int(raw.get("output_tokens")),
                  cache_read_tokens=_int(raw.get("cache_read_input_tokens")),
                  cache_write_tokens=_int(raw.get("cache_creation_input_tokens")),
-                 cost_usd=float(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) else None)
+                 cost_usd=_cost(cost))
 
 
 def _text(message: object) -> str:
@@ -44,7 +64,7 @@ def _text(message: object) -> str:
 
 
 def _when(v: object) -> datetime | None:
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 10**11:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 < v < 10**11:
         return datetime.fromtimestamp(v, timezone.utc)
     return None
 
@@ -55,7 +75,7 @@ def _denial(d: object) -> str | None:
     tool = d.get("tool_name") if isinstance(d.get("tool_name"), str) else "tool"
     inp = d.get("tool_input") if isinstance(d.get("tool_input"), dict) else {}
     what = next((inp[k] for k in ("file_path", "path", "command", "url", "pattern") if isinstance(inp.get(k), str)), None)
-    return f"{tool}: {what}" if what else str(tool)
+    return (f"{tool}: {what}" if what else str(tool))[:200]
 
 
 def read(tail: str, now: datetime) -> Report:
@@ -64,7 +84,7 @@ def read(tail: str, now: datetime) -> Report:
     result: dict[str, Any] | None = None
     for obj in _objects(tail):
         kind = obj.get("type")
-        if isinstance(obj.get("session_id"), str) and obj["session_id"]:
+        if isinstance(obj.get("session_id"), str) and _SESSION.fullmatch(obj["session_id"]):
             report.session = obj["session_id"]
         if kind == "rate_limit_event":
             info = obj.get("rate_limit_info")
@@ -76,19 +96,19 @@ def read(tail: str, now: datetime) -> Report:
             if obj.get("error") == "rate_limit":
                 report.limited = True
                 report.limit_text = text or report.limit_text
-            report.error = text or str(obj.get("error"))
+            report.error = (text or str(obj.get("error")))[:2000]
         elif kind == "result":
             result = obj
     if result is not None:
         report.usage = usage_of(result.get("usage"), result.get("total_cost_usd"))
-        report.denied = [d for d in map(_denial, result.get("permission_denials") or []) if d]
+        report.denied = [d for d in map(_denial, _list(result.get("permission_denials"))) if d]
         if result.get("is_error"):
             text = result.get("result")
             errors = result.get("errors")
             if isinstance(text, str) and text:
-                report.error = text
-            elif isinstance(errors, list) and errors:
-                report.error = "; ".join(str(e) for e in errors)
+                report.error = text[:2000]
+            elif isinstance(errors, list) and errors:  # e.g. error_max_turns
+                report.error = "; ".join(str(e) for e in errors)[:2000]
             else:
                 report.error = report.error or str(result.get("subtype") or "error")
     if report.limited and report.limit_text is None:
@@ -107,8 +127,7 @@ def render(line: str) -> str | None:
         return f"[claude {obj.get('model', '')}, session {obj.get('session_id', '?')}]"
     if kind == "assistant":
         out = []
-        message = obj.get("message") if isinstance(obj.get("message"), dict) else {}
-        for block in message.get("content") or []:
+        for block in _list(_dict(obj.get("message")).get("content")):
             if not isinstance(block, dict):
                 continue
             if block.get("type") == "text" and isinstance(block.get("text"), str):
@@ -119,14 +138,13 @@ def render(line: str) -> str | None:
                 out.append(f"> {block.get('name', 'tool')}({arg})")
         return "\n".join(out) or None
     if kind == "user":
-        message = obj.get("message") if isinstance(obj.get("message"), dict) else {}
-        for block in message.get("content") or []:
+        for block in _list(_dict(obj.get("message")).get("content")):
             if isinstance(block, dict) and block.get("type") == "tool_result" and block.get("is_error"):
                 content = block.get("content")
                 return f"  ! {content if isinstance(content, str) else _text(block)}"
         return None
     if kind == "rate_limit_event":
-        info = obj.get("rate_limit_info") if isinstance(obj.get("rate_limit_info"), dict) else {}
+        info = _dict(obj.get("rate_limit_info"))
         if info.get("status") == "rejected":
             at = _when(info.get("resetsAt"))
             return "[rate limit reached" + (f", resets {at.isoformat()}]" if at else "]")
@@ -136,7 +154,7 @@ def render(line: str) -> str | None:
 
         usage = usage_of(obj.get("usage"), obj.get("total_cost_usd"))
         head = "[error: " + str(obj.get("result") or obj.get("subtype")) + "]" if obj.get("is_error") else "[done]"
-        denied = [d for d in map(_denial, obj.get("permission_denials") or []) if d]
+        denied = [d for d in map(_denial, _list(obj.get("permission_denials"))) if d]
         parts = [head] + ([describe(usage)] if usage else []) + ([f"denied: {', '.join(denied)}"] if denied else [])
         return " ".join(parts)
     return None

@@ -31,6 +31,8 @@ _LIMITED = re.compile(
     r"(?i)you[’']ve hit your usage limit|\bquota exceeded\b|\binsufficient_quota\b|usage_limit_reached"
     r"|\b429\b|too many requests|\brate.?limit"
 )
+# A session id that may be passed to a command line (not an option: no leading "-").
+SESSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]{0,127}")
 _MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
 # `try again at Nov 27th, 2026 5:26 PM` (a reset not today); the time alone (`at 6:12 PM`) is
 # read by limits.reset_time from the report's limit_text.
@@ -40,7 +42,8 @@ _DATED = re.compile(
 
 
 def _int(v: object) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+    """A token count, or 0 for anything that is not one (a huge number: the index stores it)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 10**15 else 0
 
 
 def usage_of(raw: object) -> Usage | None:
@@ -82,9 +85,10 @@ def _runs(objects: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 
 def _thread(run: list[dict[str, Any]]) -> str | None:
+    """The run's thread id; only one that looks like one (it becomes an argument of the resume)."""
     first = run[0] if run else {}
     tid = first.get("thread_id") if first.get("type") == "thread.started" else None
-    return tid if isinstance(tid, str) and tid else None
+    return tid if isinstance(tid, str) and SESSION.fullmatch(tid) else None
 
 
 def _used(run: list[dict[str, Any]]) -> Usage | None:

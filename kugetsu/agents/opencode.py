@@ -27,6 +27,7 @@ from datetime import datetime, timedelta, timezone
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+from kugetsu.agents.codex import SESSION
 from kugetsu.agents.report import Report, Usage, describe, json_object, json_objects, total
 
 _LIMITED = re.compile(
@@ -40,7 +41,8 @@ _GO_UNIT = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
 
 
 def _num(v: object) -> float:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else 0.0
+    """A count or a cost, or 0 for anything that is not one (not finite, huge: the index stores it)."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e15 else 0.0
 
 
 def _dict(v: object) -> dict[str, Any]:
@@ -57,7 +59,8 @@ def usage_of(part: object) -> Usage | None:
     return Usage(input_tokens=int(_num(tokens.get("input"))),
                  output_tokens=int(_num(tokens.get("output")) + _num(tokens.get("reasoning"))),
                  cache_read_tokens=int(_num(cache.get("read"))), cache_write_tokens=int(_num(cache.get("write"))),
-                 cost_usd=_num(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) else None)
+                 cost_usd=_num(cost) if isinstance(cost, (int, float)) and not isinstance(cost, bool) and _num(cost) == cost
+                 else None)
 
 
 def _span(text: str) -> float | None:
@@ -129,7 +132,7 @@ def read(tail: str, now: datetime) -> Report:
     usages: list[Usage] = []
     for obj in _last_run(json_objects(tail)):
         kind = obj.get("type")
-        if isinstance(obj.get("sessionID"), str) and obj["sessionID"]:
+        if isinstance(obj.get("sessionID"), str) and SESSION.fullmatch(obj["sessionID"]):
             report.session = obj["sessionID"]
         part = _dict(obj.get("part"))
         if kind == "step_finish":
@@ -155,7 +158,10 @@ def read(tail: str, now: datetime) -> Report:
                 if gave_up and isinstance(nxt, (int, float)) and not isinstance(nxt, bool) and 10**12 < nxt < 10**13:
                     report.reset_at = datetime.fromtimestamp(nxt / 1000, timezone.utc)
                 else:
-                    report.reset_at = reset_from(data, _when(obj, now))
+                    try:
+                        report.reset_at = reset_from(data, _when(obj, now))
+                    except (ValueError, TypeError, OverflowError):  # a number no clock holds
+                        report.reset_at = None
                 if report.reset_at is not None and report.reset_at <= now:
                     report.reset_at = None  # already past: try again shortly (the preset's backoff)
             else:
