@@ -119,7 +119,7 @@ def read(tail: str, now: datetime) -> Report:
                 failed = error["message"]
         elif kind == "error" and isinstance(obj.get("message"), str):
             said = obj["message"]
-    report.error = failed or said
+    report.error = (failed or said or "")[:2000] or None
     if report.error and _LIMITED.search(report.error):
         report.limited = True
         report.limit_text = report.error

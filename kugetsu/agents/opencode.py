@@ -148,7 +148,7 @@ def read(tail: str, now: datetime) -> Report:
             error = _dict(obj.get("error"))
             data = _dict(error.get("data"))
             message = data.get("message") if isinstance(data.get("message"), str) else str(error.get("name") or "error")
-            report.error = message
+            report.error = message = message[:2000]
             status = data.get("statusCode")
             gave_up = error.get("name") == "KugetsuGaveUp"
             if status == 429 or gave_up or _LIMITED.search(message) or _LIMITED.search(str(data.get("responseBody", ""))):
