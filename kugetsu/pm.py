@@ -939,7 +939,7 @@ def may_requeue(cfg: Config, task: Task) -> bool:
     if task.retries > 0:
         return True
     preset = cfg.agents.get(task.agent) if task.agent else None
-    return preset is not None and preset.limit.enabled
+    return preset is not None and (preset.limit.enabled or preset.output != "text")  # its stream may report a limit
 
 
 def reads_output(cfg: Config, task: Task) -> bool:
