@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -101,11 +102,23 @@ def format_size(size: float) -> str:
 # The built-in presets' limit patterns are best-effort: what these agents printed when their
 # provider refused them, as far as known (README, "Provider limits"); users tune them.
 _HTTP_LIMIT = r"(?i)\b429\b.{0,40}(too many requests|rate.?limit)|rate_limit_(error|exceeded)"
+# `codex exec resume` has no --sandbox: the sandbox is set as config (-c), the same for both.
+_CODEX_FLAGS = ["--json", "--skip-git-repo-check", "-c", 'sandbox_mode="workspace-write"',
+                "-c", "sandbox_workspace_write.exclude_slash_tmp=true",
+                "-c", "sandbox_workspace_write.exclude_tmpdir_env_var=true"]
+_OPENCODE_PLUGIN = (Path(__file__).parent / "agents" / "opencode_plugin.js").as_uri()
 _CLAUDE_FLAGS = ["--output-format", "stream-json", "--verbose", "--permission-mode", "acceptEdits"]
 DEFAULT_AGENTS: dict[str, dict[str, Any]] = {
-    "opencode": {"command": ["opencode", "run", "{prompt}"], "env": {},
+    # opencode: its JSON events (session, usage, the error that ended a run: kugetsu/agents/
+    # opencode.py), and kugetsu's plugin, which ends a run whose retry of a refused request
+    # would wait longer than 30 s instead of sitting silent in its slot (README, "Agents").
+    "opencode": {"command": ["opencode", "run", "--format", "json", "{prompt}"],
+                 "env": {"OPENCODE_CONFIG_CONTENT": '{"plugin": ["%s"]}' % _OPENCODE_PLUGIN},
+                 "output": "opencode",
                  "limit": {"patterns": [_HTTP_LIMIT, r"(?i)(usage|quota|rate) limit (reached|exceeded)",
-                                        r"(?i)insufficient_quota"]}},
+                                        r"(?i)insufficient_quota", r'"statusCode"\s*:\s*429\b']},
+                 "session_pattern": r'"sessionID"\s*:\s*"(ses_[A-Za-z0-9]+)"',
+                 "resume": ["opencode", "run", "--format", "json", "--session", "{session}", "Continue where you left off."]},
     # Claude Code headless: its stream-json output (session, limits, errors, usage, denials;
     # kugetsu/agents/claude.py) with edits allowed in its working directory, and no retries of
     # its own (kugetsu holds the preset and resumes the session instead: README, "Agents").
@@ -116,11 +129,16 @@ DEFAULT_AGENTS: dict[str, dict[str, Any]] = {
                                       r"(?i)\bAPI Error:.{0,40}\b(429|529)\b|\boverloaded_error\b"]},
                "session_pattern": r'"session_id"\s*:\s*"([0-9a-fA-F-]{36})"',
                "resume": ["claude", "-p", "--resume", "{session}", "Continue where you left off.", *_CLAUDE_FLAGS]},
-    "codex": {"command": ["codex", "exec", "{prompt}"], "env": {},
+    # Codex: its JSONL events (thread id, usage, the failed turn's message: kugetsu/agents/
+    # codex.py), outside a git repository too, in its workspace-write sandbox: it may write its
+    # working directory (a worktree) and nothing else, not /tmp, not the network (README, "Agents").
+    "codex": {"command": ["codex", "exec", *_CODEX_FLAGS, "{prompt}"], "env": {},
+              "output": "codex",
               "limit": {"patterns": [_HTTP_LIMIT, r"(?i)you've hit your usage limit", r"(?i)usage_limit_reached",
-                                     r"(?i)rate limit (reached|exceeded)"]},
-              "session_pattern": r"(?i)session id:\s*([0-9a-fA-F-]{36})",
-              "resume": ["codex", "exec", "resume", "{session}", "Continue where you left off."]},
+                                     r"(?i)rate limit (reached|exceeded)", r"(?i)\bquota exceeded\b",
+                                     r"(?i)exceeded retry limit, last status: 429"]},
+              "session_pattern": r'(?i)(?:session id:\s*|"thread_id"\s*:\s*")([0-9a-fA-F-]{36})',
+              "resume": ["codex", "exec", "resume", *_CODEX_FLAGS, "{session}", "Continue where you left off."]},
 }
 DEFAULT_TELEGRAM_EVENTS = ["started", "succeeded", "failed", "cancelled", "expired", "lost", "held"]
 EVENT_TYPES = ("queued", "started", "succeeded", "failed", "cancelled", "expired", "lost", "config", "worktree",

@@ -267,6 +267,19 @@ def read_file(path: os.PathLike[str] | str) -> bytes:
         return f.read()
 
 
+def read_head(path: os.PathLike[str], beyond: int, most: int) -> bytes:
+    """The whole lines in the first `most` bytes of a file longer than `beyond` bytes; b""
+    for a shorter one (its tail holds them already)."""
+    try:
+        with open(path, "rb", opener=nofollow) as f:
+            if os.fstat(f.fileno()).st_size <= beyond:
+                return b""
+            data = f.read(most)
+    except FileNotFoundError:
+        return b""
+    return data[: data.rfind(b"\n") + 1]
+
+
 def read_tail(path: os.PathLike[str], size: int) -> bytes:
     """The last `size` bytes of a file, from its first whole line; b"" if there is no file."""
     try:

@@ -33,7 +33,7 @@ from kugetsu.errors import DiskFull, KugetsuError, Unreachable
 from kugetsu.exits import Ending, Exits
 from kugetsu.models import Event, Index, Task
 from kugetsu.pm import GUARD_RECHECK
-from kugetsu.paths import Home, atomic_write
+from kugetsu.paths import Home, atomic_write, read_head
 from kugetsu.processes import WARM_AHEAD, LetGo, Processes
 from kugetsu.store import Txn, open_store
 from kugetsu.wakeup import WakeSocket
@@ -360,9 +360,15 @@ class Service:
         """What pm reads in the end of an agent's output (a provider's limit, the session id)."""
         if not task.log or not pm.reads_output(self.cfg, task):
             return seen
-        size = agents.TAIL_BYTES if ops.output_kind(self.cfg, task) != "text" else limits.TAIL_BYTES
-        tail = logtail.tail(task.log, max_bytes=size).data.decode(errors="replace")
-        return msgspec.structs.replace(seen, tail=tail)
+        kind = ops.output_kind(self.cfg, task)
+        size = agents.TAIL_BYTES if kind != "text" else limits.TAIL_BYTES
+        tail = logtail.tail(task.log, max_bytes=size).data
+        if kind == "codex":
+            # Codex names its thread in a run's first line alone (after a few lines of
+            # stderr): a log longer than the tail keeps its first lines with it, or a long run
+            # cut short by a limit could not be resumed.
+            tail = read_head(task.log, size, 4096) + tail
+        return msgspec.structs.replace(seen, tail=tail.decode(errors="replace"))
 
     def _take(self, txn: Txn, plan: pm.Plan) -> pm.Plan:
         """Put a plan's events and archive into the transaction."""

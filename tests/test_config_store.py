@@ -37,7 +37,13 @@ def test_format_duration():
 
 
 def test_example_config_is_valid_and_holds_every_default():
-    raw = json.load(open(REPO_EXAMPLE))
+    from kugetsu.config import _OPENCODE_PLUGIN
+
+    # The opencode preset loads kugetsu's plugin from where kugetsu is installed: the example
+    # shows a typical install's path.
+    text = open(REPO_EXAMPLE).read().replace("file:///usr/local/lib/python3.11/site-packages/kugetsu/agents/opencode_plugin.js",
+                                             _OPENCODE_PLUGIN)
+    raw = json.loads(text)
     assert msgspec.to_builtins(validate(raw)) == msgspec.to_builtins(Config())
     assert set(raw) == set(Config.__struct_fields__)
 

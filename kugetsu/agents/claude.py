@@ -10,33 +10,16 @@ among them) comes as an assistant message with `error` set ("rate_limit", ...) a
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from datetime import datetime, timezone
 from typing import Any
 
-from kugetsu.agents.report import Report, Usage
+from kugetsu.agents.report import Report, Usage, json_object, json_objects as _objects
 
 
 # A session id as Claude Code makes them (a UUID); anything else is not passed to --resume.
 _SESSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]{0,127}")
-
-
-def _objects(tail: str) -> list[dict[str, Any]]:
-    """The JSON objects among the lines (the first line of a tail may be cut, stderr may be mixed in)."""
-    out = []
-    for line in tail.splitlines():
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
 
 
 def _int(v: object) -> int:
@@ -136,14 +119,8 @@ def read(tail: str, now: datetime) -> Report:
 def render(line: str) -> str | None:
     """One stream-json line as a person reads it: the assistant's text, its tool calls, the
     end (with tokens and cost); nothing for the bookkeeping lines. Not JSON: as it is."""
-    s = line.strip()
-    if not s.startswith("{"):
-        return line
-    try:
-        obj = json.loads(s)
-    except ValueError:
-        return line
-    if not isinstance(obj, dict):
+    obj = json_object(line)
+    if obj is None:
         return line
     kind = obj.get("type")
     if kind == "system" and obj.get("subtype") == "init":

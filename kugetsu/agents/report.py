@@ -7,9 +7,29 @@ did not say (README, "Agents").
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
+from typing import Any
 
 import msgspec
+
+
+def json_object(line: str) -> dict[str, Any] | None:
+    """One log line as the JSON object it holds, or None (not an object: stderr's lines)."""
+    s = line.strip()
+    if not s.startswith("{"):
+        return None
+    try:
+        obj = json.loads(s)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def json_objects(tail: str) -> list[dict[str, Any]]:
+    """The JSON objects among a log's lines, one a line (the first line of a tail may be cut,
+    stderr may be mixed in: what is not an object is skipped)."""
+    return [obj for obj in map(json_object, tail.splitlines()) if obj is not None]
 
 class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Tokens (and the cost, where the agent reports one) of a run, or of several summed."""
