@@ -286,7 +286,7 @@ def read_tail(path: os.PathLike[str], size: int) -> bytes:
         with open(path, "rb", opener=nofollow) as f:
             end = f.seek(0, os.SEEK_END)
             f.seek(max(0, end - size))
-            data = f.read()
+            data = f.read(size)  # bounded, even when the file grows meanwhile
     except FileNotFoundError:
         return b""
     if len(data) >= size:  # drop the partial first line
