@@ -4,6 +4,10 @@ An agent that hits its provider's usage limit or rate limit says so at the end o
 and exits non-zero. Whether it did (the preset's `limit.patterns` and `limit.exit_codes`),
 when the limit resets (`reset_time`), and the session it ran (`session_pattern`) are read
 here; pm decides what follows (the task back in its place, the preset held).
+
+Every reader here is total (issue 24): any text, however hostile (times UTC cannot hold, a
+thousand digits, NaN), gives a value or None, never an exception; tests/test_hostile_input.py
+property-tests it.
 """
 
 from __future__ import annotations
