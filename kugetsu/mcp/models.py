@@ -68,6 +68,17 @@ class TaskOut(BaseModel):
     retry_of: OptInt = Field(None, description="the finished task this one runs again (`kugetsu retry`)")
     not_before: OptStr = Field(None, description="a retry waits for its delay: it starts no earlier")
     session: OptStr = Field(None, description="the agent's session id, read from its output (it resumes it)")
+    usage: UsageOut | None = Field(None, description="tokens (and cost) of all its runs, as its agent reported them")
+
+
+class UsageOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+    cost_usd: OptFloat = Field(None, description="in US dollars, where the agent reports it")
 
 
 class AttemptOut(BaseModel):
@@ -78,6 +89,7 @@ class AttemptOut(BaseModel):
     exit_code: OptInt = None
     reason: OptStr = None
     limit: bool = Field(False, description="it hit its provider's limit (back in the queue, no retry used up)")
+    usage: UsageOut | None = Field(None, description="tokens (and cost) of this run, as its agent reported them")
 
 
 class QueuedTaskOut(TaskOut):
