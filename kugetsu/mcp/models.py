@@ -72,6 +72,17 @@ class TaskOut(BaseModel):
                        " delegated it, ...")
     nesting: int = Field(0, description="levels of tasks its agent may still delegate beneath it (its preset's"
                          " `nesting`, within its delegator's); 0: its agent may not delegate")
+    usage: UsageOut | None = Field(None, description="tokens (and cost) of all its runs, as its agent reported them")
+
+
+class UsageOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+    cost_usd: OptFloat = Field(None, description="in US dollars, where the agent reports it")
 
 
 class AttemptOut(BaseModel):
@@ -82,6 +93,7 @@ class AttemptOut(BaseModel):
     exit_code: OptInt = None
     reason: OptStr = None
     limit: bool = Field(False, description="it hit its provider's limit (back in the queue, no retry used up)")
+    usage: UsageOut | None = Field(None, description="tokens (and cost) of this run, as its agent reported them")
 
 
 class QueuedTaskOut(TaskOut):
