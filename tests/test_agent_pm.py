@@ -133,6 +133,7 @@ def run_claude_pm(kg, api, tmp_path, prompt: str) -> subprocess.Popen[str]:
         cwd=kg.rec, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.timeout(600)
 def test_a_claude_code_pm_backs_off_when_the_queue_is_full_then_delegates_and_waits(kg, api, tmp_path):
     gate = full_queue(kg, tmp_path)
 
