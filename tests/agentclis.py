@@ -15,10 +15,11 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-PINS: dict[str, dict[str, str]] = {
+PINS: dict[str, dict[str, Any]] = {
     k: v for k, v in json.loads((Path(__file__).parent / "agent_clis.json").read_text()).items() if not k.startswith("_")
 }
 
