@@ -34,8 +34,13 @@ def measured(kg, *args: str) -> tuple[subprocess.CompletedProcess[bytes], float,
 
 
 def written(log) -> int:
-    """All an agent wrote to its log: what is there, plus what the cap dropped (its marker says)."""
-    with open(log, "rb") as f:
+    """All an agent wrote to its log: what is there, plus what the cap dropped (its marker says);
+    0 before the log exists (a task is `running` from its commit, its agent spawned just after)."""
+    try:
+        f = open(log, "rb")
+    except FileNotFoundError:
+        return 0
+    with f:
         data = f.read(2 * MB)
         m = re.search(rb"\n?\[kugetsu: (\d+) bytes of output dropped here \(log_max_size [^)]*\)\]\n", data)
         return os.fstat(f.fileno()).st_size + (int(m.group(1)) - len(m.group(0)) if m else 0)
