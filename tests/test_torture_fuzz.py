@@ -266,7 +266,7 @@ def test_prompts_pass_verbatim_or_clear_error(fz, tmp_path: Path):
     prompts = [
         "; rm -rf ~", "$(touch pwned)", "`touch pwned`", "a && b || c | d > e < f & g", "'single' \"double\" \\back",
         "line1\nline2\r\n\ttab", "".join(chr(c) for c in range(1, 32)) + "\x7f", "{name} {id} {prompt} {}",
-        "-rf", "--help", "--", "😀 漢字 émoji", "%s %d %n", "*", "~", "$HOME ${PATH} $0 $1", " ",
+        "-rf", "--help", "--", "😀 漢字 émoji", "%s %d %n", "*", "~", "$HOME ${PATH} $0 $1",
         "x" * 100_000, "é" * 60_000,
     ]
     prompts += [random_text(rng, rng.randint(1, 300)) for _ in range(size(6, 200))]
@@ -284,9 +284,10 @@ def test_prompts_pass_verbatim_or_clear_error(fz, tmp_path: Path):
     wait_for(lambda: len(list(out.iterdir())) == len(sent), 60, "every agent to record its argv")
     # The service still commits the last finishes; "nothing written" is only checkable after.
     wait_for(lambda: settled(fz), 30, "every task to finish and its events to be appended")
-    # Too big for one argv element, holding a NUL, or empty: refused at admission, nothing written.
-    for i, (bad, names) in enumerate([(b"x" * 140_000, "argument"), (b"a\x00b", "argument"), (b"\xff\xfe", "UTF-8"),
-                                      (b"", "empty")]):
+    # Too big for one argv element, holding a NUL, or empty (white space only too: an agent would
+    # have nothing to do): refused at admission, nothing written.
+    for i, (bad, names) in enumerate([(b"x" * 140_000, "prompt_max_size"), (b"a\x00b", "argument"), (b"\xff\xfe", "UTF-8"),
+                                      (b"", "empty"), (b" \n\t", "empty")]):
         f = tmp_path / f"bad{i}"
         f.write_bytes(bad)
         before = snapshot(fz)
@@ -295,7 +296,7 @@ def test_prompts_pass_verbatim_or_clear_error(fz, tmp_path: Path):
         got = (out / str(task_id)).read_bytes()
         assert got == prompt.encode(), f"task {task_id}: the prompt did not arrive verbatim"
     assert not list(tmp_path.glob("**/pwned")) and not (Path.home() / "pwned").exists()
-    TRIED["prompts"] = len(prompts) + 3
+    TRIED["prompts"] = len(prompts) + 5
 
 
 # ---- what agents print ---------------------------------------------------------------------
