@@ -49,3 +49,15 @@ def agent_cli(name: str) -> Path:
                 pytest.fail(f"{name}: npm install {pin['package']}@{pin['version']} failed "
                             f"(exit {done.returncode}): {done.stderr[-2000:]}")
     return binary
+
+
+def git_repo(tmp_path: Path) -> Path:
+    """A git repository with one commit, for an agent's --worktree task."""
+    r = tmp_path / "repo"
+    r.mkdir()
+    for args in (["init", "-q", "-b", "main"], ["config", "user.name", "T"], ["config", "user.email", "t@example.com"]):
+        subprocess.run(["git", *args], cwd=r, check=True)
+    (r / "README").write_text("hi\n")
+    subprocess.run(["git", "add", "."], cwd=r, check=True)
+    subprocess.run(["git", "commit", "-qm", "init"], cwd=r, check=True)
+    return r

@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
-from agentclis import agent_cli
+from agentclis import agent_cli, git_repo
 from fakeproviders.anthropic import Anthropic, api_rate_limit, subscription_limit, text, tool_use, workdir
 from conftest import wait_for
 
@@ -60,16 +59,6 @@ def claude(kg, api, tmp_path):
     return configure
 
 
-def repo(tmp_path: Path) -> Path:
-    r = tmp_path / "repo"
-    r.mkdir()
-    for args in (["init", "-q", "-b", "main"], ["config", "user.name", "T"], ["config", "user.email", "t@example.com"]):
-        subprocess.run(["git", *args], cwd=r, check=True)
-    (r / "README").write_text("hi\n")
-    subprocess.run(["git", "add", "."], cwd=r, check=True)
-    subprocess.run(["git", "commit", "-qm", "init"], cwd=r, check=True)
-    return r
-
 
 def write(name: str, content: str, **usage: int):
     """A turn calling Write on a file in the agent's working directory (the fake reads it from
@@ -94,7 +83,7 @@ def prompts(body: dict) -> list[str]:
 
 def test_claude_edits_files_in_its_worktree_and_its_usage_is_recorded(kg, api, claude, tmp_path):
     claude()
-    r = repo(tmp_path)
+    r = git_repo(tmp_path)
     api.replies.extend([write("hello.txt", "hello from claude\n", input_tokens=120, output_tokens=30,
                               cache_read_input_tokens=1000, cache_creation_input_tokens=50),
                         text("Wrote hello.txt.", input_tokens=150, output_tokens=12)])

@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
-from agentclis import agent_cli
+from agentclis import agent_cli, git_repo
 from conftest import wait_for
 from fakeproviders.openai import (KEY, FakeOpenAI, insufficient_quota, rate_limit, responses_call,
                                   responses_custom_call, responses_text, usage_limit)
@@ -57,16 +56,6 @@ def codex(kg, api, tmp_path):
     return kg
 
 
-def repo(tmp_path: Path) -> Path:
-    r = tmp_path / "repo"
-    r.mkdir()
-    for args in (["init", "-q", "-b", "main"], ["config", "user.name", "T"], ["config", "user.email", "t@example.com"]):
-        subprocess.run(["git", *args], cwd=r, check=True)
-    (r / "README").write_text("hi\n")
-    subprocess.run(["git", "add", "."], cwd=r, check=True)
-    subprocess.run(["git", "commit", "-qm", "init"], cwd=r, check=True)
-    return r
-
 
 def said(body: dict) -> list[str]:
     """What a Responses request sent, in order: user texts, tool calls and their outputs."""
@@ -83,7 +72,7 @@ def said(body: dict) -> list[str]:
 
 
 def test_codex_edits_files_in_its_worktree_only_and_its_usage_is_recorded(codex, api, tmp_path):
-    r = repo(tmp_path)
+    r = git_repo(tmp_path)
     patch = "*** Begin Patch\n*** Add File: hello.txt\n+hello from codex\n*** End Patch\n"
     api.push(responses_custom_call("apply_patch", patch, input_tokens=1000, output_tokens=30),
              # the sandbox: its worktree yes; the checkout it came from, /tmp and $HOME no

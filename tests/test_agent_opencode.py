@@ -16,14 +16,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 
-from agentclis import agent_cli
+from agentclis import agent_cli, git_repo
 from conftest import wait_for
 from fakeproviders.openai import KEY, FakeOpenAI, chat_call, chat_text, cwd_of, insufficient_quota, rate_limit
 
@@ -59,16 +58,6 @@ def opencode(kg, api, tmp_path):
     return kg
 
 
-def repo(tmp_path: Path) -> Path:
-    r = tmp_path / "repo"
-    r.mkdir()
-    for args in (["init", "-q", "-b", "main"], ["config", "user.name", "T"], ["config", "user.email", "t@example.com"]):
-        subprocess.run(["git", *args], cwd=r, check=True)
-    (r / "README").write_text("hi\n")
-    subprocess.run(["git", "add", "."], cwd=r, check=True)
-    subprocess.run(["git", "commit", "-qm", "init"], cwd=r, check=True)
-    return r
-
 
 def write(name: str, content: str, **usage: int):
     """A turn calling opencode's write tool on a file in the agent's working directory (as it
@@ -98,7 +87,7 @@ def turns(api) -> list[dict]:
 
 @pytest.mark.timeout(900)
 def test_opencode_edits_files_in_its_worktree_and_its_usage_is_recorded(opencode, api, tmp_path):
-    r = repo(tmp_path)
+    r = git_repo(tmp_path)
     api.push(write("hello.txt", "hello from opencode\n", prompt_tokens=1000, completion_tokens=30),
              chat_text("Wrote hello.txt.", prompt_tokens=1200, completion_tokens=12, cached=1000))
     opencode.ok("delegate", "hello", "--agent", "opencode", "--worktree", "--cwd", str(r), "--prompt", "write hello.txt")
