@@ -421,10 +421,10 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
             from kugetsu.store import open_store
 
             final = next(t for t in open_store(home).read().all_tasks() if t.id == adm.task.id)
-            print(to_json(ops.task_json(final, None)))
+            print(to_json(ops.task_json(final, None, prompts=ops.prompts(home, [final]))))
         return code
     if args.json:
-        print(to_json(ops.task_json(adm.task, adm.position)))
+        print(to_json(ops.task_json(adm.task, adm.position, prompts=ops.prompts(home, [adm.task]))))
     return OK
 
 
@@ -455,7 +455,7 @@ def cmd_edit(home: Home, args: argparse.Namespace) -> int:
     if args.priority:
         _priority_ignored(load_config(home).strategy, args.priority)
     if args.json:
-        print(to_json(ops.task_json(task, position)))
+        print(to_json(ops.task_json(task, position, prompts=ops.prompts(home, [task]))))
         return OK
     where = f"position {position}" if position is not None else "started"
     _say(f"{'edited' if changed else 'unchanged'} {task.name} (#{task.id}), {where}")
@@ -488,7 +488,7 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
     control.ensure_service(home, cfg, index)
     view = ops.listing(cfg, index, finished=args.all)
     if args.json:
-        _kept.append(shown := ops.queue_json(view))
+        _kept.append(shown := ops.queue_json(view, home))
         _print_json(shown)
     else:
         _say(render.queue_text(view, control.service_pid(home) is not None))
@@ -596,7 +596,7 @@ def cmd_status(home: Home, args: argparse.Namespace) -> int:
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
     task = pm.find(index, args.task)
-    obj = ops.task_json(task, pm.position(index, cfg, ops.now(), task), cluster_host(cfg))
+    obj = ops.task_json(task, pm.position(index, cfg, ops.now(), task), cluster_host(cfg), ops.prompts(home, [task]))
     if args.json:
         print(to_json(obj))
     else:
@@ -612,7 +612,7 @@ def cmd_cancel(home: Home, args: argparse.Namespace) -> int:
     # The final states: running tasks once their processes are gone (SIGKILL after kill_grace).
     out = waiting.cancel(home, args.tasks, everything=args.all, reason="cancelled by cli")
     if args.json:
-        print(to_json([ops.task_json(t, None) for t in out]))
+        print(to_json(ops.tasks_json(out, prompts=ops.prompts(home, out))))
     else:
         from kugetsu import render
 
@@ -825,7 +825,7 @@ def cmd_priority(home: Home, args: argparse.Namespace) -> int:
     task, position = ops.set_priority(home, args.task, args.level)
     _priority_ignored(load_config(home).strategy, args.level)
     if args.json:
-        print(to_json(ops.task_json(task, position)))
+        print(to_json(ops.task_json(task, position, prompts=ops.prompts(home, [task]))))
     else:
         from kugetsu import render
 
@@ -1136,7 +1136,7 @@ def cmd_retry(home: Home, args: argparse.Namespace) -> int:
     cfg = load_config(home)
     adm = ops.retry(home, cfg, args.task)
     if args.json:
-        print(to_json(ops.task_json(adm.task, adm.position)))
+        print(to_json(ops.task_json(adm.task, adm.position, prompts=ops.prompts(home, [adm.task]))))
     else:
         _say(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for))
     return OK

@@ -78,7 +78,12 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     log: str | None = None
     reason: str | None = None
     # Beyond the public core:
+    # The prompt's text is kept by the store, beside the index (StoreProtocol.prompts), so the
+    # index does not grow with prompts. `prompt` is only read from an index an older kugetsu
+    # wrote (the prompt was kept here then); `prompted`: `command` holds `{prompt}` where the
+    # stored prompt goes when the agent starts (pm.argv).
     prompt: str | None = None
+    prompted: bool = False
     slot: int | None = None
     timeout: float | None = None  # run timeout in seconds, None = no limit
     # Identity of `pid`: its start time (clock ticks since boot), so a reused pid is never trusted.

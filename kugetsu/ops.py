@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from itertools import repeat
@@ -22,7 +22,7 @@ from kugetsu.control import check_wakeable, wake
 from kugetsu.config import LOCAL_KEYS, Config, cluster_config, cluster_host, format_size, host_name, load_config, mask_secrets, read_raw, save_raw, validate, with_value
 from kugetsu.errors import KugetsuError, NotClustered, UsageError
 from kugetsu.models import TASK_DEFAULTS, Event, Index, Task, TaskState
-from kugetsu.paths import Home, write_new
+from kugetsu.paths import Home
 from kugetsu.store import open_store, Txn
 
 if TYPE_CHECKING:  # git's module is imported by the worktree commands only
@@ -114,35 +114,30 @@ def delegate_many(home: Home, cfg: Config, reqs: list[pm.Request]) -> list[Admis
         todo.append(i)
     if not todo:
         return out  # type: ignore[return-value]
-    written: list[Path] = []
     try:
         with _locked(home) as (txn, cfg):
             settle(txn, cfg)
             for i in todo:
                 try:
-                    out[i] = _admit(home, txn, cfg, reqs[i], written)
+                    out[i] = _admit(home, txn, cfg, reqs[i])
                 except KugetsuError as err:
                     out[i] = err
             if not any(isinstance(a, Admission) for a in out):
                 raise _NoneAdmitted
     except _NoneAdmitted:
         return out  # type: ignore[return-value]
-    except BaseException:
-        for path in written:  # no task owns them: a failed command leaves nothing behind
-            path.unlink(missing_ok=True)
-        raise
     wake(home, cfg)
     return out  # type: ignore[return-value]
 
 
-def _admit(home: Home, txn: Txn, cfg: Config, req: pm.Request, written: list[Path]) -> Admission:
+def _admit(home: Home, txn: Txn, cfg: Config, req: pm.Request) -> Admission:
     if pm.wants_prompt_file(cfg, req):
         req.prompt_path = str(home.prompt_file(txn.index.next_id))  # the id admit gives it
     task, events = pm.admit(txn.index, cfg, txn.now, req)
-    if req.prompt_path is not None:
-        # Before the commit that makes the task startable; removed if it fails.
-        written.append(Path(req.prompt_path))
-        _write_prompt(written[-1], req.prompt or "")
+    if req.prompt is not None:
+        # Kept by the store beside the index, committed with the task (for the file store,
+        # the very file a {prompt_file} preset's agent reads).
+        txn.prompts[task.id] = req.prompt
     txn.emit(events)
     settle(txn, cfg)
     position = pm.position(txn.index, cfg, txn.now, task)
@@ -150,13 +145,6 @@ def _admit(home: Home, txn: Txn, cfg: Config, req: pm.Request, written: list[Pat
     if position and task.pinned_host is not None:
         why = placement.placement_note(task, hosts_up(cfg)) or why
     return Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
-
-
-def _write_prompt(path: Path, prompt: str) -> None:
-    """The prompt as a private file (0600, never through a link): not on the agent's command
-    line, where any local user can read it. fsync'd: the committed task must find it after a
-    crash. A file already there is a crash's leftover or planted (ids are never reused)."""
-    write_new(path, prompt.encode())
 
 
 def caller_task() -> tuple[int, str] | None:
@@ -280,37 +268,22 @@ def set_priority(home: Home, ref: str, level: str) -> tuple[Task, int | None]:
 
 def edit(home: Home, ref: str, change: pm.Edit) -> tuple[Task, int | None, bool]:
     """Change a queued task (pm.edit) in one transaction; returns it, its position (None:
-    it started as part of the change) and whether anything changed. A {prompt_file}
-    preset's file is rewritten under the same lock, before the commit (no agent of a
-    queued task has read it yet), and put back if the commit fails."""
-    path: Path | None = None
-    old: bytes | None = None
-    try:
-        with _locked(home) as (txn, cfg):
-            task = pm.find(txn.index, ref)
-            path = home.prompt_file(task.id)
-            change.prompt_path = str(path)
-            events = pm.edit(txn.index, cfg, task, txn.now, change)
-            if change.prompt is not None and path.exists() and any(e.key and "prompt" in e.key.split(",")
-                                                                   for e in events):
-                old = path.read_bytes()
-                _replace_prompt(path, change.prompt.encode())
-            txn.emit(events)
-            settle(txn, cfg)
-            position = pm.positions(txn.index, cfg, txn.now).get(task.id)
-    except BaseException:
-        if old is not None and path is not None:
-            _replace_prompt(path, old)
-        raise
+    it started as part of the change) and whether anything changed. A new prompt is stored
+    with the commit (no agent of a queued task has read it yet)."""
+    store = open_store(home)
+    with _locked(home) as (txn, cfg):
+        task = pm.find(txn.index, ref)
+        change.prompt_path = str(home.prompt_file(task.id))
+        if change.prompt is not None and change.prompt == pm.prompt_of(task, store.prompts([task.id])):
+            change.prompt = None  # the same text: nothing to change
+        events = pm.edit(txn.index, cfg, task, txn.now, change)
+        if change.prompt is not None and any(e.key and "prompt" in e.key.split(",") for e in events):
+            txn.prompts[task.id] = change.prompt
+        txn.emit(events)
+        settle(txn, cfg)
+        position = pm.positions(txn.index, cfg, txn.now).get(task.id)
     wake(home, cfg)
     return task, position, bool(events)
-
-
-def _replace_prompt(path: Path, data: bytes) -> None:
-    """A prompt file's new content, whole or not at all (a new 0600 file renamed over it)."""
-    tmp = path.with_name(path.name + ".new")
-    write_new(tmp, data)
-    os.replace(tmp, path)
 
 
 # ---- pause -------------------------------------------------------------------------------
@@ -354,7 +327,8 @@ def release(home: Home, agent: str) -> list[Event]:
 def retry(home: Home, cfg: Config, ref: str) -> Admission:
     """`kugetsu retry TASK`: a finished task admitted again as a new task (`retry_of`)."""
     _, index = read(home)
-    return delegate(home, cfg, pm.retry_request(pm.find(index, ref)))
+    task = pm.find(index, ref)
+    return delegate(home, cfg, pm.retry_request(task, pm.prompt_of(task, open_store(home).prompts([task.id]))))
 
 
 # ---- config ------------------------------------------------------------------------------
@@ -577,14 +551,18 @@ def hosts_up(cfg: Config) -> set[str]:
         return {row.name for row, state in H.standing(conn, cfg.cluster.lease_s)[1] if state == "up"}
 
 
-def queue_json(listed: Listing) -> dict[str, Any]:
+def queue_json(listed: Listing, home: Home | None = None) -> dict[str, Any]:
     """`kugetsu queue --json`: msgspec encodes it as it is (its tasks are PublicTask structs,
-    the cheap way for a long queue); msgspec.to_builtins makes plain JSON values of it."""
+    the cheap way for a long queue); msgspec.to_builtins makes plain JSON values of it.
+    With `home`, each task's stored prompt is in its object (one read for those shown)."""
     view = listed.view
+    shown = [*listed.index.active, *view.queued, *(listed.finished or [])]
+    texts = prompts(home, shown) if home is not None else None
     out: dict[str, Any] = {
         "max_agents": view.capacity.max_agents,
-        "active": public_tasks(listed.index.active, here=listed.here),
-        "queued": public_tasks(view.queued, [view.positions[t.id] for t in view.queued], waiting_for=view.waiting_for),
+        "active": public_tasks(listed.index.active, here=listed.here, prompts=texts),
+        "queued": public_tasks(view.queued, [view.positions[t.id] for t in view.queued], waiting_for=view.waiting_for,
+                               prompts=texts),
         "groups": view.groups,
         "paused": view.capacity.paused,
         "paused_groups": view.capacity.paused_groups,
@@ -592,12 +570,13 @@ def queue_json(listed: Listing) -> dict[str, Any]:
     if view.capacity.holds:
         out["holds"] = msgspec.to_builtins(view.capacity.holds)
     if listed.finished is not None:
-        out["finished"] = public_tasks(listed.finished)
+        out["finished"] = public_tasks(listed.finished, prompts=texts)
     return out
 
 
 # Kept in the index, never shown: the environment, process identity, stop bookkeeping.
-_HIDDEN_FIELDS = frozenset(("env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers", "limit", "first_command"))
+_HIDDEN_FIELDS = frozenset(("env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers", "limit", "first_command",
+                            "prompted"))
 
 
 def _public_task_type() -> type[msgspec.Struct]:
@@ -619,16 +598,25 @@ def _public_task_type() -> type[msgspec.Struct]:
 PublicTask = _public_task_type()
 
 
+def prompts(home: Home, tasks: Iterable[Task]) -> dict[int, str]:
+    """The stored prompts of these tasks, for their public objects (public_tasks)."""
+    return open_store(home).prompts([t.id for t in tasks])
+
+
 def public_tasks(tasks: list[Task], positions: list[int | None] | None = None, here: str | None = None,
-                 waiting_for: dict[int, str] | None = None) -> list[msgspec.Struct]:
+                 waiting_for: dict[int, str] | None = None, prompts: Mapping[int, str] | None = None
+                 ) -> list[msgspec.Struct]:
     """The public objects of `tasks` (with their queue positions; in a cluster, `here` is
-    this machine's name: a process on another machine cannot be looked at from this one).
+    this machine's name: a process on another machine cannot be looked at from this one;
+    `prompts`: their stored prompts, from `prompts()`; without them `prompt` is null).
     Two conversions in C for the lot, and no Python loop over fields (`queue --json` of a
     long queue spends its time here)."""
     raws = msgspec.to_builtins(tasks)  # a task's own values; hidden ones are dropped below
     running = TaskState.RUNNING
     for task, raw, position in zip(tasks, raws, positions or repeat(None)):
         raw["position"] = position
+        if prompts is not None and task.id in prompts:
+            raw["prompt"] = prompts[task.id]
         # `pid` is the wrapper's (its process group is the task's); `agent_pid` the agent's own,
         # looked up only where it runs.
         if task.state is running and (task.host is None or task.host == here):
@@ -638,14 +626,16 @@ def public_tasks(tasks: list[Task], positions: list[int | None] | None = None, h
     return msgspec.convert(raws, list[PublicTask])  # fills the defaults, drops what it does not name
 
 
-def task_json(task: Task, position: int | None, here: str | None = None) -> dict[str, Any]:
+def task_json(task: Task, position: int | None, here: str | None = None,
+              prompts: Mapping[int, str] | None = None) -> dict[str, Any]:
     """The public task object of docs/architecture.md §5, as plain JSON values."""
-    return tasks_json([task], [position], here)[0]
+    return tasks_json([task], [position], here, prompts)[0]
 
 
-def tasks_json(tasks: list[Task], positions: list[int | None] | None = None, here: str | None = None) -> list[dict[str, Any]]:
+def tasks_json(tasks: list[Task], positions: list[int | None] | None = None, here: str | None = None,
+               prompts: Mapping[int, str] | None = None) -> list[dict[str, Any]]:
     """task_json of each task."""
-    return msgspec.to_builtins(public_tasks(tasks, positions, here))  # type: ignore[no-any-return]
+    return msgspec.to_builtins(public_tasks(tasks, positions, here, prompts=prompts))  # type: ignore[no-any-return]
 
 
 # ---- cluster -----------------------------------------------------------------------------

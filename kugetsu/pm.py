@@ -11,6 +11,7 @@ Who starts next is decided in exactly one place, `policy.Board.pick`; the schedu
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import msgspec
 from datetime import datetime, timedelta
@@ -315,6 +316,8 @@ class Request(msgspec.Struct, kw_only=True):
     # Where {prompt_file} points (the caller writes the prompt there: pm does no I/O); only
     # for a preset that uses it (wants_prompt_file).
     prompt_path: str | None = None
+    # `command` is a kept task's (`kugetsu retry`): its `{prompt}` takes `prompt` at the start.
+    prompted: bool = False
     after: list[str] = []  # tasks (ids or names) that must succeed before this one starts
     # The task whose agent delegates (id, name), from that agent's environment (ops fills it
     # in: KUGETSU_TASK_ID, KUGETSU_TASK_NAME): None from outside any task.
@@ -329,6 +332,43 @@ def render_command(template: list[str], values: dict[str, str]) -> list[str]:
     """Substitute {prompt} {prompt_file} {name} {id} inside argv elements, in one pass: a
     prompt that itself contains `{name}` is passed verbatim."""
     return [_PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in template]
+
+
+PROMPT = "{prompt}"
+_KEPT = re.compile(r"\{(prompt|prompt_file)\}")
+
+
+def render_template(template: list[str], values: dict[str, str]) -> list[str]:
+    """render_command with `{prompt}` and `{prompt_file}` left in place: the command a task
+    keeps in the index. The prompt's text lives in the store beside it (StoreProtocol.prompts)
+    and goes in when the agent starts (`argv`), so the index does not grow with prompts (a
+    64 MB prompt made every command cost a second); the prompt file is made where the agent
+    starts (in a cluster, the machine that runs it, not the one that admitted it)."""
+    return render_command(template, {**values, "prompt": PROMPT, "prompt_file": "{prompt_file}"})
+
+
+def argv(task: Task, prompt: str | None, prompt_file: str = "") -> list[str]:
+    """The argv a task's agent runs with: its command, with the stored prompt in place of each
+    `{prompt}` and `prompt_file` (where the caller wrote it) in place of `{prompt_file}`, when
+    the command was made from a preset (`prompted`). One pass per element: a prompt that
+    itself says `{prompt}` is passed verbatim. A command given at delegation (`-- CMD`) and a
+    task from an older index (its prompt inside its command) run as kept."""
+    if not task.prompted:
+        return task.command
+    if prompt is None:  # ValueError: the start fails with this reason (service._spawn)
+        raise ValueError("its prompt is missing (not in the store beside the index)")
+    values = {"prompt": prompt, "prompt_file": prompt_file}
+    return [_KEPT.sub(lambda m: values[m.group(1)], a) for a in task.command]
+
+
+def wants_file(task: Task) -> bool:
+    """Does the task's agent read its prompt from a file ({prompt_file})?"""
+    return task.prompted and any("{prompt_file}" in a for a in task.command)
+
+
+def prompt_of(task: Task, stored: Mapping[int, str]) -> str | None:
+    """A task's prompt: the store's copy, or (an index written by an older kugetsu) its own."""
+    return stored.get(task.id, task.prompt)
 
 
 def wants_prompt_file(cfg: Config, req: Request) -> bool:
@@ -475,8 +515,11 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     if not req.command and req.prompt_path is None and any("{prompt_file}" in a for a in template):
         raise ValueError("a {prompt_file} preset needs Request.prompt_path (ops.delegate sets it)")
     values = {"prompt": req.prompt or "", "prompt_file": req.prompt_path or "", "name": name, "id": str(task_id)}
-    command = template if req.command else render_command(template, values)
-    _check_argv(command, req.cwd)
+    _check_argv(template if req.command else render_command(template, values), req.cwd)
+    prompted = req.prompted if req.command else any(_NEEDS_PROMPT.search(a) for a in template)
+    if prompted and req.command:  # `kugetsu retry` of a preset's task: its kept command, with the prompt
+        _check_argv([_KEPT.sub(lambda m: values[m.group(1)], a) for a in template], req.cwd)
+    command = template if req.command else render_template(template, values)
     task = Task(
         id=task_id,
         name=name,
@@ -488,7 +531,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         cwd=req.cwd,
         created_at=now,
         expires_at=now + timedelta(seconds=expire_after) if expire_after else None,
-        prompt=req.prompt,
+        prompted=prompted,
         timeout=timeout,
         env=env,
         token=req.token,
@@ -588,15 +631,18 @@ def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> 
         values = {"prompt": task.prompt or "", "prompt_file": change.prompt_path or "", "name": task.name,
                   "id": str(task.id)}
         # Only a command made from its preset's template can be made again with a new prompt:
-        # one given at delegation (`-- CMD`) or from a preset changed since cannot.
-        if preset is None or render_command(preset.command, values) != task.command:
+        # one given at delegation (`-- CMD`) or from a preset changed since cannot. (A task
+        # from an older index has its prompt inside its command: rendered whole to compare.)
+        kept = render_template if task.prompted else render_command
+        if preset is None or kept(preset.command, values) != task.command:
             raise UsageError(f"task {task.name} (#{task.id}) runs a command given at delegation, not its agent"
                              " preset's with the prompt, so its prompt cannot change; cancel it and delegate again")
-        command = render_command(preset.command, {**values, "prompt": change.prompt})
-        _check_argv(command, task.cwd)
+        command = render_template(preset.command, values)
+        _check_argv(render_command(preset.command, {**values, "prompt": change.prompt}), task.cwd)
     changed: dict[str, object] = {}
-    if command is not None and change.prompt != task.prompt:
-        task.command, task.prompt = command, change.prompt
+    if command is not None and (change.prompt != task.prompt or task.prompted):
+        # The caller stores the new text (ops.edit: txn.prompts); the index keeps the template.
+        task.command, task.prompt, task.prompted = command, None, True
         changed["prompt"] = f"{len(change.prompt or '')} characters"
     if change.priority is not None and change.priority != task.priority:
         task.priority = change.priority  # type: ignore[assignment]
@@ -1258,7 +1304,11 @@ def _requeue_limited(index: Index, cfg: Config, task: Task, now: datetime, code:
         hold.until = hit.until  # a later reset time said by another of its agents
     if preset is not None and preset.resume and task.session:
         task.first_command = task.first_command or task.command
-        values = {"session": task.session, "prompt": task.prompt or "", "name": task.name, "id": str(task.id)}
+        # `{prompt}` stays for the start to fill in from the store (argv), as in `command`;
+        # a task from an older index has its prompt with it.
+        prompt = task.prompt if task.prompt is not None and not task.prompted else PROMPT
+        task.prompted = prompt == PROMPT
+        values = {"session": task.session, "prompt": prompt, "name": task.name, "id": str(task.id)}
         task.command = [re.sub(r"\{(session|prompt|name|id)\}", lambda m: values[m.group(1)], a) for a in preset.resume]
     _requeue(index, task, now, code, f"{what} ({describe_exit(code) if code is not None else 'no exit status'})", True)
     until = index.holds[agent].until
@@ -1336,10 +1386,12 @@ def release(index: Index, cfg: Config, agent: str, now: datetime) -> list[Event]
     return [_hold_event("released", agent, held, index, now)]
 
 
-def retry_request(task: Task) -> Request:
-    """`kugetsu retry TASK`: a finished task admitted again, as a new task linked to it."""
+def retry_request(task: Task, prompt: str | None) -> Request:
+    """`kugetsu retry TASK`: a finished task admitted again, as a new task linked to it
+    (`prompt`: its prompt, as the store keeps it: prompt_of)."""
     if not task.state.final:
         raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}; only a finished task can be retried", code=1)
-    return Request(cwd=task.cwd, name=task.name, command=list(task.first_command or task.command), prompt=task.prompt,
+    return Request(cwd=task.cwd, name=task.name, command=list(task.first_command or task.command), prompt=prompt,
+                   prompted=task.prompted,
                    agent=task.agent, source=task.source, priority=task.priority, group=task.group, timeout=task.timeout,
                    env=dict(task.env), retries=task.retries, retry_delay=task.retry_delay, retry_of=task.id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ import msgspec
 from kugetsu import ops, pm, runner, worktree
 from kugetsu.config import Config
 from kugetsu.models import Index, Task, TaskState
-from kugetsu.paths import Home
+from kugetsu.paths import Home, atomic_write, nofollow
 from kugetsu.placement import ours
 from kugetsu.store import Txn
 
@@ -39,8 +40,9 @@ class LetGo(msgspec.Struct):
 
 
 class Processes:
-    def __init__(self, home: Home):
+    def __init__(self, home: Home, prompts: Callable[[list[int]], dict[int, str]]):
         self.home = home
+        self.prompts = prompts  # the store's: a task's prompt is put into its argv as it starts (pm.argv)
         self.children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> Popen of the wrappers this service spawned
         # Agents let go (spawned, or a warm wrapper released) that no committed index records
         # yet: should the commit fail (a full disk), the next transaction records them from
@@ -71,14 +73,37 @@ class Processes:
         """The task's warm wrapper if it has one (a promotion is then one write to a pipe),
         else a new process. `released`: its warm wrapper was let go already."""
         warm = self.warm.pop(task.id, None)
+        if warm is not None and released:
+            return warm
+        argv = self._argv(task, self._prompts([task]))
         if warm is not None:
-            if released:
-                return warm
-            if warm.gate is not None and warm.argv == task.command and runner.alive(warm.pid, warm.start):
+            if warm.gate is not None and warm.argv == argv and runner.alive(warm.pid, warm.start):
                 runner.release(warm)
                 return warm
             self.drop(warm)
-        return runner.spawn(self.home, task.id, task.name, task.command, cwd, env, token=task.token, depth=task.depth)
+        return runner.spawn(self.home, task.id, task.name, argv, cwd, env, token=task.token, depth=task.depth)
+
+    def _argv(self, task: Task, stored: dict[int, str]) -> list[str]:
+        """pm.argv of the task; a {prompt_file} preset's file is made here first, on the
+        machine that runs the agent (the file store's own copy is that file already; in a
+        cluster the prompt is a row of the database). ValueError: its prompt is missing."""
+        prompt = pm.prompt_of(task, stored)
+        path = self.home.prompt_file(task.id)
+        if prompt is not None and pm.wants_file(task):
+            data = prompt.encode()
+            try:
+                with open(path, "rb", opener=nofollow) as f:
+                    same = f.read(len(data) + 1) == data
+            except FileNotFoundError:
+                same = False
+            if not same:
+                atomic_write(path, data)
+        return pm.argv(task, prompt, str(path))
+
+    def _prompts(self, tasks: list[Task]) -> dict[int, str]:
+        """The stored prompts of those tasks whose argv takes one (one read for the lot)."""
+        prompted = [t.id for t in tasks if t.prompted]
+        return self.prompts(prompted) if prompted else {}
 
     def sync_warm(self, index: Index, cfg: Config) -> None:
         """Keep the wrappers of the first WARM_AHEAD queued tasks in start order started and
@@ -94,14 +119,26 @@ class Processes:
         wanted = {t.id for t in want}
         for task_id in [i for i in self.warm if i not in wanted]:
             self.drop(self.warm.pop(task_id))
+        if not want:
+            return
+        try:
+            stored = self._prompts(want)
+        except Exception:  # the store did not answer: normal starts, and their errors, in their turn
+            stored = {}
         for task in want:
+            try:
+                argv: list[str] | None = self._argv(task, stored)
+            except (OSError, ValueError):
+                argv = None
             if task.id in self.warm:
-                if self.warm[task.id].argv == task.command:
+                if self.warm[task.id].argv == argv:
                     continue
                 self.drop(self.warm.pop(task.id))  # its prompt was edited: it would run the old one
+            if argv is None:
+                continue
             try:
                 self.warm[task.id] = runner.spawn(
-                    self.home, task.id, task.name, task.command, task.cwd, task.env, warm=True, token=task.token,
+                    self.home, task.id, task.name, argv, task.cwd, task.env, warm=True, token=task.token,
                     depth=task.depth,
                 )
             except (OSError, ValueError):

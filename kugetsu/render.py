@@ -228,7 +228,7 @@ def task_lines(task: dict[str, Any]) -> str:
 
             value = describe(Usage(**value))
         elif isinstance(value, list):
-            value = " ".join("{prompt}" if prompt and v == prompt else _quote(v) for v in value)
+            value = " ".join("{prompt}" if v == "{prompt}" or (prompt and v == prompt) else _quote(v) for v in value)
         text = str(value).replace("\n", "\n" + " " * (width + 2))
         out.append(f"{key.ljust(width)}  {text}")
     return "\n".join(out)

@@ -59,7 +59,7 @@ class Service:
         self.home = home
         self.store = open_store(home)
         self.cfg: Config = Config()
-        self.procs = Processes(home)
+        self.procs = Processes(home, lambda ids: self.store.prompts(ids))
         self.exits = Exits(self.procs, lambda: self._safe_tick(hold=True), self.request_tick)
         self.worktrees = WorktreeWorker(home, self.request_tick)
         self.failing: str | None = None  # why the last transaction failed, while it does

@@ -16,7 +16,8 @@ import fcntl
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timezone
 from typing import Protocol
@@ -26,7 +27,7 @@ import msgspec
 from kugetsu.config import describe_decode_error, store_url
 from kugetsu.errors import DiskFull, FileError
 from kugetsu.models import INDEX_VERSION, ClockMark, Event, Index, Task, check_index
-from kugetsu.paths import Home, atomic_write, open_file, read_tail
+from kugetsu.paths import Home, atomic_write, nofollow, open_file, read_tail
 
 
 class _IndexFile(Index, forbid_unknown_fields=True):
@@ -81,6 +82,8 @@ class Txn:
         self.before = before  # the index's bytes as loaded: an unchanged index is not rewritten
         self.events: list[Event] = []
         self.archive: list[Task] = []
+        # Prompts to keep (task id -> text): written with the index, never inside it.
+        self.prompts: dict[int, str] = {}
         # Cluster mode: the shared config as the transaction found it, and its new text to
         # commit with the queue (`config set`); the file store keeps config.json apart.
         self.shared_config: bytes = b""
@@ -126,6 +129,11 @@ class StoreProtocol(Protocol):
 
     def rotate_events(self, limit: int) -> int | None:
         """Keep the event feed bounded (the file store); returns the size rotated, or None."""
+        ...
+
+    def prompts(self, ids: Iterable[int]) -> dict[int, str]:
+        """The stored prompts of these tasks (a task without one is left out). Kept beside the
+        index, not in it: the index's size (what every command reads) does not grow with them."""
         ...
 
     def stamp(self) -> object:
@@ -300,8 +308,9 @@ class Store(Transactions):
             self._committed = (self._commit(txn), txn.index)
         except OSError as err:
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                what = Path(err.filename).name if isinstance(err.filename, str) else self.home.index.name
                 raise DiskFull(
-                    f"disk full: could not write {self.home.index.name}; nothing was written."
+                    f"disk full: could not write {what}; nothing was written."
                     f" Free some space in {self.home.root} and try again."
                 ) from None
             raise
@@ -346,8 +355,45 @@ class Store(Transactions):
         if fd is not None:
             os.close(fd)  # releases the lock
 
+    def prompts(self, ids: Iterable[int]) -> dict[int, str]:
+        """Each prompt is logs/<id>.prompt (0600), the file a {prompt_file} preset's agent reads."""
+        out = {}
+        for task_id in ids:
+            try:
+                out[task_id] = _read(self.home.prompt_file(task_id)).decode("utf-8", "replace")
+            except FileNotFoundError:
+                pass
+        return out
+
+    def _write_prompts(self, prompts: dict[int, str]) -> dict[Path, bytes | None]:
+        """Write the transaction's prompts, each whole or not at all (a new 0600 file renamed
+        over the old). Returns what each file held before, for _restore_prompts."""
+        before: dict[Path, bytes | None] = {}
+        try:
+            for task_id, text in prompts.items():
+                path = self.home.prompt_file(task_id)
+                try:
+                    before[path] = _read(path)
+                except FileNotFoundError:
+                    before[path] = None
+                atomic_write(path, text.encode())
+        except BaseException:
+            _restore_prompts(before)
+            raise
+        return before
+
     def _commit(self, txn: Txn) -> bytes:
         """Write what the transaction changed; returns the index's bytes as now on disk."""
+        # Prompts first: the committed index must find its tasks' prompts after a crash.
+        # Should the index write fail, each is put back as it was.
+        written = self._write_prompts(txn.prompts) if txn.prompts else {}
+        try:
+            return self._commit_index(txn)
+        except BaseException:
+            _restore_prompts(written)
+            raise
+
+    def _commit_index(self, txn: Txn) -> bytes:
         index = txn.index
         mark_writer(txn)
         for event in txn.events:
@@ -425,6 +471,23 @@ def _keep_counters_ahead(home: Home, index: Index, data: bytes) -> None:
     top_id, top_seq = _high_water(home)
     index.next_id = max(index.next_id, top_id + 1)
     index.next_seq = max(index.next_seq, top_seq + 1)
+
+
+def _read(path: Path) -> bytes:
+    with open(path, "rb", opener=nofollow) as f:
+        return f.read()
+
+
+def _restore_prompts(before: dict[Path, bytes | None]) -> None:
+    """Prompt files as they were before a transaction that did not commit."""
+    for path, data in before.items():
+        try:
+            if data is None:
+                path.unlink(missing_ok=True)
+            else:
+                atomic_write(path, data)
+        except OSError:
+            pass  # a full disk: the index that refers to the file was not written either
 
 
 _LOG_NAME = re.compile(r"^(\d+)\.[a-z]+$")

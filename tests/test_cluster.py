@@ -173,7 +173,7 @@ def test_hosts_and_host_pinning_need_a_cluster(kg: Kugetsu):
 def test_store_migrate_moves_a_file_home_and_refuses_when_busy(kg: Kugetsu, pg_url: str, tmp_path: Path):
     kg.config(max_agents=2, history_limit=1)
     for n in ("one", "two", "three"):
-        kg.delegate(n)
+        kg.ok("delegate", n, "--prompt", f"the prompt of {n}", "--", *kg.agent(n))
         kg.wait_state(n, "succeeded")
     r = kg.run("store", "migrate", pg_url)
     assert r.returncode == 1 and "service of this home is running" in r.stderr
@@ -185,6 +185,7 @@ def test_store_migrate_moves_a_file_home_and_refuses_when_busy(kg: Kugetsu, pg_u
     other.config(store=pg_url, host="other")
     assert other.json("capacity")["max_agents"] == 2  # type: ignore[index]
     assert [t["name"] for t in other.json("queue", "--all")["finished"]] == ["three"]  # type: ignore[index]
+    assert other.json("status", "three")["prompt"] == "the prompt of three"
     again = Kugetsu(tmp_path / "again")
     again.config(max_agents=1)
     r = again.run("store", "migrate", pg_url)
@@ -194,6 +195,7 @@ def test_store_migrate_moves_a_file_home_and_refuses_when_busy(kg: Kugetsu, pg_u
     assert json.loads((exported / "config.json").read_text()) == {"max_agents": 2, "history_limit": 1}
     back = Kugetsu(exported)
     assert [t["name"] for t in back.json("queue", "--all")["finished"]] == ["three"]  # type: ignore[index]
+    assert back.json("status", "three")["prompt"] == "the prompt of three"
     back.delegate("four")
     assert back.wait_state("four", "succeeded")["id"] == 4
     back.cleanup()
@@ -384,3 +386,28 @@ def test_a_wait_rides_out_its_database_connections_being_cut(machines: Machine, 
     out, err = waiter.communicate(timeout=30)
     assert waiter.returncode == 0 and err == "", (waiter.returncode, err)
     assert a.task("long")["state"] == "succeeded"
+
+
+def test_prompts_are_rows_beside_the_queue_and_reach_an_agent_on_another_machine(machines: Machine, pg_url: str):
+    """A prompt admitted on m1 is a row of kugetsu.prompts (not in the queue's document that
+    every machine re-reads after each change); m2's agent gets it, for {prompt} in its argv
+    and for {prompt_file} as a file made on m2."""
+    import psycopg
+
+    a, b = machines("m1"), machines("m2")
+    rec = str(a.rec)
+    a.ok("config", "set", "agents.argv", json.dumps({"command": [
+        "sh", "-c", 'printf %s "$1" > "$2"', "sh", "{prompt}", rec + "/{name}.out"]}))
+    a.ok("config", "set", "agents.file", json.dumps({"command": [
+        "sh", "-c", 'cat "$1" > "$2"', "sh", "{prompt_file}", rec + "/{name}.out"]}))
+    texts = {"by-argv": "x" * 60_000 + " $(id) '{name}'", "by-file": "from a file ✓ {prompt}"}
+    a.ok("delegate", "by-argv", "--agent", "argv", "--host", "m2", "--prompt", texts["by-argv"])
+    a.ok("delegate", "by-file", "--agent", "file", "--host", "m2", "--prompt", texts["by-file"])
+    for name, text in texts.items():
+        assert a.wait_state(name, "succeeded", timeout=30)["host"] == "m2"
+        assert (a.rec / f"{name}.out").read_text() == text
+        assert a.json("status", name)["prompt"] == b.json("status", name)["prompt"] == text
+    with psycopg.connect(pg_url) as conn:
+        doc = bytes(conn.execute("SELECT doc FROM kugetsu.state").fetchone()[0])
+        assert b"xxxxxxxxxx" not in doc and len(doc) < 10_000
+        assert conn.execute("SELECT count(*) FROM kugetsu.prompts").fetchone()[0] == 2

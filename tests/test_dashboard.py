@@ -108,7 +108,8 @@ async def test_delegate_form_admits_through_ops(tmp_path):
         await settled(pilot)
         await until(pilot, lambda: not isinstance(app.screen, DelegateForm), what="the form to close")
         task = next(t for t in Store(home).read().queued if t.name == "new-task")
-        assert (task.source, task.agent, task.command) == ("dashboard", "sim", ["sh", "-c", "echo say hi"])
+        assert (task.source, task.agent, task.command) == ("dashboard", "sim", ["sh", "-c", "echo {prompt}"])
+        assert Store(home).prompts([task.id]) == {task.id: "say hi"}
         assert "queued new-task (#12), position 6 of 6" in notes(app)
         assert "12" in app.query_one("#queue", TaskTable).keys
 

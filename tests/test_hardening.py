@@ -88,7 +88,7 @@ from kugetsu.paths import Home
 from kugetsu.processes import Processes
 from kugetsu.runner import TOKEN_VAR
 
-exits = Exits(Processes(Home(sys.argv[1])), lambda: None, lambda: None)
+exits = Exits(Processes(Home(sys.argv[1]), lambda ids: {}), lambda: None, lambda: None)
 task = Task(id=1, name="t", command=["true"], cwd="/", created_at=datetime.now(timezone.utc), token="tok-1")
 seen = {"none": exits.leftovers_possible(task)}
 for label, env in (("another's", {"PATH": "/bin", TOKEN_VAR: "tok-2"}), ("no token", {"PATH": "/bin"}),

@@ -125,7 +125,7 @@ def test_a_limit_requeues_in_place_holds_the_preset_and_lets_other_presets_start
     plan = exit_(index, cfg, at, "a", 1, "session s-1\nClaude AI usage limit reached|1795446000\n")
     a = next(t for t in index.queued if t.name == "a")
     assert a.state is TaskState.QUEUED and a.attempt == 2 and a.attempts[0].limit and a.attempts[0].exit_code == 1
-    assert a.command == ["fake", "--resume", "s-1"] and a.first_command == ["fake", "a"]
+    assert a.command == ["fake", "--resume", "s-1"] and a.first_command == ["fake", "{prompt}"]
     assert [t.name for t in index.active] == ["c"]  # another preset starts meanwhile
     reset = datetime.fromtimestamp(1795446000, UTC)
     assert index.holds["fake"].until == reset
@@ -245,11 +245,12 @@ def test_retry_request_links_a_finished_task():
     cfg, index = setup()
     admit(index, cfg, "a", "other")
     with pytest.raises(UsageError, match="only a finished task can be retried"):
-        pm.retry_request(index.queued[0])
+        pm.retry_request(index.queued[0], "a")
     pm.cancel(index, index.queued[0], NOW, 10)
-    req = pm.retry_request(index.finished[0])
+    req = pm.retry_request(index.finished[0], "a")
     task, _ = pm.admit(index, cfg, NOW, req)
-    assert task.retry_of == 1 and task.command == ["other", "a"] and task.name == "a"
+    assert task.retry_of == 1 and task.command == ["other", "{prompt}"] and task.name == "a"
+    assert req.prompt == "a" and pm.argv(task, req.prompt) == ["other", "a"]
 
 
 def test_every_front_end_shows_the_hold():

@@ -279,7 +279,7 @@ async def test_concurrent_delegates_are_admitted_as_if_one_after_the_other(kg):
         assert task["name"] == names[i]  # each call got its own task
         assert task["position"] == order.get(task["id"])  # as of its admission: later ones are behind it
         assert (task["state"] == "running") == (task["position"] is None)
-        assert task["command"] == (["cat", str(kg.home.prompt_file(task["id"]))] if i % 3 == 0 else ["true"])
+        assert task["command"] == (["cat", "{prompt_file}"] if i % 3 == 0 else ["true"])
         if i % 3 == 0:
             assert kg.home.prompt_file(task["id"]).read_text() == f"prompt of call {i}"
     assert len({t["slot"] for t in admitted.values() if t["slot"]}) == 2

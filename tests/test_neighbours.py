@@ -173,13 +173,15 @@ def test_a_database_of_the_previous_schema_is_upgraded_by_the_first_command(tmp_
     k.ok("queue")
     with psycopg.connect(pg_url, autocommit=True) as db:  # as kugetsu 0.x left it: no machine ids
         db.execute("ALTER TABLE kugetsu.hosts DROP COLUMN machine, DROP COLUMN home")
+        db.execute("DROP TABLE kugetsu.prompts")
         db.execute("UPDATE kugetsu.meta SET schema_version = 1")
     try:
         k.ok("serve", "--detach")
         k.delegate("after", 0.0, 0)
         assert k.wait_state("after", "succeeded")["host"] == "m1"
         with psycopg.connect(pg_url, autocommit=True) as db:
-            assert db.execute("SELECT schema_version FROM kugetsu.meta").fetchone() == (2,)
+            assert db.execute("SELECT schema_version FROM kugetsu.meta").fetchone() == (3,)
+            assert db.execute("SELECT count(*) FROM kugetsu.prompts").fetchone() == (0,)  # made by the upgrade
             assert db.execute("SELECT machine FROM kugetsu.hosts").fetchone() == (k.home.machine_id.read_text().strip(),)
         assert oct(k.home.machine_id.stat().st_mode & 0o777) == "0o600"
     finally:

@@ -14,7 +14,7 @@ from conftest import T0
 from kugetsu import pm
 from kugetsu.config import Config
 from kugetsu.errors import NotFound, Rejected, UsageError
-from kugetsu.models import Index, TaskState, check_index
+from kugetsu.models import Index, Task, TaskState, check_index
 
 
 def req(name=None, **kw):
@@ -92,7 +92,20 @@ def test_preset_placeholders_are_substituted_inside_one_argv_element():
     cfg = Config(agents={"echo": {"command": ["echo", "--task={name}#{id}", "{prompt}"]}}, default_agent="echo")
     prompt = "a; rm -rf / $(whoami) '{name}' \"x\""
     task, _ = pm.admit(Index(), cfg, T0, pm.Request(cwd="/", name="n1", prompt=prompt))
-    assert task.command == ["echo", "--task=n1#1", prompt]
+    # The index keeps `{prompt}` (the text is the store's); the argv gets the text, verbatim.
+    assert task.command == ["echo", "--task=n1#1", "{prompt}"] and task.prompt is None and task.prompted
+    assert pm.argv(task, prompt) == ["echo", "--task=n1#1", prompt]
+    assert pm.argv(task, "{prompt} twice") == ["echo", "--task=n1#1", "{prompt} twice"]
+    with pytest.raises(ValueError, match="prompt is missing"):
+        pm.argv(task, None)
+
+
+def test_a_task_from_an_older_index_runs_with_the_prompt_it_kept():
+    old = Task(id=1, name="n", command=["echo", "hi there"], cwd="/", created_at=T0, prompt="hi there")
+    assert pm.argv(old, None) == ["echo", "hi there"] and pm.prompt_of(old, {}) == "hi there"
+    assert pm.prompt_of(old, {1: "new"}) == "new"
+    given = Task(id=2, name="m", command=["echo", "{prompt}"], cwd="/", created_at=T0)  # `-- CMD` as given
+    assert pm.argv(given, "x") == ["echo", "{prompt}"]
 
 
 def test_preset_needs_a_prompt_and_must_exist():
@@ -254,7 +267,8 @@ def test_prompt_file_placeholder_gets_the_path_the_caller_gives():
     req = pm.Request(cwd="/", name="n1", prompt="p {prompt_file}", prompt_path="/h/logs/1.prompt")
     assert pm.wants_prompt_file(cfg, req) and not pm.wants_prompt_file(Config(), req)
     task, _ = pm.admit(Index(), cfg, T0, req)
-    assert task.command == ["agent", "--file=/h/logs/1.prompt", "n1"] and task.prompt == "p {prompt_file}"
+    assert task.command == ["agent", "--file={prompt_file}", "n1"] and task.prompted
+    assert pm.argv(task, "p {prompt_file}", "/h/logs/1.prompt") == ["agent", "--file=/h/logs/1.prompt", "n1"]
     with pytest.raises(UsageError, match="needs a prompt"):
         pm.admit(Index(), cfg, T0, pm.Request(cwd="/", name="x"))
 

@@ -85,6 +85,33 @@ def test_a_commit_is_seen_by_every_reader_and_an_abort_by_none(make_store):
     assert [t.id for t in make_store().read().queued] == [1, 2]
 
 
+def test_prompts_are_kept_beside_the_state_with_their_commit_only(make_store):
+    """A task's prompt is stored with the transaction that admits (or edits) it, read back
+    by any client, and is not inside the state every transaction loads and writes."""
+    a, b = make_store(), make_store()
+    text = "a prompt: $(id) '{name}' \0 ünï ✓ " + "x" * 50_000
+    with a.transaction() as txn:
+        txn.index.queued.append(_task(txn.index.next_id))
+        txn.prompts[txn.index.next_id] = text
+        txn.index.next_id += 1
+    assert b.prompts([1, 2]) == {1: text} and b.prompts([]) == {}
+    assert len(msgspec_json(b.read())) < 5_000
+    with pytest.raises(RuntimeError), a.transaction() as txn:  # a failed commit changes no prompt
+        txn.prompts[1] = "edited"
+        txn.prompts[2] = "new"
+        raise RuntimeError("the caller failed: nothing is written")
+    assert make_store().prompts([1, 2]) == {1: text}
+    with a.transaction() as txn:
+        txn.prompts[1] = "edited"
+    assert make_store().prompts([1]) == {1: "edited"}
+
+
+def msgspec_json(index: object) -> bytes:
+    from kugetsu.store import encode_index
+
+    return encode_index(index)  # type: ignore[arg-type]
+
+
 def test_events_after_a_cursor_have_increasing_seqs_and_times(make_store):
     store = make_store()
     _admit(store, 3)

@@ -111,7 +111,7 @@ def test_cancel_buttons_and_delegate(kg, api, tmp_path):
     assert "queued <b>fresh</b>" in reply(api, ME, "fresh</b>") and "position 1 of 1" in api.texts(ME)[-1]
     task = kg.task("fresh")
     assert task["source"] == f"telegram:{ME}" and task["cwd"] == str(tmp_path)
-    assert task["command"] == ["sh", "-c", "echo write the docs; sleep 30"]
+    assert task["command"] == ["sh", "-c", "echo {prompt}; sleep 30"] and task["prompt"] == "write the docs"
     api.message(STRANGER, "/delegate sneaky rm -rf /")  # refused silently: one refusal a minute
     api.message(ME, "/capacity")
     reply(api, ME, "1/1 running")

@@ -16,12 +16,15 @@ import psycopg
 from kugetsu.errors import KugetsuError, Unreachable
 from kugetsu.errors import redact_url as redact
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # What brings a database of schema version N to N+1 (run under the advisory lock, in order).
 _UPGRADES = {
     # 2: each machine's row names the home that holds it (its machine id, and where it is):
     # two homes under one name would end each other's tasks as lost (hosts.join).
     1: "ALTER TABLE kugetsu.hosts ADD COLUMN IF NOT EXISTS machine text, ADD COLUMN IF NOT EXISTS home text",
+    # 3: prompts kept beside the queue, one row each, not inside its document (every commit
+    # rewrote them all, and every machine re-read them after each change).
+    2: "CREATE TABLE IF NOT EXISTS kugetsu.prompts (id bigint PRIMARY KEY, body bytea NOT NULL)",
 }
 NOTIFY_CHANNEL = "kugetsu"
 CONNECT_TIMEOUT = 5  # seconds: a database that does not answer is reported, not waited for

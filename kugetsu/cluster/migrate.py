@@ -9,12 +9,13 @@ database that already holds a queue (two queues cannot be merged without renumbe
 from __future__ import annotations
 
 import os
+import re
 from datetime import datetime
 
 import msgspec
 
 from kugetsu.cluster.db import connect, redact
-from kugetsu.cluster.store import INSERT_EVENTS, INSERT_HISTORY, PgStore, _task_decoder, event_rows
+from kugetsu.cluster.store import INSERT_EVENTS, INSERT_HISTORY, UPSERT_PROMPT, PgStore, _task_decoder, event_rows
 from kugetsu.config import LOCAL_KEYS, read_raw, save_raw, validate
 from kugetsu.control import service_holds_lock
 from kugetsu.errors import KugetsuError, UsageError
@@ -45,6 +46,7 @@ def migrate(home: Home, url: str) -> str:
                    " (`kugetsu cancel --all`), then migrate")
     events = file_store.read_events()
     history = _history_lines(home)
+    prompts = file_store.prompts({t.id for t in index.all_tasks()} | {h[0] for h in history})
     shared = {k: v for k, v in raw.items() if k not in LOCAL_KEYS}
     conn = connect(url, autocommit=True)
     try:
@@ -62,6 +64,7 @@ def migrate(home: Home, url: str) -> str:
             with conn.cursor() as cur:
                 cur.executemany(INSERT_EVENTS, event_rows(events))
                 cur.executemany(INSERT_HISTORY, history)
+                cur.executemany(UPSERT_PROMPT, [(i, text.encode()) for i, text in prompts.items()])
     finally:
         conn.close()
     # The database holds it all now: this machine follows it, and the file index is kept
@@ -93,6 +96,9 @@ def _history_lines(home: Home) -> list[tuple[int, datetime | None, bytes]]:
     return out
 
 
+_ID = re.compile(rb'\{"id":(\d+)')  # an archived task's line starts with its id (history.jsonl)
+
+
 def export(url: str, target: Home) -> str:
     """The database's queue, events, history and shared config as a file home at `target`
     (which must not hold one): the way back to one machine, and a backup."""
@@ -104,9 +110,13 @@ def export(url: str, target: Home) -> str:
         shared = store.read_config()
         events = store.read_events()
         history = store.history()
+        ids = {t.id for t in index.all_tasks()} | {int(m.group(1)) for h in history if (m := _ID.match(h))}
+        prompts = store.prompts(ids)
     finally:
         store.close()
     target.ensure()
+    for task_id, text in prompts.items():
+        atomic_write(target.prompt_file(task_id), text.encode())
     index.outbox = []
     atomic_write(target.index, encode_index(index))
     atomic_write(target.events, b"".join(_encoder.encode(e) + b"\n" for e in events))

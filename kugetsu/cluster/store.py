@@ -15,7 +15,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
@@ -32,6 +32,7 @@ _event_decoder = msgspec.json.Decoder(Event)
 _task_decoder = msgspec.json.Decoder(Task)
 INSERT_EVENTS = "INSERT INTO kugetsu.events (seq, task, at, body) VALUES (%s, %s, %s, %s)"
 INSERT_HISTORY = "INSERT INTO kugetsu.history (id, finished_at, body) VALUES (%s, %s, %s)"
+UPSERT_PROMPT = "INSERT INTO kugetsu.prompts (id, body) VALUES (%s, %s) ON CONFLICT (id) DO UPDATE SET body = excluded.body"
 
 
 def event_rows(events: list[Event]) -> list[tuple[Any, ...]]:
@@ -218,6 +219,8 @@ class PgStore(Transactions):
                 self._execute("UPDATE kugetsu.state SET doc = %s WHERE id = 1", (data,))
             if txn.new_config is not None:
                 self._execute("UPDATE kugetsu.state SET config = %s WHERE id = 1", (txn.new_config,))
+            if txn.prompts:
+                self._executemany(UPSERT_PROMPT, [(i, text.encode()) for i, text in txn.prompts.items()])
             if txn.events:
                 self._executemany(INSERT_EVENTS, event_rows(txn.events))
             if txn.archive:
@@ -249,6 +252,15 @@ class PgStore(Transactions):
             self._conn.execute("ROLLBACK")
         except psycopg.Error:
             self.close()  # a broken connection: the server rolls back when it goes
+
+    def prompts(self, ids: Iterable[int]) -> dict[int, str]:
+        """Prompts are rows of kugetsu.prompts, written in the transaction of their task."""
+        wanted = list(ids)
+        if not wanted:
+            return {}
+        with self.guarded() as conn:
+            rows = conn.execute("SELECT id, body FROM kugetsu.prompts WHERE id = ANY(%s)", (wanted,)).fetchall()
+        return {int(i): bytes(body).decode("utf-8", "replace") for i, body in rows}
 
     # ---- history (tasks moved out of the document) ----------------------------------------
 

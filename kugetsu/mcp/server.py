@@ -77,8 +77,8 @@ def _duration(value: str | float | None, what: str) -> float | None:
         raise UsageError(str(err)) from None
 
 
-def _task_json(cfg: Any, index: Index, task: Task) -> dict[str, Any]:
-    return ops.task_json(task, pm.positions(index, cfg, ops.now()).get(task.id))
+def _task_json(home: Home, cfg: Any, index: Index, task: Task) -> dict[str, Any]:
+    return ops.task_json(task, pm.positions(index, cfg, ops.now()).get(task.id), prompts=ops.prompts(home, [task]))
 
 
 class Follow:
@@ -98,6 +98,7 @@ class Follow:
         self.seen: dict[str, bytes] | None = None  # uri -> content at the last look
         self.stamp: object = None
         self.store: StoreProtocol | None = None  # made in a worker thread, at the first follower
+        self.prompts: dict[int, str] = {}  # the tasks' stored prompts, as last read (look)
         self.bus = _CountingBus(self)
         self.someone: anyio.Event | None = None  # set when a first follower comes (made in run's loop)
 
@@ -108,10 +109,15 @@ class Follow:
         """Every resource's content now (a worker thread: it reads and renders the index)."""
         cfg, index = ops.read(self.home)
         view = ops.listing(cfg, index)
-        out = {QUEUE_URI: _dumps(ops.queue_json(view))}
+        tasks = index.finished + index.live()
+        # Only a queued task's prompt can change (edit): the others' are read once.
+        fresh = [t for t in tasks if t.id not in self.prompts or t.state is TaskState.QUEUED]
+        self.prompts = {**{t.id: self.prompts[t.id] for t in tasks if t.id in self.prompts},
+                        **ops.prompts(self.home, fresh)}
+        out = {QUEUE_URI: _dumps(ops.queue_json(view, self.home))}
         by_name: dict[str, bytes] = {}
-        for task in index.finished + index.live():  # a name means its live task, else its latest finished one
-            body = _dumps(ops.task_json(task, view.positions.get(task.id)))
+        for task in tasks:  # a name means its live task, else its latest finished one
+            body = _dumps(ops.task_json(task, view.positions.get(task.id), prompts=self.prompts))
             out[f"{TASK_URI}{task.id}"] = by_name[task.name] = body
         out.update((f"{TASK_URI}{name}", body) for name, body in by_name.items())
         return out
@@ -327,7 +333,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             return _text(f"{line}. {advice}", {"admitted": False, "task": None, "rejected": str(err),
                                               "retry_after": BACK_OFF_S, "message": line, "advice": advice})
         line = render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for)
-        task = ops.task_json(adm.task, adm.position)
+        task = ops.task_json(adm.task, adm.position, prompts=ops.prompts(home, [adm.task]))
         advice = (f"It runs on its own; call wait with {adm.task.name!r} (or {adm.task.id}) when you need its"
                   " result, then logs if it did not succeed.")
         text = line
@@ -349,7 +355,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         cfg, index = ops.read(home)
         control.ensure_service(home, cfg, index)
         view = ops.listing(cfg, index, finished=finished)
-        return _text(render.queue_text(view, control.service_pid(home) is not None), ops.queue_json(view))
+        return _text(render.queue_text(view, control.service_pid(home) is not None), ops.queue_json(view, home))
 
     @server.tool(annotations=read_only)
     @answers
@@ -359,7 +365,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         branch."""
         cfg, index = ops.read(home)
         control.ensure_service(home, cfg, index)
-        obj = _task_json(cfg, index, pm.find(index, task))
+        obj = _task_json(home, cfg, index, pm.find(index, task))
         return _text(render.task_lines(obj), obj)
 
     @server.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=False, open_world_hint=False))
@@ -380,7 +386,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
                 waiting.cancel, home, tasks, everything=all, reason="cancelled by mcp", stop=stop))
         finally:
             stop.set()
-        return _text(render.cancelled(out), {"tasks": [ops.task_json(t, None) for t in out]})
+        return _text(render.cancelled(out), {"tasks": ops.tasks_json(out, prompts=ops.prompts(home, out))})
 
     @server.tool(annotations=read_only)
     @answers
@@ -427,7 +433,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             failed = ", ".join(t.name for t in out if t.state is not TaskState.SUCCEEDED)
             advice = f"not all succeeded: read logs (and status, for the reason) of {failed} before you retry or report"
         return _text("\n".join(lines), {"done": done, "all_succeeded": ok, "advice": advice,
-                                        "tasks": [ops.task_json(t, p) for t, p in _awaited(cfg, index, ids)]})
+                                        "tasks": [ops.task_json(t, p, prompts=ops.prompts(home, [t])) for t, p in _awaited(cfg, index, ids)]})
 
     @server.tool(annotations=read_only)
     @answers
@@ -471,7 +477,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         """Change a queued task's priority. It moves ahead under the priority and fair
         strategies (not under fifo); the result gives its new position."""
         changed, position = ops.set_priority(home, task, level)
-        return _text(render.priority_changed(changed, position), ops.task_json(changed, position))
+        return _text(render.priority_changed(changed, position), ops.task_json(changed, position, prompts=ops.prompts(home, [changed])))
 
     # ---- resources -----------------------------------------------------------------------
 
@@ -480,7 +486,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
                      " when it changes.")
     def queue_resource() -> str:
         cfg, index = ops.read(home)
-        return _dumps(ops.queue_json(ops.listing(cfg, index))).decode()
+        return _dumps(ops.queue_json(ops.listing(cfg, index), home)).decode()
 
     @server.resource(TASK_URI + "{task}", name="task", mime_type="application/json",
                      description="One task's JSON (the status tool's), by id or name. Subscribe to be told when it"
@@ -491,7 +497,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             found = pm.find(index, task)
         except KugetsuError as err:
             raise ResourceNotFoundError(str(err)) from None
-        return _dumps(_task_json(cfg, index, found)).decode()
+        return _dumps(_task_json(home, cfg, index, found)).decode()
 
     server.refuse_writers(_nesting_refusal(home))
     return server, follow

@@ -158,9 +158,11 @@ async def cmd_status(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None
         return
 
     def look() -> str:
-        cfg, index = ops.read(_env(context).home)
+        home = _env(context).home
+        cfg, index = ops.read(home)
         task = pm.find(index, context.args[0])
-        return text.status(ops.task_json(task, pm.positions(index, cfg, ops.now()).get(task.id)))
+        return text.status(ops.task_json(task, pm.positions(index, cfg, ops.now()).get(task.id),
+                                         prompts=ops.prompts(home, [task])))
 
     await _reply(update, await asyncio.to_thread(look))
 
