@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO, T0
 
-from kugetsu.models import Event, Task
+from kugetsu.models import Event, Task, TaskState
 from kugetsu.paths import Home
 from kugetsu.store import Store, StoreProtocol
 
@@ -182,6 +182,7 @@ def test_ids_and_seqs_never_go_back_when_the_state_is_reset(make_store, tmp_path
         p.rename(p.with_name("index.json.bak"))
     if hasattr(store, "conn"):
         store.conn.execute("UPDATE kugetsu.state SET doc = ''")
+        store.conn.execute("DELETE FROM kugetsu.tasks")
     with store.transaction() as txn:
         assert txn.index.next_id > 2 and txn.index.next_seq > 2
 
@@ -212,3 +213,80 @@ def test_the_stamp_changes_with_each_commit_and_a_watch_wakes_at_once(make_store
         watch.clear()
     finally:
         watch.close()
+
+
+def _lists(index) -> tuple[list[tuple[int, str]], ...]:
+    return tuple([(t.id, t.priority) for t in tasks] for tasks in (index.active, index.queued, index.finished))
+
+
+def test_clients_that_take_turns_see_the_same_lists_in_the_same_order(make_store):
+    """Two long-lived clients (a service on each of two machines) change the state in turns,
+    each keeping what it saw last (the cluster store then reads only what changed since): a
+    task moved between lists, or out and back, or archived; each sees the other's changes,
+    in the lists' own order, as a fresh client does."""
+    import random
+
+    from kugetsu.models import TaskState
+
+    rng = random.Random(7)
+    clients = [make_store(), make_store()]
+    _admit(clients[0], 6)
+    for step in range(120):
+        store = clients[step % 2]
+        with store.transaction() as txn:
+            index = txn.index
+            move = rng.choice(["admit", "start", "finish", "requeue", "archive", "edit", "roundtrip"])
+            if move == "admit":
+                task = _task(index.next_id)
+                index.next_id += 1
+                index.queued.append(task)
+            elif move == "start" and index.queued:
+                task = index.queued.pop(rng.randrange(len(index.queued)))
+                task.state = TaskState.RUNNING
+                index.active.append(task)
+            elif move == "finish" and index.active:
+                task = index.active.pop(rng.randrange(len(index.active)))
+                task.state, task.finished_at = TaskState.SUCCEEDED, txn.now
+                index.finished.append(task)
+            elif move == "requeue" and index.active:
+                task = index.active.pop(rng.randrange(len(index.active)))
+                task.state = TaskState.QUEUED
+                index.queued.append(task)
+            elif move == "archive" and index.finished:
+                txn.archive.append(index.finished.pop(0))
+            elif move == "edit" and index.queued:
+                rng.choice(index.queued).priority = rng.choice(["urgent", "high", "normal", "low"])
+            elif move == "roundtrip" and len(index.queued) > 1:  # out of its list and back: now last
+                index.queued.append(index.queued.pop(0))
+            expected = _lists(index)
+        fresh = make_store()
+        for reader in (*clients, fresh):
+            assert _lists(reader.read()) == expected, (step, move)
+        if hasattr(fresh, "close"):
+            fresh.close()  # one connection at a time, not 120
+        with clients[(step + 1) % 2].transaction() as txn:
+            assert _lists(txn.index) == expected, (step, move)
+
+
+def test_a_queue_document_of_schema_3_becomes_rows_at_the_first_commit(request, pg_url):
+    """A database an older kugetsu left (every task inside the state row's document) is read
+    as it is, and its first commit moves the tasks into rows."""
+    from kugetsu.cluster.store import PgStore
+    from kugetsu.models import Index
+    from kugetsu.store import encode_index
+
+    old = Index(next_id=4, queued=[_task(1), _task(3)], finished=[_task(2)])
+    old.finished[0].state = TaskState.SUCCEEDED
+    store = PgStore(pg_url)
+    request.addfinalizer(store.close)
+    store.conn.execute("DELETE FROM kugetsu.tasks")
+    store.conn.execute("UPDATE kugetsu.state SET doc = %s, rev = 0", (encode_index(old),))
+    assert _lists(store.read()) == _lists(old)
+    with store.transaction() as txn:
+        assert _lists(txn.index) == _lists(old)
+        txn.index.queued[0].priority = "high"
+    fresh = PgStore(pg_url)
+    request.addfinalizer(fresh.close)
+    assert [t.priority for t in fresh.read().queued] == ["high", "normal"]
+    assert store.conn.execute("SELECT count(*) FROM kugetsu.tasks").fetchone() == (3,)
+    assert b'"queued":[]' in bytes(store.conn.execute("SELECT doc FROM kugetsu.state").fetchone()[0])

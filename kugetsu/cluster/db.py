@@ -16,7 +16,7 @@ import psycopg
 from kugetsu.errors import KugetsuError, Unreachable
 from kugetsu.errors import redact_url as redact
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # What brings a database of schema version N to N+1 (run under the advisory lock, in order).
 _UPGRADES = {
     # 2: each machine's row names the home that holds it (its machine id, and where it is):
@@ -25,6 +25,25 @@ _UPGRADES = {
     # 3: prompts kept beside the queue, one row each, not inside its document (every commit
     # rewrote them all, and every machine re-read them after each change).
     2: "CREATE TABLE IF NOT EXISTS kugetsu.prompts (id bigint PRIMARY KEY, body bytea NOT NULL)",
+    # 4: a row per task (the document keeps counters, pauses and holds): a commit writes the
+    # rows it changed, and a machine reads the rows changed since it last looked (`rev`).
+    # The tasks of the old document become rows at the first commit (PgStore._load).
+    3: """
+CREATE TABLE IF NOT EXISTS kugetsu.tasks (
+    id bigint PRIMARY KEY,
+    list smallint NOT NULL,  -- 0 running (active), 1 queued, 2 finished (kept in the queue's view)
+    ord bigint NOT NULL,  -- its place in its list
+    rev bigint NOT NULL,  -- the state's revision that last wrote it
+    state text NOT NULL,
+    name text NOT NULL,
+    host text,
+    body bytea NOT NULL  -- the task as index.json has it (JSON)
+);
+CREATE INDEX IF NOT EXISTS tasks_live ON kugetsu.tasks (list, ord) WHERE list < 2;
+CREATE INDEX IF NOT EXISTS tasks_rev ON kugetsu.tasks (rev);
+ALTER TABLE kugetsu.state ADD COLUMN IF NOT EXISTS rev bigint NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS next_ord bigint NOT NULL DEFAULT 1;
+""",
 }
 NOTIFY_CHANNEL = "kugetsu"
 CONNECT_TIMEOUT = 5  # seconds: a database that does not answer is reported, not waited for

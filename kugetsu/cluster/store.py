@@ -1,12 +1,18 @@
 """PgStore: the store protocol (kugetsu.store.StoreProtocol) on PostgreSQL.
 
-The queue is one document in one row, as index.json is one file: pm reads and changes the
-same Index either way, so every rule (positions, policies, admission) is the same code in a
-cluster. A transaction takes that row's lock (SELECT ... FOR UPDATE), which serializes all
+The queue is one small locked row (`kugetsu.state`: counters, pauses, holds, the shared
+config) and one row per task (`kugetsu.tasks`: its list, its place in it, typed columns
+for SQL, the body as index.json has it). pm reads and changes the same Index as with
+index.json, so every rule (positions, policies, admission) is the same code in a cluster.
+A transaction takes the state row's lock (SELECT ... FOR UPDATE), which serializes all
 writers of every machine: a global limit cannot be exceeded even for an instant, because
-the writer that counts is the only one that can add. Readers take no lock (MVCC: they see
-the last committed document). Events are rows committed in the same transaction, and the
-commit NOTIFYs every service (LISTEN), so a change on one machine wakes the others at once.
+the writer that counts is the only one that can add (per-node limits over SKIP LOCKED rows
+are how pgqueuer #761 and Hatchet #4778 overshot). `begin` loads only the task rows changed
+since this store last looked (`rev`), `commit` writes only the rows that changed: a commit no
+longer rewrites the whole queue, nor does every machine re-read it after each change. Readers
+take no lock (one REPEATABLE READ snapshot). Events are rows committed in the same
+transaction, and the commit NOTIFYs every service (LISTEN), so a change on one machine wakes
+the others at once.
 """
 
 from __future__ import annotations
@@ -26,12 +32,17 @@ import psycopg
 from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, errors, process_tag, redact
 from kugetsu.errors import FileError
 from kugetsu.models import INDEX_VERSION, Event, Index, Task, check_index
-from kugetsu.store import Transactions, Txn, _encoder, _held, _index_decoder, encode_index, mark_writer
+from kugetsu.store import Transactions, Txn, _encoder, _held, _index_decoder, mark_writer
 
 _event_decoder = msgspec.json.Decoder(Event)
 _task_decoder = msgspec.json.Decoder(Task)
 INSERT_EVENTS = "INSERT INTO kugetsu.events (seq, task, at, body) VALUES (%s, %s, %s, %s)"
 INSERT_HISTORY = "INSERT INTO kugetsu.history (id, finished_at, body) VALUES (%s, %s, %s)"
+_SELECT_STATE = "SELECT doc, rev, next_ord, clock_timestamp(), config FROM kugetsu.state WHERE id = 1"
+_SELECT_ROWS = "SELECT id, list, ord, body FROM kugetsu.tasks"
+UPSERT_TASK = ("INSERT INTO kugetsu.tasks (id, list, ord, rev, state, name, host, body) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
+               " ON CONFLICT (id) DO UPDATE SET list = excluded.list, ord = excluded.ord, rev = excluded.rev,"
+               " state = excluded.state, name = excluded.name, host = excluded.host, body = excluded.body")
 UPSERT_PROMPT = "INSERT INTO kugetsu.prompts (id, body) VALUES (%s, %s) ON CONFLICT (id) DO UPDATE SET body = excluded.body"
 
 
@@ -49,10 +60,11 @@ class PgStore(Transactions):
         self.url = url
         self._conn: psycopg.Connection | None = None
         self._open = False  # a transaction is open on the connection
-        # The document this store last committed: an unchanged one is not rewritten, and a
-        # long-lived writer skips decoding a document that is byte for byte its own.
-        self._committed: tuple[bytes, Index] | None = None
+        # The state as this store last loaded or committed it: a long-lived store (a service)
+        # then reads only the task rows changed since, and writes only those it changed.
+        self._seen: _Seen | None = None
         self._busy: float | None = None  # time.monotonic() when the statement under way was sent
+        self._began: _Seen | None = None  # the state the open transaction loaded
 
     @property
     def conn(self) -> psycopg.Connection:
@@ -115,22 +127,70 @@ class PgStore(Transactions):
     # ---- reading (no lock) -------------------------------------------------------------
 
     def _decode(self, data: bytes) -> Index:
+        """The state row's document: the Index without its tasks (or, written by a kugetsu
+        of schema 3 or before, with them: they become rows at the next commit)."""
         if not data:
             return Index()
-        if self._committed is not None and self._committed[0] == data:
-            return self._committed[1]
         try:
-            index = _index_decoder.decode(data)
+            return _index_decoder.decode(data)
         except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
             raise FileError(f"{redact(self.url)}: the queue document does not decode: {err}{_FIX}") from None
+
+    def _load(self, row: tuple[Any, ...]) -> _Seen:
+        """The whole state as of the state row `row` (doc, rev, next_ord), read in the same
+        snapshot or under its lock: what this store saw last, plus the task rows changed
+        since (all of them the first time, or when rows went that it cannot account for)."""
+        header, rev, next_ord = bytes(row[0]), row[1], row[2]
+        seen = self._seen
+        if seen is not None and seen.rev == rev and seen.header == header:
+            return seen
+        index = self._decode(header)
+        if index.active or index.queued or index.finished:  # a document of schema 3: its tasks are in it
+            seen = _seen(header, rev, next_ord, index, {})
+            return self._checked(seen)
+        rows: dict[int, _Row] = {}
+        tasks: dict[int, Task] = {}
+        if seen is not None and rev > seen.rev:
+            rows, tasks = dict(seen.rows), {t.id: t for t in seen.index.all_tasks()}
+            changed = self._execute(_SELECT_ROWS + " WHERE rev > %s", (seen.rev,)).fetchall()
+            count = self._execute("SELECT count(*) FROM kugetsu.tasks").fetchone()
+            _take(changed, rows, tasks, self.url)
+            if count is None or count[0] != len(rows):  # some went: look at them all
+                rows, tasks = {}, {}
+        if not rows:
+            _take(self._execute(_SELECT_ROWS).fetchall(), rows, tasks, self.url)
+        order = sorted(rows, key=lambda i: rows[i][:2])
+        lists: tuple[list[Task], ...] = ([], [], [])
+        for task_id in order:
+            lists[rows[task_id][0]].append(tasks[task_id])
+        index.active, index.queued, index.finished = lists
+        return self._checked(_seen(header, rev, next_ord, index, rows))
+
+    def _checked(self, seen: _Seen) -> _Seen:
+        index = seen.index
         problem = check_index(index) if index.version == INDEX_VERSION else f"unknown version {index.version}"
         if problem:
             raise FileError(f"{redact(self.url)}: {problem}{_FIX}")
-        return index
+        return seen
 
     def read(self) -> Index:
-        row = self._execute("SELECT doc FROM kugetsu.state WHERE id = 1").fetchone()
-        return self._decode(bytes(row[0])) if row else Index()
+        """The last committed state, in one snapshot (the state row and the task rows of one
+        commit), without waiting for a writer."""
+        row = self._execute(_SELECT_STATE).fetchone()
+        if row is None:
+            return Index()
+        seen = self._seen
+        if self._open or (seen is not None and seen.rev == row[1] and seen.header == bytes(row[0])):
+            # Inside this store's own transaction (its lock makes it one moment), or nothing
+            # changed since this store last looked: no task row to read.
+            return self._load(row).index
+        with self.guarded() as conn, conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            row = conn.execute(_SELECT_STATE).fetchone()
+            if row is None:
+                return Index()
+            self._seen = self._load(row)
+        return self._seen.index
 
     def read_config(self) -> dict[str, Any]:
         """The cluster's shared config (everything but a machine's own keys)."""
@@ -164,8 +224,8 @@ class PgStore(Transactions):
     # ---- writing -------------------------------------------------------------------------
 
     def begin(self, now: datetime | None = None) -> Txn:
-        """Take the queue row's lock and load it; `now` is the database's clock, read after
-        the lock: one clock for every machine, so events' times never go back."""
+        """Take the state row's lock and load the state; `now` is the database's clock, read
+        after the lock: one clock for every machine, so events' times never go back."""
         if self._open:
             raise RuntimeError("nested kugetsu transaction (this store already holds one)")
         if getattr(_held, "depth", 0):  # this thread holds a transaction of any store already
@@ -174,26 +234,25 @@ class PgStore(Transactions):
         self._open = True
         _held.depth = 1
         try:
-            row = self._execute(
-                "SELECT doc, config, clock_timestamp() FROM kugetsu.state WHERE id = 1 FOR UPDATE").fetchone()
+            row = self._execute(_SELECT_STATE + " FOR UPDATE").fetchone()
             assert row is not None, "kugetsu.state has its row from ensure_schema"
-            before = bytes(row[0])
-            # Taken out while the transaction runs: a failed one may leave the object half
-            # changed, and it must never be reused.
-            reuse, self._committed = self._committed, None
-            unchanged = reuse is not None and reuse[0] == before  # this store's own last commit
-            index = reuse[1] if unchanged else self._decode(before)  # type: ignore[index]
+            unchanged = self._seen is not None and self._seen.rev == row[1] and self._seen.header == bytes(row[0])
+            # Taken out while the transaction runs: a failed one may leave the objects half
+            # changed, and they must never be reused.
+            seen = self._load(row)
+            self._seen = None
             if not unchanged:
-                self._keep_counters_ahead(index)
-            txn = Txn(index, now or row[2], unchanged=unchanged, before=before)
-            txn.shared_config = bytes(row[1])
+                self._keep_counters_ahead(seen.index)
+            txn = Txn(seen.index, now or row[3], unchanged=unchanged, before=seen.header)
+            txn.shared_config = bytes(row[4])
+            self._began = seen
             return txn
         except BaseException:
             self.abort()
             raise
 
     def _keep_counters_ahead(self, index: Index) -> None:
-        """Ids and event seqs never go back, even when the queue row was emptied or restored
+        """Ids and event seqs never go back, even when the state row was emptied or restored
         from an older backup (as the file store's _keep_counters_ahead): one index lookup
         when all is well, the full look only when the row is behind its events."""
         row = self._execute("SELECT max(seq) FROM kugetsu.events").fetchone()
@@ -201,22 +260,35 @@ class PgStore(Transactions):
             return
         top = self._execute(
             "SELECT greatest((SELECT max(task) FROM kugetsu.events), (SELECT max(id) FROM kugetsu.history),"
-            " (SELECT max(task) FROM kugetsu.log_chunks))").fetchone()
+            " (SELECT max(task) FROM kugetsu.log_chunks), (SELECT max(id) FROM kugetsu.tasks))").fetchone()
         index.next_seq = row[0] + 1
         index.next_id = max(index.next_id, (top[0] or 0) + 1 if top else 1)
 
     def commit(self, txn: Txn) -> None:
-        """Write the document, the events and archived tasks, NOTIFY, COMMIT: all or nothing."""
+        """Write the task rows that changed, the state row, the events and archived tasks,
+        NOTIFY, COMMIT: all or nothing."""
+        began, self._began = self._began, None
         try:
             index = txn.index
             mark_writer(txn)
             for event in txn.events:
                 event.seq = index.next_seq
                 index.next_seq += 1
-            index.outbox = []  # events are rows committed with the document: nothing to recover
-            data = encode_index(index)
-            if data != txn.before:
-                self._execute("UPDATE kugetsu.state SET doc = %s WHERE id = 1", (data,))
+            index.outbox = []  # events are rows committed with the state: nothing to recover
+            assert began is not None
+            rev = began.rev + 1
+            rows, upserts, next_ord = _rows_of(index, began, rev)
+            gone = [i for i in began.rows if i not in rows]
+            header = _encoder.encode(msgspec.structs.replace(index, active=[], queued=[], finished=[]))
+            changed = bool(upserts or gone) or header != began.header
+            if changed:
+                self._executemany(UPSERT_TASK, upserts)
+                if gone:
+                    self._execute("DELETE FROM kugetsu.tasks WHERE id = ANY(%s)", (gone,))
+                self._execute("UPDATE kugetsu.state SET doc = %s, rev = %s, next_ord = %s WHERE id = 1",
+                              (header, rev, next_ord))
+            else:
+                rev, next_ord = began.rev, began.next_ord
             if txn.new_config is not None:
                 self._execute("UPDATE kugetsu.state SET config = %s WHERE id = 1", (txn.new_config,))
             if txn.prompts:
@@ -225,12 +297,12 @@ class PgStore(Transactions):
                 self._executemany(INSERT_EVENTS, event_rows(txn.events))
             if txn.archive:
                 self._executemany(INSERT_HISTORY, [(t.id, t.finished_at, _encoder.encode(t)) for t in txn.archive])
-            if data != txn.before or txn.events or txn.new_config is not None:
+            if changed or txn.events or txn.new_config is not None:
                 self._execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, process_tag()))
             done = self._execute("COMMIT")
             if done.statusmessage != "COMMIT":  # the server rolled back (a statement failed in it)
                 raise RuntimeError(f"the transaction was rolled back by the database ({done.statusmessage})")
-            self._committed = (data, index)
+            self._seen = _seen(header, rev, next_ord, index, rows)
         except BaseException:
             self._rollback()
             raise
@@ -239,6 +311,7 @@ class PgStore(Transactions):
             _held.depth = 0
 
     def abort(self) -> None:
+        self._began = None
         try:
             self._rollback()
         finally:
@@ -281,6 +354,77 @@ class PgStore(Transactions):
 
 
 _stores: dict[tuple[str, int], PgStore] = {}
+
+# A task row as this store saw it: its list (0 active, 1 queued, 2 finished), its place in
+# that list, its body.
+_Row = tuple[int, int, bytes]
+
+
+class _Seen(msgspec.Struct):
+    """The state as one store loaded or committed it."""
+
+    header: bytes  # the state row's document (the Index without its tasks)
+    rev: int  # the state row's revision: every commit that changes something adds one
+    next_ord: int  # the next place in a list
+    index: Index
+    rows: dict[int, _Row]  # task id -> its row as loaded or written
+    # The ids of each list (active, queued, finished) as loaded or written (the index itself
+    # changes under a transaction); None when its tasks have no rows yet (a schema-3 document).
+    order: tuple[list[int], ...] | None = None
+
+
+def _seen(header: bytes, rev: int, next_ord: int, index: Index, rows: dict[int, _Row]) -> _Seen:
+    order = tuple([t.id for t in tasks] for tasks in (index.active, index.queued, index.finished)) if rows or not (
+        index.active or index.queued or index.finished) else None
+    return _Seen(header, rev, next_ord, index, rows, order)
+
+
+def _take(rows: list[tuple[Any, ...]], into: dict[int, _Row], tasks: dict[int, Task], url: str) -> None:
+    for task_id, lst, ord_, body in rows:
+        data = bytes(body)
+        try:
+            tasks[task_id] = _task_decoder.decode(data)
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
+            raise FileError(f"{redact(url)}: task row {task_id} does not decode: {err}{_FIX}") from None
+        into[task_id] = (lst, ord_, data)
+
+
+def _rows_of(index: Index, began: _Seen, rev: int) -> tuple[dict[int, _Row], list[tuple[Any, ...]], int]:
+    """Every task's row after the transaction, the rows to write (new or changed), and the
+    next free place. A task keeps its place while its list's order allows it; one that moved
+    (to another list, or to the end of its own) takes the next place, so the rows sorted by
+    place are the lists in their order. A list whose tasks are those it had, in that order,
+    is compared body by body (each encoded in one C call for the lot): the common commit, one
+    task changed in a long queue, writes one row without a Python step per task."""
+    old_rows = began.rows
+    rows: dict[int, _Row] = dict(old_rows)  # what stays as it was is not touched again
+    upserts: list[tuple[Any, ...]] = []
+    next_ord = began.next_ord
+    now: set[int] = set()
+    for lst, tasks in enumerate((index.active, index.queued, index.finished)):
+        bodies = _encoder.encode_lines(tasks).split(b"\n")
+        ids = [t.id for t in tasks]
+        now.update(ids)
+        if began.order is not None and ids == began.order[lst]:  # the same tasks in the same order: places stay
+            for i in [i for i, (task_id, body) in enumerate(zip(ids, bodies)) if old_rows[task_id][2] != body]:
+                task = tasks[i]
+                rows[task.id] = (lst, old_rows[task.id][1], bodies[i])
+                upserts.append((task.id, lst, old_rows[task.id][1], rev, task.state.value, task.name, task.host, bodies[i]))
+            continue
+        last = -1
+        for task, body in zip(tasks, bodies):
+            old = old_rows.get(task.id)
+            if old is not None and old[0] == lst and old[1] > last:
+                place = old[1]
+            else:
+                place, next_ord = next_ord, next_ord + 1
+            last = place
+            row = rows[task.id] = (lst, place, body)
+            if row != old:
+                upserts.append((task.id, lst, place, rev, task.state.value, task.name, task.host, body))
+    for task_id in old_rows.keys() - now:  # archived or cleaned: no row any more
+        del rows[task_id]
+    return rows, upserts, next_ord
 
 
 class PgWatch:

@@ -17,6 +17,16 @@ machine's files and on PostgreSQL.
               cluster with the waiter on the machine that runs the task; and on another machine
 
 A database of its own is created on the given server and dropped afterwards.
+
+    python tools/bench/cluster.py --scale [--sizes 100,1000,5000,20000] [--before DIR]
+
+The cluster store's own cost by queue length (issue 26: "a cluster store that grows with the
+queue"), in-process on PgStore, with N queued tasks (and 200 finished): `commit`, one
+change by a long-lived client (a service) after its own last commit; `other`, the same
+right after another client committed (what every machine does after each NOTIFY); `read`,
+a new client's read of the state (a CLI call); `admit`, pm.admit of one task in a
+transaction. Medians in ms. With --before DIR (a checkout of an older kugetsu, e.g.
+`git worktree add /tmp/kg-before <commit>`), the same run on it, side by side.
 """
 
 from __future__ import annotations
@@ -163,12 +173,102 @@ def measure(admin: str, quick: bool) -> dict:
     return out
 
 
+SCALE_WORKER = r"""
+import json, statistics, sys, time
+from datetime import datetime, timezone
+from kugetsu import pm
+from kugetsu.cluster.store import PgStore
+from kugetsu.config import Config
+from kugetsu.models import Task, TaskState
+
+url, n = sys.argv[1], int(sys.argv[2])
+now = datetime.now(timezone.utc)
+cfg = Config(max_agents=4, max_queue=10**6, history_limit=10**6)
+
+def med(f, k):
+    xs = []
+    for _ in range(k):
+        t = time.perf_counter(); f(); xs.append((time.perf_counter() - t) * 1000)
+    return round(statistics.median(xs), 2)
+
+a, b = PgStore(url), PgStore(url)
+with a.transaction() as txn:
+    ix = txn.index
+    for i in range(1, n + 201):
+        t = Task(id=i, name=f"t{i}", command=["claude", "-p", "a prompt of some length " * 4], cwd="/work/repo",
+                 created_at=now, expires_at=now, token="0" * 32)
+        if i <= 200:
+            t.state, t.finished_at = TaskState.SUCCEEDED, now
+            ix.finished.append(t)
+        else:
+            ix.queued.append(t)
+    ix.next_id = n + 201
+a.read(); b.read()
+flip = iter(range(10**6))
+
+def change(store):
+    with store.transaction() as txn:
+        txn.index.queued[next(flip) % n].priority = "high" if next(flip) % 2 else "low"
+
+def other():
+    change(b)
+    change(a)
+
+def fresh():
+    c = PgStore(url); c.read(); c.close()
+
+def admit():
+    with a.transaction() as txn:
+        pm.admit(txn.index, cfg, txn.now, pm.Request(cwd="/", command=["true"]))
+
+out = {"commit": med(lambda: change(a), 15), "other": med(other, 9), "read": med(fresh, 5), "admit": med(admit, 9)}
+out["other"] = round(out["other"] - out["commit"], 2)  # b's commit is not a's cost
+print(json.dumps(out))
+a.close(); b.close()
+"""
+
+
+def scale(admin: str, sizes: list[int], trees: dict[str, Path]) -> dict:
+    """The --scale series: {tree label: {size: {what: ms}}}; the trees take turns per size."""
+    out: dict = {label: {} for label in trees}
+    for n in sizes:
+        for label, tree in trees.items():
+            db = Db(admin)
+            try:
+                r = subprocess.run([PY, "-c", SCALE_WORKER, db.url, str(n)], capture_output=True, text=True,
+                                   env={**__import__("os").environ, "PYTHONPATH": str(tree)}, timeout=1800)
+                if r.returncode:
+                    raise SystemExit(f"{label} at {n}: {r.stderr[-2000:]}")
+                out[label][n] = json.loads(r.stdout.strip().splitlines()[-1])
+            finally:
+                db.drop()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true", help="a drain of 60 instead of 300")
     ap.add_argument("--pg", default="postgresql://127.0.0.1:5432/postgres", help="a server where a database may be made")
+    ap.add_argument("--scale", action="store_true", help="the store's own cost by queue length (see above)")
+    ap.add_argument("--sizes", default="100,1000,5000,20000")
+    ap.add_argument("--before", type=Path, help="an older checkout to measure beside this one (--scale)")
     args = ap.parse_args()
+    if args.scale:
+        trees = {"this": Path(__file__).resolve().parents[2]}
+        if args.before:
+            trees = {"before": args.before.resolve(), **trees}
+        sizes = [int(x) for x in args.sizes.split(",")]
+        res = scale(args.pg, sizes, trees)
+        if args.json:
+            print(json.dumps(res, indent=1))
+            return 0
+        print("ms (median)      " + "".join(f"{label + ' ' + what:>15}" for what in ("commit", "other", "read", "admit")
+                                             for label in trees))
+        for n in sizes:
+            print(f"{n:>7} queued  " + "".join(f"{res[label][n][what]:>15.1f}" for what in ("commit", "other", "read", "admit")
+                                                for label in trees))
+        return 0
     res = measure(args.pg, args.quick)
     if args.json:
         print(json.dumps(res, indent=1))
