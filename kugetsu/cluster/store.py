@@ -150,11 +150,24 @@ class PgStore(Transactions):
             return self._checked(seen)
         rows: dict[int, _Row] = {}
         tasks: dict[int, Task] = {}
-        if seen is not None and rev > seen.rev:
-            rows, tasks = dict(seen.rows), {t.id: t for t in seen.index.all_tasks()}
+        if seen is not None and rev > seen.rev and seen.order is not None:
             changed = self._execute(_SELECT_ROWS + " WHERE rev > %s", (seen.rev,)).fetchall()
             count = self._execute("SELECT count(*) FROM kugetsu.tasks").fetchone()
-            _take(changed, rows, tasks, self.url)
+            fresh: dict[int, _Row] = {}
+            fresh_tasks: dict[int, Task] = {}
+            _take(changed, fresh, fresh_tasks, self.url)
+            if count is not None and count[0] == len(seen.rows) and all(
+                    seen.rows.get(i, (-1, -1))[:2] == row[:2] for i, row in fresh.items()):
+                # Only bodies changed (none came, went or moved): swapped in, in place.
+                lists = [list(seen.index.active), list(seen.index.queued), list(seen.index.finished)]
+                where = {i: n for order in seen.order for n, i in enumerate(order)} if len(fresh) > 8 else None
+                for task_id, row in fresh.items():
+                    at = where[task_id] if where is not None else seen.order[row[0]].index(task_id)
+                    lists[row[0]][at] = fresh_tasks[task_id]
+                index.active, index.queued, index.finished = lists
+                return self._checked(_Seen(header, rev, next_ord, index, {**seen.rows, **fresh}, seen.order))
+            rows, tasks = {**seen.rows, **fresh}, {t.id: t for t in seen.index.all_tasks()}
+            tasks.update(fresh_tasks)
             if count is None or count[0] != len(rows):  # some went: look at them all
                 rows, tasks = {}, {}
         if not rows:
