@@ -42,7 +42,12 @@ def _delegate_args(d: argparse.ArgumentParser) -> None:
     g = d.add_mutually_exclusive_group()
     g.add_argument("--prompt", help="the prompt for the agent preset")
     g.add_argument("--prompt-file", metavar="F", help="read the prompt from a file (- for stdin)")
-    d.add_argument("--agent", metavar="PRESET", help="agent preset (config `agents`)")
+    d.add_argument("--agent", metavar="PRESET[,FALLBACK...]",
+                   help="agent preset (config `agents`); several, in order: while one is held, start on the next")
+    d.add_argument("--fallback-fresh", action="store_true", default=None,
+                   help="a run interrupted with a session may start afresh on a fallback (default: it waits to resume)")
+    d.add_argument("--budget-usd", metavar="USD", type=float, help="stop the task once its runs cost more")
+    d.add_argument("--max-tokens", metavar="N", type=_positive_int, help="stop the task once its runs used more tokens")
     d.add_argument("--cwd", metavar="DIR", help="working directory (default: here)")
     d.add_argument("--source", metavar="WHO", default="cli", help="who delegates (pm, telegram:<chat>, ...)")
     d.add_argument("--priority", choices=PRIORITIES, default="normal")
@@ -405,6 +410,9 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         after=_after_refs(args.after),
         retries=args.retries,
         retry_delay=args.retry_delay,
+        fallback_fresh=args.fallback_fresh,
+        budget_usd=args.budget_usd,
+        max_tokens=args.max_tokens,
     )
     if pm.unused_prompt(req):
         print("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"

@@ -597,7 +597,8 @@ def queue_json(listed: Listing) -> dict[str, Any]:
 
 
 # Kept in the index, never shown: the environment, process identity, stop bookkeeping.
-_HIDDEN_FIELDS = frozenset(("env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers", "limit", "first_command"))
+_HIDDEN_FIELDS = frozenset(("env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers", "limit", "first_command",
+                            "prompt_file"))
 
 
 def _public_task_type() -> type[msgspec.Struct]:

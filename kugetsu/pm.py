@@ -46,12 +46,28 @@ def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources |
     if here is not None:
         room = placement.room(index, here)
         index = placement.candidates(index, here)
+    return [t for t, _ in _plan(index, cfg, now, resources, room)]
+
+
+def _plan(index: Index, cfg: Config, now: datetime, resources: Resources | None, room: int | None
+          ) -> list[tuple[Task, str | None]]:
+    """plan_starts with the preset each task starts on (its failover order's choice)."""
     board = Board(index, cfg, now, resources)
-    started: list[Task] = []
+    started: list[tuple[Task, str | None]] = []
     while (room is None or len(started) < room) and (task := board.pick()) is not None:
-        board.take(task)
-        started.append(task)
+        started.append((task, board.take(task)))
     return started
+
+
+def starts_now(index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
+               here: Here | None = None) -> list[tuple[Task, str | None]]:
+    """plan_starts, each task with the preset it starts on (pm.start's `agent`)."""
+    tasks = plan_starts(index, cfg, now, resources, here)
+    if not any(t.route for t in tasks):
+        return [(t, t.agent) for t in tasks]
+    if here is not None:
+        index = placement.candidates(index, here)
+    return _plan(index, cfg, now, resources, len(tasks))
 
 
 def next_to_start(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> Task | None:
@@ -79,6 +95,7 @@ def successor(index: Index, cfg: Config) -> Successor | None:
         or cfg.resource_guard.enabled
         or not simple_order(index, cfg)
         or any(may_requeue(cfg, t) for t in index.active)  # it would come back ahead of the successor
+        or any(t.route for t in index.queued)  # it may start on another preset than its command's
     ):
         return None
     first = min(index.queued, key=lambda t: task_key(cfg, t))
@@ -316,9 +333,43 @@ class Request(msgspec.Struct, kw_only=True):
     # for a preset that uses it (wants_prompt_file).
     prompt_path: str | None = None
     after: list[str] = []  # tasks (ids or names) that must succeed before this one starts
+    # Failover: presets to fall back on, in order, after `agent` (`--agent claude,codex` is
+    # read into agent + fallback here, for every front end); None: the preset's `fallback`.
+    fallback: list[str] | None = None
+    fallback_fresh: bool | None = None  # None: the preset's `fallback_fresh`
+    budget_usd: float | None = None
+    max_tokens: int | None = None
     # The task whose agent delegates (id, name), from that agent's environment (ops fills it
     # in: KUGETSU_TASK_ID, KUGETSU_TASK_NAME): None from outside any task.
     parent: tuple[int, str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.agent is not None and "," in self.agent:
+            names = [a.strip() for a in self.agent.split(",")]
+            self.agent, rest = names[0], names[1:]
+            self.fallback = rest + [a for a in self.fallback or [] if a not in rest]
+
+
+def route_request(cfg: Config, req: Request, agent: str | None) -> list[str]:
+    """The failover order of a request: its agent then its fallbacks (given, or its preset's);
+    [] when it has none. A bare command has no order (nothing to start elsewhere)."""
+    if agent is None:
+        return []
+    preset = cfg.agents.get(agent)
+    rest = req.fallback if req.fallback is not None else (preset.fallback if preset and not req.command else [])
+    if not rest:
+        return []
+    if req.command:
+        raise UsageError("a fallback runs another preset with the prompt: give a prompt, not an explicit command")
+    order = [agent]
+    for name in rest:
+        if name not in cfg.agents:
+            raise UsageError(f"unknown agent preset {name!r} in the fallback order; known: {', '.join(sorted(cfg.agents))}")
+        if name not in order:
+            order.append(name)
+    if any(any(_NEEDS_PROMPT.search(a) for a in cfg.agents[n].command) for n in order) and req.prompt is None:
+        raise NeedsPrompt(next(n for n in order if any(_NEEDS_PROMPT.search(a) for a in cfg.agents[n].command)))
+    return order if len(order) > 1 else []
 
 
 _PLACEHOLDER = re.compile(r"\{(prompt|prompt_file|name|id)\}")
@@ -333,7 +384,11 @@ def render_command(template: list[str], values: dict[str, str]) -> list[str]:
 
 def wants_prompt_file(cfg: Config, req: Request) -> bool:
     """Does the request run a preset that takes its prompt as a file ({prompt_file})?"""
-    return not req.command and any("{prompt_file}" in a for a in resolve_agent(cfg, req)[1])
+    if req.command:
+        return False
+    agent = resolve_agent(cfg, req)[0]
+    return any("{prompt_file}" in a for name in route_request(cfg, req, agent) or [agent]
+               for a in cfg.agents[name].command)
 
 
 def unused_prompt(req: Request) -> bool:
@@ -447,6 +502,10 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         raise UsageError(f"invalid retries {req.retries}: a task is run again 0 or more times after a failure")
     _check_text(req)
     agent, template, env = resolve_agent(cfg, req)
+    route = route_request(cfg, req, agent)
+    for what, value in (("a budget in USD", req.budget_usd), ("a token budget", req.max_tokens)):
+        if value is not None and not value > 0:
+            raise UsageError(f"{what} must be more than 0, got {value}")
     depth, nesting = nesting_of(index, cfg, req, agent)
     after = dependencies(index, req.after)
     limit = cfg.max_queued_per_source
@@ -472,7 +531,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     name = req.name or f"task-{task_id}"
     expire_after = req.expire_after if req.expire_after is not None else cfg.queue_timeout_s
     timeout = req.timeout if req.timeout is not None else cfg.run_timeout_s
-    if not req.command and req.prompt_path is None and any("{prompt_file}" in a for a in template):
+    if not req.command and req.prompt_path is None and wants_prompt_file(cfg, req):
         raise ValueError("a {prompt_file} preset needs Request.prompt_path (ops.delegate sets it)")
     values = {"prompt": req.prompt or "", "prompt_file": req.prompt_path or "", "name": name, "id": str(task_id)}
     command = template if req.command else render_command(template, values)
@@ -502,6 +561,12 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         retry_of=req.retry_of,
         depth=depth,
         nesting=nesting,
+        route=route,
+        fallback_fresh=bool(route) and (req.fallback_fresh if req.fallback_fresh is not None
+                                        else bool(cfg.agents[agent].fallback_fresh)),  # type: ignore[index]
+        prompt_file=req.prompt_path,
+        budget_usd=req.budget_usd,
+        max_tokens=req.max_tokens,
     )
     index.next_id += 1
     index.queued.append(task)
@@ -640,9 +705,13 @@ def _check_argv(command: list[str], cwd: str) -> None:
 # ---- transitions -----------------------------------------------------------------------
 
 
-def start(index: Index, task: Task, now: datetime, host: str | None = None) -> list[Event]:
+def start(index: Index, task: Task, now: datetime, host: str | None = None, cfg: Config | None = None,
+          agent: str | None = None) -> list[Event]:
     """queued -> running in the lowest free slot (on `host`, in a cluster). The caller spawns
-    the process and records its pid."""
+    the process and records its pid. `agent`: the preset its failover order starts it on
+    (Board.take), when that is not the one it has."""
+    if cfg is not None and agent is not None and agent != task.agent:
+        switch_preset(cfg, task, agent)
     index.queued.remove(task)
     task.state = TaskState.RUNNING
     task.host = host
@@ -653,7 +722,24 @@ def start(index: Index, task: Task, now: datetime, host: str | None = None) -> l
     index.last_start.pop(task.source, None)  # keeps the dict in start order, oldest first
     index.last_start[task.source] = SourceMark(at=now, n=index.starts)
     _forget_sources(index)
-    return [_event("started", task, now, slot=task.slot, host=host)]
+    note = f"fallback from {task.fallback_from}" if task.fallback_from else None
+    return [_event("started", task, now, slot=task.slot, host=host, reason=note,
+                   value={"agent": task.agent, "fallback_from": task.fallback_from} if note else None)]
+
+
+def switch_preset(cfg: Config, task: Task, agent: str) -> None:
+    """A task of a failover order moves to another of its presets: the command is that
+    preset's with the task's prompt (a fresh start: a session belongs to its agent), the env
+    that preset's with what the delegator added; `fallback_from` names the first of the order."""
+    old = cfg.agents.get(task.agent) if task.agent else None
+    new = cfg.agents[agent]
+    values = {"prompt": task.prompt or "", "prompt_file": task.prompt_file or "", "name": task.name, "id": str(task.id)}
+    task.command = render_command(new.command, values)
+    task.first_command = task.session = None
+    added = {k: v for k, v in task.env.items() if old is None or old.env.get(k) != v}
+    task.env = {**new.env, **added}
+    task.agent = agent
+    task.fallback_from = task.route[0] if task.route and agent != task.route[0] else None
 
 
 def record_spawn(index: Index, task: Task, at: datetime) -> None:
@@ -1115,8 +1201,8 @@ def settle(index: Index, cfg: Config, now: datetime, resources: Resources | None
         plan.events += finish(index, task, now, None)
     plan.events += expire_due(index, now)
     plan.events += dependencies_failed(index, now)
-    for task in plan_starts(index, cfg, now, resources, here):
-        plan.events += start(index, task, now, here.name if here else None)
+    for task, agent in starts_now(index, cfg, now, resources, here):
+        plan.events += start(index, task, now, here.name if here else None, cfg, agent)
     plan.archive = trim_history(index, cfg.history_limit)
     plan.start = [t for t in index.active if t.pid is None and t.ended_at is None and ours(t, me)]
     return plan

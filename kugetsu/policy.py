@@ -22,7 +22,8 @@ import msgspec
 from kugetsu.config import Config, format_duration, format_size
 from kugetsu.models import PRIORITIES, Index, Task
 
-Lane = tuple[str, str | None, str | None, datetime | None]  # source, group, agent, not_before
+# source, group, route (the presets it may start on, in order; () for a bare command), not_before
+Lane = tuple[str, str | None, tuple[str, ...], datetime | None]
 
 RANK = {p: i for i, p in enumerate(PRIORITIES)}
 NEVER = -1  # the start counter of a source that never started: oldest of all under `fair`
@@ -69,6 +70,17 @@ def simple_order(index: Index, cfg: Config) -> bool:
         and not any(t.after or t.not_before is not None or (t.group is not None and t.group in cfg.groups)
                     for t in index.queued)
     )
+
+
+def route_of(task: Task) -> tuple[str, ...]:
+    """The presets a queued task may start on, in order (README, "Provider limits"): its
+    failover order, except that a run interrupted with a session to resume (its command is the
+    resume) stays with its preset unless the task allows a fresh start elsewhere."""
+    if task.agent is None:
+        return ()
+    if not task.route or (task.first_command is not None and not task.fallback_fresh):
+        return (task.agent,)
+    return tuple(task.route)
 
 
 def clock(at: datetime, now: datetime) -> str:
@@ -131,7 +143,9 @@ class Board:
         self.lanes = {k: deque(sorted(v, key=lambda kt: kt[0])) for k, v in queued.items()}
 
     def lane_of(self, task: Task) -> Lane:
-        return (task.source, self.group_of(task), task.agent, task.not_before)
+        return (task.source, self.group_of(task), route_of(task), task.not_before)
+
+    # ---- presets: holds, caps, failover --------------------------------------------------
 
     def held_until(self, agent: str | None) -> datetime | None:
         """The end of a hold on this preset that holds it now (datetime.max: by hand, no end)."""
@@ -142,20 +156,51 @@ class Board:
             return datetime.max.replace(tzinfo=self.now.tzinfo)
         return hold.until if hold.until > self.now else None
 
+    def preset_held(self, agent: str) -> str | None:
+        """Why this preset refuses every start now (a hold: its provider's limit, by hand), or
+        None. A failover order passes over such a preset; a preset merely full is waited for."""
+        until = self.held_until(agent)
+        if until is None:
+            return None
+        hold = self.holds[agent]
+        return f"{hold.reason}, retry at {clock(until, self.now)}" if hold.until is not None else f"{hold.reason}"
+
+    def preset_full(self, agent: str) -> str | None:
+        if agent in self.agent_caps and self.by_agent[agent] >= self.agent_caps[agent]:
+            return f"agent {agent} full ({self.by_agent[agent]}/{self.agent_caps[agent]} running)"
+        return None
+
+    def preset_for(self, route: tuple[str, ...]) -> str | None:
+        """The preset a task of this route starts on now (failover): the first not held, if
+        it has room; None when that one is full (its turn comes) or all are held."""
+        for agent in route:
+            if self.preset_held(agent) is None:
+                return agent if self.preset_full(agent) is None else None
+        return None
+
+    def route_why(self, route: tuple[str, ...]) -> str | None:
+        """Why no preset of the route takes a task now: each one's reason, up to the one waited for."""
+        reasons = []
+        for agent in route:
+            held = self.preset_held(agent)
+            reasons.append(held or self.preset_full(agent))
+            if held is None:
+                break
+        return "; ".join(r for r in reasons if r) or None
+
     def group_of(self, task: Task) -> str | None:
         # A group removed from the config no longer limits the tasks that named it.
         return task.group if task.group is not None and task.group in self.cfg.groups else None
 
     # ---- the rules --------------------------------------------------------------------
 
-    def free(self, source: str, group: str | None, agent: str | None = None, not_before: datetime | None = None) -> bool:
+    def free(self, source: str, group: str | None, route: tuple[str, ...] = (), not_before: datetime | None = None) -> bool:
         """May a task of this lane start now, given a free global slot? (`why` in words.)"""
         if self.source_limit is not None and self.by_source[source] >= self.source_limit:
             return False
         if self.interval is not None and source in self.ready and self.ready[source] > self.now:
             return False
-        if agent is not None and (self.held_until(agent) is not None
-                                  or (agent in self.agent_caps and self.by_agent[agent] >= self.agent_caps[agent])):
+        if route and self.preset_for(route) is None:
             return False
         if not_before is not None and not_before > self.now:
             return False
@@ -163,14 +208,11 @@ class Board:
             return False
         return group is None or self.by_group[group] < self.caps[group]
 
-    def why(self, source: str, group: str | None, agent: str | None = None, not_before: datetime | None = None) -> str | None:
-        """Why a task of this lane may not start now even with a free global slot, or None."""
-        until = self.held_until(agent)
-        if until is not None:
-            hold = self.holds[agent]  # type: ignore[index]
-            return f"{hold.reason}, retry at {clock(until, self.now)}" if hold.until is not None else f"{hold.reason}"
-        if agent is not None and agent in self.agent_caps and self.by_agent[agent] >= self.agent_caps[agent]:
-            return f"agent {agent} full ({self.by_agent[agent]}/{self.agent_caps[agent]} running)"
+    def why(self, source: str, group: str | None, route: tuple[str, ...] = (), not_before: datetime | None = None) -> str | None:
+        """Why a task of this lane may not start now even with a free global slot, or None.
+        A failover order that has no preset with room names each preset's reason."""
+        if route and self.preset_for(route) is None:
+            return self.route_why(route)
         if not_before is not None and not_before > self.now:
             return f"retry at {clock(not_before, self.now)}"
         limit = self.source_limit
@@ -207,27 +249,30 @@ class Board:
                 best, best_key = task, key
         return best
 
-    def take(self, task: Task) -> None:
-        """Record `task` as started now, as pm.start does on the Index."""
+    def take(self, task: Task) -> str | None:
+        """Record `task` as started now, as pm.start does on the Index; returns the preset
+        it starts on (its failover order's first with room)."""
         lane_id = self.lane_of(task)
         group = lane_id[1]
+        agent = self.preset_for(lane_id[2]) if lane_id[2] else task.agent
         lane = self.lanes[lane_id]
         if lane[0][1] is not task:
             raise ValueError(f"task #{task.id} is not the head of its lane: only pick() chooses what starts")
         lane.popleft()
         if not lane:
             del self.lanes[lane_id]
-        self.running.append((task.source, group, task.agent))
+        self.running.append((task.source, group, agent))
         self.running_ids.append(task.id)
         self.by_source[task.source] += 1
         if group is not None:
             self.by_group[group] += 1
-        if task.agent is not None:
-            self.by_agent[task.agent] += 1
+        if agent is not None:
+            self.by_agent[agent] += 1
         self.starts += 1
         self.mark[task.source] = self.starts
         if self.interval is not None:
             self.ready[task.source] = self.now + self.interval
+        return agent
 
     def finish_oldest(self) -> None:
         """The oldest running task ends (as a success: a forecast cannot know better)."""
@@ -250,12 +295,13 @@ class Board:
         """The earliest moment a rate limit, a hold on a preset or a retry's delay that holds
         a queued task runs out."""
         times = []
-        for source, _, agent, not_before in self.lanes:
+        for source, _, route, not_before in self.lanes:
             if self.interval is not None and source in self.ready and self.ready[source] > self.now:
                 times.append(self.ready[source])
-            hold = self.holds.get(agent) if agent is not None else None
-            if hold is not None and hold.until is not None and hold.until > self.now:
-                times.append(hold.until)
+            for agent in route:
+                hold = self.holds.get(agent)
+                if hold is not None and hold.until is not None and hold.until > self.now:
+                    times.append(hold.until)
             if not_before is not None and not_before > self.now:
                 times.append(not_before)
         return min(times, default=None)

@@ -74,7 +74,7 @@ class Processes:
         if warm is not None:
             if released:
                 return warm
-            if warm.gate is not None and warm.argv == task.command and runner.alive(warm.pid, warm.start):
+            if warm.gate is not None and warm.argv == task.command and warm.env == env and runner.alive(warm.pid, warm.start):
                 runner.release(warm)
                 return warm
             self.drop(warm)
@@ -96,9 +96,9 @@ class Processes:
             self.drop(self.warm.pop(task_id))
         for task in want:
             if task.id in self.warm:
-                if self.warm[task.id].argv == task.command:
+                if self.warm[task.id].argv == task.command and self.warm[task.id].env == task.env:
                     continue
-                self.drop(self.warm.pop(task.id))  # its prompt was edited: it would run the old one
+                self.drop(self.warm.pop(task.id))  # its prompt was edited, its preset changed: stale
             try:
                 self.warm[task.id] = runner.spawn(
                     self.home, task.id, task.name, task.command, task.cwd, task.env, warm=True, token=task.token,

@@ -18,9 +18,9 @@ from kugetsu.models import PRIORITIES, Index
 from kugetsu.policy import Board, simple_order, task_key
 
 task_st = st.tuples(st.sampled_from("abcd"), st.sampled_from(PRIORITIES), st.sampled_from([None, None, "g1", "g2"]),
-                    st.sampled_from([None, "p1", "p2", "p2"]))
+                    st.sampled_from([None, "p1", "p2", "p2", "p2,p1", "p1,p2"]))
 # Agent presets with their own max_agents (issue 18); a hold on p2 (a provider's limit) is
-# drawn per example.
+# drawn per example. "p2,p1": a failover order (issue 30): while p2 is held, on p1.
 preset_st = st.fixed_dictionaries({"command": st.just(["true"]), "max_agents": st.none() | st.integers(1, 2)})
 config_st = st.fixed_dictionaries({
     "max_agents": st.integers(1, 4),
@@ -46,8 +46,10 @@ def build(raw: dict, first: list, later: list, gap: int, hold: int | None = None
     now = T0
     for batch in (first, later):
         for source, priority, group, agent in batch:
-            pm.admit(index, cfg, now, pm.Request(cwd="/", command=["true"], source=source, priority=priority,
-                                                 group=group, agent=agent))
+            routed = agent is not None and "," in agent  # a failover order runs presets, with a prompt
+            pm.admit(index, cfg, now, pm.Request(cwd="/", command=None if routed else ["true"], source=source,
+                                                 priority=priority, group=group, agent=agent,
+                                                 prompt="x" if routed else None))
         pm.settle(index, cfg, now)
         now = T0 + timedelta(seconds=gap)
     return cfg, index, now
@@ -87,11 +89,19 @@ def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
         task = pm.next_to_start(index, cfg, now)
         if task is not None:
             assert pm.plan_starts(index, cfg, now)[0] is task
-            hold = index.holds.get(task.agent)  # type: ignore[arg-type]
+            first, agent = pm.starts_now(index, cfg, now)[0]
+            assert first is task
+            if task.route:  # failover: the first preset of its order that is not held
+                held = {a for a, h in index.holds.items() if h.until is None or h.until > now}
+                assert agent == next(a for a in task.route if a not in held)
+            else:
+                assert agent == task.agent
+            hold = index.holds.get(agent)  # type: ignore[arg-type]
             assert hold is None or (hold.until is not None and hold.until <= now), "a held preset started"
             if on_pick:
                 on_pick(index, now, task)
-            pm.start(index, task, now)
+            pm.start(index, task, now, None, cfg, agent)
+            assert task.agent == agent and task.fallback_from == (task.route[0] if task.route and agent != task.route[0] else None)
             starts.setdefault(task.source, []).append(now)
             order.append(task.id)
             check_limits(cfg, index, starts)
@@ -127,6 +137,7 @@ def test_limits_hold_and_positions_are_the_real_start_order(raw, first, later, g
 def test_sort_fast_path_is_the_simulation(raw, first, later, gap):
     raw = {**raw, "strategy": raw["strategy"] if raw["strategy"] != "fair" else "priority"}
     raw |= {"max_active_per_source": None, "min_start_interval_per_source": None, "agents": {}}
+    first, later = ([(s, p, g, None if a and "," in a else a) for s, p, g, a in batch] for batch in (first, later))
     cfg, index, now = build(raw, first, later, gap)
     if not simple_order(index, cfg):  # tasks in a group: the fast path must stand aside
         assert any(t.group for t in index.queued)
