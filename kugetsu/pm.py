@@ -15,7 +15,7 @@ import re
 import msgspec
 from datetime import datetime, timedelta
 
-from kugetsu import limits, placement
+from kugetsu import budgets, limits, placement
 from kugetsu.config import Config, format_duration, format_size, parse_duration
 from kugetsu.errors import (AmbiguousName, EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered,
                             QueueFull, Rejected, UnknownDependency, UnknownGroup, UsageError)
@@ -140,7 +140,7 @@ def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources |
     without a reason are left out."""
     quick = Board(index, cfg, now, resources, lanes=False)  # the counts only, no order
     if (quick.pause is None and quick.hold is None and quick.source_limit is None and quick.interval is None
-            and not quick.caps and not quick.agent_caps and not quick.holds
+            and not quick.caps and not quick.agent_caps and not quick.holds and quick.spend is None
             and not any(t.after or t.not_before for t in index.queued)):
         return {}  # nothing that could hold a task
     board = Board(index, cfg, now, resources)
@@ -1075,6 +1075,7 @@ class Observations(msgspec.Struct, kw_only=True):
     resources: Resources | None = None  # the machine's readings, for the resource guard
     here: Here | None = None  # in a cluster: the machine this service decides for
     hosts: list[placement.HostSeen] = []  # in a cluster: every machine's lease, as the database has it
+    progress: dict[int, Usage] = {}  # running task id -> its run's usage so far, read from its stream
 
 
 class Plan(msgspec.Struct, kw_only=True):
@@ -1106,7 +1107,7 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
         if task is None or task.ended_at is not None:
             continue
         try:
-            reason = e.reason or read_output(cfg, task, e.code, e.tail, now)
+            reason = e.reason or read_output(cfg, task, e.code, e.tail, now, index)
             if e.leftovers:  # it keeps its slot while they are found and ended
                 agent_ended(task, now, e.code, reason, cfg.kill_grace_s)
             else:
@@ -1126,6 +1127,13 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
                 plan.events += conclude(index, cfg, task, now, task.exit_code, task.reason if task.exit_code else None)
             except Exception as err:
                 plan.events += set_aside(index, plan, task, now, task.exit_code, err)
+    for task_id, run in obs.progress.items():
+        task = live.get(task_id)
+        if task is not None and task.state is TaskState.RUNNING and task.ended_at is None:
+            why = progress(index, cfg, task, run, now)
+            if why is not None:  # past its budget mid-run: stopped like a timeout, failed
+                _request_stop(task, TaskState.FAILED, why, now, cfg.kill_grace_s)
+                plan.signal_groups.append((task, 15))
     plan.events += held_events(index, holds, now)
     adopted = adopt(index, now, obs.adopted, cfg, here)
     plan.set_aside += adopted.set_aside
@@ -1238,7 +1246,8 @@ def reads_output(cfg: Config, task: Task) -> bool:
     return preset is not None and bool(preset.output != "text" or preset.limit.patterns or preset.session_pattern)
 
 
-def read_output(cfg: Config, task: Task, code: int | None, tail: str | None, now: datetime) -> str | None:
+def read_output(cfg: Config, task: Task, code: int | None, tail: str | None, now: datetime,
+                index: Index | None = None) -> str | None:
     """What the end of an agent's output says: its session id, the tokens it used, whether
     it hit its provider's limit (an exit that is not 0, with one of the preset's limit exit
     codes or patterns, or a limit its structured output reports), and when that resets.
@@ -1257,10 +1266,7 @@ def read_output(cfg: Config, task: Task, code: int | None, tail: str | None, now
     session = (report.session if report else None) or (limits.session_of(preset.session_pattern, tail) if tail else None)
     if session:
         task.session = session
-    if report is not None and report.usage is not None:
-        from kugetsu.agents.report import total
-
-        task.usage = total([task.usage, report.usage])
+    _book_run(index, task, report.usage if report is not None else None, now)
     if task.stop is not None:
         return None
     if report is not None and report.denied and not report.limited:
@@ -1282,11 +1288,46 @@ def read_output(cfg: Config, task: Task, code: int | None, tail: str | None, now
     return f"{describe_exit(code)}: {said[:300]}" if said else None
 
 
+def _book_run(index: Index | None, task: Task, run: Usage | None, now: datetime) -> None:
+    """A run has ended: what it used (as its agent reported at the end, else as far as its
+    stream said mid-run) joins the task's total, and what was not booked yet today's spending."""
+    streamed, task.run_usage = task.run_usage, None
+    if run is None:
+        run = streamed
+    if run is None:
+        return
+    task.usage = run if task.usage is None else task.usage + run
+    delta = run - streamed if streamed is not None else run
+    if index is not None and (delta.tokens or delta.cost_usd):
+        budgets.book(index, task, delta, now)
+
+
+def progress(index: Index, cfg: Config, task: Task, run: Usage, now: datetime) -> str | None:
+    """A running task's agent reported what its run has used so far (Claude Code's per-turn
+    usage, read from its stream): booked for today's budgets; returns why it must stop when
+    it has passed its own budget (the caller stops it), else None."""
+    before = task.run_usage
+    delta = run - before if before is not None else run
+    if delta.tokens <= 0 and not delta.cost_usd:
+        return None
+    task.run_usage = run
+    budgets.book(index, task, delta, now)
+    return budgets.task_over(task) if task.stop is None else None
+
+
 def conclude(index: Index, cfg: Config, task: Task, now: datetime, code: int | None,
              reason: str | None = None) -> list[Event]:
     """A running task's agent is gone for good: it hit its provider's limit (back to the
     queue in its place, its preset held), or it failed with retries left (back to the queue,
-    after its retry delay), or it is final (`finish`)."""
+    after its retry delay), or it is final (`finish`). A task past its budget (known only now,
+    from an agent that reports usage at the end) does not run again: it fails, saying so."""
+    if task.run_usage is not None:  # its end was not read (no output to read): what its stream said
+        _book_run(index, task, None, now)
+    over = budgets.task_over(task)
+    if over is not None and (task.limit is not None or (code != 0 and task.stop in (None, TaskState.FAILED))):
+        if task.stop is None or not (task.reason or "").startswith("budget "):
+            task.stop, task.reason = TaskState.FAILED, over
+        return finish(index, task, now, code, over)
     if task.stop is None and task.limit is not None and task.agent is not None:
         return _requeue_limited(index, cfg, task, now, code, task.limit)
     retry = task.stop in (None, TaskState.FAILED) and code != 0  # not a cancel; a timeout is a failure

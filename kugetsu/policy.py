@@ -19,6 +19,7 @@ from datetime import datetime, timedelta
 
 import msgspec
 
+from kugetsu import budgets
 from kugetsu.config import Config, format_duration, format_size
 from kugetsu.models import PRIORITIES, Index, Task
 
@@ -65,6 +66,7 @@ def simple_order(index: Index, cfg: Config) -> bool:
         and cfg.max_active_per_source is None
         and cfg.min_start_interval_s is None
         and not index.holds
+        and not cfg.budgets.enabled
         and not any(p.max_agents is not None for p in cfg.agents.values())
         # one pass over the queue (delegate asks this of a long queue on every call)
         and not any(t.after or t.not_before is not None or (t.group is not None and t.group in cfg.groups)
@@ -114,6 +116,9 @@ class Board:
         # Per-preset caps, and presets held (their provider's limit, or by hand) until when.
         self.agent_caps = {name: p.max_agents for name, p in cfg.agents.items() if p.max_agents is not None}
         self.holds = dict(index.holds)
+        # Daily budgets (budgets.*): what was spent today, against which a source or a preset
+        # over its budget starts nothing more until midnight (budget_why).
+        self.spend = index.spend if cfg.budgets.enabled else None
         interval = cfg.min_start_interval_s
         self.interval = timedelta(seconds=interval) if interval else None
         self.starts = index.starts
@@ -156,12 +161,21 @@ class Board:
             return datetime.max.replace(tzinfo=self.now.tzinfo)
         return hold.until if hold.until > self.now else None
 
+    def budget_why(self, kind: str, name: str) -> str | None:
+        """`budget pm 20.00/20.00 USD, resets 00:00` when the source (kind "sources") or
+        preset ("agents") has spent its daily budget today, else None."""
+        if self.spend is None or self.spend.day != budgets.day_of(self.now):
+            return None
+        budget = getattr(self.cfg.budgets, kind).get(name)
+        return budgets.daily_over(name, budget, getattr(self.spend, kind).get(name), self.now) if budget else None
+
     def preset_held(self, agent: str) -> str | None:
-        """Why this preset refuses every start now (a hold: its provider's limit, by hand), or
-        None. A failover order passes over such a preset; a preset merely full is waited for."""
+        """Why this preset refuses every start now (a hold: its provider's limit, by hand; its
+        daily budget spent), or None. A failover order passes over such a preset; a preset
+        merely full is waited for."""
         until = self.held_until(agent)
         if until is None:
-            return None
+            return self.budget_why("agents", agent)
         hold = self.holds[agent]
         return f"{hold.reason}, retry at {clock(until, self.now)}" if hold.until is not None else f"{hold.reason}"
 
@@ -202,6 +216,8 @@ class Board:
             return False
         if route and self.preset_for(route) is None:
             return False
+        if self.budget_why("sources", source) is not None:
+            return False
         if not_before is not None and not_before > self.now:
             return False
         if group is not None and group in self.paused_groups:
@@ -221,6 +237,9 @@ class Board:
         if self.interval is not None and source in self.ready and self.ready[source] > self.now:
             wait = math.ceil((self.ready[source] - self.now).total_seconds())
             return f"rate limit: source {source} may start again in {format_duration(wait)}"
+        spent = self.budget_why("sources", source)
+        if spent is not None:
+            return spent
         if group is not None and group in self.paused_groups:
             return f"group {group} paused"
         if group is not None and self.by_group[group] >= self.caps[group]:
@@ -304,6 +323,9 @@ class Board:
                     times.append(hold.until)
             if not_before is not None and not_before > self.now:
                 times.append(not_before)
+            if self.spend is not None and (self.budget_why("sources", source) is not None
+                                           or any(self.budget_why("agents", a) is not None for a in route)):
+                times.append(budgets.midnight_after(self.now))  # daily budgets start over
         return min(times, default=None)
 
     def queued_left(self) -> bool:

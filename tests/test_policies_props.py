@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from conftest import T0
 
-from kugetsu import pm
+from kugetsu import budgets, pm
+from kugetsu.agents.report import Usage
 from kugetsu.config import Config
-from kugetsu.models import PRIORITIES, Index
+from kugetsu.models import PRIORITIES, DaySpend, Index
 from kugetsu.policy import Board, simple_order, task_key
 
 task_st = st.tuples(st.sampled_from("abcd"), st.sampled_from(PRIORITIES), st.sampled_from([None, None, "g1", "g2"]),
@@ -31,15 +32,24 @@ config_st = st.fixed_dictionaries({
                                      "g2": st.fixed_dictionaries({"max_agents": st.integers(1, 3)})}),
     "max_queue": st.just(100),
     "agents": st.fixed_dictionaries({"p1": preset_st, "p2": preset_st}),
+    # Daily budgets (issue 30): source a's in US dollars, preset p1's in tokens; what was
+    # spent today is drawn per example (build's `spent`).
+    "budgets": st.sampled_from([{}, {"sources": {"a": {"usd": 1.0}}, "agents": {"p1": {"tokens": 10}}}]),
 })
+spent_st = st.sets(st.sampled_from(["a", "p1"]))
 
 
-def build(raw: dict, first: list, later: list, gap: int, hold: int | None = None) -> tuple[Config, Index, datetime]:
+def build(raw: dict, first: list, later: list, gap: int, hold: int | None = None,
+          spent: set[str] = frozenset()) -> tuple[Config, Index, datetime]:
     """Admit `first` and let them start at T0, then admit `later` at T0 + gap: a queue with
     some tasks running and the clock moved on, as the scheduler leaves it. `hold`: preset p2
-    is held from T0 until that many seconds after T0 + gap (0: until released by hand)."""
+    is held from T0 until that many seconds after T0 + gap (0: until released by hand).
+    `spent`: source a and preset p1 have spent their daily budgets today."""
     cfg = msgspec.convert(raw, Config)
     index = Index()
+    if spent:
+        index.spend = DaySpend(day=budgets.day_of(T0), sources={"a": Usage(cost_usd=1.0)} if "a" in spent else {},
+                               agents={"p1": Usage(input_tokens=10)} if "p1" in spent else {})
     if hold is not None:
         until = T0 + timedelta(seconds=gap + hold) if hold else None
         pm.hold(index, cfg, "p2", until, T0 - timedelta(seconds=1))
@@ -93,11 +103,16 @@ def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
             assert first is task
             if task.route:  # failover: the first preset of its order that is not held
                 held = {a for a, h in index.holds.items() if h.until is None or h.until > now}
+                if index.spend is not None and index.spend.day == budgets.day_of(now):  # over its budget: passed over
+                    held |= set(index.spend.agents) & set(cfg.budgets.agents)
                 assert agent == next(a for a in task.route if a not in held)
             else:
                 assert agent == task.agent
             hold = index.holds.get(agent)  # type: ignore[arg-type]
             assert hold is None or (hold.until is not None and hold.until <= now), "a held preset started"
+            if index.spend is not None and index.spend.day == budgets.day_of(now):  # nothing over its budget starts
+                assert not (task.source in index.spend.sources and "a" in cfg.budgets.sources), "a source over budget"
+                assert not (agent in index.spend.agents and "p1" in cfg.budgets.agents), "a preset over budget"
             if on_pick:
                 on_pick(index, now, task)
             pm.start(index, task, now, None, cfg, agent)
@@ -121,9 +136,9 @@ def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
 
 @settings(max_examples=150, deadline=None)
 @given(config_st, st.lists(task_st, max_size=8), st.lists(task_st, max_size=16), st.integers(0, 6),
-       st.none() | st.integers(0, 8))
-def test_limits_hold_and_positions_are_the_real_start_order(raw, first, later, gap, hold):
-    cfg, index, now = build(raw, first, later, gap, hold)
+       st.none() | st.integers(0, 8), spent_st)
+def test_limits_hold_and_positions_are_the_real_start_order(raw, first, later, gap, hold, spent):
+    cfg, index, now = build(raw, first, later, gap, hold, spent)
     check_limits(cfg, index, {})
     predicted = [t.id for t in pm.start_order(index, cfg, now)]
     positions = pm.positions(index, cfg, now)
@@ -136,7 +151,7 @@ def test_limits_hold_and_positions_are_the_real_start_order(raw, first, later, g
 @given(config_st, st.lists(task_st, max_size=8), st.lists(task_st, max_size=16), st.integers(0, 6))
 def test_sort_fast_path_is_the_simulation(raw, first, later, gap):
     raw = {**raw, "strategy": raw["strategy"] if raw["strategy"] != "fair" else "priority"}
-    raw |= {"max_active_per_source": None, "min_start_interval_per_source": None, "agents": {}}
+    raw |= {"max_active_per_source": None, "min_start_interval_per_source": None, "agents": {}, "budgets": {}}
     first, later = ([(s, p, g, None if a and "," in a else a) for s, p, g, a in batch] for batch in (first, later))
     cfg, index, now = build(raw, first, later, gap)
     if not simple_order(index, cfg):  # tasks in a group: the fast path must stand aside
@@ -178,7 +193,7 @@ def test_successor_is_what_the_next_free_slot_starts(raw, simple, first, later, 
     starts that task first. Queue deadlines are random, so expiry is part of the bargain."""
     if simple:
         raw |= {"strategy": data.draw(st.sampled_from(["fifo", "priority"])), "max_active_per_source": None,
-                "min_start_interval_per_source": None, "agents": {}}
+                "min_start_interval_per_source": None, "agents": {}, "budgets": {}}
         first, later = ([(s, p, None, None) for s, p, _, _ in batch] for batch in (first, later))
     cfg, index, now = build(raw, first, later, gap)
     for task in index.queued:

@@ -1,0 +1,90 @@
+"""Budgets (issue 30) through the real CLI, the real service and real agent processes: fake
+agents that print Claude Code's stream-json (a turn's usage per assistant message, the cost in
+the last `result`), so the service reads their usage as it reads the real one's."""
+
+from __future__ import annotations
+
+import sys
+
+from conftest import wait_for
+
+# A stream-json agent: TURNS assistant messages of TOKENS tokens in (10 out) each, TURN_SLEEP
+# apart, then a result with the whole usage and COST; exit CODE. It records each turn.
+AGENT = r"""
+import json, os, sys, time
+rec = open(sys.argv[1], "a")
+turns, tokens = int(os.environ["TURNS"]), int(os.environ["TOKENS"])
+say = lambda obj: print(json.dumps(obj), flush=True)
+say({"type": "system", "subtype": "init", "session_id": "0f6c1b2e-1111-2222-3333-444455556666", "model": "fake"})
+for i in range(turns):
+    say({"type": "assistant", "message": {"id": f"msg_{i}", "content": [{"type": "text", "text": f"turn {i}"}],
+                                          "usage": {"input_tokens": tokens, "output_tokens": 10}}})
+    rec.write(f"turn {i}\n"); rec.flush()
+    time.sleep(float(os.environ.get("TURN_SLEEP", "0")))
+say({"type": "result", "subtype": "success", "is_error": os.environ.get("CODE", "0") != "0",
+     "session_id": "0f6c1b2e-1111-2222-3333-444455556666", "result": "done",
+     "usage": {"input_tokens": tokens * turns, "output_tokens": 10 * turns},
+     "total_cost_usd": float(os.environ.get("COST", "0"))})
+rec.write("end\n")
+sys.exit(int(os.environ.get("CODE", "0")))
+"""
+
+
+def preset(kg, turns: int = 1, tokens: int = 100, cost: float = 0.0, sleep: float = 0.0, code: int = 0, **extra) -> dict:
+    script = kg.rec / "claude_like.py"
+    script.write_text(AGENT)
+    env = {"TURNS": str(turns), "TOKENS": str(tokens), "COST": str(cost), "TURN_SLEEP": str(sleep), "CODE": str(code)}
+    return {"command": [sys.executable, str(script), str(kg.rec / "{name}"), "{prompt}"], "env": env,
+            "output": "claude", **extra}
+
+
+def lines(kg, name: str) -> list[str]:
+    path = kg.rec / name
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_a_token_budget_stops_a_run_mid_way_from_its_streamed_usage(kg):
+    kg.config(agents={"fake": preset(kg, turns=40, tokens=1000, sleep=0.2)})
+    kg.ok("delegate", "big", "--agent", "fake", "--prompt", "go", "--max-tokens", "2500", "--retries", "2")
+    kg.wait_state("big", "failed", timeout=30)
+    task = kg.task("big")
+    assert task["reason"].startswith("budget 2,500 tokens exceeded: "), task["reason"]
+    used = int(task["reason"].rsplit(": ", 1)[1].split()[0].replace(",", ""))
+    assert 2500 < used <= 8080  # stopped within a few turns of passing it (a read a second)
+    assert "end" not in lines(kg, "big") and len(lines(kg, "big")) < 40
+    assert task["usage"]["input_tokens"] >= 3000 and task["attempts"] == []  # not retried: over budget
+    [failed] = kg.events("failed")
+    assert failed["reason"] == task["reason"]
+
+
+def test_a_cost_reported_at_the_end_applies_from_the_next_start(kg):
+    kg.config(agents={"fake": preset(kg, cost=2.13, code=1)})
+    kg.ok("delegate", "dear", "--agent", "fake", "--prompt", "go", "--budget-usd", "2", "--retries", "3")
+    kg.wait_state("dear", "failed", timeout=20)
+    task = kg.task("dear")
+    assert task["reason"] == "budget 2.00 USD exceeded: 2.13 USD"
+    assert task["usage"]["cost_usd"] == 2.13 and task["attempts"] == []  # its retries were not used
+    assert lines(kg, "dear").count("end") == 1
+    out = kg.run("delegate", "--agent", "fake", "--prompt", "go", "--budget-usd", "0")
+    assert out.returncode == 2 and "must be more than 0" in out.stderr
+
+
+def test_a_source_over_its_daily_budget_starts_nothing_more_and_a_preset_over_its_own_fails_over(kg):
+    kg.config(max_agents=1, budgets={"sources": {"pm": {"usd": 20}}, "agents": {"fake": {"tokens": 250}}},
+              agents={"fake": preset(kg, cost=15.0, tokens=100), "other": preset(kg, cost=1.0)})
+    for name in ("a", "b"):  # pm: 15.00 then 30.00 USD; fake: 110 then 220 tokens
+        kg.ok("delegate", name, "--agent", "fake", "--source", "pm", "--prompt", "go")
+        kg.wait_state(name, "succeeded", timeout=20)
+    out = kg.ok("delegate", "c", "--agent", "other", "--source", "pm", "--prompt", "go")
+    assert "waiting for: budget pm 30.00/20.00 USD, resets 00:00" in out
+    kg.ok("delegate", "d", "--agent", "fake", "--prompt", "go")  # source cli has no budget; fake: 330 tokens
+    kg.wait_state("d", "succeeded", timeout=20)
+    kg.ok("delegate", "e", "--agent", "fake,other", "--prompt", "go")  # fake is over its own: on other
+    kg.wait_state("e", "succeeded", timeout=20)
+    e = kg.task("e")
+    assert e["agent"] == "other" and e["fallback_from"] == "fake"
+    kg.ok("delegate", "f", "--agent", "fake", "--prompt", "go")
+    queued = kg.json("queue")["queued"]
+    assert [(t["name"], t["position"], t["waiting_for"]) for t in queued] == [
+        ("c", 1, "budget pm 30.00/20.00 USD, resets 00:00"), ("f", 2, "budget fake 330/250 tokens, resets 00:00")]
+    assert lines(kg, "c") == [] and lines(kg, "f") == []
