@@ -186,7 +186,8 @@ def _telegram_args(tg: argparse.ArgumentParser) -> None:
 def _stats_args(st: argparse.ArgumentParser) -> None:
     st.add_argument("--since", metavar="DUR", type=_duration, help="the window: the last DUR (default 24h)")
     # The names of stats.BY, spelled out: the stats module is imported only when it runs.
-    st.add_argument("--by", choices=("source", "agent", "group", "host"), help="one row per source, agent, group or host")
+    st.add_argument("--by", choices=("source", "agent", "group", "host", "day"),
+                    help="one row per source, agent, group, host or (local) day")
     st.add_argument("--json", action="store_true")
 
 

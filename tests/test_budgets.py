@@ -88,3 +88,37 @@ def test_a_source_over_its_daily_budget_starts_nothing_more_and_a_preset_over_it
     assert [(t["name"], t["position"], t["waiting_for"]) for t in queued] == [
         ("c", 1, "budget pm 30.00/20.00 USD, resets 00:00"), ("f", 2, "budget fake 330/250 tokens, resets 00:00")]
     assert lines(kg, "c") == [] and lines(kg, "f") == []
+    # Usage summed in stats: by source, by agent (with the fallback counted), by day.
+    by_source = kg.json("stats", "--by", "source")["rows"]
+    assert by_source["pm"]["usage"]["cost_usd"] == 30.0 and by_source["pm"]["usage"]["input_tokens"] == 200
+    assert by_source["cli"]["usage"]["cost_usd"] == 16.0
+    by_agent = kg.json("stats", "--by", "agent")["rows"]
+    assert by_agent["fake"]["usage"]["cost_usd"] == 45.0 and by_agent["fake"]["usage"]["output_tokens"] == 30
+    assert by_agent["other"]["fallbacks"] == 1 and by_agent["other"]["usage"]["cost_usd"] == 1.0
+    [(day, row)] = kg.json("stats", "--by", "day")["rows"].items()
+    assert row["usage"]["cost_usd"] == 46.0 and len(day) == 10
+    text = kg.ok("stats", "--by", "agent")
+    assert "TOKENS IN" in text and "$45.00" in text
+
+
+def test_usage_and_fallbacks_are_counted_in_metrics(kg):
+    from test_metrics import endpoint, scrape, value
+
+    kg.config(metrics={"listen": "127.0.0.1:0"}, agents={"fake": preset(kg, cost=0.5, tokens=100, turns=2),
+                                                         "other": preset(kg, cost=0.25, tokens=7)})
+    kg.ok("serve", "--detach")  # counters count from the service's start
+    url = endpoint(kg)
+    kg.ok("hold", "fake")
+    kg.ok("delegate", "a", "--agent", "fake,other", "--source", "pm", "--prompt", "go")
+    kg.wait_state("a", "succeeded", timeout=20)
+    kg.ok("release", "fake")
+    kg.ok("delegate", "b", "--agent", "fake", "--source", "pm", "--prompt", "go")
+    kg.wait_state("b", "succeeded", timeout=20)
+    samples = wait_for(lambda: (s := scrape(url)) and value(s, "kugetsu_agent_cost_usd_total", agent="fake") and s,
+                       15, "the page to count b's cost")
+    assert value(samples, "kugetsu_source_tokens_total", source="pm", direction="in") == 207
+    assert value(samples, "kugetsu_source_tokens_total", source="pm", direction="out") == 30
+    assert value(samples, "kugetsu_source_cost_usd_total", source="pm") == 0.75
+    assert value(samples, "kugetsu_agent_tokens_total", agent="other", direction="in") == 7
+    assert value(samples, "kugetsu_agent_cost_usd_total", agent="fake") == 0.5
+    assert value(samples, "kugetsu_tasks_fallback_started_total", agent="other", fallback_from="fake") == 1
