@@ -875,7 +875,7 @@ def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
 
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
-    cap = pm.capacity(index, cfg)
+    cap = pm.capacity(index, cfg, ops.now())
     if args.json:
         print(to_json(ops.capacity_json(cfg, index)))
     else:

@@ -539,6 +539,8 @@ def capacity_json(cfg: Config, index: Index) -> dict[str, Any]:
     out: dict[str, Any] = msgspec.to_builtins(pm.capacity(index, cfg, now()))
     if not out["holds"]:
         del out["holds"]  # there only while a preset is held
+    if not out["budgets"]:
+        del out["budgets"]  # there only when daily budgets are set
     return out
 
 

@@ -175,13 +175,42 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     paused: bool = False  # `kugetsu pause`: no queued task starts until `resume`
     paused_groups: list[str] = []  # `pause --group G`: none of these groups' tasks starts
     holds: dict[str, HoldView] = {}  # presets held (provider limits, by hand): their tasks wait
+    budgets: list[BudgetView] = []  # the daily budgets (budgets.*), with today's spending
+
+
+class BudgetView(msgspec.Struct, frozen=True, kw_only=True):
+    """A daily budget and what was spent of it today, as the front ends show it."""
+
+    kind: str  # "source" or "agent"
+    name: str
+    usd: float | None  # the budget
+    tokens: int | None
+    spent_usd: float | None  # today's (None: no agent reported a cost)
+    spent_tokens: int
+    over: bool  # nothing more of it starts today
+    resets_at: datetime
 
 
 def capacity(index: Index, cfg: Config, now: datetime | None = None) -> Capacity:
     """Counts only: cheap at any queue length (no order is computed)."""
     return Capacity(max_agents=cfg.max_agents, active=len(index.active), queued=len(index.queued),
                     free=free_slots(index, cfg), max_queue=cfg.max_queue, paused=index.paused,
-                    paused_groups=sorted(index.paused_groups), holds=holds_view(index, now))
+                    paused_groups=sorted(index.paused_groups), holds=holds_view(index, now),
+                    budgets=budgets_view(index, cfg, now) if now is not None and cfg.budgets.enabled else [])
+
+
+def budgets_view(index: Index, cfg: Config, now: datetime) -> list[BudgetView]:
+    spend = budgets.today(index, now)
+    out = []
+    for kind, ledger_name in (("source", "sources"), ("agent", "agents")):
+        for name, budget in getattr(cfg.budgets, ledger_name).items():
+            used = getattr(spend, ledger_name).get(name) if spend is not None else None
+            out.append(BudgetView(kind=kind, name=name, usd=budget.usd, tokens=budget.tokens,
+                                  spent_usd=used.cost_usd if used else None,
+                                  spent_tokens=budgets.counted_tokens(used) if used else 0,
+                                  over=budgets.daily_over(name, budget, used, now) is not None,
+                                  resets_at=budgets.midnight_after(now)))
+    return out
 
 
 def pause(index: Index, cfg: Config, now: datetime, group: str | None, on: bool) -> list[Event]:

@@ -74,7 +74,20 @@ def until(t: datetime | None, now: datetime) -> str:
 def summary(cap: Capacity) -> str:
     text = (f"{cap.active}/{cap.max_agents} running, {cap.free} free, {cap.queued} queued (max {cap.max_queue})"
             + paused_note(cap))
-    return text + ("\n" + holds_line(cap) if cap.holds else "")
+    return text + ("\n" + holds_line(cap) if cap.holds else "") + ("\n" + budgets_line(cap) if cap.budgets else "")
+
+
+def budgets_line(cap: Capacity) -> str:
+    """The daily budgets: `budgets today: pm 12.40/20.00 USD · claude 30,000/1,000,000 tokens (over)`."""
+    parts = []
+    for b in cap.budgets:
+        figures = []
+        if b.usd is not None:
+            figures.append(f"{b.spent_usd or 0:.2f}/{b.usd:.2f} USD")
+        if b.tokens is not None:
+            figures.append(f"{b.spent_tokens:,}/{b.tokens:,} tokens")
+        parts.append(f"{b.name} {', '.join(figures)}" + (" (over: none starts until 00:00)" if b.over else ""))
+    return "budgets today: " + " · ".join(parts)
 
 
 def holds_line(cap: Capacity) -> str:

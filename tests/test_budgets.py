@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+import anyio
+
 from conftest import wait_for
 
 # A stream-json agent: TURNS assistant messages of TOKENS tokens in (10 out) each, TURN_SLEEP
@@ -122,3 +124,30 @@ def test_usage_and_fallbacks_are_counted_in_metrics(kg):
     assert value(samples, "kugetsu_agent_tokens_total", agent="other", direction="in") == 7
     assert value(samples, "kugetsu_agent_cost_usd_total", agent="fake") == 0.5
     assert value(samples, "kugetsu_tasks_fallback_started_total", agent="other", fallback_from="fake") == 1
+
+
+async def test_mcp_delegates_with_a_fallback_and_a_budget_and_capacity_shows_the_budgets(kg):
+    from test_mcp import connect
+
+    kg.config(budgets={"sources": {"pm": {"usd": 1}}},
+              agents={"fake": preset(kg, cost=1.5), "other": preset(kg, cost=0.1)})
+    kg.ok("hold", "fake")
+    async with connect(kg) as c:
+        r = await c.call_tool("delegate", {"name": "a", "prompt": "go", "agent": "fake", "fallback": ["other"],
+                                           "source": "pm", "budget_usd": 5, "max_tokens": 1000})
+        assert r.structured_content["admitted"] is True
+        await anyio.to_thread.run_sync(lambda: kg.wait_state("a", "succeeded", timeout=20))
+        r = await c.call_tool("status", {"task": "a"})
+        task = r.structured_content
+        assert (task["agent"], task["fallback_from"], task["budget_usd"], task["max_tokens"]) == ("other", "fake", 5, 1000)
+        kg.ok("release", "fake")
+        r = await c.call_tool("delegate", {"name": "b", "prompt": "go", "agent": "fake", "source": "pm"})
+        await anyio.to_thread.run_sync(lambda: kg.wait_state("b", "succeeded", timeout=20))
+        r = await c.call_tool("capacity", {})
+    [budget] = r.structured_content["budgets"]
+    assert budget["name"] == "pm" and budget["over"] is True and budget["spent_usd"] == 1.6
+    assert "budgets today: pm 1.60/1.00 USD (over" in text_of(r)
+
+
+def text_of(result) -> str:
+    return "\n".join(c.text for c in result.content)
