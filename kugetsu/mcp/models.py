@@ -123,14 +123,16 @@ class CapacityOut(BaseModel):
 
 
 class BudgetOut(BaseModel):
-    kind: Literal["source", "agent"]
-    name: str
-    usd: OptFloat = Field(description="the day's budget in US dollars, if any")
-    tokens: OptInt = Field(description="the day's budget in tokens (in + out), if any")
-    spent_usd: OptFloat = Field(description="spent today, as the agents reported their cost")
-    spent_tokens: int
+    """One daily budget (a source's or a preset's) and what was spent of it today."""
+
+    kind: Literal["source", "agent"] = Field(description="whose budget: a source's (who delegates) or a preset's")
+    name: str = Field(description="the source or preset")
     over: bool = Field(description="true: nothing more of this source or preset starts until resets_at")
-    resets_at: str
+    resets_at: str = Field(description="local midnight, RFC 3339")
+    usd: OptFloat = Field(description="the day's budget in US dollars, if any")
+    spent_usd: OptFloat = Field(description="spent today, as the agents reported their cost")
+    tokens: OptInt = Field(description="the day's budget in tokens (in + out), if any")
+    spent_tokens: int = Field(description="tokens in and out today")
 
 
 class HoldOut(BaseModel):
