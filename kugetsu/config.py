@@ -178,12 +178,30 @@ class LimitConfig(msgspec.Struct, forbid_unknown_fields=True):
     exit_codes: list[int] = []
     backoff: Duration = "1m"
     max_backoff: Duration = "1h"
+    # Before the wall: the provider's window quota, as far as it is known (e.g. "5h" and a
+    # number of starts or of tokens in and out): kugetsu starts no more of this preset in a
+    # window once it is used up, and lets one task probe the next window first.
+    window: Duration | None = None
+    window_starts: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    window_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
     def __post_init__(self) -> None:
         for p in self.patterns:
             _check_pattern(p, "limit.patterns")
         parse_duration(self.backoff, "limit.backoff")
         parse_duration(self.max_backoff, "limit.max_backoff")
+        if self.window is not None:
+            if parse_duration(self.window, "limit.window") <= 0:
+                raise ValueError("limit.window must be a duration longer than 0, e.g. \"5h\"")
+            if self.window_starts is None and self.window_tokens is None:
+                raise ValueError("limit.window needs limit.window_starts (starts in a window) or limit.window_tokens"
+                                 " (tokens in and out in a window)")
+        elif self.window_starts is not None or self.window_tokens is not None:
+            raise ValueError("limit.window_starts and limit.window_tokens need limit.window, e.g. \"5h\"")
+
+    @property
+    def window_s(self) -> float | None:
+        return None if self.window is None else parse_duration(self.window)
 
     @property
     def enabled(self) -> bool:
@@ -474,7 +492,7 @@ KEY_HELP: dict[str, str] = {
     "kill_grace": "SIGTERM -> SIGKILL delay",
     "default_agent": "preset used when no command is given",
     "agents": "presets {name: {command: [argv with {prompt} {prompt_file} {name} {id}], env: {}, max_agents,"
-    " limit: {patterns, exit_codes, backoff, max_backoff}, session_pattern, resume: [argv with {session}],"
+    " limit: {patterns, exit_codes, backoff, max_backoff, window, window_starts, window_tokens}, session_pattern, resume: [argv with {session}],"
     " output: text|claude|codex|opencode, fallback: [presets], fallback_fresh}}; extend the built-ins",
     "history_limit": "finished tasks kept in index.json; older ones move to history.jsonl",
     "events_max_size": "events.jsonl beyond this becomes events.jsonl.1 (the older one is dropped)",

@@ -233,6 +233,17 @@ class DaySpend(msgspec.Struct, kw_only=True, omit_defaults=True):
     agents: dict[str, Usage] = {}
 
 
+class QuotaWindow(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A preset's window quota (its `limit.window`), as used so far: the window began at its
+    first start; `probe`: when the window before was used up, the one task let through in
+    this one until its provider has answered it (its first turn) or it has ended."""
+
+    since: Time
+    starts: int = 0
+    tokens: int = 0
+    probe: int | None = None
+
+
 class Index(msgspec.Struct, kw_only=True):
     """The whole state. `active`, `queued` and `finished` hold each task exactly once."""
 
@@ -254,6 +265,7 @@ class Index(msgspec.Struct, kw_only=True):
     strikes: dict[str, int] = {}
     # Usage today (budgets), and each window-quota preset's starts and tokens in its window.
     spend: DaySpend | None = None
+    windows: dict[str, QuotaWindow] = {}
     # The events of the last transaction, committed with it: if the process dies between
     # the index rename and the events.jsonl append, the next transaction appends them.
     outbox: list[Event] = []

@@ -141,6 +141,7 @@ def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources |
     quick = Board(index, cfg, now, resources, lanes=False)  # the counts only, no order
     if (quick.pause is None and quick.hold is None and quick.source_limit is None and quick.interval is None
             and not quick.caps and not quick.agent_caps and not quick.holds and quick.spend is None
+            and not quick.window_presets
             and not any(t.after or t.not_before for t in index.queued)):
         return {}  # nothing that could hold a task
     board = Board(index, cfg, now, resources)
@@ -741,6 +742,8 @@ def start(index: Index, task: Task, now: datetime, host: str | None = None, cfg:
     (Board.take), when that is not the one it has."""
     if cfg is not None and agent is not None and agent != task.agent:
         switch_preset(cfg, task, agent)
+    if cfg is not None:
+        budgets.window_start(cfg, index.windows, task.agent, task.id, now)
     index.queued.remove(task)
     task.state = TaskState.RUNNING
     task.host = host
@@ -774,7 +777,10 @@ def switch_preset(cfg: Config, task: Task, agent: str) -> None:
 def record_spawn(index: Index, task: Task, at: datetime) -> None:
     """The task's agent was let go at `at`, which may be later than the decision to start it
     (a CLI's transaction decides, the service spawns): started_at, run timeouts and the
-    source's rate limit count from the real start."""
+    source's rate limit count from the real start, and so does a window quota it opened."""
+    window = index.windows.get(task.agent) if task.agent is not None else None
+    if window is not None and window.since == task.started_at and window.since < at:
+        window.since = at
     task.started_at = at
     mark = index.last_start.get(task.source)
     if mark is not None and mark.at < at:
@@ -1350,6 +1356,7 @@ def conclude(index: Index, cfg: Config, task: Task, now: datetime, code: int | N
     queue in its place, its preset held), or it failed with retries left (back to the queue,
     after its retry delay), or it is final (`finish`). A task past its budget (known only now,
     from an agent that reports usage at the end) does not run again: it fails, saying so."""
+    budgets.window_ended(index.windows, task.agent, task.id)
     if task.run_usage is not None:  # its end was not read (no output to read): what its stream said
         _book_run(index, task, None, now)
     over = budgets.task_over(task)

@@ -67,7 +67,7 @@ def simple_order(index: Index, cfg: Config) -> bool:
         and cfg.min_start_interval_s is None
         and not index.holds
         and not cfg.budgets.enabled
-        and not any(p.max_agents is not None for p in cfg.agents.values())
+        and not any(p.max_agents is not None or p.limit.window is not None for p in cfg.agents.values())
         # one pass over the queue (delegate asks this of a long queue on every call)
         and not any(t.after or t.not_before is not None or (t.group is not None and t.group in cfg.groups)
                     for t in index.queued)
@@ -119,6 +119,9 @@ class Board:
         # Daily budgets (budgets.*): what was spent today, against which a source or a preset
         # over its budget starts nothing more until midnight (budget_why).
         self.spend = index.spend if cfg.budgets.enabled else None
+        # Window quotas (limit.window): each preset's window so far, a copy that take() counts in.
+        self.window_presets = frozenset(n for n, p in cfg.agents.items() if p.limit.window is not None)
+        self.windows = {a: msgspec.structs.replace(w) for a, w in index.windows.items()} if self.window_presets else {}
         interval = cfg.min_start_interval_s
         self.interval = timedelta(seconds=interval) if interval else None
         self.starts = index.starts
@@ -169,13 +172,19 @@ class Board:
         budget = getattr(self.cfg.budgets, kind).get(name)
         return budgets.daily_over(name, budget, getattr(self.spend, kind).get(name), self.now) if budget else None
 
+    def window_why(self, agent: str) -> str | None:
+        """`claude window quota 12/12 starts, resets 17:00` (or a probe under way), else None."""
+        if agent not in self.window_presets:
+            return None
+        return budgets.window_why(self.cfg, agent, self.windows.get(agent), self.now, self.running_ids)
+
     def preset_held(self, agent: str) -> str | None:
         """Why this preset refuses every start now (a hold: its provider's limit, by hand; its
         daily budget spent), or None. A failover order passes over such a preset; a preset
         merely full is waited for."""
         until = self.held_until(agent)
         if until is None:
-            return self.budget_why("agents", agent)
+            return self.budget_why("agents", agent) or self.window_why(agent)
         hold = self.holds[agent]
         return f"{hold.reason}, retry at {clock(until, self.now)}" if hold.until is not None else f"{hold.reason}"
 
@@ -282,6 +291,8 @@ class Board:
             del self.lanes[lane_id]
         self.running.append((task.source, group, agent))
         self.running_ids.append(task.id)
+        if agent in self.window_presets:
+            budgets.window_start(self.cfg, self.windows, agent, task.id, self.now)
         self.by_source[task.source] += 1
         if group is not None:
             self.by_group[group] += 1
@@ -321,6 +332,9 @@ class Board:
                 hold = self.holds.get(agent)
                 if hold is not None and hold.until is not None and hold.until > self.now:
                     times.append(hold.until)
+                window = self.windows.get(agent)
+                if window is not None and self.window_why(agent) is not None:
+                    times.append(budgets.window_end(self.cfg, agent, window))  # type: ignore[arg-type]
             if not_before is not None and not_before > self.now:
                 times.append(not_before)
             if self.spend is not None and (self.budget_why("sources", source) is not None

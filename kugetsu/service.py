@@ -356,10 +356,13 @@ class Service:
 
     def _budgeted(self, here: str | None) -> list[Task]:
         """This machine's running tasks whose agent reports usage mid-run, while a budget
-        could stop them (their own, or a daily one)."""
+        could stop them (their own, or a daily one), or while they probe a quota's new window
+        (its first turn ends the probe)."""
         daily = self.cfg.budgets.enabled
+        probes = {w.probe for w in self.index.windows.values() if w.probe is not None}
         return [t for t in self.index.active if t.log and t.ended_at is None and t.stop is None
-                and placement.ours(t, here) and (daily or t.budget_usd is not None or t.max_tokens is not None)
+                and placement.ours(t, here)
+                and (daily or t.budget_usd is not None or t.max_tokens is not None or t.id in probes)
                 and ops.output_kind(self.cfg, t) == "claude"]
 
     def _watch_usage(self, here: str | None) -> None:

@@ -4,6 +4,8 @@ next preset; a run with a session to resume waits for its own unless a fresh sta
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from conftest import wait_for
 from test_limits import preset, runs
 
@@ -18,7 +20,7 @@ def test_a_held_preset_fails_over_and_a_session_waits_for_its_own(kg):
     gate = kg.rec / "gate"
     kg.config(max_agents=1, agents={
         "fake": preset(kg, "fake", limited=1, reset=4, gate=gate, fallback=["other"]),
-        "other": preset(kg, "other", sleep=0.3),
+        "other": preset(kg, "other", sleep=2),
     })
     kg.ok("delegate", "a", "--agent", "fake", "--prompt", "do a")
     kg.ok("delegate", "b", "--agent", "fake", "--prompt", "do b")  # the preset's fallback: other
@@ -28,7 +30,7 @@ def test_a_held_preset_fails_over_and_a_session_waits_for_its_own(kg):
     assert b["agent"] == "other" and b["fallback_from"] == "fake" and b["route"] == ["fake", "other"]
     assert _count(kg, "other") == 1 and runs(kg, "b")[0][1] == ["do", "b"]  # other's command, b's prompt
     assert "agent" in kg.ok("status", "b") and "other (fallback from fake)" in kg.ok("status", "b")
-    assert "other (fallback from fake)" in kg.ok("queue")
+    assert "other (fallback from fake)" in kg.ok("queue")  # while it runs (2 s)
     [started] = [e for e in kg.events("started") if e["name"] == "b"]
     assert started["reason"] == "fallback from fake" and started["value"]["agent"] == "other"
     a = kg.task("a")
@@ -86,3 +88,34 @@ def test_bad_fallback_orders_are_refused_with_nothing_written(kg):
     out = kg.run("delegate", "--agent", "fake", "--prompt", "x")
     assert out.returncode == 2 and "agents.fake.fallback" in out.stderr
     assert not kg.home.index.exists() or '"queued":[{' not in kg.home.index.read_text()
+
+
+def test_a_window_quota_stops_starts_before_the_wall_and_lets_one_probe_through(kg):
+    kg.config(max_agents=3, agents={"fake": preset(kg, "fake", sleep=1.0,
+                                                   limit={"window": "3s", "window_starts": 2})})
+    for name in "abcd":
+        kg.ok("delegate", name, "--agent", "fake", "--prompt", f"do {name}")
+    wait_for(lambda: runs(kg, "a") and runs(kg, "b"), 10, "a and b to start")
+    queued = kg.json("queue")["queued"]
+    assert [(t["name"], t["position"]) for t in queued] == [("c", 1), ("d", 2)]
+    assert all(t["waiting_for"].startswith("fake window quota 2/2 starts, resets ") for t in queued), queued
+    # The window turns 3 s after a's start: c goes alone (a probe of the new window), d waits
+    # for its end, though a slot is free.
+    wait_for(lambda: runs(kg, "c"), 10, "c to probe the new window")
+    a, c = (datetime.fromisoformat(kg.task(n)["started_at"]) for n in "ac")
+    assert (c - a).total_seconds() >= 3  # the window counts from a's real start
+    d = kg.json("queue")["queued"][0]
+    assert d["name"] == "d" and d["waiting_for"] == "fake window quota: task #3 probes the new window first"
+    kg.wait_state("d", "succeeded", timeout=20)
+    c_end = float(next(line.split()[1] for line in (kg.rec / "c").read_text().splitlines() if line.startswith("end")))
+    assert runs(kg, "d")[0][0] >= c_end
+    assert kg.json("status", "d")["state"] == "succeeded"
+
+
+def test_window_quota_settings_are_checked(kg):
+    kg.config(agents={"fake": {"command": ["true"], "limit": {"window": "5h"}}})
+    out = kg.run("queue")
+    assert out.returncode == 2 and "limit.window needs limit.window_starts" in out.stderr
+    kg.config(agents={"fake": {"command": ["true"], "limit": {"window_tokens": 5}}})
+    out = kg.run("queue")
+    assert out.returncode == 2 and "need limit.window" in out.stderr

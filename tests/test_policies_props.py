@@ -22,7 +22,9 @@ task_st = st.tuples(st.sampled_from("abcd"), st.sampled_from(PRIORITIES), st.sam
                     st.sampled_from([None, "p1", "p2", "p2", "p2,p1", "p1,p2"]))
 # Agent presets with their own max_agents (issue 18); a hold on p2 (a provider's limit) is
 # drawn per example. "p2,p1": a failover order (issue 30): while p2 is held, on p1.
-preset_st = st.fixed_dictionaries({"command": st.just(["true"]), "max_agents": st.none() | st.integers(1, 2)})
+preset_st = st.fixed_dictionaries({"command": st.just(["true"]), "max_agents": st.none() | st.integers(1, 2),
+                                   # a window quota (issue 30): 2 starts in 10 s, then a probe
+                                   "limit": st.sampled_from([{}, {"window": "10s", "window_starts": 2}])})
 config_st = st.fixed_dictionaries({
     "max_agents": st.integers(1, 4),
     "strategy": st.sampled_from(["fifo", "priority", "fair"]),
@@ -82,6 +84,19 @@ def check_limits(cfg: Config, index: Index, starts: dict[str, list[datetime]]) -
             assert all(b - a >= gap for a, b in zip(times, times[1:]))
 
 
+def windows_closed(cfg: Config, index: Index, now: datetime) -> set[str]:
+    """Presets whose window quota lets nothing start now: used up until the window turns, or
+    a probe of a new window still running."""
+    out = set()
+    running = {t.id for t in index.active}
+    for agent, w in index.windows.items():
+        limit = cfg.agents[agent].limit
+        if w.since + timedelta(seconds=limit.window_s) > now and (  # type: ignore[operator]
+                w.starts >= limit.window_starts or w.probe in running):  # type: ignore[operator]
+            out.add(agent)
+    return out
+
+
 def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
     """Start tasks as the scheduler would, one at a time; when nothing may start, let time
     run to the next rate-limit release if a slot is free, else end the oldest running task."""
@@ -105,6 +120,7 @@ def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
                 held = {a for a, h in index.holds.items() if h.until is None or h.until > now}
                 if index.spend is not None and index.spend.day == budgets.day_of(now):  # over its budget: passed over
                     held |= set(index.spend.agents) & set(cfg.budgets.agents)
+                held |= windows_closed(cfg, index, now)
                 assert agent == next(a for a in task.route if a not in held)
             else:
                 assert agent == task.agent
@@ -113,10 +129,14 @@ def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
             if index.spend is not None and index.spend.day == budgets.day_of(now):  # nothing over its budget starts
                 assert not (task.source in index.spend.sources and "a" in cfg.budgets.sources), "a source over budget"
                 assert not (agent in index.spend.agents and "p1" in cfg.budgets.agents), "a preset over budget"
+            assert agent not in windows_closed(cfg, index, now), "a preset started past its window quota or probe"
             if on_pick:
                 on_pick(index, now, task)
             pm.start(index, task, now, None, cfg, agent)
             assert task.agent == agent and task.fallback_from == (task.route[0] if task.route and agent != task.route[0] else None)
+            window = index.windows.get(agent)  # type: ignore[arg-type]
+            if window is not None:  # never more starts in a window than its quota
+                assert window.starts <= cfg.agents[agent].limit.window_starts  # type: ignore[operator]
             starts.setdefault(task.source, []).append(now)
             order.append(task.id)
             check_limits(cfg, index, starts)

@@ -12,7 +12,7 @@ from datetime import datetime, tzinfo
 from kugetsu import pm
 from kugetsu.config import mask_secrets
 from kugetsu.models import Event, Index, Task
-from kugetsu.render import since, until
+from kugetsu.render import agent_text, since, until
 
 FINISHED_SHOWN = 50
 
@@ -50,7 +50,7 @@ def task_style(task: Task) -> str:
 
 def running_rows(queue: pm.QueueView, now: datetime, tz: tzinfo | None) -> list[Row]:
     return [
-        Row(str(t.id), task_style(t), (str(t.id), t.name, t.source, t.agent or "-", clock_time(t.started_at, now, tz),
+        Row(str(t.id), task_style(t), (str(t.id), t.name, t.source, agent_text(t.agent, t.fallback_from), clock_time(t.started_at, now, tz),
                                        since(t.started_at, now), str(t.pid) if t.pid else "starting",
                                        task_style(t)))
         for t in queue.running
