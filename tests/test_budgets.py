@@ -9,6 +9,7 @@ import sys
 import anyio
 
 from conftest import wait_for
+from test_cluster import machines  # noqa: F401  (a fixture: homes sharing one PostgreSQL)
 
 # A stream-json agent: TURNS assistant messages of TOKENS tokens in (10 out) each, TURN_SLEEP
 # apart, then a result with the whole usage and COST; exit CODE. It records each turn.
@@ -151,3 +152,30 @@ async def test_mcp_delegates_with_a_fallback_and_a_budget_and_capacity_shows_the
 
 def text_of(result) -> str:
     return "\n".join(c.text for c in result.content)
+
+
+def test_failover_and_a_source_budget_across_the_machines_of_a_cluster(machines):
+    import json
+
+    a, b = machines("m1", slots=1), machines("m2", slots=1)
+    agents = {"fake": preset(a, cost=0.8, tokens=100), "other": preset(a, cost=0.1, tokens=10)}
+    a.ok("config", "set", "agents", json.dumps(agents))
+    a.ok("config", "set", "budgets", json.dumps({"sources": {"pm": {"usd": 1}}}))
+    b.ok("hold", "fake")  # on one machine: held for the cluster
+    a.ok("delegate", "x", "--agent", "fake,other", "--source", "pm", "--prompt", "go")
+    x = a.wait_state("x", "succeeded", timeout=30)
+    assert (x["agent"], x["fallback_from"]) == ("other", "fake")
+    a.ok("release", "fake")
+    b.ok("delegate", "y", "--agent", "fake", "--source", "pm", "--host", "m2", "--prompt", "go")
+    b.wait_state("y", "succeeded", timeout=30)  # pm: 0.90 USD, under its budget
+    a.ok("delegate", "z", "--agent", "other", "--source", "pm", "--host", "m1", "--prompt", "go")
+    a.wait_state("z", "succeeded", timeout=30)  # pm: 1.00 USD: spent
+    b.ok("delegate", "w", "--agent", "other", "--source", "pm", "--prompt", "go")
+    for k in (a, b):  # every machine reads the same day's spending
+        [queued] = k.json("queue")["queued"]
+        assert (queued["name"], queued["waiting_for"]) == ("w", "budget pm 1.00/1.00 USD, resets 00:00")
+    rows = a.json("stats", "--by", "host")["rows"]  # each machine's runs, where they ran
+    cost = {"x": 0.1, "y": 0.8, "z": 0.1}
+    for host in ("m1", "m2"):
+        mine = sum(cost[n] for n in cost if a.task(n)["host"] == host)
+        assert round(rows[host]["usage"]["cost_usd"] or 0, 2) == round(mine, 2), (host, rows)
