@@ -1503,6 +1503,11 @@ def retry_request(task: Task) -> Request:
     """`kugetsu retry TASK`: a finished task admitted again, as a new task linked to it."""
     if not task.state.final:
         raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}; only a finished task can be retried", code=1)
-    return Request(cwd=task.cwd, name=task.name, command=list(task.first_command or task.command), prompt=task.prompt,
-                   agent=task.agent, source=task.source, priority=task.priority, group=task.group, timeout=task.timeout,
-                   env=dict(task.env), retries=task.retries, retry_delay=task.retry_delay, retry_of=task.id)
+    routed = bool(task.route)  # a failover order: its first preset's command again, with the prompt
+    return Request(cwd=task.cwd, name=task.name, command=None if routed else list(task.first_command or task.command),
+                   prompt=task.prompt, agent=task.route[0] if routed else task.agent, source=task.source,
+                   priority=task.priority, group=task.group, timeout=task.timeout,
+                   env={} if routed else dict(task.env), retries=task.retries, retry_delay=task.retry_delay,
+                   retry_of=task.id, fallback=task.route[1:] if routed else None,
+                   fallback_fresh=task.fallback_fresh if routed else None, budget_usd=task.budget_usd,
+                   max_tokens=task.max_tokens)

@@ -4,6 +4,7 @@ next preset; a run with a session to resume waits for its own unless a fresh sta
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 
 from conftest import wait_for
@@ -58,6 +59,11 @@ def test_fallback_fresh_lets_an_interrupted_run_start_afresh_elsewhere(kg):
     assert [args for _, args in runs(kg, "a")] == [["do", "a"], ["do", "a"]]  # afresh: the prompt, not a resume
     assert _count(kg, "other") == 1
     assert len(a["attempts"]) == 1 and a["attempts"][0]["limit"] is True
+    # `kugetsu retry`: the same order again, from its first preset (still held: on other).
+    again = json.loads(kg.ok("retry", "a", "--json"))
+    assert again["route"] == ["fake", "other"] and again["fallback_fresh"] is True and again["retry_of"] == a["id"]
+    done = kg.wait_state(str(again["id"]), "succeeded", timeout=20)
+    assert done["agent"] == "other" and done["fallback_from"] == "fake" and done["command"][-1] == "do a"
 
 
 def test_positions_and_reasons_with_a_preset_held_by_hand(kg):
@@ -84,6 +90,9 @@ def test_bad_fallback_orders_are_refused_with_nothing_written(kg):
     assert out.returncode == 2 and "unknown agent preset 'nope'" in out.stderr and "Traceback" not in out.stderr
     out = kg.run("delegate", "--agent", "fake,claude", "--", "true")
     assert out.returncode == 2 and "a fallback runs another preset" in out.stderr
+    kg.config(agents={"fake": {"command": ["true", "{prompt}"]}, "gone": {"command": ["no-such-agent-x", "{prompt}"]}})
+    out = kg.run("delegate", "--agent", "fake,gone", "--prompt", "x")  # a fallback that could never start
+    assert out.returncode == 2 and "'no-such-agent-x'" in out.stderr and "preset 'gone'" in out.stderr, out.stderr
     kg.config(agents={"fake": {"command": ["true"], "fallback": ["nope"]}})
     out = kg.run("delegate", "--agent", "fake", "--prompt", "x")
     assert out.returncode == 2 and "agents.fake.fallback" in out.stderr
