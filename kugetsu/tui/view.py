@@ -101,12 +101,14 @@ def _event_detail(e: Event) -> str:
 
 def summary(cap: pm.Capacity, service_pid: int | None) -> str:
     service = f"service running (pid {service_pid})" if service_pid else "service not running"
-    from kugetsu.render import holds_line, paused_note
+    from kugetsu.render import budgets_line, holds_line, paused_note
 
     text = (f"{cap.active}/{cap.max_agents} running · {cap.queued} queued · max queue {cap.max_queue}"
             f"{paused_note(cap)} · {service}")
     if cap.holds:  # a provider's limit, or a hold by hand: its tasks wait, and for how long
         text += " · " + holds_line(cap)
+    if any(b.over for b in cap.budgets):  # a daily budget spent: its tasks wait until midnight
+        text += " · " + budgets_line(cap)
     return text
 
 
