@@ -325,6 +325,9 @@ def _bad_time(index: Index) -> str | None:
         for at in (hold.since, hold.until):
             if at is not None and not lo <= at <= hi:
                 return f"the hold on {agent!r} has the time {at.isoformat()}"
+    for agent, window in index.windows.items():
+        if not lo <= window.since <= hi:
+            return f"the quota window of {agent!r} has the time {window.since.isoformat()}"
     return None
 
 

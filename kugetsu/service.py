@@ -89,6 +89,7 @@ class Service:
         # Budgets: each running run's usage so far, read from its stream, for the next tick.
         self._progress: dict[int, Usage] = {}
         self._usage_check: asyncio.TimerHandle | None = None
+        self._usage_sizes: dict[int, int] = {}  # each budgeted log's size at its last read
         self._log_check: asyncio.TimerHandle | None = None
         self._compacting: set[int] = set()  # logs being compacted in a worker thread
         self._cap_failed: set[int] = set()  # logs that could not be compacted (said once)
@@ -375,14 +376,19 @@ class Service:
         """What each budgeted run has used so far; a change is booked by a tick (pm.progress),
         which stops a task past its budget."""
         self._usage_check = None
+        sizes = {}
         for task in self._budgeted(here):
             try:
+                sizes[task.id] = size = os.stat(task.log).st_size  # type: ignore[arg-type]
+                if self._usage_sizes.get(task.id) == size:
+                    continue  # nothing new since the last read
                 tail = logtail.tail(task.log, max_bytes=agents.TAIL_BYTES).data.decode(errors="replace")
             except OSError:
                 continue
             run = agents.progress("claude", tail)
             if run is not None and run != task.run_usage:
                 self._progress[task.id] = run
+        self._usage_sizes = sizes
         if self._progress:
             self.request_tick()
         else:
