@@ -42,7 +42,12 @@ def _delegate_args(d: argparse.ArgumentParser) -> None:
     g = d.add_mutually_exclusive_group()
     g.add_argument("--prompt", help="the prompt for the agent preset")
     g.add_argument("--prompt-file", metavar="F", help="read the prompt from a file (- for stdin)")
-    d.add_argument("--agent", metavar="PRESET", help="agent preset (config `agents`)")
+    d.add_argument("--agent", metavar="PRESET[,FALLBACK...]",
+                   help="agent preset (config `agents`); several, in order: while one is held, start on the next")
+    d.add_argument("--fallback-fresh", action="store_true", default=None,
+                   help="a run interrupted with a session may start afresh on a fallback (default: it waits to resume)")
+    d.add_argument("--budget-usd", metavar="USD", type=float, help="stop the task once its runs cost more")
+    d.add_argument("--max-tokens", metavar="N", type=_positive_int, help="stop the task once its runs used more tokens")
     d.add_argument("--cwd", metavar="DIR", help="working directory (default: here)")
     d.add_argument("--source", metavar="WHO", default="cli", help="who delegates (pm, telegram:<chat>, ...)")
     d.add_argument("--priority", choices=PRIORITIES, default="normal")
@@ -181,7 +186,8 @@ def _telegram_args(tg: argparse.ArgumentParser) -> None:
 def _stats_args(st: argparse.ArgumentParser) -> None:
     st.add_argument("--since", metavar="DUR", type=_duration, help="the window: the last DUR (default 24h)")
     # The names of stats.BY, spelled out: the stats module is imported only when it runs.
-    st.add_argument("--by", choices=("source", "agent", "group", "host"), help="one row per source, agent, group or host")
+    st.add_argument("--by", choices=("source", "agent", "group", "host", "day"),
+                    help="one row per source, agent, group, host or (local) day")
     st.add_argument("--json", action="store_true")
 
 
@@ -405,6 +411,9 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         after=_after_refs(args.after),
         retries=args.retries,
         retry_delay=args.retry_delay,
+        fallback_fresh=args.fallback_fresh,
+        budget_usd=args.budget_usd,
+        max_tokens=args.max_tokens,
     )
     if pm.unused_prompt(req):
         print("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"
@@ -866,7 +875,7 @@ def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
 
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
-    cap = pm.capacity(index, cfg)
+    cap = pm.capacity(index, cfg, ops.now())
     if args.json:
         print(to_json(ops.capacity_json(cfg, index)))
     else:

@@ -178,12 +178,30 @@ class LimitConfig(msgspec.Struct, forbid_unknown_fields=True):
     exit_codes: list[int] = []
     backoff: Duration = "1m"
     max_backoff: Duration = "1h"
+    # Before the wall: the provider's window quota, as far as it is known (e.g. "5h" and a
+    # number of starts or of tokens in and out): kugetsu starts no more of this preset in a
+    # window once it is used up, and lets one task probe the next window first.
+    window: Duration | None = None
+    window_starts: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    window_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
     def __post_init__(self) -> None:
         for p in self.patterns:
             _check_pattern(p, "limit.patterns")
         parse_duration(self.backoff, "limit.backoff")
         parse_duration(self.max_backoff, "limit.max_backoff")
+        if self.window is not None:
+            if parse_duration(self.window, "limit.window") <= 0:
+                raise ValueError("limit.window must be a duration longer than 0, e.g. \"5h\"")
+            if self.window_starts is None and self.window_tokens is None:
+                raise ValueError("limit.window needs limit.window_starts (starts in a window) or limit.window_tokens"
+                                 " (tokens in and out in a window)")
+        elif self.window_starts is not None or self.window_tokens is not None:
+            raise ValueError("limit.window_starts and limit.window_tokens need limit.window, e.g. \"5h\"")
+
+    @property
+    def window_s(self) -> float | None:
+        return None if self.window is None else parse_duration(self.window)
 
     @property
     def enabled(self) -> bool:
@@ -205,6 +223,11 @@ class AgentPreset(msgspec.Struct, forbid_unknown_fields=True):
     # What its output is (kugetsu/agents): "text", or the agent's structured stream, read first
     # for the session, a limit, an error, usage and denials (the patterns are the fallback).
     output: Literal["text", "claude", "codex", "opencode"] = "text"
+    # Failover (README, "Provider limits"): while this preset is held (or full, or over its
+    # budget), its queued tasks start on the first of these with room. `fallback_fresh`: a task
+    # whose run was interrupted with a session may start afresh there too (else it waits to resume).
+    fallback: list[str] = []
+    fallback_fresh: bool = False
 
     def __post_init__(self) -> None:
         if self.session_pattern is not None:
@@ -291,6 +314,25 @@ class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True):
 class McpConfig(msgspec.Struct, forbid_unknown_fields=True):
     # The bearer token `kugetsu mcp --http` requires (env KUGETSU_MCP_TOKEN wins); stdio needs none.
     token: str | None = None
+
+
+class Budget(msgspec.Struct, forbid_unknown_fields=True):
+    """What may be spent in a local day (a source's, a preset's): US dollars, tokens, or both."""
+
+    usd: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    tokens: Annotated[int, msgspec.Meta(gt=0)] | None = None
+
+
+class BudgetsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Daily budgets (README, "Provider limits"): a source or preset whose usage today has
+    reached its budget starts nothing more until local midnight."""
+
+    sources: dict[str, Budget] = {}
+    agents: dict[str, Budget] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.sources or self.agents)
 
 
 class GroupConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -380,6 +422,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     host: str | None = None
     host_max_agents: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+    budgets: BudgetsConfig = msgspec.field(default_factory=BudgetsConfig)
 
     def __post_init__(self) -> None:
         if self.store is not None and not re.match(r"^postgres(ql)?://", self.store):
@@ -397,6 +440,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
                              f" and its end), got {self.log_max_size!r}; null: no cap")
         # User presets extend (and may override) the built-in ones.
         self.agents = msgspec.convert({**DEFAULT_AGENTS, **msgspec.to_builtins(self.agents)}, dict[str, AgentPreset])
+        for name, preset in self.agents.items():
+            for other in preset.fallback:
+                if other not in self.agents or other == name:
+                    raise ValueError(f"agents.{name}.fallback: {other!r} is not another preset; known:"
+                                     f" {', '.join(sorted(self.agents))}")
+        for name in self.budgets.agents:
+            if name not in self.agents:
+                raise ValueError(f"budgets.agents: {name!r} is not a preset; known: {', '.join(sorted(self.agents))}")
         if self.default_agent not in self.agents:
             raise ValueError(
                 f"default_agent {self.default_agent!r} is not a preset; known: {', '.join(sorted(self.agents))}"
@@ -441,8 +492,8 @@ KEY_HELP: dict[str, str] = {
     "kill_grace": "SIGTERM -> SIGKILL delay",
     "default_agent": "preset used when no command is given",
     "agents": "presets {name: {command: [argv with {prompt} {prompt_file} {name} {id}], env: {}, max_agents,"
-    " limit: {patterns, exit_codes, backoff, max_backoff}, session_pattern, resume: [argv with {session}],"
-    " output: text|claude|codex|opencode}}; extend the built-ins",
+    " limit: {patterns, exit_codes, backoff, max_backoff, window, window_starts, window_tokens}, session_pattern, resume: [argv with {session}],"
+    " output: text|claude|codex|opencode, fallback: [presets], fallback_fresh}}; extend the built-ins",
     "history_limit": "finished tasks kept in index.json; older ones move to history.jsonl",
     "events_max_size": "events.jsonl beyond this becomes events.jsonl.1 (the older one is dropped)",
     "prompt_max_size": "a task's prompt at most (it is kept in index.json); longer: refused, exit 2",
@@ -466,12 +517,15 @@ KEY_HELP: dict[str, str] = {
     "host_max_agents": "cluster mode: agents this machine runs at most (default: max_agents); local",
     "cluster": "cluster mode: lease (a silent machine's tasks are lost after it, default 30s),"
     " log_max_size (output of a task shipped to the database, default 1MiB)",
+    "budgets": "daily budgets (local day): sources {NAME: {usd, tokens}}, agents {PRESET: {usd, tokens}}; over it:"
+    " nothing more of it starts until 00:00",
     "mcp": "the MCP server: token, the bearer token `kugetsu mcp --http` requires (set it with `config set mcp.token -`)",
 }
 # Sub-objects whose keys are fixed (dotted `config set` checks them); `groups` has free names.
 _NESTED: dict[str, type[msgspec.Struct]] = {
     "telegram": TelegramConfig, "worktrees": WorktreesConfig, "resource_guard": ResourceGuard,
     "metrics": MetricsConfig, "mcp": McpConfig, "cluster": ClusterConfig,
+    "budgets": BudgetsConfig,
 }
 
 # ---- loading ---------------------------------------------------------------------------

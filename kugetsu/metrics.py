@@ -35,6 +35,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from kugetsu import guard, pm, runner
 from kugetsu.config import Config, is_loopback
+from kugetsu.agents.report import Usage
 from kugetsu.models import Index, Task
 from kugetsu.paths import read_tail
 
@@ -163,6 +164,15 @@ class Metrics:
                                    buckets=PROMOTION_BUCKETS, registry=r)
         self.start_time = Gauge("kugetsu_service_start_time_seconds", "When the service started (Unix time)",
                                 registry=r)
+        # Usage (issue 30), as the agents reported it: counted from the index's spending of the
+        # day (budgets.book), mid-run too where an agent streams it.
+        self.tokens = {kind: Counter(f"kugetsu_{kind}_tokens", f"Tokens used, by {kind} and direction (in, out)",
+                                     [kind, "direction"], registry=r) for kind in ("source", "agent")}
+        self.cost = {kind: Counter(f"kugetsu_{kind}_cost_usd", f"Cost in US dollars the agents reported, by {kind}",
+                                   [kind], registry=r) for kind in ("source", "agent")}
+        self.fallbacks = Counter("kugetsu_tasks_fallback_started", "Tasks started on a fallback preset (failover)",
+                                 ["agent", "fallback_from"], registry=r)
+        self._spent: tuple[str, dict[str, dict[str, Usage]]] | None = None  # the day's spending at the last look
         r.register(_Telegram(self))
         for state in ("succeeded", "failed", "cancelled", "expired", "lost"):
             self.finished.labels(state=state)  # every state shows, at 0 until it happens
@@ -219,6 +229,7 @@ class Metrics:
             self.group_max.labels(name).set(u["max_agents"])
             self.group_running.labels(name).set(u["active"])
             self.group_queued.labels(name).set(u["queued"])
+        self._count_usage(index)
         live = {t.id: t.started_at is not None for t in index.live()}
         if self._live is None:  # the first look: what is already there was not seen happen
             self._live = live
@@ -232,6 +243,8 @@ class Metrics:
         self._top_id = max([self._top_id, *live, *(t.id for t in ended)])
         for t in started:
             self.started.inc()
+            if t.fallback_from is not None:
+                self.fallbacks.labels(t.agent or "-", t.fallback_from).inc()
             if t.started_at is not None:
                 self.wait.observe(max(0.0, (t.started_at - t.created_at).total_seconds()))
         for t in ended:
@@ -242,6 +255,27 @@ class Metrics:
         # look (a short task started and ended inside one held commit frees the slot it took).
         self._promotions([t for t in started if before.get(t.id) is False],
                          [t for t in ended if before.get(t.id) or (t.id in before and t.started_at is not None)])
+
+    def _count_usage(self, index: Index) -> None:
+        """What today's spending grew by since the last look (a new day starts from nothing).
+        The first look only takes note: what was spent before this service is not counted."""
+        spend = index.spend
+        now = {"source": dict(spend.sources), "agent": dict(spend.agents)} if spend is not None else {}
+        day = spend.day if spend is not None else ""
+        last, self._spent = self._spent, (day, now)
+        if last is None:
+            return
+        before = last[1] if last[0] == day else {}
+        for kind, ledger in now.items():
+            for key, used in ledger.items():
+                old = before.get(kind, {}).get(key)
+                delta = used - old if old is not None else used
+                if delta.input_tokens > 0:
+                    self.tokens[kind].labels(key, "in").inc(delta.input_tokens)
+                if delta.output_tokens > 0:
+                    self.tokens[kind].labels(key, "out").inc(delta.output_tokens)
+                if delta.cost_usd:
+                    self.cost[kind].labels(key).inc(max(0.0, delta.cost_usd))
 
     def _new_finals(self, index: Index, before: dict[int, bool], live: dict[int, bool]) -> list[Task]:
         """Tasks final since the last look. New ones are at the end of `finished`; a task

@@ -138,6 +138,20 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Tokens (and cost) of all its runs, as its agent's structured output reported them
     # (each requeued run's own in its Attempt): README, "Agents".
     usage: Usage | None = None
+    # Failover (README, "Provider limits"): the presets it may run on, in order (`delegate
+    # --agent claude,codex`, or its preset's `fallback`); empty: its `agent` only. `agent` is
+    # the one it runs (or last ran) on; `fallback_from` the first of the order when that is
+    # another. `fallback_fresh`: a run interrupted with a session may start afresh elsewhere
+    # (else it stays with its preset, to resume).
+    route: list[str] = []
+    fallback_from: str | None = None
+    fallback_fresh: bool = False
+    # Budgets (README, "Provider limits"): a run that passes one is stopped; a task over it
+    # does not start again. `run_usage`: what the running run has used so far, where its
+    # agent's stream says it mid-run (Claude Code's per-turn usage).
+    budget_usd: float | None = None
+    max_tokens: int | None = None
+    run_usage: Usage | None = None
 
 
 class Attempt(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -212,6 +226,27 @@ class ClockError(msgspec.Struct, kw_only=True, omit_defaults=True):
     by: str | None = None  # the command that wrote it, when known (ClockMark)
 
 
+class DaySpend(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What was used on one local day, per source and per preset: what the daily budgets
+    (`budgets.*`) are checked against. Kept in the index, as history trimming must not make
+    a day's spending go down."""
+
+    day: str  # YYYY-MM-DD, local time
+    sources: dict[str, Usage] = {}
+    agents: dict[str, Usage] = {}
+
+
+class QuotaWindow(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A preset's window quota (its `limit.window`), as used so far: the window began at its
+    first start; `probe`: when the window before was used up, the one task let through in
+    this one until its provider has answered it (its first turn) or it has ended."""
+
+    since: Time
+    starts: int = 0
+    tokens: int = 0
+    probe: int | None = None
+
+
 class Index(msgspec.Struct, kw_only=True):
     """The whole state. `active`, `queued` and `finished` hold each task exactly once."""
 
@@ -231,6 +266,9 @@ class Index(msgspec.Struct, kw_only=True):
     # Provider limits: presets held now, and each preset's limit hits in a row (the backoff).
     holds: dict[str, Hold] = {}
     strikes: dict[str, int] = {}
+    # Usage today (budgets), and each window-quota preset's starts and tokens in its window.
+    spend: DaySpend | None = None
+    windows: dict[str, QuotaWindow] = {}
     # The events of the last transaction, committed with it: if the process dies between
     # the index rename and the events.jsonl append, the next transaction appends them.
     outbox: list[Event] = []
@@ -290,6 +328,9 @@ def _bad_time(index: Index) -> str | None:
         for at in (hold.since, hold.until):
             if at is not None and not lo <= at <= hi:
                 return f"the hold on {agent!r} has the time {at.isoformat()}"
+    for agent, window in index.windows.items():
+        if not lo <= window.since <= hi:
+            return f"the quota window of {agent!r} has the time {window.since.isoformat()}"
     return None
 
 

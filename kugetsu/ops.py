@@ -188,16 +188,21 @@ def _check_runnable(cfg: Config, req: pm.Request, runs_on: AgentsPath | None = N
     looked up where it will run: on the PATH of the service that starts it, not the caller's."""
     if not os.path.isdir(req.cwd):
         raise UsageError(f"--cwd {req.cwd!r} is not a directory")
-    _, argv, env = pm.resolve_agent(cfg, req)
+    agent, argv, env = pm.resolve_agent(cfg, req)
     runs_on = runs_on or AgentsPath(os.environ.get("PATH"))
+    _check_exe(req, argv[0], env, None if req.command else agent, runs_on)
+    for other in pm.route_request(cfg, req, agent)[1:]:  # a fallback that could not start is no fallback
+        preset = cfg.agents[other]
+        _check_exe(req, preset.command[0], preset.env, other, runs_on)
+
+
+def _check_exe(req: pm.Request, exe: str, env: dict[str, str], preset: str | None, runs_on: AgentsPath) -> None:
     path = env.get("PATH", runs_on.path)
-    exe = argv[0]
     found = runner.which(exe, path) if os.sep not in exe else runner.which(os.path.join(req.cwd, exe))
     if found is not None:
         return
     from kugetsu.errors import CommandNotFound
 
-    preset = None if req.command else req.agent or cfg.default_agent
     here = runner.which(exe) if os.sep not in exe and "PATH" not in env else None
     if "PATH" in env:
         looked = "the PATH of the preset's env"
@@ -513,6 +518,8 @@ def capacity_json(cfg: Config, index: Index) -> dict[str, Any]:
     out: dict[str, Any] = msgspec.to_builtins(pm.capacity(index, cfg, now()))
     if not out["holds"]:
         del out["holds"]  # there only while a preset is held
+    if not out["budgets"]:
+        del out["budgets"]  # there only when daily budgets are set
     return out
 
 

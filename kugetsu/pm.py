@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import msgspec
 from datetime import datetime, timedelta
 
-from kugetsu import limits, placement
+from kugetsu import budgets, limits, placement
 from kugetsu.config import Config, format_duration, format_size, parse_duration
 from kugetsu.errors import (AmbiguousName, EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered,
                             QueueFull, Rejected, UnknownDependency, UnknownGroup, UsageError)
@@ -47,12 +47,28 @@ def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources |
     if here is not None:
         room = placement.room(index, here)
         index = placement.candidates(index, here)
+    return [t for t, _ in _plan(index, cfg, now, resources, room)]
+
+
+def _plan(index: Index, cfg: Config, now: datetime, resources: Resources | None, room: int | None
+          ) -> list[tuple[Task, str | None]]:
+    """plan_starts with the preset each task starts on (its failover order's choice)."""
     board = Board(index, cfg, now, resources)
-    started: list[Task] = []
+    started: list[tuple[Task, str | None]] = []
     while (room is None or len(started) < room) and (task := board.pick()) is not None:
-        board.take(task)
-        started.append(task)
+        started.append((task, board.take(task)))
     return started
+
+
+def starts_now(index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
+               here: Here | None = None) -> list[tuple[Task, str | None]]:
+    """plan_starts, each task with the preset it starts on (pm.start's `agent`)."""
+    tasks = plan_starts(index, cfg, now, resources, here)
+    if not any(t.route for t in tasks):
+        return [(t, t.agent) for t in tasks]
+    if here is not None:
+        index = placement.candidates(index, here)
+    return _plan(index, cfg, now, resources, len(tasks))
 
 
 def next_to_start(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> Task | None:
@@ -80,6 +96,7 @@ def successor(index: Index, cfg: Config) -> Successor | None:
         or cfg.resource_guard.enabled
         or not simple_order(index, cfg)
         or any(may_requeue(cfg, t) for t in index.active)  # it would come back ahead of the successor
+        or any(t.route for t in index.queued)  # it may start on another preset than its command's
     ):
         return None
     first = min(index.queued, key=lambda t: task_key(cfg, t))
@@ -124,7 +141,8 @@ def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources |
     without a reason are left out."""
     quick = Board(index, cfg, now, resources, lanes=False)  # the counts only, no order
     if (quick.pause is None and quick.hold is None and quick.source_limit is None and quick.interval is None
-            and not quick.caps and not quick.agent_caps and not quick.holds
+            and not quick.caps and not quick.agent_caps and not quick.holds and quick.spend is None
+            and not quick.window_presets
             and not any(t.after or t.not_before for t in index.queued)):
         return {}  # nothing that could hold a task
     board = Board(index, cfg, now, resources)
@@ -159,13 +177,42 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     paused: bool = False  # `kugetsu pause`: no queued task starts until `resume`
     paused_groups: list[str] = []  # `pause --group G`: none of these groups' tasks starts
     holds: dict[str, HoldView] = {}  # presets held (provider limits, by hand): their tasks wait
+    budgets: list[BudgetView] = []  # the daily budgets (budgets.*), with today's spending
+
+
+class BudgetView(msgspec.Struct, frozen=True, kw_only=True):
+    """A daily budget and what was spent of it today, as the front ends show it."""
+
+    kind: str  # "source" or "agent"
+    name: str
+    usd: float | None  # the budget
+    tokens: int | None
+    spent_usd: float | None  # today's (None: no agent reported a cost)
+    spent_tokens: int
+    over: bool  # nothing more of it starts today
+    resets_at: datetime
 
 
 def capacity(index: Index, cfg: Config, now: datetime | None = None) -> Capacity:
     """Counts only: cheap at any queue length (no order is computed)."""
     return Capacity(max_agents=cfg.max_agents, active=len(index.active), queued=len(index.queued),
                     free=free_slots(index, cfg), max_queue=cfg.max_queue, paused=index.paused,
-                    paused_groups=sorted(index.paused_groups), holds=holds_view(index, now))
+                    paused_groups=sorted(index.paused_groups), holds=holds_view(index, now),
+                    budgets=budgets_view(index, cfg, now) if now is not None and cfg.budgets.enabled else [])
+
+
+def budgets_view(index: Index, cfg: Config, now: datetime) -> list[BudgetView]:
+    spend = budgets.today(index, now)
+    out = []
+    for kind, ledger_name in (("source", "sources"), ("agent", "agents")):
+        for name, budget in getattr(cfg.budgets, ledger_name).items():
+            used = getattr(spend, ledger_name).get(name) if spend is not None else None
+            out.append(BudgetView(kind=kind, name=name, usd=budget.usd, tokens=budget.tokens,
+                                  spent_usd=used.cost_usd if used else None,
+                                  spent_tokens=budgets.counted_tokens(used) if used else 0,
+                                  over=budgets.daily_over(name, budget, used, now) is not None,
+                                  resets_at=budgets.midnight_after(now)))
+    return out
 
 
 def pause(index: Index, cfg: Config, now: datetime, group: str | None, on: bool) -> list[Event]:
@@ -319,9 +366,43 @@ class Request(msgspec.Struct, kw_only=True):
     # `command` is a kept task's (`kugetsu retry`): its `{prompt}` takes `prompt` at the start.
     prompted: bool = False
     after: list[str] = []  # tasks (ids or names) that must succeed before this one starts
+    # Failover: presets to fall back on, in order, after `agent` (`--agent claude,codex` is
+    # read into agent + fallback here, for every front end); None: the preset's `fallback`.
+    fallback: list[str] | None = None
+    fallback_fresh: bool | None = None  # None: the preset's `fallback_fresh`
+    budget_usd: float | None = None
+    max_tokens: int | None = None
     # The task whose agent delegates (id, name), from that agent's environment (ops fills it
     # in: KUGETSU_TASK_ID, KUGETSU_TASK_NAME): None from outside any task.
     parent: tuple[int, str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.agent is not None and "," in self.agent:
+            names = [a.strip() for a in self.agent.split(",")]
+            self.agent, rest = names[0], names[1:]
+            self.fallback = rest + [a for a in self.fallback or [] if a not in rest]
+
+
+def route_request(cfg: Config, req: Request, agent: str | None) -> list[str]:
+    """The failover order of a request: its agent then its fallbacks (given, or its preset's);
+    [] when it has none. A bare command has no order (nothing to start elsewhere)."""
+    if agent is None:
+        return []
+    preset = cfg.agents.get(agent)
+    rest = req.fallback if req.fallback is not None else (preset.fallback if preset and not req.command else [])
+    if not rest:
+        return []
+    if req.command:
+        raise UsageError("a fallback runs another preset with the prompt: give a prompt, not an explicit command")
+    order = [agent]
+    for name in rest:
+        if name not in cfg.agents:
+            raise UsageError(f"unknown agent preset {name!r} in the fallback order; known: {', '.join(sorted(cfg.agents))}")
+        if name not in order:
+            order.append(name)
+    if any(any(_NEEDS_PROMPT.search(a) for a in cfg.agents[n].command) for n in order) and req.prompt is None:
+        raise NeedsPrompt(next(n for n in order if any(_NEEDS_PROMPT.search(a) for a in cfg.agents[n].command)))
+    return order if len(order) > 1 else []
 
 
 _PLACEHOLDER = re.compile(r"\{(prompt|prompt_file|name|id)\}")
@@ -373,7 +454,11 @@ def prompt_of(task: Task, stored: Mapping[int, str]) -> str | None:
 
 def wants_prompt_file(cfg: Config, req: Request) -> bool:
     """Does the request run a preset that takes its prompt as a file ({prompt_file})?"""
-    return not req.command and any("{prompt_file}" in a for a in resolve_agent(cfg, req)[1])
+    if req.command:
+        return False
+    agent = resolve_agent(cfg, req)[0]
+    return any("{prompt_file}" in a for name in route_request(cfg, req, agent) or [agent]
+               for a in cfg.agents[name].command)
 
 
 def unused_prompt(req: Request) -> bool:
@@ -487,6 +572,10 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         raise UsageError(f"invalid retries {req.retries}: a task is run again 0 or more times after a failure")
     _check_text(req)
     agent, template, env = resolve_agent(cfg, req)
+    route = route_request(cfg, req, agent)
+    for what, value in (("a budget in USD", req.budget_usd), ("a token budget", req.max_tokens)):
+        if value is not None and not value > 0:
+            raise UsageError(f"{what} must be more than 0, got {value}")
     depth, nesting = nesting_of(index, cfg, req, agent)
     after = dependencies(index, req.after)
     limit = cfg.max_queued_per_source
@@ -512,7 +601,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     name = req.name or f"task-{task_id}"
     expire_after = req.expire_after if req.expire_after is not None else cfg.queue_timeout_s
     timeout = req.timeout if req.timeout is not None else cfg.run_timeout_s
-    if not req.command and req.prompt_path is None and any("{prompt_file}" in a for a in template):
+    if not req.command and req.prompt_path is None and wants_prompt_file(cfg, req):
         raise ValueError("a {prompt_file} preset needs Request.prompt_path (ops.delegate sets it)")
     values = {"prompt": req.prompt or "", "prompt_file": req.prompt_path or "", "name": name, "id": str(task_id)}
     _check_argv(template if req.command else render_command(template, values), req.cwd)
@@ -545,6 +634,11 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         retry_of=req.retry_of,
         depth=depth,
         nesting=nesting,
+        route=route,
+        fallback_fresh=bool(route) and (req.fallback_fresh if req.fallback_fresh is not None
+                                        else bool(cfg.agents[agent].fallback_fresh)),  # type: ignore[index]
+        budget_usd=req.budget_usd,
+        max_tokens=req.max_tokens,
     )
     index.next_id += 1
     index.queued.append(task)
@@ -686,9 +780,15 @@ def _check_argv(command: list[str], cwd: str) -> None:
 # ---- transitions -----------------------------------------------------------------------
 
 
-def start(index: Index, task: Task, now: datetime, host: str | None = None) -> list[Event]:
+def start(index: Index, task: Task, now: datetime, host: str | None = None, cfg: Config | None = None,
+          agent: str | None = None) -> list[Event]:
     """queued -> running in the lowest free slot (on `host`, in a cluster). The caller spawns
-    the process and records its pid."""
+    the process and records its pid. `agent`: the preset its failover order starts it on
+    (Board.take), when that is not the one it has."""
+    if cfg is not None and agent is not None and agent != task.agent:
+        switch_preset(cfg, task, agent)
+    if cfg is not None:
+        budgets.window_start(cfg, index.windows, task.agent, task.id, now)
     index.queued.remove(task)
     task.state = TaskState.RUNNING
     task.host = host
@@ -699,13 +799,38 @@ def start(index: Index, task: Task, now: datetime, host: str | None = None) -> l
     index.last_start.pop(task.source, None)  # keeps the dict in start order, oldest first
     index.last_start[task.source] = SourceMark(at=now, n=index.starts)
     _forget_sources(index)
-    return [_event("started", task, now, slot=task.slot, host=host)]
+    note = f"fallback from {task.fallback_from}" if task.fallback_from else None
+    return [_event("started", task, now, slot=task.slot, host=host, reason=note,
+                   value={"agent": task.agent, "fallback_from": task.fallback_from} if note else None)]
+
+
+def switch_preset(cfg: Config, task: Task, agent: str) -> None:
+    """A task of a failover order moves to another of its presets: the command is that
+    preset's with the task's prompt (a fresh start: a session belongs to its agent), the env
+    that preset's with what the delegator added; `fallback_from` names the first of the order."""
+    old = cfg.agents.get(task.agent) if task.agent else None
+    new = cfg.agents[agent]
+    # `{prompt}` and `{prompt_file}` stay for the start to fill in (argv), as at admission.
+    task.command = render_template(new.command, {"name": task.name, "id": str(task.id)})
+    task.prompted = any(_NEEDS_PROMPT.search(a) for a in new.command)
+    if task.prompted and task.prompt is not None:  # from an older index, which kept it here
+        task.command = render_command(new.command, {"prompt": task.prompt, "prompt_file": "", "name": task.name,
+                                                    "id": str(task.id)})
+        task.prompted = False
+    task.first_command = task.session = None
+    added = {k: v for k, v in task.env.items() if old is None or old.env.get(k) != v}
+    task.env = {**new.env, **added}
+    task.agent = agent
+    task.fallback_from = task.route[0] if task.route and agent != task.route[0] else None
 
 
 def record_spawn(index: Index, task: Task, at: datetime) -> None:
     """The task's agent was let go at `at`, which may be later than the decision to start it
     (a CLI's transaction decides, the service spawns): started_at, run timeouts and the
-    source's rate limit count from the real start."""
+    source's rate limit count from the real start, and so does a window quota it opened."""
+    window = index.windows.get(task.agent) if task.agent is not None else None
+    if window is not None and window.since == task.started_at and window.since < at:
+        window.since = at
     task.started_at = at
     mark = index.last_start.get(task.source)
     if mark is not None and mark.at < at:
@@ -1035,6 +1160,7 @@ class Observations(msgspec.Struct, kw_only=True):
     resources: Resources | None = None  # the machine's readings, for the resource guard
     here: Here | None = None  # in a cluster: the machine this service decides for
     hosts: list[placement.HostSeen] = []  # in a cluster: every machine's lease, as the database has it
+    progress: dict[int, Usage] = {}  # running task id -> its run's usage so far, read from its stream
 
 
 class Plan(msgspec.Struct, kw_only=True):
@@ -1066,7 +1192,7 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
         if task is None or task.ended_at is not None:
             continue
         try:
-            reason = e.reason or read_output(cfg, task, e.code, e.tail, now)
+            reason = e.reason or read_output(cfg, task, e.code, e.tail, now, index)
             if e.leftovers:  # it keeps its slot while they are found and ended
                 agent_ended(task, now, e.code, reason, cfg.kill_grace_s)
             else:
@@ -1086,6 +1212,13 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
                 plan.events += conclude(index, cfg, task, now, task.exit_code, task.reason if task.exit_code else None)
             except Exception as err:
                 plan.events += set_aside(index, plan, task, now, task.exit_code, err)
+    for task_id, run in obs.progress.items():
+        task = live.get(task_id)
+        if task is not None and task.state is TaskState.RUNNING and task.ended_at is None:
+            why = progress(index, cfg, task, run, now)
+            if why is not None:  # past its budget mid-run: stopped like a timeout, failed
+                _request_stop(task, TaskState.FAILED, why, now, cfg.kill_grace_s)
+                plan.signal_groups.append((task, 15))
     plan.events += held_events(index, holds, now)
     adopted = adopt(index, now, obs.adopted, cfg, here)
     plan.set_aside += adopted.set_aside
@@ -1161,8 +1294,8 @@ def settle(index: Index, cfg: Config, now: datetime, resources: Resources | None
         plan.events += finish(index, task, now, None)
     plan.events += expire_due(index, now)
     plan.events += dependencies_failed(index, now)
-    for task in plan_starts(index, cfg, now, resources, here):
-        plan.events += start(index, task, now, here.name if here else None)
+    for task, agent in starts_now(index, cfg, now, resources, here):
+        plan.events += start(index, task, now, here.name if here else None, cfg, agent)
     plan.archive = trim_history(index, cfg.history_limit)
     plan.start = [t for t in index.active if t.pid is None and t.ended_at is None and ours(t, me)]
     return plan
@@ -1198,7 +1331,8 @@ def reads_output(cfg: Config, task: Task) -> bool:
     return preset is not None and bool(preset.output != "text" or preset.limit.patterns or preset.session_pattern)
 
 
-def read_output(cfg: Config, task: Task, code: int | None, tail: str | None, now: datetime) -> str | None:
+def read_output(cfg: Config, task: Task, code: int | None, tail: str | None, now: datetime,
+                index: Index | None = None) -> str | None:
     """What the end of an agent's output says: its session id, the tokens it used, whether
     it hit its provider's limit (an exit that is not 0, with one of the preset's limit exit
     codes or patterns, or a limit its structured output reports), and when that resets.
@@ -1217,10 +1351,7 @@ def read_output(cfg: Config, task: Task, code: int | None, tail: str | None, now
     session = (report.session if report else None) or (limits.session_of(preset.session_pattern, tail) if tail else None)
     if session:
         task.session = session
-    if report is not None and report.usage is not None:
-        from kugetsu.agents.report import total
-
-        task.usage = total([task.usage, report.usage])
+    _book_run(index, task, report.usage if report is not None else None, now)
     if task.stop is not None:
         return None
     if report is not None and report.denied and not report.limited:
@@ -1242,11 +1373,47 @@ def read_output(cfg: Config, task: Task, code: int | None, tail: str | None, now
     return f"{describe_exit(code)}: {said[:300]}" if said else None
 
 
+def _book_run(index: Index | None, task: Task, run: Usage | None, now: datetime) -> None:
+    """A run has ended: what it used (as its agent reported at the end, else as far as its
+    stream said mid-run) joins the task's total, and what was not booked yet today's spending."""
+    streamed, task.run_usage = task.run_usage, None
+    if run is None:
+        run = streamed
+    if run is None:
+        return
+    task.usage = run if task.usage is None else task.usage + run
+    delta = run - streamed if streamed is not None else run
+    if index is not None and (delta.tokens or delta.cost_usd):
+        budgets.book(index, task, delta, now)
+
+
+def progress(index: Index, cfg: Config, task: Task, run: Usage, now: datetime) -> str | None:
+    """A running task's agent reported what its run has used so far (Claude Code's per-turn
+    usage, read from its stream): booked for today's budgets; returns why it must stop when
+    it has passed its own budget (the caller stops it), else None."""
+    before = task.run_usage
+    delta = run - before if before is not None else run
+    if delta.tokens <= 0 and not delta.cost_usd:
+        return None
+    task.run_usage = run
+    budgets.book(index, task, delta, now)
+    return budgets.task_over(task) if task.stop is None else None
+
+
 def conclude(index: Index, cfg: Config, task: Task, now: datetime, code: int | None,
              reason: str | None = None) -> list[Event]:
     """A running task's agent is gone for good: it hit its provider's limit (back to the
     queue in its place, its preset held), or it failed with retries left (back to the queue,
-    after its retry delay), or it is final (`finish`)."""
+    after its retry delay), or it is final (`finish`). A task past its budget (known only now,
+    from an agent that reports usage at the end) does not run again: it fails, saying so."""
+    budgets.window_ended(index.windows, task.agent, task.id)
+    if task.run_usage is not None:  # its end was not read (no output to read): what its stream said
+        _book_run(index, task, None, now)
+    over = budgets.task_over(task)
+    if over is not None and (task.limit is not None or (code != 0 and task.stop in (None, TaskState.FAILED))):
+        if task.stop is None or not (task.reason or "").startswith("budget "):
+            task.stop, task.reason = TaskState.FAILED, over
+        return finish(index, task, now, code, over)
     if task.stop is None and task.limit is not None and task.agent is not None:
         return _requeue_limited(index, cfg, task, now, code, task.limit)
     retry = task.stop in (None, TaskState.FAILED) and code != 0  # not a cancel; a timeout is a failure
@@ -1391,7 +1558,12 @@ def retry_request(task: Task, prompt: str | None) -> Request:
     (`prompt`: its prompt, as the store keeps it: prompt_of)."""
     if not task.state.final:
         raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}; only a finished task can be retried", code=1)
-    return Request(cwd=task.cwd, name=task.name, command=list(task.first_command or task.command), prompt=prompt,
-                   prompted=task.prompted,
-                   agent=task.agent, source=task.source, priority=task.priority, group=task.group, timeout=task.timeout,
-                   env=dict(task.env), retries=task.retries, retry_delay=task.retry_delay, retry_of=task.id)
+    routed = bool(task.route)  # a failover order: its first preset's command again, with the prompt
+    return Request(cwd=task.cwd, name=task.name, command=None if routed else list(task.first_command or task.command),
+                   prompt=prompt, prompted=task.prompted and not routed,
+                   agent=task.route[0] if routed else task.agent, source=task.source,
+                   priority=task.priority, group=task.group, timeout=task.timeout,
+                   env={} if routed else dict(task.env), retries=task.retries, retry_delay=task.retry_delay,
+                   retry_of=task.id, fallback=task.route[1:] if routed else None,
+                   fallback_fresh=task.fallback_fresh if routed else None, budget_usd=task.budget_usd,
+                   max_tokens=task.max_tokens)

@@ -19,10 +19,12 @@ from datetime import datetime, timedelta
 
 import msgspec
 
+from kugetsu import budgets
 from kugetsu.config import Config, format_duration, format_size
 from kugetsu.models import PRIORITIES, Index, Task
 
-Lane = tuple[str, str | None, str | None, datetime | None]  # source, group, agent, not_before
+# source, group, route (the presets it may start on, in order; () for a bare command), not_before
+Lane = tuple[str, str | None, tuple[str, ...], datetime | None]
 
 RANK = {p: i for i, p in enumerate(PRIORITIES)}
 NEVER = -1  # the start counter of a source that never started: oldest of all under `fair`
@@ -64,11 +66,23 @@ def simple_order(index: Index, cfg: Config) -> bool:
         and cfg.max_active_per_source is None
         and cfg.min_start_interval_s is None
         and not index.holds
-        and not any(p.max_agents is not None for p in cfg.agents.values())
+        and not cfg.budgets.enabled
+        and not any(p.max_agents is not None or p.limit.window is not None for p in cfg.agents.values())
         # one pass over the queue (delegate asks this of a long queue on every call)
         and not any(t.after or t.not_before is not None or (t.group is not None and t.group in cfg.groups)
                     for t in index.queued)
     )
+
+
+def route_of(task: Task) -> tuple[str, ...]:
+    """The presets a queued task may start on, in order (README, "Provider limits"): its
+    failover order, except that a run interrupted with a session to resume (its command is the
+    resume) stays with its preset unless the task allows a fresh start elsewhere."""
+    if task.agent is None:
+        return ()
+    if not task.route or (task.first_command is not None and not task.fallback_fresh):
+        return (task.agent,)
+    return tuple(task.route)
 
 
 def clock(at: datetime, now: datetime) -> str:
@@ -102,6 +116,12 @@ class Board:
         # Per-preset caps, and presets held (their provider's limit, or by hand) until when.
         self.agent_caps = {name: p.max_agents for name, p in cfg.agents.items() if p.max_agents is not None}
         self.holds = dict(index.holds)
+        # Daily budgets (budgets.*): what was spent today, against which a source or a preset
+        # over its budget starts nothing more until midnight (budget_why).
+        self.spend = index.spend if cfg.budgets.enabled else None
+        # Window quotas (limit.window): each preset's window so far, a copy that take() counts in.
+        self.window_presets = frozenset(n for n, p in cfg.agents.items() if p.limit.window is not None)
+        self.windows = {a: msgspec.structs.replace(w) for a, w in index.windows.items()} if self.window_presets else {}
         interval = cfg.min_start_interval_s
         self.interval = timedelta(seconds=interval) if interval else None
         self.starts = index.starts
@@ -131,7 +151,9 @@ class Board:
         self.lanes = {k: deque(sorted(v, key=lambda kt: kt[0])) for k, v in queued.items()}
 
     def lane_of(self, task: Task) -> Lane:
-        return (task.source, self.group_of(task), task.agent, task.not_before)
+        return (task.source, self.group_of(task), route_of(task), task.not_before)
+
+    # ---- presets: holds, caps, failover --------------------------------------------------
 
     def held_until(self, agent: str | None) -> datetime | None:
         """The end of a hold on this preset that holds it now (datetime.max: by hand, no end)."""
@@ -142,20 +164,68 @@ class Board:
             return datetime.max.replace(tzinfo=self.now.tzinfo)
         return hold.until if hold.until > self.now else None
 
+    def budget_why(self, kind: str, name: str) -> str | None:
+        """`budget pm 20.00/20.00 USD, resets 00:00` when the source (kind "sources") or
+        preset ("agents") has spent its daily budget today, else None."""
+        if self.spend is None or self.spend.day != budgets.day_of(self.now):
+            return None
+        budget = getattr(self.cfg.budgets, kind).get(name)
+        return budgets.daily_over(name, budget, getattr(self.spend, kind).get(name), self.now) if budget else None
+
+    def window_why(self, agent: str) -> str | None:
+        """`claude window quota 12/12 starts, resets 17:00` (or a probe under way), else None."""
+        if agent not in self.window_presets:
+            return None
+        return budgets.window_why(self.cfg, agent, self.windows.get(agent), self.now, self.running_ids)
+
+    def preset_held(self, agent: str) -> str | None:
+        """Why this preset refuses every start now (a hold: its provider's limit, by hand; its
+        daily budget spent), or None. A failover order passes over such a preset; a preset
+        merely full is waited for."""
+        until = self.held_until(agent)
+        if until is None:
+            return self.budget_why("agents", agent) or self.window_why(agent)
+        hold = self.holds[agent]
+        return f"{hold.reason}, retry at {clock(until, self.now)}" if hold.until is not None else f"{hold.reason}"
+
+    def preset_full(self, agent: str) -> str | None:
+        if agent in self.agent_caps and self.by_agent[agent] >= self.agent_caps[agent]:
+            return f"agent {agent} full ({self.by_agent[agent]}/{self.agent_caps[agent]} running)"
+        return None
+
+    def preset_for(self, route: tuple[str, ...]) -> str | None:
+        """The preset a task of this route starts on now (failover): the first not held, if
+        it has room; None when that one is full (its turn comes) or all are held."""
+        for agent in route:
+            if self.preset_held(agent) is None:
+                return agent if self.preset_full(agent) is None else None
+        return None
+
+    def route_why(self, route: tuple[str, ...]) -> str | None:
+        """Why no preset of the route takes a task now: each one's reason, up to the one waited for."""
+        reasons = []
+        for agent in route:
+            held = self.preset_held(agent)
+            reasons.append(held or self.preset_full(agent))
+            if held is None:
+                break
+        return "; ".join(r for r in reasons if r) or None
+
     def group_of(self, task: Task) -> str | None:
         # A group removed from the config no longer limits the tasks that named it.
         return task.group if task.group is not None and task.group in self.cfg.groups else None
 
     # ---- the rules --------------------------------------------------------------------
 
-    def free(self, source: str, group: str | None, agent: str | None = None, not_before: datetime | None = None) -> bool:
+    def free(self, source: str, group: str | None, route: tuple[str, ...] = (), not_before: datetime | None = None) -> bool:
         """May a task of this lane start now, given a free global slot? (`why` in words.)"""
         if self.source_limit is not None and self.by_source[source] >= self.source_limit:
             return False
         if self.interval is not None and source in self.ready and self.ready[source] > self.now:
             return False
-        if agent is not None and (self.held_until(agent) is not None
-                                  or (agent in self.agent_caps and self.by_agent[agent] >= self.agent_caps[agent])):
+        if route and self.preset_for(route) is None:
+            return False
+        if self.budget_why("sources", source) is not None:
             return False
         if not_before is not None and not_before > self.now:
             return False
@@ -163,14 +233,11 @@ class Board:
             return False
         return group is None or self.by_group[group] < self.caps[group]
 
-    def why(self, source: str, group: str | None, agent: str | None = None, not_before: datetime | None = None) -> str | None:
-        """Why a task of this lane may not start now even with a free global slot, or None."""
-        until = self.held_until(agent)
-        if until is not None:
-            hold = self.holds[agent]  # type: ignore[index]
-            return f"{hold.reason}, retry at {clock(until, self.now)}" if hold.until is not None else f"{hold.reason}"
-        if agent is not None and agent in self.agent_caps and self.by_agent[agent] >= self.agent_caps[agent]:
-            return f"agent {agent} full ({self.by_agent[agent]}/{self.agent_caps[agent]} running)"
+    def why(self, source: str, group: str | None, route: tuple[str, ...] = (), not_before: datetime | None = None) -> str | None:
+        """Why a task of this lane may not start now even with a free global slot, or None.
+        A failover order that has no preset with room names each preset's reason."""
+        if route and self.preset_for(route) is None:
+            return self.route_why(route)
         if not_before is not None and not_before > self.now:
             return f"retry at {clock(not_before, self.now)}"
         limit = self.source_limit
@@ -179,6 +246,9 @@ class Board:
         if self.interval is not None and source in self.ready and self.ready[source] > self.now:
             wait = math.ceil((self.ready[source] - self.now).total_seconds())
             return f"rate limit: source {source} may start again in {format_duration(wait)}"
+        spent = self.budget_why("sources", source)
+        if spent is not None:
+            return spent
         if group is not None and group in self.paused_groups:
             return f"group {group} paused"
         if group is not None and self.by_group[group] >= self.caps[group]:
@@ -207,27 +277,32 @@ class Board:
                 best, best_key = task, key
         return best
 
-    def take(self, task: Task) -> None:
-        """Record `task` as started now, as pm.start does on the Index."""
+    def take(self, task: Task) -> str | None:
+        """Record `task` as started now, as pm.start does on the Index; returns the preset
+        it starts on (its failover order's first with room)."""
         lane_id = self.lane_of(task)
         group = lane_id[1]
+        agent = self.preset_for(lane_id[2]) if lane_id[2] else task.agent
         lane = self.lanes[lane_id]
         if lane[0][1] is not task:
             raise ValueError(f"task #{task.id} is not the head of its lane: only pick() chooses what starts")
         lane.popleft()
         if not lane:
             del self.lanes[lane_id]
-        self.running.append((task.source, group, task.agent))
+        self.running.append((task.source, group, agent))
         self.running_ids.append(task.id)
+        if agent in self.window_presets:
+            budgets.window_start(self.cfg, self.windows, agent, task.id, self.now)
         self.by_source[task.source] += 1
         if group is not None:
             self.by_group[group] += 1
-        if task.agent is not None:
-            self.by_agent[task.agent] += 1
+        if agent is not None:
+            self.by_agent[agent] += 1
         self.starts += 1
         self.mark[task.source] = self.starts
         if self.interval is not None:
             self.ready[task.source] = self.now + self.interval
+        return agent
 
     def finish_oldest(self) -> None:
         """The oldest running task ends (as a success: a forecast cannot know better)."""
@@ -250,14 +325,21 @@ class Board:
         """The earliest moment a rate limit, a hold on a preset or a retry's delay that holds
         a queued task runs out."""
         times = []
-        for source, _, agent, not_before in self.lanes:
+        for source, _, route, not_before in self.lanes:
             if self.interval is not None and source in self.ready and self.ready[source] > self.now:
                 times.append(self.ready[source])
-            hold = self.holds.get(agent) if agent is not None else None
-            if hold is not None and hold.until is not None and hold.until > self.now:
-                times.append(hold.until)
+            for agent in route:
+                hold = self.holds.get(agent)
+                if hold is not None and hold.until is not None and hold.until > self.now:
+                    times.append(hold.until)
+                window = self.windows.get(agent)
+                if window is not None and self.window_why(agent) is not None:
+                    times.append(budgets.window_end(self.cfg, agent, window))  # type: ignore[arg-type]
             if not_before is not None and not_before > self.now:
                 times.append(not_before)
+            if self.spend is not None and (self.budget_why("sources", source) is not None
+                                           or any(self.budget_why("agents", a) is not None for a in route)):
+                times.append(budgets.midnight_after(self.now))  # daily budgets start over
         return min(times, default=None)
 
     def queued_left(self) -> bool:

@@ -77,7 +77,7 @@ class Processes:
             return warm
         argv = self._argv(task, self._prompts([task]))
         if warm is not None:
-            if warm.gate is not None and warm.argv == argv and runner.alive(warm.pid, warm.start):
+            if warm.gate is not None and warm.argv == argv and warm.env == env and runner.alive(warm.pid, warm.start):
                 runner.release(warm)
                 return warm
             self.drop(warm)
@@ -131,9 +131,9 @@ class Processes:
             except (OSError, ValueError):
                 argv = None
             if task.id in self.warm:
-                if self.warm[task.id].argv == argv:
+                if self.warm[task.id].argv == argv and self.warm[task.id].env == task.env:
                     continue
-                self.drop(self.warm.pop(task.id))  # its prompt was edited: it would run the old one
+                self.drop(self.warm.pop(task.id))  # its prompt was edited, its preset changed: stale
             if argv is None:
                 continue
             try:

@@ -74,7 +74,20 @@ def until(t: datetime | None, now: datetime) -> str:
 def summary(cap: Capacity) -> str:
     text = (f"{cap.active}/{cap.max_agents} running, {cap.free} free, {cap.queued} queued (max {cap.max_queue})"
             + paused_note(cap))
-    return text + ("\n" + holds_line(cap) if cap.holds else "")
+    return text + ("\n" + holds_line(cap) if cap.holds else "") + ("\n" + budgets_line(cap) if cap.budgets else "")
+
+
+def budgets_line(cap: Capacity) -> str:
+    """The daily budgets: `budgets today: pm 12.40/20.00 USD · claude 30,000/1,000,000 tokens (over)`."""
+    parts = []
+    for b in cap.budgets:
+        figures = []
+        if b.usd is not None:
+            figures.append(f"{b.spent_usd or 0:.2f}/{b.usd:.2f} USD")
+        if b.tokens is not None:
+            figures.append(f"{b.spent_tokens:,}/{b.tokens:,} tokens")
+        parts.append(f"{b.name} {', '.join(figures)}" + (" (over: none starts until 00:00)" if b.over else ""))
+    return "budgets today: " + " · ".join(parts)
 
 
 def holds_line(cap: Capacity) -> str:
@@ -98,11 +111,18 @@ def paused_note(cap: Capacity) -> str:
     return ""
 
 
+def agent_text(agent: str | None, fallback_from: str | None) -> str:
+    """A task's preset as shown: `codex (fallback from claude)` when its failover order moved it."""
+    if agent is None:
+        return "-"
+    return f"{agent} (fallback from {fallback_from})" if fallback_from else agent
+
+
 def running_table(tasks: list[Task], now: datetime, here: str | None = None) -> str:
     """`here`: this machine, in a cluster: another machine's agents are shown by their
     wrapper's pid there (this machine's /proc knows nothing of them)."""
     rows = [
-        [str(t.slot or "-"), str(t.id), t.name, t.source, t.agent or "-", since(t.started_at, now),
+        [str(t.slot or "-"), str(t.id), t.name, t.source, agent_text(t.agent, t.fallback_from), since(t.started_at, now),
          str((runner.agent_pid(t.pid, t.pid_start) if t.host in (None, here) else None) or t.pid or "starting"),
          "stopping" if t.stop else "running"]
         for t in tasks
@@ -223,7 +243,9 @@ def task_lines(task: dict[str, Any]) -> str:
         if key == "attempts":  # the runs before this one: how each ended
             value = "; ".join(f"#{i} exit {a.get('exit_code', '-')}" + (f" ({a['reason']})" if a.get("reason") else "")
                               for i, a in enumerate(value, 1))
-        elif key == "usage":  # all its runs, as its agent reported (README, "Agents")
+        elif key == "agent":
+            value = agent_text(value, task.get("fallback_from"))
+        elif key in ("usage", "run_usage"):  # all its runs, as its agent reported (README, "Agents")
             from kugetsu.agents.report import Usage, describe
 
             value = describe(Usage(**value))

@@ -97,6 +97,7 @@ class Spawned(msgspec.Struct):
     gate: int | None = None  # a warm wrapper's pipe: write a line to start it, close to drop it
     exit_file: Path | None = None
     argv: list[str] = []  # what it runs: a warm wrapper whose task's command changed since (`edit`) is stale
+    env: dict[str, str] = {}  # the task's own variables it runs with (a failover changes them with the preset)
 
 
 def agent_env(home: Home, task_id: int, name: str, token: str | None, env: dict[str, str],
@@ -167,7 +168,7 @@ def spawn(
         os.close(fd)
         if gate_r is not None:
             os.close(gate_r)
-    return Spawned(popen.pid, process_start(popen.pid), popen, gate_w, exit_file, list(argv))
+    return Spawned(popen.pid, process_start(popen.pid), popen, gate_w, exit_file, list(argv), dict(env))
 
 
 def release(spawned: Spawned) -> None:

@@ -31,6 +31,7 @@ from kugetsu.config import Config, format_size, host_name, load_config
 from kugetsu.deadlines import DeadlineTimer
 from kugetsu.errors import DiskFull, KugetsuError, Unreachable
 from kugetsu.exits import Ending, Exits
+from kugetsu.agents.report import Usage
 from kugetsu.models import Event, Index, Task
 from kugetsu.pm import GUARD_RECHECK
 from kugetsu.paths import Home, atomic_write, read_head
@@ -50,6 +51,7 @@ log = logging.getLogger("kugetsu.service")
 
 RECONCILE_EVERY = 5.0  # seconds: a safety net; exits and deadlines do not wait for it
 LOG_CHECK_EVERY = 2.0  # seconds between looks at the running agents' log sizes (log_max_size)
+USAGE_CHECK_EVERY = 1.0  # seconds between reads of the usage streaming agents report mid-run (budgets)
 COMMIT_DELAY = 0.02  # seconds an exit's transaction stays open for the exits that follow (_hold)
 RETRY_FIRST, RETRY_MAX = 0.1, 5.0  # seconds: backoff while transactions fail (a full disk)
 
@@ -84,6 +86,10 @@ class Service:
         self.member: Member | None = None  # cluster mode: this machine's lease, wake-ups, shipped output
         self._termed: set[int] = set()  # cluster mode: tasks whose stop this service has signalled
         self._watched_logs: dict[int, str] = {}  # this machine's agents' logs, for log_max_size
+        # Budgets: each running run's usage so far, read from its stream, for the next tick.
+        self._progress: dict[int, Usage] = {}
+        self._usage_check: asyncio.TimerHandle | None = None
+        self._usage_sizes: dict[int, int] = {}  # each budgeted log's size at its last read
         self._log_check: asyncio.TimerHandle | None = None
         self._compacting: set[int] = set()  # logs being compacted in a worker thread
         self._cap_failed: set[int] = set()  # logs that could not be compacted (said once)
@@ -125,8 +131,9 @@ class Service:
             if self.member is not None:
                 await asyncio.to_thread(self.member.stop)
             self._reconcile_handle.cancel()
-            if self._log_check is not None:
-                self._log_check.cancel()
+            for handle in (self._log_check, self._usage_check):
+                if handle is not None:
+                    handle.cancel()
             self.timer.cancel()
             self.worktrees.shutdown()
             self.procs.close()
@@ -244,6 +251,7 @@ class Service:
                 obs.adopted += self.procs.recovered(txn)
             if self.worktrees.closing and self.worktrees.record_closes(txn):
                 self._disk_check = True
+            obs.progress, self._progress = self._progress, {}
             plan = pm.tick(index, cfg, txn.now, obs)
             for task, err in plan.set_aside:  # once: a task set aside is final
                 log.error("%s (#%d) set aside as failed: handling its end raised %s: %s; the other tasks go on",
@@ -304,6 +312,7 @@ class Service:
         else:
             self.member.shipping({t.id: self.home.log(t.id) for t in self.index.active if t.host == self.member.name})
         self._watch_logs(here)
+        self._watch_usage(here)
         if not hold:
             self._committed(txn.events)
         if deferred:
@@ -345,6 +354,45 @@ class Service:
                 job.add_done_callback(lambda done, task_id=task_id, size=size: self._compacted(task_id, size, done))
         if self._watched_logs:
             self._log_check = self.loop.call_later(LOG_CHECK_EVERY, self._check_logs)
+
+    def _budgeted(self, here: str | None) -> list[Task]:
+        """This machine's running tasks whose agent reports usage mid-run, while a budget
+        could stop them (their own, or a daily one), or while they probe a quota's new window
+        (its first turn ends the probe)."""
+        daily = self.cfg.budgets.enabled
+        probes = {w.probe for w in self.index.windows.values() if w.probe is not None}
+        return [t for t in self.index.active if t.log and t.ended_at is None and t.stop is None
+                and placement.ours(t, here)
+                and (daily or t.budget_usd is not None or t.max_tokens is not None or t.id in probes)
+                and ops.output_kind(self.cfg, t) == "claude"]
+
+    def _watch_usage(self, here: str | None) -> None:
+        """After each tick: while a budgeted task's agent streams its usage, its log's end is
+        read every USAGE_CHECK_EVERY seconds (a timer only then)."""
+        if self._usage_check is None and self._budgeted(here):
+            self._usage_check = self.loop.call_later(USAGE_CHECK_EVERY, self._check_usage, here)
+
+    def _check_usage(self, here: str | None) -> None:
+        """What each budgeted run has used so far; a change is booked by a tick (pm.progress),
+        which stops a task past its budget."""
+        self._usage_check = None
+        sizes = {}
+        for task in self._budgeted(here):
+            try:
+                sizes[task.id] = size = os.stat(task.log).st_size  # type: ignore[arg-type]
+                if self._usage_sizes.get(task.id) == size:
+                    continue  # nothing new since the last read
+                tail = logtail.tail(task.log, max_bytes=agents.TAIL_BYTES).data.decode(errors="replace")
+            except OSError:
+                continue
+            run = agents.progress("claude", tail)
+            if run is not None and run != task.run_usage:
+                self._progress[task.id] = run
+        self._usage_sizes = sizes
+        if self._progress:
+            self.request_tick()
+        else:
+            self._watch_usage(here)
 
     def _compacted(self, task_id: int, size: int, done: asyncio.Future[int]) -> None:
         self._compacting.discard(task_id)

@@ -31,6 +31,7 @@ from typing import Any
 
 import msgspec
 
+from kugetsu.agents.report import Usage
 from kugetsu.config import Config
 from kugetsu.models import Event, Index, Task
 from kugetsu.paths import Home, nofollow
@@ -38,7 +39,7 @@ from kugetsu.store import decode_events
 
 FINAL = ("succeeded", "failed", "cancelled", "expired", "lost")
 RAN = ("succeeded", "failed", "lost")  # final states only a task that ran can reach
-BY = ("source", "agent", "group", "host")
+BY = ("source", "agent", "group", "host", "day")
 DEFAULT_WINDOW = 24 * 3600.0
 LONGEST_SHOWN = 5
 # Past the window's start, how far back the reader may look for the max_agents that the
@@ -173,10 +174,16 @@ class Record:
     finished: datetime | None = None
     state: str | None = None  # the final state, once final
     ran: bool = False  # it held a slot (known even when its start is not)
+    host: str | None = None  # in a cluster, the machine it ran on
+    usage: Usage | None = None  # what its runs that ended in the window used, as their agents reported
+    fallback: bool = False  # it ran on a fallback preset (failover)
 
     def key(self, by: str, host: str) -> str:
         if by == "host":
-            return host
+            return self.host or host
+        if by == "day":  # the local day it ended, else started, else was queued
+            at = self.finished or self.started or self.created
+            return at.astimezone().date().isoformat() if at else "-"
         value = getattr(self, by)
         return value if value else "-"
 
@@ -203,12 +210,25 @@ def records(events: Iterable[Event], tasks: Iterable[Task], start: datetime) -> 
         if r is None:
             r = out[t.id] = Record(t.id)
         r.name, r.source, r.agent, r.group = t.name, t.source, t.agent, t.group
+        r.host, r.usage, r.fallback = t.host, usage_in(t, start), t.fallback_from is not None
         r.created = t.created_at
         if t.started_at is not None:
             r.started, r.ran = t.started_at, True
         if t.state.final:
             r.finished, r.state = t.finished_at, t.state.value
     return out
+
+
+def usage_in(t: Task, start: datetime) -> Usage | None:
+    """What the task's runs that ended at or after `start` used: each requeued run's own
+    (its Attempt), and the last run's (the task's total less its attempts') once it is final."""
+    from kugetsu.agents.report import total
+
+    runs = [a.usage for a in t.attempts if a.ended_at >= start]
+    if t.usage is not None and t.state.final and t.finished_at is not None and t.finished_at >= start:
+        before = total([a.usage for a in t.attempts])
+        runs.append(t.usage - before if before is not None else t.usage)
+    return total(runs)
 
 
 def _touches(t: Task, start: datetime) -> bool:
@@ -236,9 +256,14 @@ class _Row:
     runs: list[float] = field(default_factory=list)
     busy: float = 0.0
     done: int = 0  # ran and finished in the window
+    usage: Usage = field(default_factory=Usage)
+    fallbacks: int = 0  # tasks that ran on a fallback preset
 
     def add(self, r: Record, start: datetime, now: datetime) -> None:
         c = self.counts
+        if r.usage is not None:
+            self.usage = self.usage + r.usage
+        self.fallbacks += r.fallback
         if r.created is not None and r.created >= start:
             c["admitted"] += 1
         if r.started is not None and r.started >= start:
@@ -269,6 +294,11 @@ class _Row:
             "throughput_per_hour": self.done / (seconds / 3600) if seconds else None,
             "busy_slot_seconds": self.busy,
             "utilisation": self.busy / available if available else None,
+            # tokens and cost of the runs that ended in the window, as the agents reported
+            "usage": {"input_tokens": self.usage.input_tokens, "output_tokens": self.usage.output_tokens,
+                      "cache_read_tokens": self.usage.cache_read_tokens,
+                      "cache_write_tokens": self.usage.cache_write_tokens, "cost_usd": self.usage.cost_usd},
+            "fallbacks": self.fallbacks,
         }
 
 
@@ -408,6 +438,13 @@ def render(report: dict[str, Any]) -> str:
     )
     lines = [f"last {d(report['window_seconds'])}: {start:%Y-%m-%d %H:%M:%S} to {end:%Y-%m-%d %H:%M:%S} UTC,"
              f" max_agents {report['max_agents']}", "", outcomes, "", times, ""]
+    if any(r["usage"]["input_tokens"] or r["usage"]["output_tokens"] or r["usage"]["cost_usd"] or r["fallbacks"]
+           for _, r in rows):
+        lines += [table([by, "TOKENS IN", "OUT", "CACHED", "COST", "FALLBACKS"],
+                        [[k, f"{u['input_tokens']:,}", f"{u['output_tokens']:,}",
+                          f"{u['cache_read_tokens'] + u['cache_write_tokens']:,}",
+                          "-" if u["cost_usd"] is None else f"${u['cost_usd']:.2f}", str(r["fallbacks"])]
+                         for k, r in rows for u in [r["usage"]]], right=set(range(1, 6))), ""]
     waiting = report["longest_waiting"]
     if waiting:
         lines.append("longest waiting now:")

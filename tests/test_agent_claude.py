@@ -36,17 +36,22 @@ def api():
     fake.close()
 
 
-@pytest.fixture
-def claude(kg, api, tmp_path):
-    """kg with the real `claude` on its PATH and the built-in preset's env pointed at the fake
-    API; returns a function that writes the config (auth: "subscription" or "api_key")."""
+def claude_env(kg, api, tmp_path) -> dict[str, str]:
+    """The real `claude` on kg's PATH; the preset env that points it at the fake API `api`."""
     binary = agent_cli("claude")
     for var in [v for v in kg.env if v.startswith(("ANTHROPIC_", "CLAUDE_"))]:
         del kg.env[var]  # the machine's own credentials are not the test's
     kg.env["PATH"] = f"{binary.parent}{os.pathsep}{kg.env['PATH']}"
-    base = {"ANTHROPIC_BASE_URL": api.url, "CLAUDE_CONFIG_DIR": str(tmp_path / "claude-config"),
+    return {"ANTHROPIC_BASE_URL": api.url, "CLAUDE_CONFIG_DIR": str(tmp_path / "claude-config"),
             "HOME": str(tmp_path / "claude-home"), "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+
+
+@pytest.fixture
+def claude(kg, api, tmp_path):
+    """kg with the real `claude` on its PATH and the built-in preset's env pointed at the fake
+    API; returns a function that writes the config (auth: "subscription" or "api_key")."""
+    base = claude_env(kg, api, tmp_path)
 
     def configure(auth: str = "api_key", limit: dict | None = None, **config: object) -> None:
         secret = {"CLAUDE_CODE_OAUTH_TOKEN": "sk-ant-oat01-test"} if auth == "subscription" else {"ANTHROPIC_API_KEY": "test"}

@@ -40,6 +40,12 @@ def api():
 @pytest.fixture
 def codex(kg, api, tmp_path):
     """kg with the real `codex` on its PATH, its CODEX_HOME naming the fake as its provider."""
+    codex_env(kg, api, tmp_path)
+    return kg
+
+
+def codex_env(kg, api, tmp_path) -> None:
+    """The real `codex` on kg's PATH, its CODEX_HOME naming the fake `api` as its provider."""
     binary = agent_cli("codex")
     for var in [v for v in kg.env if v.startswith(("OPENAI_", "CODEX_"))]:
         del kg.env[var]  # the machine's own credentials are not the test's
@@ -53,7 +59,6 @@ def codex(kg, api, tmp_path):
         "request_max_retries = 0\nstream_max_retries = 0\n")
     kg.env.update({"PATH": f"{binary.parent}{os.pathsep}{kg.env['PATH']}", "CODEX_HOME": str(home),
                    "OPENAI_API_KEY": KEY, "TZ": ZONE})
-    return kg
 
 
 

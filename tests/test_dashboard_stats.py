@@ -48,3 +48,47 @@ async def test_the_screen_shows_what_stats_computes_and_goes_back(tmp_path):
         await pilot.press("escape")
         await pilot.pause()
         assert not isinstance(app.screen, StatsScreen)
+
+
+async def test_the_screen_shows_tokens_cost_and_fallbacks_of_the_hour(tmp_path):
+    import msgspec
+
+    from kugetsu.agents.report import Usage
+    from kugetsu.models import Index
+    from kugetsu.paths import atomic_write
+    from kugetsu.store import encode_index
+
+    home = busy_home(tmp_path / "home")
+    index = msgspec.json.decode(home.index.read_bytes(), type=Index)
+    ended = [t for t in index.finished if t.finished_at and (NOW - t.finished_at).total_seconds() < 3600]
+    for t in ended:
+        t.usage = Usage(input_tokens=1000, output_tokens=20, cost_usd=0.5)
+    ended[0].fallback_from, ended[0].agent = ended[0].agent or "claude", "codex"
+    atomic_write(home.index, encode_index(index))
+    app = app_for(home)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("s")
+        await settled(pilot)
+        text = str(app.screen.query_one("#stats-figures").render())
+    n = len(ended)
+    assert f"usage  {1000 * n:,} tokens in, {20 * n:,} out, ${0.5 * n:.2f}  (1 on a fallback)" in text
+
+
+async def test_the_summary_says_when_a_daily_budget_is_spent(tmp_path):
+    import msgspec
+
+    from kugetsu import budgets
+    from kugetsu.agents.report import Usage
+    from kugetsu.models import DaySpend, Index
+    from kugetsu.paths import atomic_write
+    from kugetsu.store import encode_index
+
+    home = busy_home(tmp_path / "home", budgets={"sources": {"pm": {"usd": 20}}})
+    index = msgspec.json.decode(home.index.read_bytes(), type=Index)
+    index.spend = DaySpend(day=budgets.day_of(NOW), sources={"pm": Usage(cost_usd=21.5)})
+    atomic_write(home.index, encode_index(index))
+    app = app_for(home)
+    async with app.run_test(size=(160, 30)) as pilot:
+        await settled(pilot)
+        text = str(app.summary.render())
+    assert "budgets today: pm 21.50/20.00 USD (over: none starts until 00:00)" in text, text

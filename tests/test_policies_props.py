@@ -12,16 +12,19 @@ from hypothesis import strategies as st
 
 from conftest import T0
 
-from kugetsu import pm
+from kugetsu import budgets, pm
+from kugetsu.agents.report import Usage
 from kugetsu.config import Config
-from kugetsu.models import PRIORITIES, Index
+from kugetsu.models import PRIORITIES, DaySpend, Index
 from kugetsu.policy import Board, simple_order, task_key
 
 task_st = st.tuples(st.sampled_from("abcd"), st.sampled_from(PRIORITIES), st.sampled_from([None, None, "g1", "g2"]),
-                    st.sampled_from([None, "p1", "p2", "p2"]))
+                    st.sampled_from([None, "p1", "p2", "p2", "p2,p1", "p1,p2"]))
 # Agent presets with their own max_agents (issue 18); a hold on p2 (a provider's limit) is
-# drawn per example.
-preset_st = st.fixed_dictionaries({"command": st.just(["true"]), "max_agents": st.none() | st.integers(1, 2)})
+# drawn per example. "p2,p1": a failover order (issue 30): while p2 is held, on p1.
+preset_st = st.fixed_dictionaries({"command": st.just(["true"]), "max_agents": st.none() | st.integers(1, 2),
+                                   # a window quota (issue 30): 2 starts in 10 s, then a probe
+                                   "limit": st.sampled_from([{}, {"window": "10s", "window_starts": 2}])})
 config_st = st.fixed_dictionaries({
     "max_agents": st.integers(1, 4),
     "strategy": st.sampled_from(["fifo", "priority", "fair"]),
@@ -31,23 +34,34 @@ config_st = st.fixed_dictionaries({
                                      "g2": st.fixed_dictionaries({"max_agents": st.integers(1, 3)})}),
     "max_queue": st.just(100),
     "agents": st.fixed_dictionaries({"p1": preset_st, "p2": preset_st}),
+    # Daily budgets (issue 30): source a's in US dollars, preset p1's in tokens; what was
+    # spent today is drawn per example (build's `spent`).
+    "budgets": st.sampled_from([{}, {"sources": {"a": {"usd": 1.0}}, "agents": {"p1": {"tokens": 10}}}]),
 })
+spent_st = st.sets(st.sampled_from(["a", "p1"]))
 
 
-def build(raw: dict, first: list, later: list, gap: int, hold: int | None = None) -> tuple[Config, Index, datetime]:
+def build(raw: dict, first: list, later: list, gap: int, hold: int | None = None,
+          spent: set[str] = frozenset()) -> tuple[Config, Index, datetime]:
     """Admit `first` and let them start at T0, then admit `later` at T0 + gap: a queue with
     some tasks running and the clock moved on, as the scheduler leaves it. `hold`: preset p2
-    is held from T0 until that many seconds after T0 + gap (0: until released by hand)."""
+    is held from T0 until that many seconds after T0 + gap (0: until released by hand).
+    `spent`: source a and preset p1 have spent their daily budgets today."""
     cfg = msgspec.convert(raw, Config)
     index = Index()
+    if spent:
+        index.spend = DaySpend(day=budgets.day_of(T0), sources={"a": Usage(cost_usd=1.0)} if "a" in spent else {},
+                               agents={"p1": Usage(input_tokens=10)} if "p1" in spent else {})
     if hold is not None:
         until = T0 + timedelta(seconds=gap + hold) if hold else None
         pm.hold(index, cfg, "p2", until, T0 - timedelta(seconds=1))
     now = T0
     for batch in (first, later):
         for source, priority, group, agent in batch:
-            pm.admit(index, cfg, now, pm.Request(cwd="/", command=["true"], source=source, priority=priority,
-                                                 group=group, agent=agent))
+            routed = agent is not None and "," in agent  # a failover order runs presets, with a prompt
+            pm.admit(index, cfg, now, pm.Request(cwd="/", command=None if routed else ["true"], source=source,
+                                                 priority=priority, group=group, agent=agent,
+                                                 prompt="x" if routed else None))
         pm.settle(index, cfg, now)
         now = T0 + timedelta(seconds=gap)
     return cfg, index, now
@@ -70,6 +84,19 @@ def check_limits(cfg: Config, index: Index, starts: dict[str, list[datetime]]) -
             assert all(b - a >= gap for a, b in zip(times, times[1:]))
 
 
+def windows_closed(cfg: Config, index: Index, now: datetime) -> set[str]:
+    """Presets whose window quota lets nothing start now: used up until the window turns, or
+    a probe of a new window still running."""
+    out = set()
+    running = {t.id for t in index.active}
+    for agent, w in index.windows.items():
+        limit = cfg.agents[agent].limit
+        if w.since + timedelta(seconds=limit.window_s) > now and (  # type: ignore[operator]
+                w.starts >= limit.window_starts or w.probe in running):  # type: ignore[operator]
+            out.add(agent)
+    return out
+
+
 def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
     """Start tasks as the scheduler would, one at a time; when nothing may start, let time
     run to the next rate-limit release if a slot is free, else end the oldest running task."""
@@ -87,11 +114,29 @@ def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
         task = pm.next_to_start(index, cfg, now)
         if task is not None:
             assert pm.plan_starts(index, cfg, now)[0] is task
-            hold = index.holds.get(task.agent)  # type: ignore[arg-type]
+            first, agent = pm.starts_now(index, cfg, now)[0]
+            assert first is task
+            if task.route:  # failover: the first preset of its order that is not held
+                held = {a for a, h in index.holds.items() if h.until is None or h.until > now}
+                if index.spend is not None and index.spend.day == budgets.day_of(now):  # over its budget: passed over
+                    held |= set(index.spend.agents) & set(cfg.budgets.agents)
+                held |= windows_closed(cfg, index, now)
+                assert agent == next(a for a in task.route if a not in held)
+            else:
+                assert agent == task.agent
+            hold = index.holds.get(agent)  # type: ignore[arg-type]
             assert hold is None or (hold.until is not None and hold.until <= now), "a held preset started"
+            if index.spend is not None and index.spend.day == budgets.day_of(now):  # nothing over its budget starts
+                assert not (task.source in index.spend.sources and "a" in cfg.budgets.sources), "a source over budget"
+                assert not (agent in index.spend.agents and "p1" in cfg.budgets.agents), "a preset over budget"
+            assert agent not in windows_closed(cfg, index, now), "a preset started past its window quota or probe"
             if on_pick:
                 on_pick(index, now, task)
-            pm.start(index, task, now)
+            pm.start(index, task, now, None, cfg, agent)
+            assert task.agent == agent and task.fallback_from == (task.route[0] if task.route and agent != task.route[0] else None)
+            window = index.windows.get(agent)  # type: ignore[arg-type]
+            if window is not None:  # never more starts in a window than its quota
+                assert window.starts <= cfg.agents[agent].limit.window_starts  # type: ignore[operator]
             starts.setdefault(task.source, []).append(now)
             order.append(task.id)
             check_limits(cfg, index, starts)
@@ -111,9 +156,9 @@ def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
 
 @settings(max_examples=150, deadline=None)
 @given(config_st, st.lists(task_st, max_size=8), st.lists(task_st, max_size=16), st.integers(0, 6),
-       st.none() | st.integers(0, 8))
-def test_limits_hold_and_positions_are_the_real_start_order(raw, first, later, gap, hold):
-    cfg, index, now = build(raw, first, later, gap, hold)
+       st.none() | st.integers(0, 8), spent_st)
+def test_limits_hold_and_positions_are_the_real_start_order(raw, first, later, gap, hold, spent):
+    cfg, index, now = build(raw, first, later, gap, hold, spent)
     check_limits(cfg, index, {})
     predicted = [t.id for t in pm.start_order(index, cfg, now)]
     positions = pm.positions(index, cfg, now)
@@ -126,7 +171,8 @@ def test_limits_hold_and_positions_are_the_real_start_order(raw, first, later, g
 @given(config_st, st.lists(task_st, max_size=8), st.lists(task_st, max_size=16), st.integers(0, 6))
 def test_sort_fast_path_is_the_simulation(raw, first, later, gap):
     raw = {**raw, "strategy": raw["strategy"] if raw["strategy"] != "fair" else "priority"}
-    raw |= {"max_active_per_source": None, "min_start_interval_per_source": None, "agents": {}}
+    raw |= {"max_active_per_source": None, "min_start_interval_per_source": None, "agents": {}, "budgets": {}}
+    first, later = ([(s, p, g, None if a and "," in a else a) for s, p, g, a in batch] for batch in (first, later))
     cfg, index, now = build(raw, first, later, gap)
     if not simple_order(index, cfg):  # tasks in a group: the fast path must stand aside
         assert any(t.group for t in index.queued)
@@ -167,7 +213,7 @@ def test_successor_is_what_the_next_free_slot_starts(raw, simple, first, later, 
     starts that task first. Queue deadlines are random, so expiry is part of the bargain."""
     if simple:
         raw |= {"strategy": data.draw(st.sampled_from(["fifo", "priority"])), "max_active_per_source": None,
-                "min_start_interval_per_source": None, "agents": {}}
+                "min_start_interval_per_source": None, "agents": {}, "budgets": {}}
         first, later = ([(s, p, None, None) for s, p, _, _ in batch] for batch in (first, later))
     cfg, index, now = build(raw, first, later, gap)
     for task in index.queued:

@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kugetsu.agents.report import Report
+    from kugetsu.agents.report import Report, Usage
 
 KINDS = ("text", "claude", "codex", "opencode")
 
@@ -47,6 +47,14 @@ def read(kind: str, tail: str, now: datetime) -> Report | None:
     """What the end of a log of this kind says; None for plain text (the patterns read it)."""
     module = _module(kind)
     return module.read(tail, now) if module is not None else None
+
+
+def progress(kind: str, tail: str) -> Usage | None:
+    """What the running run of a log of this kind has used so far, where the kind's stream
+    says it mid-run (Claude Code: each turn's usage); None where it says so only at the end."""
+    module = _module(kind)
+    reader = getattr(module, "progress", None)
+    return reader(tail) if reader is not None else None
 
 
 def render(kind: str, line: str) -> str | None:

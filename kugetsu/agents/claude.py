@@ -116,6 +116,31 @@ def read(tail: str, now: datetime) -> Report:
     return report
 
 
+def progress(tail: str) -> Usage | None:
+    """The usage of the run still going at the end of the log, turn by turn: each assistant
+    message of the run (after its `system` init line) carries its model call's usage, the same
+    block repeated for each of its content blocks (counted once, by message id). No cost: Claude
+    Code says that only in its `result`, at the end. None: no turn yet."""
+    turns: dict[str, Usage] = {}
+    for obj in _objects(tail):
+        kind = obj.get("type")
+        if kind == "system" and obj.get("subtype") == "init":
+            turns = {}  # a new run (a resume appends to the same log)
+        elif kind == "result":
+            turns = {}  # that run has ended: its usage is read at its exit
+        elif kind == "assistant" and obj.get("error") is None:
+            message = _dict(obj.get("message"))
+            usage = usage_of(message.get("usage"))
+            if usage is not None:
+                turns[str(message.get("id") or len(turns))] = usage
+    if not turns:
+        return None
+    out = Usage()
+    for usage in turns.values():
+        out = out + usage
+    return out
+
+
 def render(line: str) -> str | None:
     """One stream-json line as a person reads it: the assistant's text, its tool calls, the
     end (with tokens and cost); nothing for the bookkeeping lines. Not JSON: as it is."""

@@ -73,6 +73,13 @@ class TaskOut(BaseModel):
     nesting: int = Field(0, description="levels of tasks its agent may still delegate beneath it (its preset's"
                          " `nesting`, within its delegator's); 0: its agent may not delegate")
     usage: UsageOut | None = Field(None, description="tokens (and cost) of all its runs, as its agent reported them")
+    run_usage: UsageOut | None = Field(None, description="while running: what this run used so far, where its agent"
+                                       " reports it mid-run")
+    route: list[str] = Field([], description="the presets it may run on, in order (failover); empty: `agent` only")
+    fallback_from: OptStr = Field(None, description="the preset it would have run on: it runs on a fallback instead")
+    fallback_fresh: bool = Field(False, description="a run interrupted with a session may start afresh elsewhere")
+    budget_usd: OptFloat = Field(None, description="its budget in US dollars: a run past it is stopped")
+    max_tokens: OptInt = Field(None, description="its budget in tokens (in + out): a run past it is stopped")
 
 
 class UsageOut(BaseModel):
@@ -111,6 +118,21 @@ class CapacityOut(BaseModel):
     max_queue: int = Field(description="queued tasks at most; beyond it delegate is rejected (back off)")
     holds: dict[str, HoldOut] | None = Field(
         None, description="agent presets held now (their provider's usage limit, or by hand): their tasks wait")
+    budgets: list[BudgetOut] | None = Field(
+        None, description="the daily budgets (config budgets) and today's spending: one over starts nothing more today")
+
+
+class BudgetOut(BaseModel):
+    """One daily budget (a source's or a preset's) and what was spent of it today."""
+
+    kind: Literal["source", "agent"] = Field(description="whose budget: a source's (who delegates) or a preset's")
+    name: str = Field(description="the source or preset")
+    over: bool = Field(description="true: nothing more of this source or preset starts until resets_at")
+    resets_at: str = Field(description="local midnight, RFC 3339")
+    usd: OptFloat = Field(description="the day's budget in US dollars, if any")
+    spent_usd: OptFloat = Field(description="spent today, as the agents reported their cost")
+    tokens: OptInt = Field(description="the day's budget in tokens (in + out), if any")
+    spent_tokens: int = Field(description="tokens in and out today")
 
 
 class HoldOut(BaseModel):

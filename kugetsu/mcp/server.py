@@ -279,7 +279,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         rejected, so send fewer or wait."""
         cfg, index = ops.read(home)
         control.ensure_service(home, cfg, index)
-        return _text(render.summary(pm.capacity(index, cfg)), ops.capacity_json(cfg, index))
+        return _text(render.summary(pm.capacity(index, cfg, ops.now())), ops.capacity_json(cfg, index))
 
     @server.tool(annotations=ToolAnnotations(destructive_hint=False, idempotent_hint=False, open_world_hint=True))
     @answers
@@ -307,6 +307,13 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
                                       " times when it fails or is lost (not when cancelled)")] = 0,
         retry_delay: Annotated[str | float | None, Field(description="wait this long before each retry (90s,"
                                                          " 15m or seconds)")] = None,
+        fallback: Annotated[list[str] | None, Field(description="presets to start it on, in order, while `agent`"
+                                                    " is held (its usage limit, its budget); null: the preset's"
+                                                    " `fallback`")] = None,
+        fallback_fresh: Annotated[bool | None, Field(description="a run interrupted with a session may start"
+                                                     " afresh on a fallback (default: it waits to resume)")] = None,
+        budget_usd: Annotated[float | None, Field(gt=0, description="stop it once its runs cost more (US dollars)")] = None,
+        max_tokens: Annotated[int | None, Field(gt=0, description="stop it once its runs used more tokens (in + out)")] = None,
     ) -> Annotated[CallToolResult, DelegateOut]:
         """Hand one piece of work (one issue) to a worker agent. kugetsu starts it at once in a
         free slot or queues it, and says which: "started NAME (#ID), slot 2/3" or "queued NAME
@@ -322,7 +329,8 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             cwd=os.path.abspath(cwd or os.getcwd()), name=name, command=command, prompt=prompt, agent=agent,
             source=source, priority=priority, group=group, expire_after=_duration(expire_after, "expire_after"),
             timeout=_duration(timeout, "timeout"), worktree=worktree, base=base, retries=retries,
-            retry_delay=_duration(retry_delay, "retry_delay"),
+            retry_delay=_duration(retry_delay, "retry_delay"), fallback=fallback, fallback_fresh=fallback_fresh,
+            budget_usd=budget_usd, max_tokens=max_tokens,
         )
         try:
             adm = await admitter.admit(req)

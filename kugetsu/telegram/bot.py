@@ -149,7 +149,7 @@ async def cmd_queue(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
 
 async def cmd_capacity(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
     cfg, index = await asyncio.to_thread(ops.read, _env(context).home)
-    await _reply(update, text.capacity(pm.capacity(index, cfg)))
+    await _reply(update, text.capacity(pm.capacity(index, cfg, ops.now())))
 
 
 async def cmd_status(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:

@@ -48,6 +48,11 @@ def describe(report: dict[str, Any]) -> str:
         f"[b]wait[/b]  p50 {_d(w['p50'])}  p95 {_d(w['p95'])}  max {_d(w['max'])}  ({w['count']} started)",
         f"[b]run[/b]   p50 {_d(r['p50'])}  p95 {_d(r['p95'])}  max {_d(r['max'])}  ({r['count']} finished)",
     ]
+    u = t.get("usage") or {}
+    if u.get("input_tokens") or u.get("output_tokens") or u.get("cost_usd") or t.get("fallbacks"):
+        cost = f", ${u['cost_usd']:.2f}" if u.get("cost_usd") is not None else ""
+        lines += ["", f"[b]usage[/b]  {u['input_tokens']:,} tokens in, {u['output_tokens']:,} out{cost}"
+                  f"  ({t['fallbacks']} on a fallback)"]
     waiting = report["longest_waiting"]
     if waiting:
         lines += ["", "[b]longest waiting[/b]  " + "  ".join(

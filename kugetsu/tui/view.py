@@ -12,7 +12,7 @@ from datetime import datetime, tzinfo
 from kugetsu import pm
 from kugetsu.config import mask_secrets
 from kugetsu.models import Event, Index, Task
-from kugetsu.render import since, until
+from kugetsu.render import agent_text, since, until
 
 FINISHED_SHOWN = 50
 
@@ -50,7 +50,7 @@ def task_style(task: Task) -> str:
 
 def running_rows(queue: pm.QueueView, now: datetime, tz: tzinfo | None) -> list[Row]:
     return [
-        Row(str(t.id), task_style(t), (str(t.id), t.name, t.source, t.agent or "-", clock_time(t.started_at, now, tz),
+        Row(str(t.id), task_style(t), (str(t.id), t.name, t.source, agent_text(t.agent, t.fallback_from), clock_time(t.started_at, now, tz),
                                        since(t.started_at, now), str(t.pid) if t.pid else "starting",
                                        task_style(t)))
         for t in queue.running
@@ -101,12 +101,14 @@ def _event_detail(e: Event) -> str:
 
 def summary(cap: pm.Capacity, service_pid: int | None) -> str:
     service = f"service running (pid {service_pid})" if service_pid else "service not running"
-    from kugetsu.render import holds_line, paused_note
+    from kugetsu.render import budgets_line, holds_line, paused_note
 
     text = (f"{cap.active}/{cap.max_agents} running · {cap.queued} queued · max queue {cap.max_queue}"
             f"{paused_note(cap)} · {service}")
     if cap.holds:  # a provider's limit, or a hold by hand: its tasks wait, and for how long
         text += " · " + holds_line(cap)
+    if any(b.over for b in cap.budgets):  # a daily budget spent: its tasks wait until midnight
+        text += " · " + budgets_line(cap)
     return text
 
 
