@@ -16,7 +16,7 @@ import msgspec
 from datetime import datetime, timedelta
 
 from kugetsu import limits, placement
-from kugetsu.config import Config, format_duration, format_size, parse_duration
+from kugetsu.config import Config, format_duration, format_size, parse_duration, parse_size
 from kugetsu.errors import (AmbiguousName, EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered,
                             QueueFull, Rejected, UnknownDependency, UnknownGroup, UsageError)
 from kugetsu.agents.report import Usage
@@ -24,13 +24,19 @@ from kugetsu.models import (PRIORITIES, Attempt, ClockError, Event, Hold, Index,
                             valid_host, valid_name)
 from kugetsu.placement import Here, ours, starts_anywhere
 # Resources, guard_hold and clock are also used by the front ends, through pm.
-from kugetsu.policy import Board, Resources, clock, guard_hold, simple_order, task_key  # noqa: F401
+from kugetsu.policy import (Board, Resources, accounts, clock, guard_hold, memory_of, short_size,  # noqa: F401
+                            simple_order, task_key)
 
 # ---- who runs next ---------------------------------------------------------------------
 
 
+def slots_used(index: Index) -> int:
+    """Slots the running tasks take (`delegate --slots`: a task may take more than one)."""
+    return sum(t.slots for t in index.active)
+
+
 def free_slots(index: Index, cfg: Config) -> int:
-    return max(0, cfg.max_agents - len(index.active))
+    return max(0, cfg.max_agents - slots_used(index))
 
 
 def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
@@ -40,15 +46,21 @@ def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources |
     `here`: in a cluster, the machine deciding: only what can run there, within its slots."""
     if not starts_anywhere(cfg, here):
         return []
-    if len(index.active) >= cfg.max_agents or index.paused or guard_hold(cfg, resources) is not None:
+    if slots_used(index) >= cfg.max_agents or index.paused or guard_hold(cfg, resources) is not None:
         return []  # what Board.pick says at once, without sorting the whole queue into lanes
     room = None
     if here is not None:
         room = placement.room(index, here)
         index = placement.candidates(index, here)
-    board = Board(index, cfg, now, resources)
+        board = Board(index, cfg, now, resources, host=here.name, budget=here.max_memory)
+    else:
+        board = Board(index, cfg, now, resources)
     started: list[Task] = []
-    while (room is None or len(started) < room) and (task := board.pick()) is not None:
+    while (task := board.pick()) is not None:
+        if room is not None:  # this machine's own slots: the next task waits for them, as for the cluster's
+            if task.slots > room:
+                break
+            room -= task.slots
         board.take(task)
         started.append(task)
     return started
@@ -77,6 +89,7 @@ def successor(index: Index, cfg: Config) -> Successor | None:
         or index.paused
         or len(index.active) != cfg.max_agents
         or cfg.resource_guard.enabled
+        or accounts(index, cfg)  # slots and memory: one exit may not make room for the next
         or not simple_order(index, cfg)
         or any(may_requeue(cfg, t) for t in index.active)  # it would come back ahead of the successor
     ):
@@ -111,7 +124,7 @@ def position(index: Index, cfg: Config, now: datetime, task: Task) -> int | None
 
 def waiting_for_one(index: Index, cfg: Config, now: datetime, task: Task, resources: Resources | None = None) -> str | None:
     """waiting_for(...).get(task.id), for one queued task: the reason of its lane only."""
-    if task.after:  # its dependencies, by name: the full look
+    if task.after or accounts(index, cfg):  # its dependencies, by name; what fits: the full look
         return waiting_for(index, cfg, now, resources).get(task.id)
     board = Board(index, cfg, now, resources, lanes=False)
     return board.pause or board.hold or board.why(*board.lane_of(task))
@@ -123,15 +136,20 @@ def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources |
     without a reason are left out."""
     quick = Board(index, cfg, now, resources, lanes=False)  # the counts only, no order
     if (quick.pause is None and quick.hold is None and quick.source_limit is None and quick.interval is None
-            and not quick.caps and not quick.agent_caps and not quick.holds
-            and not any(t.after or t.not_before for t in index.queued)):
+            and not quick.caps and not quick.agent_caps and not quick.holds and quick.budget is None
+            and not any(t.after or t.not_before or t.slots != 1 for t in index.queued)):
         return {}  # nothing that could hold a task
     board = Board(index, cfg, now, resources)
     out = {}
     for lane_id, lane in board.lanes.items():
-        reason = board.pause or board.hold or board.why(*lane_id)
+        head = lane[0][1]
+        reason = board.pause or board.hold or board.why(*lane_id, head.slots) or board.never(head)
         if reason is not None:
             out.update((t.id, reason) for _, t in lane)
+    board.pick()
+    if board.blocked is not None:  # the task next in line, which does not fit yet: memory, slots
+        task, why = board.blocked
+        out.setdefault(task.id, why)
     if board.parked:  # `delegate --after`: the dependencies still to end, by name
         names = {t.id: t.name for t in index.live()}
         out.update((t.id, ", ".join(names[d] for d in t.after if d in waits)) for t, waits in board.parked.values())
@@ -158,13 +176,21 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     paused: bool = False  # `kugetsu pause`: no queued task starts until `resume`
     paused_groups: list[str] = []  # `pause --group G`: none of these groups' tasks starts
     holds: dict[str, HoldView] = {}  # presets held (provider limits, by hand): their tasks wait
+    # Once a task declares memory: this machine's budget and what its running tasks declared.
+    max_memory: int | None = None
+    memory_used: int | None = None
 
 
 def capacity(index: Index, cfg: Config, now: datetime | None = None) -> Capacity:
     """Counts only: cheap at any queue length (no order is computed)."""
+    memory = {}
+    if accounts(index, cfg):
+        here = cfg.host if cfg.store is not None else None
+        memory = {"max_memory": cfg.memory_budget,
+                  "memory_used": sum(memory_of(cfg, t) for t in index.active if here is None or t.host == here)}
     return Capacity(max_agents=cfg.max_agents, active=len(index.active), queued=len(index.queued),
                     free=free_slots(index, cfg), max_queue=cfg.max_queue, paused=index.paused,
-                    paused_groups=sorted(index.paused_groups), holds=holds_view(index, now))
+                    paused_groups=sorted(index.paused_groups), holds=holds_view(index, now), **memory)
 
 
 def pause(index: Index, cfg: Config, now: datetime, group: str | None, on: bool) -> list[Event]:
@@ -316,6 +342,10 @@ class Request(msgspec.Struct, kw_only=True):
     # for a preset that uses it (wants_prompt_file).
     prompt_path: str | None = None
     after: list[str] = []  # tasks (ids or names) that must succeed before this one starts
+    # Resources (README, "Resources"); None: the preset's, else the config's defaults.
+    memory: int | None = None  # bytes
+    max_procs: int | None = None
+    slots: int | None = None
     # The task whose agent delegates (id, name), from that agent's environment (ops fills it
     # in: KUGETSU_TASK_ID, KUGETSU_TASK_NAME): None from outside any task.
     parent: tuple[int, str] | None = None
@@ -447,6 +477,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         raise UsageError(f"invalid retries {req.retries}: a task is run again 0 or more times after a failure")
     _check_text(req)
     agent, template, env = resolve_agent(cfg, req)
+    memory, max_procs, slots = declared(cfg, req, agent)
     depth, nesting = nesting_of(index, cfg, req, agent)
     after = dependencies(index, req.after)
     limit = cfg.max_queued_per_source
@@ -502,10 +533,41 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         retry_of=req.retry_of,
         depth=depth,
         nesting=nesting,
+        memory=memory,
+        max_procs=max_procs,
+        slots=slots,
     )
     index.next_id += 1
     index.queued.append(task)
     return task, events + [_event("queued", task, now, position=position(index, cfg, now, task))]
+
+
+def declared(cfg: Config, req: Request, agent: str | None) -> tuple[int | None, int | None, int]:
+    """(memory, max_procs, slots) a task admitted for `req` declares: the request's, else its
+    preset's (memory, max_procs fall back on resources' defaults when it runs). A task that
+    could never fit this machine (or the cluster's max_agents, or its group) is refused here
+    rather than wait for ever."""
+    preset = cfg.agents.get(agent) if agent else None
+    memory = req.memory
+    if memory is None and preset is not None and preset.memory is not None:
+        memory = parse_size(preset.memory)
+    max_procs = req.max_procs if req.max_procs is not None else (preset.max_procs if preset else None)
+    slots = req.slots if req.slots is not None else (preset.slots if preset else 1)
+    if memory is not None and memory <= 0:
+        raise UsageError(f"invalid memory {memory}: give a size like 4G or 512M")
+    if slots < 1 or (max_procs is not None and max_procs < 1):
+        raise UsageError("slots and max-procs are 1 or more")
+    if slots > cfg.max_agents:
+        raise UsageError(f"a task of {slots} slots could never start: max_agents is {cfg.max_agents}; declare"
+                         f" {cfg.max_agents} slots or fewer, or raise max_agents")
+    if req.group in cfg.groups and slots > cfg.groups[req.group].max_agents:
+        cap = cfg.groups[req.group].max_agents
+        raise UsageError(f"a task of {slots} slots could never start in group {req.group}, which has {cap}")
+    need = memory if memory is not None else cfg.resources.default_memory_bytes
+    if need and cfg.store is None and need > (budget := cfg.memory_budget):
+        raise UsageError(f"a task of {short_size(need)} could never start: max_memory is {short_size(budget)};"
+                         " declare less memory, or raise max_memory")
+    return memory, max_procs, slots
 
 
 def dependencies(index: Index, refs: list[str]) -> list[int]:
