@@ -1044,8 +1044,56 @@ class Adopted(msgspec.Struct, frozen=True):
     code: int | None = None  # it has ended already, with this status
 
 
+class Measured(msgspec.Struct, frozen=True, kw_only=True):
+    """A running task's use as the service measured it (usage.py): its processes' total RSS
+    now and at most so far, CPU seconds, how many, and what the kernel did in its cgroups."""
+
+    task: int
+    memory: int
+    peak: int
+    cpu: float
+    procs: int
+    oom_kills: int = 0
+    forks_refused: int = 0
+
+
+def max_procs_of(cfg: Config, task: Task) -> int | None:
+    return task.max_procs if task.max_procs is not None else cfg.resources.max_procs
+
+
+def over_limits(index: Index, cfg: Config, now: datetime, seen: list[Measured]) -> list[Task]:
+    """Record what was measured of each running task (its peak and CPU time stay on its
+    record), and stop (failed) those over a limit they declared: their memory, or their
+    processes; also those the kernel had to act on in their cgroups (an OOM kill, a fork
+    refused), which are over it by definition. Returns the tasks to send SIGTERM to now."""
+    tasks = {t.id: t for t in index.active}
+    due = []
+    for m in seen:
+        task = tasks.get(m.task)
+        if task is None:
+            continue
+        task.peak_memory = max(task.peak_memory or 0, m.peak, m.memory) or None
+        task.cpu_seconds = max(task.cpu_seconds or 0.0, m.cpu) or None
+        if task.stop is not None or task.ended_at is not None:
+            continue
+        limit, procs = memory_of(cfg, task), max_procs_of(cfg, task)
+        if limit and (m.memory > limit or m.oom_kills):
+            why = f"memory limit {short_size(limit)} exceeded (peak {short_size(task.peak_memory or 0)})"
+            if m.oom_kills:
+                why += f"; the kernel ended {m.oom_kills} of its processes"
+        elif procs and (m.procs > procs or m.forks_refused):
+            why = f"process limit {procs} exceeded ({m.procs} processes" + (
+                f", {m.forks_refused} forks refused)" if m.forks_refused else ")")
+        else:
+            continue
+        _request_stop(task, TaskState.FAILED, why, now, cfg.kill_grace_s)
+        due.append(task)
+    return due
+
+
 class Observations(msgspec.Struct, kw_only=True):
     exits: list[Exit] = []
+    measured: list[Measured] = []  # the running tasks' use, as last measured
     found: list[Found] = []
     adopted: list[Adopted] = []
     resources: Resources | None = None  # the machine's readings, for the resource guard
@@ -1077,6 +1125,9 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
     me = here.name if here else None
     live = {t.id: t for t in index.active if ours(t, me)}  # another machine's processes are its own
     holds = dict(index.holds)
+    # Limits first: an agent the kernel ended at its cgroup's memory limit exits with SIGKILL's
+    # status, and its end is booked as over the limit, not as a plain kill.
+    plan.signal_groups += [(t, 15) for t in over_limits(index, cfg, now, obs.measured) if ours(t, me)]
     for e in obs.exits:
         task = live.get(e.task)
         if task is None or task.ended_at is not None:
@@ -1404,4 +1455,5 @@ def retry_request(task: Task) -> Request:
         raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}; only a finished task can be retried", code=1)
     return Request(cwd=task.cwd, name=task.name, command=list(task.first_command or task.command), prompt=task.prompt,
                    agent=task.agent, source=task.source, priority=task.priority, group=task.group, timeout=task.timeout,
-                   env=dict(task.env), retries=task.retries, retry_delay=task.retry_delay, retry_of=task.id)
+                   env=dict(task.env), retries=task.retries, retry_delay=task.retry_delay, retry_of=task.id,
+                   memory=task.memory, max_procs=task.max_procs, slots=task.slots)

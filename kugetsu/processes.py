@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 from datetime import datetime
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -28,6 +29,11 @@ log = logging.getLogger("kugetsu.service")
 WARM_AHEAD = 100  # queued tasks whose wrapper waits, started ahead (sync_warm)
 
 _FINAL = frozenset(s.value for s in TaskState if s.final)
+
+
+def limited(cfg: Config, task: Task) -> bool:
+    """Has the task a memory or process limit (in cgroup mode: cgroups of its own)?"""
+    return bool(pm.memory_of(cfg, task) or pm.max_procs_of(cfg, task))
 
 
 class LetGo(msgspec.Struct):
@@ -50,6 +56,9 @@ class Processes:
         self.warm: dict[int, runner.Spawned] = {}  # task id -> its wrapper, started ahead, waiting
         self.dropped: list[subprocess.Popen[bytes]] = []  # warm wrappers let go, to reap once they exit
         self.host: str | None = None  # in a cluster, this machine: other machines' tasks are theirs
+        # cgroup mode (service._confine): the cgroups a task with limits starts in, as its
+        # wrapper's environment; such a task gets no warm wrapper (its cgroups are its run's).
+        self.confine: Callable[[Task], dict[str, str] | None] | None = None
 
     def committed(self) -> None:
         """The index on disk now records everything let go and every exit reaped so far."""
@@ -70,7 +79,11 @@ class Processes:
     def start(self, task: Task, cwd: str, env: dict[str, str], released: bool) -> runner.Spawned:
         """The task's warm wrapper if it has one (a promotion is then one write to a pipe),
         else a new process. `released`: its warm wrapper was let go already."""
+        confine = self.confine(task) if self.confine is not None else None
         warm = self.warm.pop(task.id, None)
+        if warm is not None and confine is not None:
+            self.drop(warm)  # started before its limits were known to need cgroups
+            warm = None
         if warm is not None:
             if released:
                 return warm
@@ -78,7 +91,8 @@ class Processes:
                 runner.release(warm)
                 return warm
             self.drop(warm)
-        return runner.spawn(self.home, task.id, task.name, task.command, cwd, env, token=task.token, depth=task.depth)
+        return runner.spawn(self.home, task.id, task.name, task.command, cwd, env, token=task.token, depth=task.depth,
+                            confine=confine)
 
     def sync_warm(self, index: Index, cfg: Config) -> None:
         """Keep the wrappers of the first WARM_AHEAD queued tasks in start order started and
@@ -90,7 +104,7 @@ class Processes:
         want: list[Task] = []
         if index.queued and pm.free_slots(index, cfg) == 0:
             order = pm.start_order(index, cfg, ops.now())[:WARM_AHEAD]
-            want = [t for t in order if not t.repo and t.token]
+            want = [t for t in order if not t.repo and t.token and not (self.confine and limited(cfg, t))]
         wanted = {t.id for t in want}
         for task_id in [i for i in self.warm if i not in wanted]:
             self.drop(self.warm.pop(task_id))

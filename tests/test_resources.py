@@ -1,0 +1,210 @@
+"""Resources are capacity (issue 29): declared memory and slots in admission, measured use,
+per-task limits enforced by sampling and by cgroups. Real agents: Python processes that
+grow a bytearray in steps (never beyond ~200 MB) and shell scripts that fork (bounded)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+
+from kugetsu import runner, usage
+from kugetsu.paths import Home
+
+M = 1024**2
+
+# An agent that grows to $1 MiB in steps of 10 MiB (touching every page), records each step's
+# size, then holds it for $2 seconds.
+HOG = (
+    "import sys, time\n"
+    "goal, hold, rec = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]\n"
+    "chunks = []\n"
+    "while len(chunks) * 10 < goal:\n"
+    "    chunks.append(bytearray(10 * 1024 * 1024))\n"
+    "    open(rec, 'a').write(f'{len(chunks) * 10} {time.time()}\\n')\n"
+    "    time.sleep(0.05)\n"
+    "time.sleep(hold)\n"
+)
+
+
+def hog(kg, name: str, mb: int, hold: float = 30.0) -> list[str]:
+    script = kg.rec.parent / "hog.py"
+    script.write_text(HOG)
+    return [sys.executable, str(script), str(mb), str(hold), str(kg.rec / name)]
+
+
+def grown(kg, name: str) -> int:
+    """The size (MiB) the hog `name` has reached, by its own record."""
+    try:
+        lines = (kg.rec / name).read_text().split()
+    except FileNotFoundError:
+        return 0
+    return int(lines[-2]) if lines else 0
+
+
+def cgroups_here() -> bool:
+    return os.geteuid() == 0 and usage.cgroup_base(Home(Path("/nonexistent"))) is not None
+
+
+def cgroup_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return ""
+
+
+# ---- admission by declared memory and slots ------------------------------------------------
+
+
+def test_memory_admission_positions_are_the_real_start_order(kg):
+    """max_memory 200M: a 120M task runs; a 100M one waits, with the numbers, and a 20M one
+    queued after it does not pass it; they start in the order their positions said."""
+    kg.config(max_agents=4, max_memory="200M", resources={"mode": "sampling", "interval": "0.2s"})
+    gate = kg.rec.parent / "gate"
+    assert kg.delegate("big", 0, 0, "--memory", "120M", gate=gate).startswith("started big")
+    out = kg.delegate("mid", 0, 0, "--memory", "100M")
+    assert out.startswith("queued mid (#2), position 1 of 1; waiting for: memory (120.0M of 200.0M in use")
+    assert kg.delegate("small", 0, 0, "--memory", "20M").startswith("queued small (#3), position 2 of 2")
+    q = kg.json("queue")
+    assert q["queued"][0]["waiting_for"] == "memory (120.0M of 200.0M in use, it needs 100.0M)"
+    assert [t["name"] for t in q["queued"]] == ["mid", "small"]
+    assert [t["memory"] for t in q["queued"]] == [100 * M, 20 * M]
+    cap = kg.json("capacity")
+    assert (cap["max_memory"], cap["memory_used"]) == (200 * M, 120 * M)
+    assert "waiting_for     memory (120.0M of 200.0M in use" in kg.ok("status", "mid")
+    time.sleep(0.5)
+    assert "start" not in kg.times("small")  # it did not pass the task ahead of it
+    gate.touch()
+    for name in ("big", "mid", "small"):
+        kg.wait_state(name, "succeeded")
+    assert [e["name"] for e in kg.events("started")] == ["big", "mid", "small"]
+    assert min(kg.times("mid")["start"], kg.times("small")["start"]) >= kg.times("big")["end"]
+
+
+def test_slots_count_in_max_agents_and_groups(kg):
+    kg.config(max_agents=3, groups={"gpu": {"max_agents": 2}})
+    gate = kg.rec.parent / "gate"
+    assert kg.delegate("one", 0, 0, gate=gate).startswith("started one")
+    out = kg.delegate("heavy", 0, 0, "--slots", "3")
+    assert out.startswith("queued heavy (#2), position 1 of 1; waiting for: slots (1 of 3 in use, it takes 3)")
+    assert kg.delegate("after", 0).startswith("queued after (#3), position 2 of 2")
+    r = kg.run("delegate", "huge", "--slots", "4", "--", "true")
+    assert r.returncode == 2 and "a task of 4 slots could never start: max_agents is 3" in r.stderr
+    r = kg.run("delegate", "g", "--slots", "3", "--group", "gpu", "--", "true")
+    assert r.returncode == 2 and "could never start in group gpu, which has 2" in r.stderr
+    r = kg.run("delegate", "z", "--slots", "0", "--", "true")
+    assert r.returncode == 2 and "expected 1 or more" in r.stderr and "Traceback" not in r.stderr
+    r = kg.run("delegate", "z", "--memory", "lots", "--", "true")
+    assert r.returncode == 2 and "is not a size" in r.stderr
+    assert kg.task("heavy")["slots"] == 3
+    gate.touch()
+    kg.wait_state("after", "succeeded")
+    assert kg.times("heavy")["start"] >= kg.times("one")["end"]
+    assert kg.times("after")["start"] >= kg.times("heavy")["end"]
+
+
+def test_a_preset_declares_memory_and_max_procs(kg):
+    kg.config(max_memory="1G", agents={"big": {"command": ["sh", "-c", "true"], "memory": "300M",
+                                                "max_procs": 50, "slots": 2}})
+    kg.ok("delegate", "p", "--agent", "big")
+    t = kg.wait_state("p", "succeeded")
+    assert (t["memory"], t["max_procs"], t["slots"]) == (300 * M, 50, 2)
+    r = kg.run("delegate", "q", "--agent", "big", "--memory", "2G")
+    assert r.returncode == 2 and "could never start: max_memory is 1.0G" in r.stderr
+
+
+# ---- limits enforced -------------------------------------------------------------------------
+
+
+def _over_limit_is_stopped(kg, mode: str, interval: str = "0.1s") -> None:
+    kg.config(max_agents=1, kill_grace="2s", resources={"mode": mode, "interval": interval})
+    kg.ok("delegate", "hog", "--memory", "60M", "--", *hog(kg, "hog", 200))
+    kg.delegate("next", 0)
+    t = kg.wait_state("hog", "failed", timeout=20)
+    assert t["reason"].startswith("memory limit 60.0M exceeded (peak "), t["reason"]
+    assert t["peak_memory"] >= 60 * M  # the kernel's own count stops at the limit
+    assert grown(kg, "hog") < 200  # stopped on its way
+    kg.wait_state("next", "succeeded")
+    assert any(e["type"] == "failed" and e["reason"].startswith("memory limit 60.0M") for e in kg.events())
+
+
+def test_over_its_memory_limit_a_task_is_stopped_sampling(kg):
+    _over_limit_is_stopped(kg, "sampling")
+    assert "resources: sampling mode" in kg.home.service_log.read_text()
+
+
+@pytest.mark.skipif(not cgroups_here(), reason="needs root and cgroup v1 memory and pids controllers")
+def test_over_its_memory_limit_the_kernel_stops_it_cgroup(kg):
+    """cgroup mode, measured only every minute: the kernel alone bounds the task (its OOM
+    killer, in the task's own cgroup under the service's), and its end says why."""
+    _over_limit_is_stopped(kg, "cgroup", "60s")
+    assert "resources: cgroup mode" in kg.home.service_log.read_text()
+    assert "the kernel ended 1 of its processes" in kg.task("hog")["reason"]
+    base = usage.cgroup_base(kg.home)
+    assert base is not None
+    wait_for(lambda: not any(base["memory"].glob("task-*")), 10, "the task's cgroups to be removed")
+
+
+@pytest.mark.skipif(not cgroups_here(), reason="needs root and cgroup v1 memory and pids controllers")
+def test_a_task_with_limits_runs_in_its_own_cgroups(kg):
+    kg.config(resources={"mode": "cgroup"})
+    gate = kg.rec.parent / "gate"
+    kg.delegate("free", 0, 0, gate=gate)
+    kg.delegate("bounded", 0, 0, "--memory", "100M", "--max-procs", "30", gate=gate)
+    wait_for(lambda: kg.times("bounded").get("start") and kg.times("free").get("start"), 10, "both to start")
+    free, bounded = (kg.task(n)["agent_pid"] for n in ("free", "bounded"))
+    assert f"kugetsu-{kg.home.key}/task-2-1" in cgroup_of(bounded)
+    assert "kugetsu-" not in cgroup_of(free)  # no limit, no cgroup of its own
+    mem = usage.cgroup_base(kg.home)["memory"] / "task-2-1"
+    assert int((mem / "memory.limit_in_bytes").read_text()) == 100 * M
+    assert "KUGETSU_CGROUP_PROCS" not in (runner.environ(bounded) or b"").decode()
+    gate.touch()
+    kg.wait_state("bounded", "succeeded")
+    wait_for(lambda: not mem.exists(), 10, "its cgroups to be removed")
+
+
+FORKER = 'i=0; while [ $i -lt 200 ]; do sleep 30 & i=$((i+1)); done; wait'
+
+
+def _fork_storm_is_bounded(kg, mode: str) -> None:
+    kg.config(max_agents=1, kill_grace="1s", resources={"mode": mode, "interval": "0.1s"})
+    kg.ok("delegate", "storm", "--max-procs", "20", "--", "sh", "-c", FORKER)
+    t = kg.wait_state("storm", "failed", timeout=20)
+    assert t["reason"].startswith("process limit 20 exceeded"), t["reason"]
+    token = kg.index()["finished"][0]["token"]
+    from kugetsu import runner
+
+    wait_for(lambda: not runner.scan_token(token), 10, "every process of the storm to be gone")
+
+
+def test_a_fork_storm_is_stopped_sampling(kg):
+    _fork_storm_is_bounded(kg, "sampling")
+
+
+@pytest.mark.skipif(not cgroups_here(), reason="needs root and cgroup v1 memory and pids controllers")
+def test_a_fork_storm_is_bounded_by_the_kernel_cgroup(kg):
+    _fork_storm_is_bounded(kg, "cgroup")
+    reason = kg.task("storm")["reason"]
+    assert "forks refused" in reason
+    assert int(reason.split("(")[1].split()[0]) <= 20  # never more than its limit at once
+
+
+# ---- measured use ----------------------------------------------------------------------------
+
+
+def test_measured_use_in_status_queue_and_the_final_record(kg):
+    kg.config(resources={"mode": "sampling", "interval": "0.1s"})
+    gate = kg.rec.parent / "gate"
+    kg.ok("delegate", "m", "--", *hog(kg, "m", 50, 3))
+    wait_for(lambda: grown(kg, "m") >= 50, 10, "the hog to grow")
+    t = wait_for(lambda: (t := kg.task("m")).get("rss") and t["rss"] > 45 * M and t, 5, "a measurement")
+    assert t["procs"] >= 1
+    assert "MEM" in kg.ok("queue") and "peak" in kg.ok("status", "m")
+    t = kg.wait_state("m", "succeeded")
+    assert t["peak_memory"] > 45 * M and t["cpu_seconds"] > 0
+    del gate
