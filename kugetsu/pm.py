@@ -177,8 +177,8 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     paused_groups: list[str] = []  # `pause --group G`: none of these groups' tasks starts
     holds: dict[str, HoldView] = {}  # presets held (provider limits, by hand): their tasks wait
     # Once a task declares memory: this machine's budget and what its running tasks declared.
-    max_memory: int | None = None
-    memory_used: int | None = None
+    max_memory: int | msgspec.UnsetType = msgspec.UNSET  # UNSET: not in the object
+    memory_used: int | msgspec.UnsetType = msgspec.UNSET
 
 
 def capacity(index: Index, cfg: Config, now: datetime | None = None) -> Capacity:

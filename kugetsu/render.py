@@ -74,7 +74,7 @@ def until(t: datetime | None, now: datetime) -> str:
 def summary(cap: Capacity) -> str:
     text = (f"{cap.active}/{cap.max_agents} running, {cap.free} free, {cap.queued} queued (max {cap.max_queue})"
             + paused_note(cap))
-    if cap.max_memory is not None:
+    if cap.max_memory:
         text += f", memory {short_size(cap.memory_used or 0)} of {short_size(cap.max_memory)} declared"
     return text + ("\n" + holds_line(cap) if cap.holds else "")
 

@@ -707,7 +707,9 @@ class Service:
                     raise
                 obs.hosts = member.observe(conn)
         needed = {placement.needs_dir(t) for t in txn.index.queued}
-        obs.here = member.here(frozenset(d for d in needed if not os.path.isdir(d)))
+        # Its own memory budget (max_memory is a machine's own key): what its tasks may declare here.
+        obs.here = msgspec.structs.replace(member.here(frozenset(d for d in needed if not os.path.isdir(d))),
+                                           max_memory=self.cfg.memory_budget)
 
     def _fence(self, txn: Txn) -> None:
         """This machine was declared gone: the tasks it ran were ended as lost and their slots
