@@ -208,3 +208,16 @@ def test_measured_use_in_status_queue_and_the_final_record(kg):
     t = kg.wait_state("m", "succeeded")
     assert t["peak_memory"] > 45 * M and t["cpu_seconds"] > 0
     del gate
+
+
+def test_doctor_says_which_mode_is_in_force_and_config_checks_it(kg):
+    kg.config(resources={"mode": "sampling", "interval": "1s"}, max_memory="3G")
+    out = kg.run("doctor").stdout
+    assert "max_memory 3.0G; sampling every 1s: a task over its memory limit is stopped at the next look" in out
+    r = kg.run("config", "set", "resources.mode", "magic")
+    assert r.returncode == 2 and "resources.mode" in r.stderr and "Traceback" not in r.stderr
+    r = kg.run("config", "set", "max_memory", "lots")
+    assert r.returncode == 2 and "is not a size" in r.stderr
+    if cgroups_here():
+        kg.ok("config", "set", "resources.mode", "auto")
+        assert "cgroup mode: the kernel bounds each task" in kg.run("doctor").stdout
