@@ -73,6 +73,13 @@ class TaskOut(BaseModel):
     nesting: int = Field(0, description="levels of tasks its agent may still delegate beneath it (its preset's"
                          " `nesting`, within its delegator's); 0: its agent may not delegate")
     usage: UsageOut | None = Field(None, description="tokens (and cost) of all its runs, as its agent reported them")
+    memory: OptInt = Field(None, description="bytes it declared it may use (delegate memory); over it, it is stopped")
+    max_procs: OptInt = Field(None, description="its processes at most; over it, it is stopped")
+    slots: int = Field(1, description="slots of max_agents (and of its group) it takes")
+    peak_memory: OptInt = Field(None, description="bytes: the largest total RSS of its processes measured")
+    cpu_seconds: OptFloat = Field(None, description="CPU seconds its processes used, as measured")
+    rss: OptInt = Field(None, description="while running: bytes, the total RSS of its processes now")
+    procs: OptInt = Field(None, description="while running: its processes now")
 
 
 class UsageOut(BaseModel):
@@ -109,6 +116,9 @@ class CapacityOut(BaseModel):
     queued: int = Field(description="waiting for a slot")
     free: int = Field(description="slots free now: a task delegated now starts at once if free > 0")
     max_queue: int = Field(description="queued tasks at most; beyond it delegate is rejected (back off)")
+    max_memory: OptInt = Field(None, description="once a task declares memory: the bytes this machine's running"
+                               " tasks may declare in all; a task starts only when its memory fits")
+    memory_used: OptInt = Field(None, description="bytes the running tasks declared")
     holds: dict[str, HoldOut] | None = Field(
         None, description="agent presets held now (their provider's usage limit, or by hand): their tasks wait")
 

@@ -32,7 +32,7 @@ from pydantic import Field, ValidationError
 
 import kugetsu
 from kugetsu import control, logtail, ops, pm, render, waiting
-from kugetsu.config import Config, format_duration, load_config, parse_duration
+from kugetsu.config import Config, format_duration, load_config, parse_duration, parse_size
 from kugetsu.errors import KugetsuError, Nested, Rejected, UsageError
 from kugetsu.mcp.handshake import INSTRUCTIONS, NAME, TITLE, differs
 from kugetsu.mcp.models import (
@@ -73,6 +73,15 @@ def _duration(value: str | float | None, what: str) -> float | None:
         return None
     try:
         return parse_duration(value, what)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _size(value: str | int | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value, "memory")
     except ValueError as err:
         raise UsageError(str(err)) from None
 
@@ -301,6 +310,13 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
                                       " times when it fails or is lost (not when cancelled)")] = 0,
         retry_delay: Annotated[str | float | None, Field(description="wait this long before each retry (90s,"
                                                          " 15m or seconds)")] = None,
+        memory: Annotated[str | int | None, Field(description="memory it may use (4G, 512M or bytes): it starts"
+                                                  " when that fits the machine's max_memory; over it, it is"
+                                                  " stopped. null: the preset's, else none")] = None,
+        max_procs: Annotated[int | None, Field(ge=1, description="its processes at most (a fork storm is"
+                                               " stopped); null: the preset's or the config's")] = None,
+        slots: Annotated[int | None, Field(ge=1, le=64, description="slots of max_agents (and of its group) it"
+                                           " takes; null: the preset's (1)")] = None,
     ) -> Annotated[CallToolResult, DelegateOut]:
         """Hand one piece of work (one issue) to a worker agent. kugetsu starts it at once in a
         free slot or queues it, and says which: "started NAME (#ID), slot 2/3" or "queued NAME
@@ -316,7 +332,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             cwd=os.path.abspath(cwd or os.getcwd()), name=name, command=command, prompt=prompt, agent=agent,
             source=source, priority=priority, group=group, expire_after=_duration(expire_after, "expire_after"),
             timeout=_duration(timeout, "timeout"), worktree=worktree, base=base, retries=retries,
-            retry_delay=_duration(retry_delay, "retry_delay"),
+            retry_delay=_duration(retry_delay, "retry_delay"), memory=_size(memory), max_procs=max_procs, slots=slots,
         )
         try:
             adm = await admitter.admit(req)
