@@ -173,6 +173,8 @@ class Record:
     finished: datetime | None = None
     state: str | None = None  # the final state, once final
     ran: bool = False  # it held a slot (known even when its start is not)
+    peak_memory: int | None = None  # measured (README, "Resources"): its largest total RSS
+    cpu_seconds: float | None = None
 
     def key(self, by: str, host: str) -> str:
         if by == "host":
@@ -203,6 +205,7 @@ def records(events: Iterable[Event], tasks: Iterable[Task], start: datetime) -> 
         if r is None:
             r = out[t.id] = Record(t.id)
         r.name, r.source, r.agent, r.group = t.name, t.source, t.agent, t.group
+        r.peak_memory, r.cpu_seconds = t.peak_memory, t.cpu_seconds
         r.created = t.created_at
         if t.started_at is not None:
             r.started, r.ran = t.started_at, True
@@ -236,6 +239,8 @@ class _Row:
     runs: list[float] = field(default_factory=list)
     busy: float = 0.0
     done: int = 0  # ran and finished in the window
+    peak_memory: int | None = None  # the largest any of its tasks that ran in the window reached
+    cpu: float = 0.0  # CPU seconds of its tasks that ran in the window (their whole runs)
 
     def add(self, r: Record, start: datetime, now: datetime) -> None:
         c = self.counts
@@ -257,6 +262,9 @@ class _Row:
             # task cleaned away that began before it) counts from the window's start.
             began = max(r.started or start, start)
             self.busy += max(0.0, ((r.finished or now) - began).total_seconds())
+            if r.peak_memory is not None:
+                self.peak_memory = max(self.peak_memory or 0, r.peak_memory)
+            self.cpu += r.cpu_seconds or 0.0
 
     def report(self, seconds: float, available: float) -> dict[str, Any]:
         c = self.counts
@@ -269,6 +277,8 @@ class _Row:
             "throughput_per_hour": self.done / (seconds / 3600) if seconds else None,
             "busy_slot_seconds": self.busy,
             "utilisation": self.busy / available if available else None,
+            "peak_memory": self.peak_memory,
+            "cpu_seconds": round(self.cpu, 2),
         }
 
 
@@ -408,6 +418,11 @@ def render(report: dict[str, Any]) -> str:
     )
     lines = [f"last {d(report['window_seconds'])}: {start:%Y-%m-%d %H:%M:%S} to {end:%Y-%m-%d %H:%M:%S} UTC,"
              f" max_agents {report['max_agents']}", "", outcomes, "", times, ""]
+    if any(r["peak_memory"] is not None for _, r in rows):  # measured use (README, "Resources")
+        from kugetsu.policy import short_size
+
+        lines += [table([by, "PEAK MEM", "CPU"], [[k, "-" if r["peak_memory"] is None else short_size(r["peak_memory"]),
+                                                  f"{r['cpu_seconds']:.1f}s"] for k, r in rows], right={1, 2}), ""]
     waiting = report["longest_waiting"]
     if waiting:
         lines.append("longest waiting now:")

@@ -199,15 +199,17 @@ def test_a_fork_storm_is_bounded_by_the_kernel_cgroup(kg):
 
 def test_measured_use_in_status_queue_and_the_final_record(kg):
     kg.config(resources={"mode": "sampling", "interval": "0.1s"})
-    gate = kg.rec.parent / "gate"
     kg.ok("delegate", "m", "--", *hog(kg, "m", 50, 3))
     wait_for(lambda: grown(kg, "m") >= 50, 10, "the hog to grow")
     t = wait_for(lambda: (t := kg.task("m")).get("rss") and t["rss"] > 45 * M and t, 5, "a measurement")
     assert t["procs"] >= 1
     assert "MEM" in kg.ok("queue") and "peak" in kg.ok("status", "m")
     t = kg.wait_state("m", "succeeded")
-    assert t["peak_memory"] > 45 * M and t["cpu_seconds"] > 0
-    del gate
+    assert t["peak_memory"] > 45 * M and t["cpu_seconds"] > 0  # the final record keeps them
+    assert "peak_memory" in kg.ok("status", "m")
+    stats = kg.json("stats", "--by", "source")
+    assert stats["rows"]["cli"]["peak_memory"] == t["peak_memory"] == stats["total"]["peak_memory"]
+    assert "PEAK MEM" in kg.ok("stats", "--by", "agent")
 
 
 def test_doctor_says_which_mode_is_in_force_and_config_checks_it(kg):
@@ -221,3 +223,25 @@ def test_doctor_says_which_mode_is_in_force_and_config_checks_it(kg):
     if cgroups_here():
         kg.ok("config", "set", "resources.mode", "auto")
         assert "cgroup mode: the kernel bounds each task" in kg.run("doctor").stdout
+
+
+def test_metrics_show_each_running_tasks_use_and_the_memory_budget(kg):
+    pytest.importorskip("prometheus_client", reason="the `metrics` extra is not installed")
+    from test_metrics import endpoint, scrape, value
+
+    kg.config(max_memory="2G", metrics={"listen": "127.0.0.1:0"}, resources={"mode": "sampling", "interval": "0.1s"})
+    kg.ok("serve", "--detach")
+    url = endpoint(kg)
+    kg.ok("delegate", "m", "--source", "pm", "--memory", "200M", "--", *hog(kg, "m", 40, 30))
+    wait_for(lambda: grown(kg, "m") >= 40, 10, "the hog to grow")
+    labels = {"task": "1", "source": "pm", "agent": ""}
+    samples = wait_for(lambda: (s := scrape(url)) and (value(s, "kugetsu_task_memory_bytes", **labels) or 0) > 35 * M
+                       and s, 10, "the page to show its memory")
+    assert value(samples, "kugetsu_task_memory_peak_bytes", **labels) >= value(samples, "kugetsu_task_memory_bytes", **labels)
+    assert value(samples, "kugetsu_task_processes", **labels) >= 1
+    assert value(samples, "kugetsu_memory_declared_bytes") == 200 * M
+    assert value(samples, "kugetsu_max_memory_bytes") == 2 * 1024 * M
+    kg.ok("cancel", "m")
+    samples = wait_for(lambda: (s := scrape(url)) and value(s, "kugetsu_task_memory_bytes", **labels) is None and s,
+                       10, "a task that ended to leave the page")
+    assert value(samples, "kugetsu_memory_declared_bytes") == 0
