@@ -245,3 +245,24 @@ def test_metrics_show_each_running_tasks_use_and_the_memory_budget(kg):
     samples = wait_for(lambda: (s := scrape(url)) and value(s, "kugetsu_task_memory_bytes", **labels) is None and s,
                        10, "a task that ended to leave the page")
     assert value(samples, "kugetsu_memory_declared_bytes") == 0
+
+
+async def test_the_dashboard_shows_declared_and_measured_memory(kg):
+    import asyncio
+
+    from dashboard_data import until
+
+    from kugetsu.tui.app import make_app
+
+    kg.config(max_memory="1G", resources={"mode": "sampling", "interval": "0.1s"})
+    app = make_app(kg.home, cwd=str(kg.home.root.parent))
+    async with app.run_test() as pilot:
+        await asyncio.to_thread(kg.ok, "delegate", "m", "--memory", "300M", "--", *hog(kg, "m", 40, 30))
+        await until(pilot, lambda: app.running.keys == ["1"], timeout=10, what="the task in Running")
+        await until(pilot, lambda: "(peak " in str(app.output.border_title), timeout=10, what="its memory in the title")
+        assert "of 300.0M" in str(app.output.border_title)
+        await until(pilot, lambda: "memory 300.0M of 1.0G declared · using " in str(app.summary.render()), timeout=10,
+                    what="the memory in the summary")
+        await asyncio.to_thread(kg.ok, "cancel", "m")
+        await until(pilot, lambda: "1" in app.finished.keys, timeout=10, what="the task in Finished")
+        await until(pilot, lambda: "· peak " in str(app.output.border_title), timeout=10, what="its peak, once final")
