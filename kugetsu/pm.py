@@ -16,7 +16,7 @@ import msgspec
 from datetime import datetime, timedelta
 
 from kugetsu import limits, placement
-from kugetsu.config import Config, format_duration, format_size, parse_duration, parse_size
+from kugetsu.config import Config, cluster_host, format_duration, format_size, parse_duration, parse_size
 from kugetsu.errors import (AmbiguousName, EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered,
                             QueueFull, Rejected, UnknownDependency, UnknownGroup, UsageError)
 from kugetsu.agents.report import Usage
@@ -185,7 +185,7 @@ def capacity(index: Index, cfg: Config, now: datetime | None = None) -> Capacity
     """Counts only: cheap at any queue length (no order is computed)."""
     memory = {}
     if accounts(index, cfg):
-        here = cfg.host if cfg.store is not None else None
+        here = cluster_host(cfg)  # in a cluster, this machine's tasks against its own budget
         memory = {"max_memory": cfg.memory_budget,
                   "memory_used": sum(memory_of(cfg, t) for t in index.active if here is None or t.host == here)}
     return Capacity(max_agents=cfg.max_agents, active=len(index.active), queued=len(index.queued),
