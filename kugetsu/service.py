@@ -410,7 +410,7 @@ class Service:
         job = self.loop.run_in_executor(None, self._measure_job, tasks, groups, live, self.index.next_id)  # type: ignore[arg-type]
         job.add_done_callback(self._measured)
 
-    def _measure_job(self, tokens: dict[int, str], groups: dict[int, usage.TaskGroups], live: dict[int, int],
+    def _measure_job(self, tokens: dict[int, str], groups: dict[int, usage.TaskGroups | None], live: dict[int, int],
                      next_id: int) -> dict[int, pm.Measured]:
         measured = self.sampler.measure(tokens, groups)
         self.sampler.publish(measured, ops.now())

@@ -71,13 +71,14 @@ class Sampler:
         self.tokens: dict[tuple[int, int], str | None] = {}  # (pid, start) -> its token, read once
         self.peaks: dict[int, int] = {}  # task id -> the largest memory seen
 
-    def measure(self, tokens: dict[int, str], groups: dict[int, TaskGroups]) -> dict[int, Measured]:
+    def measure(self, tokens: dict[int, str], groups: dict[int, TaskGroups | None]) -> dict[int, Measured]:
         """task id -> its use now, for the tasks in `tokens` (id -> token)."""
         by_token = {tok: tid for tid, tok in tokens.items()}
         memory = dict.fromkeys(tokens, 0)
         cpu = dict.fromkeys(tokens, 0.0)
         procs = dict.fromkeys(tokens, 0)
         seen: dict[tuple[int, int], str | None] = {}
+        counted: set[int] = set()
         for pid in runner.users_pids(MAX_PROCS_READ):
             st = _stat(pid)
             if st is None:
@@ -97,7 +98,14 @@ class Sampler:
             memory[tid] += st[1]
             cpu[tid] += st[2]
             procs[tid] += 1
+            counted.add(pid)
         self.tokens = seen  # what has gone is forgotten
+        for tid, g in groups.items():  # cgroup mode: its processes that dropped the token count too
+            for pid in g.pids_in() if g is not None and tid in memory else ():
+                if pid not in counted and (st := _stat(pid)) is not None:
+                    memory[tid] += st[1]
+                    cpu[tid] += st[2]
+                    procs[tid] += 1
         out = {}
         for tid in tokens:
             g = groups.get(tid)
@@ -173,6 +181,13 @@ class TaskGroups(msgspec.Struct):
 
     def procs_files(self) -> str:
         return f"{self.memory}/cgroup.procs {self.pids}/cgroup.procs"
+
+    def pids_in(self) -> list[int]:
+        """The processes in its memory cgroup (children cannot leave it)."""
+        try:
+            return [int(p) for p in (self.memory / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            return []
 
     def read(self) -> tuple[int, int, int]:
         """(OOM kills, forks refused, kernel's peak) as the kernel counted them."""

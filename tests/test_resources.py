@@ -266,3 +266,14 @@ async def test_the_dashboard_shows_declared_and_measured_memory(kg):
         await asyncio.to_thread(kg.ok, "cancel", "m")
         await until(pilot, lambda: "1" in app.finished.keys, timeout=10, what="the task in Finished")
         await until(pilot, lambda: "· peak " in str(app.output.border_title), timeout=10, what="its peak, once final")
+
+
+@pytest.mark.skipif(not cgroups_here(), reason="needs root and cgroup v1 memory and pids controllers")
+def test_cgroup_mode_counts_a_process_that_dropped_the_tasks_token(kg):
+    """`env -i` clears the environment (the token with it): sampling cannot tell the process
+    is the task's, its cgroup can."""
+    kg.config(resources={"mode": "cgroup", "interval": "0.1s"})
+    kg.ok("delegate", "m", "--memory", "300M", "--", "env", "-i", *hog(kg, "m", 40, 30))
+    wait_for(lambda: grown(kg, "m") >= 40, 10, "the hog to grow")
+    wait_for(lambda: (kg.task("m").get("rss") or 0) > 35 * M, 10, "its memory to be counted")
+    kg.ok("cancel", "m")
