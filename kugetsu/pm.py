@@ -640,6 +640,9 @@ def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> 
         raise UsageError(f"invalid priority {change.priority!r}; choose one of {', '.join(PRIORITIES)}")
     if change.group is not None and change.group not in cfg.groups:
         raise UnknownGroup(change.group, sorted(cfg.groups))
+    if change.group is not None and task.slots > (cap := cfg.groups[change.group].max_agents):
+        raise UsageError(f"task {task.name} (#{task.id}) takes {task.slots} slots: it could never start in group"
+                         f" {change.group}, which has {cap}")
     for what, value in (("expiry", change.expire_after), ("timeout", change.timeout)):
         if value is not None and value < 0:
             raise UsageError(f"a negative {what} ({value:g}s) makes no sense; 0 means none")

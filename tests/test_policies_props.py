@@ -305,3 +305,12 @@ def test_memory_waits_with_the_numbers_and_capacity_counts_it():
     pm.finish(index, index.active[0], T0, 0)
     pm.settle(index, cfg, T0)
     assert [t.id for t in index.active] == [2, 3, 4]
+
+
+def test_a_wide_task_cannot_be_moved_into_a_group_too_small_for_it():
+    cfg = msgspec.convert({"max_agents": 4, "groups": {"small": {"max_agents": 1}}}, Config)
+    index = Index()
+    task, _ = pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], slots=2))
+    with pytest.raises(pm.UsageError, match="takes 2 slots: it could never start in group small, which has 1"):
+        pm.edit(index, cfg, task, T0, pm.Edit(group="small"))
+    assert task.group is None
