@@ -158,9 +158,11 @@ async def cmd_status(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None
         return
 
     def look() -> str:
-        cfg, index = ops.read(_env(context).home)
+        home = _env(context).home
+        cfg, index = ops.read(home)
         task = pm.find(index, context.args[0])
-        return text.status(ops.task_json(task, pm.positions(index, cfg, ops.now()).get(task.id)))
+        measured = ops.measured(home, cfg, index)  # a running task's memory now (README, "Resources")
+        return text.status(ops.task_json(task, pm.positions(index, cfg, ops.now()).get(task.id), measured=measured))
 
     await _reply(update, await asyncio.to_thread(look))
 
