@@ -56,8 +56,9 @@ def _stat(pid: int) -> tuple[int, int, float, int] | None:
         return None
     fields = raw[raw.rfind(b")") + 2:].split()  # after the command, which may hold spaces
     try:
-        return (int(fields[1]), int(fields[21]) * _PAGE, (int(fields[11]) + int(fields[12])) / _TICKS,
-                int(fields[19]))
+        # CPU: its own, and that of its children it has reaped (a task's short-lived commands)
+        cpu = sum(int(f) for f in fields[11:15]) / _TICKS
+        return int(fields[1]), int(fields[21]) * _PAGE, cpu, int(fields[19])
     except (IndexError, ValueError):
         return None
 
