@@ -1058,6 +1058,7 @@ class Measured(msgspec.Struct, frozen=True, kw_only=True):
     procs: int
     oom_kills: int = 0
     forks_refused: int = 0
+    attempt: int = 1  # the task's run it measured: a retry's run is not held to its last one's figures
 
 
 def max_procs_of(cfg: Config, task: Task) -> int | None:
@@ -1073,25 +1074,30 @@ def over_limits(index: Index, cfg: Config, now: datetime, seen: list[Measured]) 
     due = []
     for m in seen:
         task = tasks.get(m.task)
-        if task is None:
+        if task is None or m.attempt != task.attempt:
             continue
         task.peak_memory = max(task.peak_memory or 0, m.peak, m.memory) or None
         task.cpu_seconds = max(task.cpu_seconds or 0.0, m.cpu) or None
-        if task.stop is not None or task.ended_at is not None:
-            continue
-        limit, procs = memory_of(cfg, task), max_procs_of(cfg, task)
-        if limit and (m.memory > limit or m.oom_kills):
-            why = f"memory limit {short_size(limit)} exceeded (peak {short_size(task.peak_memory or 0)})"
-            if m.oom_kills:
-                why += f"; the kernel ended {m.oom_kills} of its processes"
-        elif procs and (m.procs > procs or m.forks_refused):
-            why = f"process limit {procs} exceeded ({m.procs} processes" + (
-                f", {m.forks_refused} forks refused)" if m.forks_refused else ")")
-        else:
-            continue
-        _request_stop(task, TaskState.FAILED, why, now, cfg.kill_grace_s)
-        due.append(task)
+        why = limit_exceeded(cfg, task, m)
+        if why is not None:
+            _request_stop(task, TaskState.FAILED, why, now, cfg.kill_grace_s)
+            due.append(task)
     return due
+
+
+def limit_exceeded(cfg: Config, task: Task, m: Measured) -> str | None:
+    """Why a running task must be stopped for what was measured of it, or None."""
+    if task.stop is not None or task.ended_at is not None or m.attempt != task.attempt:
+        return None
+    limit, procs = memory_of(cfg, task), max_procs_of(cfg, task)
+    if limit and (m.memory > limit or m.oom_kills):
+        peak = max(task.peak_memory or 0, m.peak, m.memory)
+        kernel = f"; the kernel ended {m.oom_kills} of its processes" if m.oom_kills else ""
+        return f"memory limit {short_size(limit)} exceeded (peak {short_size(peak)}){kernel}"
+    if procs and (m.procs > procs or m.forks_refused):
+        refused = f", {m.forks_refused} forks refused" if m.forks_refused else ""
+        return f"process limit {procs} exceeded ({m.procs} processes{refused})"
+    return None
 
 
 class Observations(msgspec.Struct, kw_only=True):

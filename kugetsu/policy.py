@@ -121,10 +121,8 @@ class Board:
         # cluster, whose `budget` is its own) against its budget.
         self.slots_used = sum(t.slots for t in index.active)
         self.budget: int | None = None
-        self.mem_used = 0
         if accounts(index, cfg):
             self.budget = budget if budget is not None else cfg.memory_budget
-            self.mem_used = sum(memory_of(cfg, t) for t in index.active if host is None or t.host == host)
         self.blocked: tuple[Task, str] | None = None  # the task the last pick would start, and why it does not fit
         # `kugetsu pause`: like the guard, it holds every start alike (see drain).
         self.pause: str | None = "paused" if index.paused else None
@@ -144,8 +142,10 @@ class Board:
         # Running tasks in start order (pm.start appends to index.active): when the
         # simulation frees a slot, the oldest ends first.
         self.running: deque[tuple[str, str | None, str | None, int, int]] = deque(
-            (t.source, self.group_of(t), t.agent, t.slots, memory_of(cfg, t) if host is None or t.host == host else 0)
+            (t.source, self.group_of(t), t.agent, t.slots,
+             memory_of(cfg, t) if self.budget is not None and (host is None or t.host == host) else 0)
             for t in index.active)
+        self.mem_used = sum(m for _, _, _, _, m in self.running)
         self.by_source = Counter(s for s, _, _, _, _ in self.running)
         self.by_group: Counter[str] = Counter()  # slots taken in each group
         for _, g, _, n, _ in self.running:

@@ -374,7 +374,8 @@ class Service:
             if oom or refused:
                 seen = self.measured.get(e.task)
                 out.append(pm.Measured(task=e.task, memory=0, peak=max(peak, seen.peak if seen else 0),
-                                       cpu=seen.cpu if seen else 0.0, procs=0, oom_kills=oom, forks_refused=refused))
+                                       cpu=seen.cpu if seen else 0.0, procs=0, oom_kills=oom, forks_refused=refused,
+                                       attempt=attempts.get(e.task, 0)))
         return out
 
     def _watch_usage(self, here: str | None) -> None:
@@ -407,12 +408,12 @@ class Service:
             groups = {t.id: usage.groups_of(self.cgroup_base, t.id, t.attempt)  # type: ignore[arg-type]
                       for t in self.index.active if t.id in tasks}
         live = {t.id: t.attempt for t in self.index.live()}
-        job = self.loop.run_in_executor(None, self._measure_job, tasks, groups, live, self.index.next_id)  # type: ignore[arg-type]
+        job = self.loop.run_in_executor(None, self._measure_job, tasks, groups, live, self.index.next_id)
         job.add_done_callback(self._measured)
 
     def _measure_job(self, tokens: dict[int, str], groups: dict[int, usage.TaskGroups | None], live: dict[int, int],
                      next_id: int) -> dict[int, pm.Measured]:
-        measured = self.sampler.measure(tokens, groups)
+        measured = self.sampler.measure(tokens, groups, live)
         self.sampler.publish(measured, ops.now())
         if self.cgroup_base is not None and usage.remove_finished(self.cgroup_base, live, next_id):  # type: ignore[arg-type]
             self._cgroups_left = True  # a look once more, until they are gone
@@ -427,10 +428,7 @@ class Service:
         else:
             measured = self.measured = done.result()
         tasks = {t.id: t for t in self.index.active}
-        if any(t.stop is None and (m.oom_kills or m.forks_refused
-                                   or m.memory > (pm.memory_of(self.cfg, t) or m.memory)
-                                   or m.procs > (pm.max_procs_of(self.cfg, t) or m.procs))
-               for m in measured.values() if (t := tasks.get(m.task)) is not None):
+        if any(pm.limit_exceeded(self.cfg, t, m) for m in measured.values() if (t := tasks.get(m.task)) is not None):
             self.request_tick()  # pm decides: over a limit, stopped
         if self._measure_handle is None and (tasks or measured or self._cgroups_left):
             self._measure_handle = self.loop.call_later(self.cfg.resources.interval_s, self._measure)

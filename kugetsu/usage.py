@@ -70,10 +70,12 @@ class Sampler:
         self.home = home
         self.mode = mode  # "cgroup" or "sampling": what is in force
         self.tokens: dict[tuple[int, int], str | None] = {}  # (pid, start) -> its token, read once
-        self.peaks: dict[int, int] = {}  # task id -> the largest memory seen
+        self.peaks: dict[tuple[int, int], int] = {}  # (task id, attempt) -> the largest memory seen
 
-    def measure(self, tokens: dict[int, str], groups: dict[int, TaskGroups | None]) -> dict[int, Measured]:
-        """task id -> its use now, for the tasks in `tokens` (id -> token)."""
+    def measure(self, tokens: dict[int, str], groups: dict[int, TaskGroups | None],
+                attempts: dict[int, int]) -> dict[int, Measured]:
+        """task id -> its use now, for the tasks in `tokens` (id -> token), in their run
+        `attempts` (id -> attempt: a retry's peak starts afresh)."""
         by_token = {tok: tid for tid, tok in tokens.items()}
         memory = dict.fromkeys(tokens, 0)
         cpu = dict.fromkeys(tokens, 0.0)
@@ -111,12 +113,13 @@ class Sampler:
         for tid in tokens:
             g = groups.get(tid)
             kernel = g.read() if g is not None else (0, 0, 0)
-            peak = max(self.peaks.get(tid, 0), memory[tid], kernel[2])
-            self.peaks[tid] = peak
+            run = (tid, attempts.get(tid, 1))
+            peak = max(self.peaks.get(run, 0), memory[tid], kernel[2])
+            self.peaks[run] = peak
             out[tid] = Measured(task=tid, memory=memory[tid], peak=peak, cpu=round(cpu[tid], 2), procs=procs[tid],
-                                oom_kills=kernel[0], forks_refused=kernel[1])
-        for tid in [t for t in self.peaks if t not in tokens]:
-            del self.peaks[tid]
+                                oom_kills=kernel[0], forks_refused=kernel[1], attempt=run[1])
+        for run in [r for r in self.peaks if r[0] not in tokens]:
+            del self.peaks[run]
         return out
 
     def publish(self, measured: dict[int, Measured], at: datetime) -> None:

@@ -277,3 +277,31 @@ def test_cgroup_mode_counts_a_process_that_dropped_the_tasks_token(kg):
     wait_for(lambda: grown(kg, "m") >= 40, 10, "the hog to grow")
     wait_for(lambda: (kg.task("m").get("rss") or 0) > 35 * M, 10, "its memory to be counted")
     kg.ok("cancel", "m")
+
+
+# ---- the rule, pure ----------------------------------------------------------------------------
+
+
+def test_over_limits_stops_with_the_reason_and_never_a_retry_for_its_last_runs_figures():
+    from conftest import T0
+    from kugetsu import pm
+    from kugetsu.config import Config
+    from kugetsu.models import Index
+
+    cfg = Config(kill_grace="5s")
+    index = Index()
+    task, _ = pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], memory=100 * M, max_procs=20,
+                                                  retries=1))
+    pm.settle(index, cfg, T0)
+    seen = pm.Measured(task=task.id, memory=110 * M, peak=120 * M, cpu=1.5, procs=3)
+    assert pm.over_limits(index, cfg, T0, [seen]) == [task]
+    assert task.reason == "memory limit 100.0M exceeded (peak 120.0M)" and task.peak_memory == 120 * M
+    assert task.kill_at is not None and (task.kill_at - T0).total_seconds() == 5
+    assert pm.over_limits(index, cfg, T0, [seen]) == []  # once: it is being stopped
+    pm.conclude(index, cfg, task, T0, 137)
+    pm.settle(index, cfg, T0)
+    assert task.attempt == 2 and task.stop is None  # retried
+    assert pm.over_limits(index, cfg, T0, [seen]) == []  # a figure of its first run
+    storm = pm.Measured(task=task.id, memory=M, peak=M, cpu=0.1, procs=20, forks_refused=7, attempt=2)
+    assert pm.over_limits(index, cfg, T0, [storm]) == [task]
+    assert task.reason == "process limit 20 exceeded (20 processes, 7 forks refused)"
