@@ -79,14 +79,14 @@ class Processes:
     def start(self, task: Task, cwd: str, env: dict[str, str], released: bool) -> runner.Spawned:
         """The task's warm wrapper if it has one (a promotion is then one write to a pipe),
         else a new process. `released`: its warm wrapper was let go already."""
-        confine = self.confine(task) if self.confine is not None else None
         warm = self.warm.pop(task.id, None)
+        if warm is not None and released:
+            return warm
+        confine = self.confine(task) if self.confine is not None else None
         if warm is not None and confine is not None:
             self.drop(warm)  # started before its limits were known to need cgroups
             warm = None
         if warm is not None:
-            if released:
-                return warm
             if warm.gate is not None and warm.argv == task.command and runner.alive(warm.pid, warm.start):
                 runner.release(warm)
                 return warm
