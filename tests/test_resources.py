@@ -305,3 +305,27 @@ def test_over_limits_stops_with_the_reason_and_never_a_retry_for_its_last_runs_f
     storm = pm.Measured(task=task.id, memory=M, peak=M, cpu=0.1, procs=20, forks_refused=7, attempt=2)
     assert pm.over_limits(index, cfg, T0, [storm]) == [task]
     assert task.reason == "process limit 20 exceeded (20 processes, 7 forks refused)"
+
+
+def test_pressure_is_part_of_the_same_check():
+    """The resource guard's readings fold into Board.fits: the guard holds every start, and a
+    task that declares more memory than is available waits for it, by name."""
+    from conftest import T0
+    from kugetsu import pm
+    from kugetsu.config import Config
+    from kugetsu.models import Index
+
+    G = 1024 * M
+    import msgspec
+
+    cfg = msgspec.convert({"max_memory": "100G", "resource_guard": {"min_available_memory": "100M"}}, Config)
+    index = Index()
+    big, _ = pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], memory=8 * G))
+    small, _ = pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], memory=G))
+    tight = pm.Resources(available_memory=4 * G, load_per_cpu=0.1)
+    assert pm.plan_starts(index, cfg, T0, tight) == []  # the big one is next, and nothing passes it
+    assert pm.waiting_for(index, cfg, T0, tight) == {big.id: "memory (4.0G available, it needs 8.0G)"}
+    assert pm.waiting_for_one(index, cfg, T0, big, tight) == "memory (4.0G available, it needs 8.0G)"
+    held = pm.Resources(available_memory=50 * M, load_per_cpu=0.1)
+    assert pm.waiting_for(index, cfg, T0, held)[small.id].startswith("held: 50 MiB available")
+    assert [t.id for t in pm.plan_starts(index, cfg, T0, pm.Resources(available_memory=20 * G))] == [big.id, small.id]
