@@ -20,7 +20,6 @@ Modes (config `resources.mode`):
 
 from __future__ import annotations
 
-import logging
 import os
 from datetime import datetime
 from pathlib import Path
@@ -30,8 +29,6 @@ import msgspec
 from kugetsu import runner
 from kugetsu.pm import Measured
 from kugetsu.paths import Home, atomic_write
-
-log = logging.getLogger("kugetsu.service")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
