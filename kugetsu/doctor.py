@@ -284,13 +284,15 @@ def _resources(home: Home, cfg: Config) -> Check:
                 " (it may go beyond it until then), a fork storm is ended, not prevented")
     if cfg.resources.mode == "sampling":
         return Check("resources", True, f"{how}; {sampling} (resources.mode sampling)")
-    if usage.cgroup_base(home) is None:
+    base = usage.cgroup_base(home)
+    if base is None:
         ok = cfg.resources.mode == "auto"
-        return Check("resources", ok, f"{how}; no writable cgroup v1 memory and pids controllers: {sampling}",
-                     None if ok else "run the service as root on a machine with cgroup v1 memory and pids, or set"
-                     " resources.mode to sampling")
-    return Check("resources", True, f"{how}; cgroup mode: the kernel bounds each task with limits (memory: its OOM"
-                 " killer; processes: forks refused), and the task is then stopped")
+        return Check("resources", ok, f"{how}; no cgroup where it may set memory and pids limits: {sampling}",
+                     None if ok else "run the service as root on a machine with cgroup v1 memory and pids, or in a"
+                     " delegated cgroup v2 subtree (systemd Delegate=yes), or set resources.mode to sampling")
+    version = "v2" if base.v2 else "v1"
+    return Check("resources", True, f"{how}; cgroup mode ({version}): the kernel bounds each task with limits"
+                 " (memory: its OOM killer; processes: forks refused), and the task is then stopped")
 
 
 def _subreaper() -> Check:

@@ -91,7 +91,7 @@ class Service:
         self._cap_failed: set[int] = set()  # logs that could not be compacted (said once)
         # Resources (usage.py): the mode in force, where tasks' cgroups go, the last measurement.
         self.resource_mode = "sampling"
-        self.cgroup_base: dict[str, os.PathLike[str]] | None = None
+        self.cgroup_base: usage.Base | None = None
         self.sampler = usage.Sampler(home, "sampling")
         self.measured: dict[int, pm.Measured] = {}
         self._measure_handle: asyncio.TimerHandle | None = None
@@ -338,7 +338,7 @@ class Service:
         if cfg.resources.mode != "sampling":
             mode, why = usage.probe(self.home)
             if mode == "cgroup":
-                self.cgroup_base = usage.cgroup_base(self.home)  # type: ignore[assignment]
+                self.cgroup_base = usage.cgroup_base(self.home)
             elif cfg.resources.mode == "cgroup":
                 log.error("resources.mode is cgroup, but %s: measuring by sampling instead", why)
             self.resource_mode = mode
@@ -353,7 +353,7 @@ class Service:
         if self.cgroup_base is None or not (memory or procs):
             return None
         try:
-            groups = usage.make_groups(self.cgroup_base, task.id, task.attempt, memory, procs)  # type: ignore[arg-type]
+            groups = usage.make_groups(self.cgroup_base, task.id, task.attempt, memory, procs)
         except OSError as err:
             log.warning("cannot create the cgroups of %s (#%d): %s; its limits are enforced by sampling",
                         task.name, task.id, err)
@@ -367,7 +367,7 @@ class Service:
         out = []
         attempts = {t.id: t.attempt for t in index.active}
         for e in exits:
-            groups = usage.groups_of(self.cgroup_base, e.task, attempts.get(e.task, 0))  # type: ignore[arg-type]
+            groups = usage.groups_of(self.cgroup_base, e.task, attempts.get(e.task, 0))
             if groups is None:
                 continue
             oom, refused, peak = groups.read()
@@ -405,7 +405,7 @@ class Service:
         self._measuring = True
         groups = {}
         if self.cgroup_base is not None:
-            groups = {t.id: usage.groups_of(self.cgroup_base, t.id, t.attempt)  # type: ignore[arg-type]
+            groups = {t.id: usage.groups_of(self.cgroup_base, t.id, t.attempt)
                       for t in self.index.active if t.id in tasks}
         live = {t.id: t.attempt for t in self.index.live()}
         job = self.loop.run_in_executor(None, self._measure_job, tasks, groups, live, self.index.next_id)
@@ -415,7 +415,7 @@ class Service:
                      next_id: int) -> dict[int, pm.Measured]:
         measured = self.sampler.measure(tokens, groups, live)
         self.sampler.publish(measured, ops.now())
-        if self.cgroup_base is not None and usage.remove_finished(self.cgroup_base, live, next_id):  # type: ignore[arg-type]
+        if self.cgroup_base is not None and usage.remove_finished(self.cgroup_base, live, next_id):
             self._cgroups_left = True  # a look once more, until they are gone
         return measured
 

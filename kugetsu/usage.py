@@ -135,53 +135,113 @@ def read(home: Home) -> Usage | None:
 # ---- cgroups ---------------------------------------------------------------------------------
 
 
-def _own_cgroup(controller: str) -> Path | None:
-    """This process's cgroup directory for a v1 controller (None: not mounted, not v1)."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, names, path = line.split(":", 2)
-        if controller in names.split(","):
-            where = CGROUP_ROOT / controller / path.lstrip("/")
-            return where if (where / "cgroup.procs").exists() else None
+class Base(msgspec.Struct, frozen=True):
+    """Where this service makes its tasks' cgroups: a child of its own cgroup in the memory
+    and the pids hierarchies (cgroup v1: two directories), or in the one hierarchy of cgroup v2
+    (a subtree delegated to it, memory and pids enabled for its children: the same directory)."""
+
+    memory: Path
+    pids: Path
+    v2: bool = False
+
+    def dirs(self) -> list[Path]:
+        return [self.memory] if self.memory == self.pids else [self.memory, self.pids]
+
+
+def _v2_mount(root: Path) -> Path | None:
+    """Where the cgroup v2 hierarchy is mounted: `root` itself (a v2-only machine), or its
+    `unified` beside the v1 controllers (a hybrid one)."""
+    for where in (root, root / "unified"):
+        if (where / "cgroup.controllers").exists():
+            return where
     return None
 
 
-def cgroup_base(home: Home) -> dict[str, Path] | None:
-    """controller -> the directory this service makes its tasks' cgroups in (a child of its
-    own cgroup), when it may: cgroup v1 memory and pids, mounted and writable. None: not here."""
-    out = {}
-    for controller in ("memory", "pids"):
-        own = _own_cgroup(controller)
-        if own is None or not os.access(own, os.W_OK):
+def cgroup_base(home: Home, root: Path = CGROUP_ROOT, own: str | None = None) -> Base | None:
+    """Where this service may make its tasks' cgroups, or None: cgroup v1's memory and pids
+    controllers mounted, and our own cgroups in them writable (root, as on these machines);
+    else a cgroup v2 cgroup of ours, writable, whose children get memory and pids (delegated,
+    e.g. by systemd's Delegate=yes). `own`: /proc/self/cgroup's text (tests give another)."""
+    if own is None:
+        try:
+            own = Path("/proc/self/cgroup").read_text()
+        except OSError:
             return None
-        out[controller] = own / f"kugetsu-{home.key}"
-    return out
+    v1: dict[str, Path] = {}
+    v2 = None
+    for line in own.splitlines():
+        hid, names, path = (line.split(":", 2) + ["", ""])[:3]
+        for controller in ("memory", "pids"):
+            if controller in names.split(","):
+                v1[controller] = root / controller / path.lstrip("/")
+        if hid == "0" and names == "":
+            mount = _v2_mount(root)
+            v2 = mount / path.lstrip("/") if mount is not None else None
+    name = f"kugetsu-{home.key}"
+    if len(v1) == 2 and all((d / "cgroup.procs").exists() and os.access(d, os.W_OK) for d in v1.values()):
+        return Base(memory=v1["memory"] / name, pids=v1["pids"] / name)
+    if v2 is not None and os.access(v2, os.W_OK):
+        try:
+            enabled = (v2 / "cgroup.subtree_control").read_text().split()
+        except OSError:
+            return None
+        if "memory" in enabled and "pids" in enabled:
+            return Base(memory=v2 / name, pids=v2 / name, v2=True)
+    return None
+
+
+def prepare(base: Base) -> None:
+    """Make the base directories (OSError: could not); in v2, let their children have memory
+    and pids limits too."""
+    for d in base.dirs():
+        d.mkdir(mode=0o700, exist_ok=True)
+    if base.v2 and "memory" not in (base.memory / "cgroup.subtree_control").read_text().split():
+        (base.memory / "cgroup.subtree_control").write_text("+memory +pids")
 
 
 def probe(home: Home) -> tuple[str, str]:
     """(mode in force for `resources.mode: auto`, why), for the service and doctor."""
     base = cgroup_base(home)
     if base is None:
-        return "sampling", "no writable cgroup v1 memory and pids controllers for this user"
+        return "sampling", "no cgroup of this service's where it may set memory and pids limits (cgroup v1 as root," \
+                           " or a delegated cgroup v2 subtree)"
     try:
-        for d in base.values():
-            d.mkdir(mode=0o700, exist_ok=True)
+        prepare(base)
     except OSError as err:
-        return "sampling", f"cannot create a cgroup under {base['memory'].parent}: {err.strerror}"
-    return "cgroup", f"cgroup v1 memory and pids under {base['memory'].parent}, {base['pids'].parent}"
+        return "sampling", f"cannot create a cgroup under {base.memory.parent}: {err.strerror}"
+    if base.v2:
+        return "cgroup", f"cgroup v2 memory and pids under {base.memory.parent}"
+    return "cgroup", f"cgroup v1 memory and pids under {base.memory.parent}, {base.pids.parent}"
+
+
+def _count(path: Path, key: str) -> int:
+    """The `key N` line of a cgroup's events file (0: none, or no file)."""
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith(key + " "):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _number(path: Path) -> int:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return 0
 
 
 class TaskGroups(msgspec.Struct):
-    """A task's own cgroups (memory, pids), and its limits written there."""
+    """A task's own cgroups (memory, pids; in v2 one and the same), its limits written there."""
 
     memory: Path
     pids: Path
+    v2: bool = False
 
     def procs_files(self) -> str:
-        return f"{self.memory}/cgroup.procs {self.pids}/cgroup.procs"
+        dirs = [self.memory] if self.memory == self.pids else [self.memory, self.pids]
+        return " ".join(f"{d}/cgroup.procs" for d in dirs)
 
     def pids_in(self) -> list[int]:
         """The processes in its memory cgroup (children cannot leave it)."""
@@ -192,57 +252,51 @@ class TaskGroups(msgspec.Struct):
 
     def read(self) -> tuple[int, int, int]:
         """(OOM kills, forks refused, kernel's peak) as the kernel counted them."""
-        oom = refused = peak = 0
-        try:
-            for line in (self.memory / "memory.oom_control").read_text().splitlines():
-                if line.startswith("oom_kill "):
-                    oom = int(line.split()[1])
-            peak = int((self.memory / "memory.max_usage_in_bytes").read_text())
-        except (OSError, ValueError):
-            pass
-        try:
-            for line in (self.pids / "pids.events").read_text().splitlines():
-                if line.startswith("max "):
-                    refused = int(line.split()[1])
-        except (OSError, ValueError):
-            pass
-        return oom, refused, peak
+        if self.v2:
+            return (_count(self.memory / "memory.events", "oom_kill"), _count(self.pids / "pids.events", "max"),
+                    _number(self.memory / "memory.peak"))
+        return (_count(self.memory / "memory.oom_control", "oom_kill"), _count(self.pids / "pids.events", "max"),
+                _number(self.memory / "memory.max_usage_in_bytes"))
 
 
-def make_groups(base: dict[str, Path], task_id: int, attempt: int, memory: int | None,
-                max_procs: int | None) -> TaskGroups:
-    """The cgroups a task's run starts in, with its limits (OSError: could not)."""
+def _groups(base: Base, task_id: int, attempt: int) -> TaskGroups:
     name = f"task-{task_id}-{attempt}"
-    groups = TaskGroups(memory=base["memory"] / name, pids=base["pids"] / name)
-    for d in base.values():
-        d.mkdir(mode=0o700, exist_ok=True)
-    for d in (groups.memory, groups.pids):
-        d.mkdir(mode=0o700, exist_ok=True)
+    return TaskGroups(memory=base.memory / name, pids=base.pids / name, v2=base.v2)
+
+
+def make_groups(base: Base, task_id: int, attempt: int, memory: int | None, max_procs: int | None) -> TaskGroups:
+    """The cgroups a task's run starts in, with its limits (OSError: could not)."""
+    prepare(base)
+    groups = _groups(base, task_id, attempt)
+    for d in base.dirs():
+        (d / groups.memory.name).mkdir(mode=0o700, exist_ok=True)
     if memory:
-        (groups.memory / "memory.limit_in_bytes").write_text(str(memory))
-        try:  # and no escape to swap: the limit is on memory and swap together
-            (groups.memory / "memory.memsw.limit_in_bytes").write_text(str(memory))
+        # and no escape to swap: v1 limits memory and swap together, v2 allows no swap
+        files = (("memory.max", memory), ("memory.swap.max", 0)) if base.v2 else (
+            ("memory.limit_in_bytes", memory), ("memory.memsw.limit_in_bytes", memory))
+        (groups.memory / files[0][0]).write_text(str(files[0][1]))
+        try:
+            (groups.memory / files[1][0]).write_text(str(files[1][1]))
         except OSError:
-            pass
+            pass  # no swap accounting on this kernel
     if max_procs:
         (groups.pids / "pids.max").write_text(str(max_procs))
     return groups
 
 
-def groups_of(base: dict[str, Path], task_id: int, attempt: int) -> TaskGroups | None:
+def groups_of(base: Base, task_id: int, attempt: int) -> TaskGroups | None:
     """The cgroups of a task's run, if it has them (a task without limits has none)."""
-    name = f"task-{task_id}-{attempt}"
-    groups = TaskGroups(memory=base["memory"] / name, pids=base["pids"] / name)
+    groups = _groups(base, task_id, attempt)
     return groups if groups.memory.is_dir() else None
 
 
-def remove_finished(base: dict[str, Path], live: dict[int, int], next_id: int) -> int:
+def remove_finished(base: Base, live: dict[int, int], next_id: int) -> int:
     """Remove the cgroups of runs that are over: of tasks neither queued nor running, or of
     an earlier attempt (`live`: task id -> its attempt now). Tasks admitted since (id from
     `next_id` on) are left alone: their run may be about to join its cgroups. Only empty
     ones can go: the next look tries again). Returns how many are left to remove."""
     left = 0
-    for d in base.values():
+    for d in base.dirs():
         try:
             names = [e.name for e in os.scandir(d) if e.is_dir() and e.name.startswith("task-")]
         except OSError:

@@ -145,7 +145,7 @@ def test_over_its_memory_limit_the_kernel_stops_it_cgroup(kg):
     assert "the kernel ended 1 of its processes" in kg.task("hog")["reason"]
     base = usage.cgroup_base(kg.home)
     assert base is not None
-    wait_for(lambda: not any(base["memory"].glob("task-*")), 10, "the task's cgroups to be removed")
+    wait_for(lambda: not any(base.memory.glob("task-*")), 10, "the task's cgroups to be removed")
 
 
 @pytest.mark.skipif(not cgroups_here(), reason="needs root and cgroup v1 memory and pids controllers")
@@ -158,7 +158,7 @@ def test_a_task_with_limits_runs_in_its_own_cgroups(kg):
     free, bounded = (kg.task(n)["agent_pid"] for n in ("free", "bounded"))
     assert f"kugetsu-{kg.home.key}/task-2-1" in cgroup_of(bounded)
     assert "kugetsu-" not in cgroup_of(free)  # no limit, no cgroup of its own
-    mem = usage.cgroup_base(kg.home)["memory"] / "task-2-1"
+    mem = usage.cgroup_base(kg.home).memory / "task-2-1"
     assert int((mem / "memory.limit_in_bytes").read_text()) == 100 * M
     assert "KUGETSU_CGROUP_PROCS" not in (runner.environ(bounded) or b"").decode()
     gate.touch()
@@ -220,7 +220,7 @@ def test_doctor_says_which_mode_is_in_force_and_config_checks_it(kg):
     assert r.returncode == 2 and "is not a size" in r.stderr
     if cgroups_here():
         kg.ok("config", "set", "resources.mode", "auto")
-        assert "cgroup mode: the kernel bounds each task" in kg.run("doctor").stdout
+        assert "cgroup mode (v1): the kernel bounds each task" in kg.run("doctor").stdout
 
 
 def test_metrics_show_each_running_tasks_use_and_the_memory_budget(kg):
@@ -327,3 +327,42 @@ def test_pressure_is_part_of_the_same_check():
     held = pm.Resources(available_memory=50 * M, load_per_cpu=0.1)
     assert pm.waiting_for(index, cfg, T0, held)[small.id].startswith("held: 50 MiB available")
     assert [t.id for t in pm.plan_starts(index, cfg, T0, pm.Resources(available_memory=20 * G))] == [big.id, small.id]
+
+
+def test_cgroup_v2_delegated_subtree_is_found_and_written_as_v2_wants(tmp_path):
+    """No cgroup v2 with memory and pids on these machines: the v2 paths are proved on a copy
+    of its files (what the kernel shows and what kugetsu writes), the v1 path above for real."""
+    home = Home(tmp_path / "home")
+    root = tmp_path / "cgroup"  # a v2-only machine: the hierarchy at the root
+    own = root / "system.slice" / "kugetsu.service"
+    own.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu io memory pids\n")
+    (own / "cgroup.subtree_control").write_text("memory pids\n")
+    base = usage.cgroup_base(home, root, own="0::/system.slice/kugetsu.service\n")
+    assert base is not None and base.v2 and base.memory == base.pids == own / f"kugetsu-{home.key}"
+    base.memory.mkdir()
+    (base.memory / "cgroup.subtree_control").write_text("")
+    groups = usage.make_groups(base, 7, 2, 64 * M, 20)
+    assert (base.memory / "cgroup.subtree_control").read_text() == "+memory +pids"
+    assert (groups.memory / "memory.max").read_text() == str(64 * M)
+    assert (groups.memory / "memory.swap.max").read_text() == "0"
+    assert (groups.pids / "pids.max").read_text() == "20"
+    assert groups.procs_files() == f"{groups.memory}/cgroup.procs"  # one hierarchy: joined once
+    (groups.memory / "memory.events").write_text("low 0\nhigh 0\nmax 12\noom 1\noom_kill 1\n")
+    (groups.memory / "pids.events").write_text("max 3\n")
+    (groups.memory / "memory.peak").write_text(str(65 * M))
+    assert groups.read() == (1, 3, 65 * M)
+    assert usage.groups_of(base, 7, 2) == groups
+    for f in groups.memory.iterdir():
+        f.unlink()
+    assert usage.remove_finished(base, {}, 8) == 0 and not groups.memory.exists()
+    # Not delegated (memory and pids not enabled for its children): no cgroup mode.
+    (own / "cgroup.subtree_control").write_text("cpu\n")
+    assert usage.cgroup_base(home, root, own="0::/system.slice/kugetsu.service\n") is None
+    # A hybrid machine: v1 controllers first, v2 under `unified` otherwise.
+    hybrid = tmp_path / "hybrid"
+    (hybrid / "unified" / "me").mkdir(parents=True)
+    (hybrid / "unified" / "cgroup.controllers").write_text("memory pids\n")
+    (hybrid / "unified" / "me" / "cgroup.subtree_control").write_text("memory pids\n")
+    found = usage.cgroup_base(home, hybrid, own="4:memory:/x\n0::/me\n")  # v1 memory, but no v1 pids
+    assert found is not None and found.v2 and found.memory.parent == hybrid / "unified" / "me"
