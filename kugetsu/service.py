@@ -141,6 +141,8 @@ class Service:
             if self._measure_handle is not None:
                 self._measure_handle.cancel()
             self.home.usage.unlink(missing_ok=True)  # no service, no measurement to show
+            if self.cgroup_base is not None:
+                usage.remove_base(self.cgroup_base)
             self.timer.cancel()
             self.worktrees.shutdown()
             self.procs.close()
@@ -344,6 +346,8 @@ class Service:
             self.resource_mode = mode
         self.sampler.mode = self.resource_mode
         self.procs.confine = self._confine if self.cgroup_base is not None else None
+        # Runs that ended while the service was down leave their cgroups: the first look removes them.
+        self._cgroups_left = self.cgroup_base is not None
         log.info("resources: %s mode (%s)", self.resource_mode, why)
 
     def _confine(self, task: Task) -> dict[str, str] | None:

@@ -205,10 +205,8 @@ def probe(home: Home) -> tuple[str, str]:
     if base is None:
         return "sampling", "no cgroup of this service's where it may set memory and pids limits (cgroup v1 as root," \
                            " or a delegated cgroup v2 subtree)"
-    try:
-        prepare(base)
-    except OSError as err:
-        return "sampling", f"cannot create a cgroup under {base.memory.parent}: {err.strerror}"
+    # Nothing is made yet: a task's cgroups (and their parent) are made when one with limits
+    # starts, and removed when it ends; a task whose cgroups cannot be made is sampled.
     if base.v2:
         return "cgroup", f"cgroup v2 memory and pids under {base.memory.parent}"
     return "cgroup", f"cgroup v1 memory and pids under {base.memory.parent}, {base.pids.parent}"
@@ -288,6 +286,15 @@ def groups_of(base: Base, task_id: int, attempt: int) -> TaskGroups | None:
     """The cgroups of a task's run, if it has them (a task without limits has none)."""
     groups = _groups(base, task_id, attempt)
     return groups if groups.memory.is_dir() else None
+
+
+def remove_base(base: Base) -> None:
+    """The service stops: its cgroups' parent goes, if no run's cgroups are left in it."""
+    for d in base.dirs():
+        try:
+            d.rmdir()
+        except OSError:
+            pass
 
 
 def remove_finished(base: Base, live: dict[int, int], next_id: int) -> int:

@@ -164,6 +164,16 @@ def test_a_task_with_limits_runs_in_its_own_cgroups(kg):
     gate.touch()
     kg.wait_state("bounded", "succeeded")
     wait_for(lambda: not mem.exists(), 10, "its cgroups to be removed")
+    kg.ok("shutdown")
+    assert not mem.parent.exists()  # a stopped service leaves no cgroup behind
+
+
+@pytest.mark.skipif(not cgroups_here(), reason="needs root and cgroup v1 memory and pids controllers")
+def test_tasks_without_limits_make_no_cgroup(kg):
+    kg.config(resources={"mode": "auto"})
+    kg.delegate("plain", 0)
+    kg.wait_state("plain", "succeeded")
+    assert not usage.cgroup_base(kg.home).memory.exists()
 
 
 FORKER = 'i=0; while [ $i -lt 200 ]; do sleep 30 & i=$((i+1)); done; wait'
