@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from kugetsu import control, ops, pm, runner
-from kugetsu.config import Config, cluster_host, format_duration, get_value, load_config, parse_duration, parse_value
+from kugetsu.config import Config, cluster_host, format_duration, get_value, load_config, parse_duration, parse_size, parse_value
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
 from kugetsu.models import PRIORITIES, Index, TaskState
 from kugetsu.paths import Home, default_home, nofollow, read_tail
@@ -23,6 +23,21 @@ def _duration(text: str) -> float:
         return parse_duration(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, "--memory")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _at_least_one(text: str) -> int:
+    """A whole number of 1 or more (--slots, --max-procs)."""
+    n = _positive_int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {text!r}")
+    return n
 
 
 def _positive_int(text: str) -> int:
@@ -69,6 +84,10 @@ def _delegate_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--retries", metavar="N", type=_positive_int, default=0,
                    help="run it again, as the same task, up to N times when it fails or is lost")
     d.add_argument("--retry-delay", metavar="DUR", type=_duration, help="wait DUR before each retry")
+    d.add_argument("--memory", metavar="SIZE", type=_size,
+                   help="memory it may use (4G, 512M): it starts when that fits max_memory; over it, it is stopped")
+    d.add_argument("--max-procs", metavar="N", type=_at_least_one, help="its processes at most (a fork storm is stopped)")
+    d.add_argument("--slots", metavar="N", type=_at_least_one, help="slots of max_agents (and of its group) it takes")
 
 
 def _hold_args(h: argparse.ArgumentParser) -> None:
@@ -414,6 +433,9 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         fallback_fresh=args.fallback_fresh,
         budget_usd=args.budget_usd,
         max_tokens=args.max_tokens,
+        memory=args.memory,
+        max_procs=args.max_procs,
+        slots=args.slots,
     )
     if pm.unused_prompt(req):
         print("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"
@@ -495,7 +517,7 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
 
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
-    view = ops.listing(cfg, index, finished=args.all)
+    view = ops.listing(cfg, index, finished=args.all, home=home)
     if args.json:
         _kept.append(shown := ops.queue_json(view, home))
         _print_json(shown)
@@ -605,7 +627,11 @@ def cmd_status(home: Home, args: argparse.Namespace) -> int:
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
     task = pm.find(index, args.task)
-    obj = ops.task_json(task, pm.position(index, cfg, ops.now(), task), cluster_host(cfg), ops.prompts(home, [task]))
+    t = ops.now()
+    why = pm.waiting_for_one(index, cfg, t, task, ops.measure(cfg)) if task.state is TaskState.QUEUED else None
+    obj = ops.task_json(task, pm.position(index, cfg, t, task), cluster_host(cfg), why,
+                        ops.measured(home, cfg, index) if task.state is TaskState.RUNNING else None,
+                        prompts=ops.prompts(home, [task]))
     if args.json:
         print(to_json(obj))
     else:

@@ -228,8 +228,16 @@ class AgentPreset(msgspec.Struct, forbid_unknown_fields=True):
     # whose run was interrupted with a session may start afresh there too (else it waits to resume).
     fallback: list[str] = []
     fallback_fresh: bool = False
+    # Resources its tasks declare unless `delegate` says otherwise (README, "Resources"): the
+    # memory each may use (admission counts it against max_memory; over it, the task is
+    # stopped), its processes at most (a fork storm), the slots it takes.
+    memory: str | int | None = None
+    max_procs: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    slots: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
     def __post_init__(self) -> None:
+        if self.memory is not None:
+            parse_size(self.memory, "memory")
         if self.session_pattern is not None:
             _check_pattern(self.session_pattern, "session_pattern")
         if self.resume is not None and not any("{session}" in a for a in self.resume):
@@ -358,6 +366,37 @@ class ResourceGuard(msgspec.Struct, forbid_unknown_fields=True):
         return self.min_available_memory is not None or self.max_load_per_cpu is not None
 
 
+class ResourcesConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Per-task resources (README, "Resources"): how use is measured and limits enforced, and
+    what a task that declares nothing counts. The machine's budget is `max_memory` (local)."""
+
+    # auto: cgroups where this service may make them (cgroup v1 memory+pids as root, or a
+    # delegated v2 subtree), else sampling; sampling: /proc every `interval`, whatever is there.
+    mode: Literal["auto", "cgroup", "sampling"] = "auto"
+    interval: Duration = "2s"  # between two measurements of the running tasks
+    default_memory: str | int | None = None  # a task that declares none counts this (null: 0, no limit)
+    max_procs: Annotated[int, msgspec.Meta(ge=1)] | None = None  # a task's processes at most (null: no limit)
+
+    def __post_init__(self) -> None:
+        if parse_duration(self.interval, "resources.interval") < 0.05:
+            raise ValueError("resources.interval must be at least 50ms")
+        if self.default_memory is not None:
+            parse_size(self.default_memory, "resources.default_memory")
+
+    @property
+    def interval_s(self) -> float:
+        return parse_duration(self.interval)
+
+    @property
+    def default_memory_bytes(self) -> int | None:
+        return None if self.default_memory is None else parse_size(self.default_memory)
+
+
+def total_memory() -> int:
+    """This machine's RAM (a sysconf: no file read)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 Strategy = Literal["fifo", "priority", "fair"]
 STRATEGIES: tuple[str, ...] = ("fifo", "priority", "fair")
 
@@ -384,7 +423,7 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 # A machine's own keys: in cluster mode they stay in its config.json, everything else lives
 # in the database and applies to every machine.
-LOCAL_KEYS = ("store", "host", "host_max_agents")
+LOCAL_KEYS = ("store", "host", "host_max_agents", "max_memory", "memory_reserve")
 STORE_ENV = "KUGETSU_STORE"
 
 
@@ -423,6 +462,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     host_max_agents: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     budgets: BudgetsConfig = msgspec.field(default_factory=BudgetsConfig)
+    # The memory the running tasks of this machine may declare in all (null: its RAM less
+    # memory_reserve); local to each machine in a cluster.
+    max_memory: str | int | None = None
+    memory_reserve: str | int = "1GiB"
+    resources: ResourcesConfig = msgspec.field(default_factory=ResourcesConfig)
 
     def __post_init__(self) -> None:
         if self.store is not None and not re.match(r"^postgres(ql)?://", self.store):
@@ -434,6 +478,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
             if value is not None:
                 parse_duration(value, key)
         parse_size(self.events_max_size, "events_max_size")
+        if self.max_memory is not None:
+            parse_size(self.max_memory, "max_memory")
+        parse_size(self.memory_reserve, "memory_reserve")
         parse_size(self.prompt_max_size, "prompt_max_size")
         if self.log_max_size is not None and parse_size(self.log_max_size, "log_max_size") < LOG_MIN:
             raise ValueError(f"log_max_size must be at least {format_size(LOG_MIN)} (room for the log's beginning"
@@ -479,6 +526,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
         return None if self.log_max_size is None else parse_size(self.log_max_size)
 
     @property
+    def memory_budget(self) -> int:
+        """The memory this machine's running tasks may declare in all (admission's budget)."""
+        if self.max_memory is not None:
+            return parse_size(self.max_memory)
+        return max(0, total_memory() - parse_size(self.memory_reserve))
+
+    @property
     def min_start_interval_s(self) -> float | None:
         v = self.min_start_interval_per_source
         return None if v is None else parse_duration(v)
@@ -493,7 +547,7 @@ KEY_HELP: dict[str, str] = {
     "default_agent": "preset used when no command is given",
     "agents": "presets {name: {command: [argv with {prompt} {prompt_file} {name} {id}], env: {}, max_agents,"
     " limit: {patterns, exit_codes, backoff, max_backoff, window, window_starts, window_tokens}, session_pattern, resume: [argv with {session}],"
-    " output: text|claude|codex|opencode, fallback: [presets], fallback_fresh}}; extend the built-ins",
+    " output: text|claude|codex|opencode, fallback: [presets], fallback_fresh, memory, max_procs, slots}}; extend the built-ins",
     "history_limit": "finished tasks kept in index.json; older ones move to history.jsonl",
     "events_max_size": "events.jsonl beyond this becomes events.jsonl.1 (the older one is dropped)",
     "prompt_max_size": "a task's prompt at most (it is kept in index.json); longer: refused, exit 2",
@@ -519,6 +573,11 @@ KEY_HELP: dict[str, str] = {
     " log_max_size (output of a task shipped to the database, default 1MiB)",
     "budgets": "daily budgets (local day): sources {NAME: {usd, tokens}}, agents {PRESET: {usd, tokens}}; over it:"
     " nothing more of it starts until 00:00",
+    "max_memory": "the memory this machine's running tasks may declare in all (delegate --memory, a preset's memory);"
+    " null: its RAM less memory_reserve; local",
+    "memory_reserve": "what max_memory leaves to the rest of the machine when not set (default 1GiB); local",
+    "resources": "per-task resources: mode (auto|cgroup|sampling), interval (between measurements, default 2s),"
+    " default_memory (a task declaring none counts this), max_procs (a task's processes at most)",
     "mcp": "the MCP server: token, the bearer token `kugetsu mcp --http` requires (set it with `config set mcp.token -`)",
 }
 # Sub-objects whose keys are fixed (dotted `config set` checks them); `groups` has free names.
@@ -526,6 +585,7 @@ _NESTED: dict[str, type[msgspec.Struct]] = {
     "telegram": TelegramConfig, "worktrees": WorktreesConfig, "resource_guard": ResourceGuard,
     "metrics": MetricsConfig, "mcp": McpConfig, "cluster": ClusterConfig,
     "budgets": BudgetsConfig,
+    "resources": ResourcesConfig,
 }
 
 # ---- loading ---------------------------------------------------------------------------

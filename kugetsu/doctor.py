@@ -15,7 +15,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from kugetsu import control, runner
-from kugetsu.config import Config, format_duration, format_size, load_config, read_raw, store_url
+from kugetsu.config import Config, format_duration, format_size, load_config, read_raw, store_url, total_memory
 from kugetsu.errors import KugetsuError, Unreachable
 from kugetsu.models import Index
 from kugetsu.paths import Home, read_file
@@ -48,7 +48,8 @@ def run(home: Home, env: dict[str, str] | None = None) -> list[Check]:
     checks.append(cfg_check)
     index, index_check = _index(home)
     checks.append(index_check)
-    checks += [_socket(home), _service(home, cfg, index), _disk(home), _proc(), _subreaper(), _git(cfg, index)]
+    checks += [_socket(home), _service(home, cfg, index), _disk(home), _proc(), _subreaper(), _git(cfg, index),
+               _resources(home, cfg)]
     service_path = _service_path(home)
     checks += _agents(home, cfg, index, service_path or env.get("PATH", os.defpath), service_path is not None)
     checks += [_telegram(cfg), _clock(home, index)]
@@ -269,6 +270,29 @@ def _proc() -> Check:
                      " the service cannot watch agents' exits", fix)
     os.close(fd)
     return Check("proc", True, "/proc readable, pidfds available")
+
+
+def _resources(home: Home, cfg: Config) -> Check:
+    """How per-task limits are enforced here (README, "Resources"), and the memory budget."""
+    from kugetsu import usage
+    from kugetsu.policy import short_size
+
+    budget = cfg.memory_budget
+    how = f"max_memory {short_size(budget)}" + ("" if cfg.max_memory is not None else
+                                               f" (RAM {short_size(total_memory())} less memory_reserve)")
+    sampling = (f"sampling every {cfg.resources.interval}: a task over its memory limit is stopped at the next look"
+                " (it may go beyond it until then), a fork storm is ended, not prevented")
+    if cfg.resources.mode == "sampling":
+        return Check("resources", True, f"{how}; {sampling} (resources.mode sampling)")
+    base = usage.cgroup_base(home)
+    if base is None:
+        ok = cfg.resources.mode == "auto"
+        return Check("resources", ok, f"{how}; no cgroup where it may set memory and pids limits: {sampling}",
+                     None if ok else "run the service as root on a machine with cgroup v1 memory and pids, or in a"
+                     " delegated cgroup v2 subtree (systemd Delegate=yes), or set resources.mode to sampling")
+    version = "v2" if base.v2 else "v1"
+    return Check("resources", True, f"{how}; cgroup mode ({version}): the kernel bounds each task with limits"
+                 " (memory: its OOM killer; processes: forks refused), and the task is then stopped")
 
 
 def _subreaper() -> Check:

@@ -141,6 +141,45 @@ class _Telegram:
         yield family
 
 
+class _Usage:
+    """What the running tasks use (README, "Resources"), as the service last measured it, read
+    at scrape time from its memory (no file, no /proc): per task (by id, with its source and
+    preset; a few series while it runs), and the memory declared against max_memory."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        service = self.metrics.service
+        index, measured, cfg = service.index, dict(service.measured), service.cfg
+        labels = ["task", "source", "agent"]
+        families = {
+            "memory": GaugeMetricFamily("kugetsu_task_memory_bytes", "A running task's processes' total RSS now",
+                                        labels=labels),
+            "peak": GaugeMetricFamily("kugetsu_task_memory_peak_bytes", "A running task's largest total RSS measured",
+                                      labels=labels),
+            "cpu": GaugeMetricFamily("kugetsu_task_cpu_seconds", "CPU seconds a running task's processes used",
+                                     labels=labels),
+            "procs": GaugeMetricFamily("kugetsu_task_processes", "A running task's processes now", labels=labels),
+        }
+        for task in index.active:
+            m = measured.get(task.id)
+            if m is None:
+                continue
+            key = [str(task.id), task.source, task.agent or ""]
+            families["memory"].add_metric(key, m.memory)
+            families["peak"].add_metric(key, max(m.peak, task.peak_memory or 0))
+            families["cpu"].add_metric(key, m.cpu)
+            families["procs"].add_metric(key, m.procs)
+        yield from families.values()
+        declared = GaugeMetricFamily("kugetsu_memory_declared_bytes", "Memory the running tasks declared")
+        declared.add_metric([], sum(pm.memory_of(cfg, t) for t in index.active))
+        yield declared
+        budget = GaugeMetricFamily("kugetsu_max_memory_bytes", "This machine's max_memory: what its tasks may declare")
+        budget.add_metric([], cfg.memory_budget)
+        yield budget
+
+
 class Metrics:
     def __init__(self, service: Service):
         self.service = service
@@ -174,6 +213,7 @@ class Metrics:
                                  ["agent", "fallback_from"], registry=r)
         self._spent: tuple[str, dict[str, dict[str, Usage]]] | None = None  # the day's spending at the last look
         r.register(_Telegram(self))
+        r.register(_Usage(self))
         for state in ("succeeded", "failed", "cancelled", "expired", "lost"):
             self.finished.labels(state=state)  # every state shows, at 0 until it happens
         self.last_seq = 0

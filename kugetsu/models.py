@@ -152,6 +152,15 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     budget_usd: float | None = None
     max_tokens: int | None = None
     run_usage: Usage | None = None
+    # Resources (README, "Resources"): what it declared (bytes it may use, counted against the
+    # machine's max_memory; its processes at most; the slots it takes of max_agents and its
+    # group's), and what was measured of its whole process tree (the largest total RSS seen,
+    # CPU seconds).
+    memory: int | None = None
+    max_procs: int | None = None
+    slots: int = 1
+    peak_memory: int | None = None
+    cpu_seconds: float | None = None
 
 
 class Attempt(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -532,20 +532,34 @@ class Listing(msgspec.Struct):
     now: datetime
     finished: list[Task] | None  # latest first; None unless asked for
     here: str | None = None  # this machine's name, in a cluster
+    measured: dict[int, pm.Measured] = {}  # the running tasks' use, as the service last measured it
 
     @property
     def positions(self) -> dict[int, int]:
         return self.view.positions
 
 
-def listing(cfg: Config, index: Index, finished: bool = False) -> Listing:
+def listing(cfg: Config, index: Index, finished: bool = False, home: Home | None = None) -> Listing:
     t = now()
     latest = list(reversed(index.finished[-20:])) if finished else None
     here = cluster_host(cfg)
     view = pm.queue_view(index, cfg, t, measure(cfg))
     if cfg.store is not None and any(x.pinned_host for x in view.queued):
         view = pm.with_placement(view, hosts_up(cfg))
-    return Listing(view, index, t, latest, here)
+    return Listing(view, index, t, latest, here, measured(home, cfg, index))
+
+
+def measured(home: Home | None, cfg: Config, index: Index) -> dict[int, pm.Measured]:
+    """The running tasks' use as the service last measured it (usage.json), when it is
+    recent: a service that is gone measures nothing."""
+    if home is None or not index.active:
+        return {}
+    from kugetsu import usage
+
+    last = usage.read(home)
+    if last is None or (now() - last.at).total_seconds() > max(10.0, 5 * cfg.resources.interval_s):
+        return {}
+    return last.tasks
 
 
 def hosts_up(cfg: Config) -> set[str]:
@@ -567,7 +581,7 @@ def queue_json(listed: Listing, home: Home | None = None) -> dict[str, Any]:
     texts = prompts(home, shown) if home is not None else None
     out: dict[str, Any] = {
         "max_agents": view.capacity.max_agents,
-        "active": public_tasks(listed.index.active, here=listed.here, prompts=texts),
+        "active": public_tasks(listed.index.active, here=listed.here, measured=listed.measured, prompts=texts),
         "queued": public_tasks(view.queued, [view.positions[t.id] for t in view.queued], waiting_for=view.waiting_for,
                                prompts=texts),
         "groups": view.groups,
@@ -599,6 +613,8 @@ def _public_task_type() -> type[msgspec.Struct]:
         if name == "state":
             fields.append(("position", Any, None))
     fields += [("agent_pid", Any, None), ("waiting_for", Any, msgspec.UNSET)]  # UNSET: not in the object
+    # A running task's use now, as the service last measured it (README, "Resources").
+    fields += [("rss", Any, None), ("procs", Any, None)]
     return msgspec.defstruct("PublicTask", fields, kw_only=True, module=__name__)
 
 
@@ -611,8 +627,8 @@ def prompts(home: Home, tasks: Iterable[Task]) -> dict[int, str]:
 
 
 def public_tasks(tasks: list[Task], positions: list[int | None] | None = None, here: str | None = None,
-                 waiting_for: dict[int, str] | None = None, prompts: Mapping[int, str] | None = None
-                 ) -> list[msgspec.Struct]:
+                 waiting_for: dict[int, str] | None = None, measured: dict[int, pm.Measured] | None = None,
+                 prompts: Mapping[int, str] | None = None) -> list[msgspec.Struct]:
     """The public objects of `tasks` (with their queue positions; in a cluster, `here` is
     this machine's name: a process on another machine cannot be looked at from this one;
     `prompts`: their stored prompts, from `prompts()`; without them `prompt` is null).
@@ -630,13 +646,20 @@ def public_tasks(tasks: list[Task], positions: list[int | None] | None = None, h
             raw["agent_pid"] = runner.agent_pid(task.pid, task.pid_start)
         if waiting_for is not None:
             raw["waiting_for"] = waiting_for.get(task.id)
+        m = measured.get(task.id) if measured and task.state is running else None
+        if m is not None:  # its use now (the record's peak and CPU are as of the last transaction)
+            raw["rss"], raw["procs"] = m.memory, m.procs
+            raw["peak_memory"] = max(task.peak_memory or 0, m.peak) or None
+            raw["cpu_seconds"] = max(task.cpu_seconds or 0.0, m.cpu) or None
     return msgspec.convert(raws, list[PublicTask])  # fills the defaults, drops what it does not name
 
 
-def task_json(task: Task, position: int | None, here: str | None = None,
-              prompts: Mapping[int, str] | None = None) -> dict[str, Any]:
+def task_json(task: Task, position: int | None, here: str | None = None, waiting_for: str | None = None,
+              measured: dict[int, pm.Measured] | None = None, prompts: Mapping[int, str] | None = None
+              ) -> dict[str, Any]:
     """The public task object of docs/architecture.md §5, as plain JSON values."""
-    return tasks_json([task], [position], here, prompts)[0]
+    why = {task.id: waiting_for} if waiting_for is not None else None
+    return msgspec.to_builtins(public_tasks([task], [position], here, why, measured, prompts))[0]  # type: ignore[no-any-return]
 
 
 def tasks_json(tasks: list[Task], positions: list[int | None] | None = None, here: str | None = None,

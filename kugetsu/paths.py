@@ -36,6 +36,7 @@ class Home:
         self.service_pid = self.root / "service.pid"
         self.service_lock = self.root / "service.lock"
         self.service_log = self.root / "service.log"
+        self.usage = self.root / "usage.json"  # the service's last measurement of the running tasks (usage.py)
         self.machine_id = self.root / "machine-id"  # cluster mode: this home's identity (cluster/hosts.py)
         self._runtime_socket: Path | None = None  # a deep home's socket, once its dir is checked
 

@@ -24,6 +24,7 @@ class Here(msgspec.Struct, frozen=True, kw_only=True):
     max_agents: int
     missing: frozenset[str] = frozenset()
     since: datetime | None = None  # since when its heartbeats have reached the database without a gap
+    max_memory: int | None = None  # the memory its running tasks may declare in all (None: config's)
 
 
 def needs_dir(task: Task) -> str:
@@ -40,7 +41,7 @@ def runs_here(task: Task, here: Here) -> bool:
 
 def room(index: Index, here: Here) -> int:
     """Slots free on this machine (its own limit; the cluster's is the Board's)."""
-    return here.max_agents - sum(1 for t in index.active if t.host == here.name)
+    return here.max_agents - sum(t.slots for t in index.active if t.host == here.name)
 
 
 def candidates(index: Index, here: Here) -> Index:

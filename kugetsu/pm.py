@@ -17,7 +17,7 @@ import msgspec
 from datetime import datetime, timedelta
 
 from kugetsu import budgets, limits, placement
-from kugetsu.config import Config, format_duration, format_size, parse_duration
+from kugetsu.config import Config, cluster_host, format_duration, format_size, parse_duration, parse_size
 from kugetsu.errors import (AmbiguousName, EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered,
                             QueueFull, Rejected, UnknownDependency, UnknownGroup, UsageError)
 from kugetsu.agents.report import Usage
@@ -25,13 +25,19 @@ from kugetsu.models import (PRIORITIES, Attempt, ClockError, Event, Hold, Index,
                             valid_host, valid_name)
 from kugetsu.placement import Here, ours, starts_anywhere
 # Resources, guard_hold and clock are also used by the front ends, through pm.
-from kugetsu.policy import Board, Resources, clock, guard_hold, simple_order, task_key  # noqa: F401
+from kugetsu.policy import (Board, Resources, accounts, clock, guard_hold, memory_of, short_size,  # noqa: F401
+                            simple_order, task_key)
 
 # ---- who runs next ---------------------------------------------------------------------
 
 
+def slots_used(index: Index) -> int:
+    """Slots the running tasks take (`delegate --slots`: a task may take more than one)."""
+    return sum(t.slots for t in index.active)
+
+
 def free_slots(index: Index, cfg: Config) -> int:
-    return max(0, cfg.max_agents - len(index.active))
+    return max(0, cfg.max_agents - slots_used(index))
 
 
 def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
@@ -41,21 +47,29 @@ def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources |
     `here`: in a cluster, the machine deciding: only what can run there, within its slots."""
     if not starts_anywhere(cfg, here):
         return []
-    if len(index.active) >= cfg.max_agents or index.paused or guard_hold(cfg, resources) is not None:
+    if slots_used(index) >= cfg.max_agents or index.paused or guard_hold(cfg, resources) is not None:
         return []  # what Board.pick says at once, without sorting the whole queue into lanes
     room = None
     if here is not None:
         room = placement.room(index, here)
         index = placement.candidates(index, here)
-    return [t for t, _ in _plan(index, cfg, now, resources, room)]
+    return [t for t, _ in _plan(index, cfg, now, resources, room, here)]
 
 
-def _plan(index: Index, cfg: Config, now: datetime, resources: Resources | None, room: int | None
-          ) -> list[tuple[Task, str | None]]:
-    """plan_starts with the preset each task starts on (its failover order's choice)."""
-    board = Board(index, cfg, now, resources)
+def _plan(index: Index, cfg: Config, now: datetime, resources: Resources | None, room: int | None,
+          here: Here | None = None) -> list[tuple[Task, str | None]]:
+    """plan_starts with the preset each task starts on (its failover order's choice).
+    `room`: this machine's own free slots (a cluster), which a task may take several of."""
+    if here is not None:
+        board = Board(index, cfg, now, resources, host=here.name, budget=here.max_memory)
+    else:
+        board = Board(index, cfg, now, resources)
     started: list[tuple[Task, str | None]] = []
-    while (room is None or len(started) < room) and (task := board.pick()) is not None:
+    while (task := board.pick()) is not None:
+        if room is not None:  # this machine's own slots: the next task waits for them, as for the cluster's
+            if task.slots > room:
+                break
+            room -= task.slots
         started.append((task, board.take(task)))
     return started
 
@@ -66,9 +80,11 @@ def starts_now(index: Index, cfg: Config, now: datetime, resources: Resources | 
     tasks = plan_starts(index, cfg, now, resources, here)
     if not any(t.route for t in tasks):
         return [(t, t.agent) for t in tasks]
+    room = None
     if here is not None:
+        room = placement.room(index, here)
         index = placement.candidates(index, here)
-    return _plan(index, cfg, now, resources, len(tasks))
+    return _plan(index, cfg, now, resources, room, here)
 
 
 def next_to_start(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> Task | None:
@@ -94,6 +110,7 @@ def successor(index: Index, cfg: Config) -> Successor | None:
         or index.paused
         or len(index.active) != cfg.max_agents
         or cfg.resource_guard.enabled
+        or accounts(index, cfg)  # slots and memory: one exit may not make room for the next
         or not simple_order(index, cfg)
         or any(may_requeue(cfg, t) for t in index.active)  # it would come back ahead of the successor
         or any(t.route for t in index.queued)  # it may start on another preset than its command's
@@ -129,7 +146,7 @@ def position(index: Index, cfg: Config, now: datetime, task: Task) -> int | None
 
 def waiting_for_one(index: Index, cfg: Config, now: datetime, task: Task, resources: Resources | None = None) -> str | None:
     """waiting_for(...).get(task.id), for one queued task: the reason of its lane only."""
-    if task.after:  # its dependencies, by name: the full look
+    if task.after or accounts(index, cfg):  # its dependencies, by name; what fits: the full look
         return waiting_for(index, cfg, now, resources).get(task.id)
     board = Board(index, cfg, now, resources, lanes=False)
     return board.pause or board.hold or board.why(*board.lane_of(task))
@@ -142,15 +159,20 @@ def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources |
     quick = Board(index, cfg, now, resources, lanes=False)  # the counts only, no order
     if (quick.pause is None and quick.hold is None and quick.source_limit is None and quick.interval is None
             and not quick.caps and not quick.agent_caps and not quick.holds and quick.spend is None
-            and not quick.window_presets
-            and not any(t.after or t.not_before for t in index.queued)):
+            and not quick.window_presets and quick.budget is None
+            and not any(t.after or t.not_before or t.slots != 1 for t in index.queued)):
         return {}  # nothing that could hold a task
     board = Board(index, cfg, now, resources)
     out = {}
     for lane_id, lane in board.lanes.items():
-        reason = board.pause or board.hold or board.why(*lane_id)
+        head = lane[0][1]
+        reason = board.pause or board.hold or board.why(*lane_id, head.slots) or board.never(head)
         if reason is not None:
             out.update((t.id, reason) for _, t in lane)
+    board.pick()
+    if board.blocked is not None:  # the task next in line, which does not fit yet: memory, slots
+        task, why = board.blocked
+        out.setdefault(task.id, why)
     if board.parked:  # `delegate --after`: the dependencies still to end, by name
         names = {t.id: t.name for t in index.live()}
         out.update((t.id, ", ".join(names[d] for d in t.after if d in waits)) for t, waits in board.parked.values())
@@ -178,6 +200,9 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     paused_groups: list[str] = []  # `pause --group G`: none of these groups' tasks starts
     holds: dict[str, HoldView] = {}  # presets held (provider limits, by hand): their tasks wait
     budgets: list[BudgetView] = []  # the daily budgets (budgets.*), with today's spending
+    # Once a task declares memory: this machine's budget and what its running tasks declared.
+    max_memory: int | msgspec.UnsetType = msgspec.UNSET  # UNSET: not in the object
+    memory_used: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class BudgetView(msgspec.Struct, frozen=True, kw_only=True):
@@ -195,10 +220,16 @@ class BudgetView(msgspec.Struct, frozen=True, kw_only=True):
 
 def capacity(index: Index, cfg: Config, now: datetime | None = None) -> Capacity:
     """Counts only: cheap at any queue length (no order is computed)."""
+    memory = {}
+    if accounts(index, cfg):
+        here = cluster_host(cfg)  # in a cluster, this machine's tasks against its own budget
+        memory = {"max_memory": cfg.memory_budget,
+                  "memory_used": sum(memory_of(cfg, t) for t in index.active if here is None or t.host == here)}
     return Capacity(max_agents=cfg.max_agents, active=len(index.active), queued=len(index.queued),
                     free=free_slots(index, cfg), max_queue=cfg.max_queue, paused=index.paused,
                     paused_groups=sorted(index.paused_groups), holds=holds_view(index, now),
-                    budgets=budgets_view(index, cfg, now) if now is not None and cfg.budgets.enabled else [])
+                    budgets=budgets_view(index, cfg, now) if now is not None and cfg.budgets.enabled else [],
+                    **memory)
 
 
 def budgets_view(index: Index, cfg: Config, now: datetime) -> list[BudgetView]:
@@ -372,6 +403,10 @@ class Request(msgspec.Struct, kw_only=True):
     fallback_fresh: bool | None = None  # None: the preset's `fallback_fresh`
     budget_usd: float | None = None
     max_tokens: int | None = None
+    # Resources (README, "Resources"); None: the preset's, else the config's defaults.
+    memory: int | None = None  # bytes
+    max_procs: int | None = None
+    slots: int | None = None
     # The task whose agent delegates (id, name), from that agent's environment (ops fills it
     # in: KUGETSU_TASK_ID, KUGETSU_TASK_NAME): None from outside any task.
     parent: tuple[int, str] | None = None
@@ -576,6 +611,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     for what, value in (("a budget in USD", req.budget_usd), ("a token budget", req.max_tokens)):
         if value is not None and not value > 0:
             raise UsageError(f"{what} must be more than 0, got {value}")
+    memory, max_procs, slots = declared(cfg, req, agent)
     depth, nesting = nesting_of(index, cfg, req, agent)
     after = dependencies(index, req.after)
     limit = cfg.max_queued_per_source
@@ -639,10 +675,41 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
                                         else bool(cfg.agents[agent].fallback_fresh)),  # type: ignore[index]
         budget_usd=req.budget_usd,
         max_tokens=req.max_tokens,
+        memory=memory,
+        max_procs=max_procs,
+        slots=slots,
     )
     index.next_id += 1
     index.queued.append(task)
     return task, events + [_event("queued", task, now, position=position(index, cfg, now, task))]
+
+
+def declared(cfg: Config, req: Request, agent: str | None) -> tuple[int | None, int | None, int]:
+    """(memory, max_procs, slots) a task admitted for `req` declares: the request's, else its
+    preset's (memory, max_procs fall back on resources' defaults when it runs). A task that
+    could never fit this machine (or the cluster's max_agents, or its group) is refused here
+    rather than wait for ever."""
+    preset = cfg.agents.get(agent) if agent else None
+    memory = req.memory
+    if memory is None and preset is not None and preset.memory is not None:
+        memory = parse_size(preset.memory)
+    max_procs = req.max_procs if req.max_procs is not None else (preset.max_procs if preset else None)
+    slots = req.slots if req.slots is not None else (preset.slots if preset else 1)
+    if memory is not None and memory <= 0:
+        raise UsageError(f"invalid memory {memory}: give a size like 4G or 512M")
+    if slots < 1 or (max_procs is not None and max_procs < 1):
+        raise UsageError("slots and max-procs are 1 or more")
+    if slots > cfg.max_agents:
+        raise UsageError(f"a task of {slots} slots could never start: max_agents is {cfg.max_agents}; declare"
+                         f" {cfg.max_agents} slots or fewer, or raise max_agents")
+    if req.group in cfg.groups and slots > cfg.groups[req.group].max_agents:
+        cap = cfg.groups[req.group].max_agents
+        raise UsageError(f"a task of {slots} slots could never start in group {req.group}, which has {cap}")
+    need = memory if memory is not None else cfg.resources.default_memory_bytes
+    if need and cfg.store is None and need > (budget := cfg.memory_budget):
+        raise UsageError(f"a task of {short_size(need)} could never start: max_memory is {short_size(budget)};"
+                         " declare less memory, or raise max_memory")
+    return memory, max_procs, slots
 
 
 def dependencies(index: Index, refs: list[str]) -> list[int]:
@@ -715,6 +782,9 @@ def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> 
         raise UsageError(f"invalid priority {change.priority!r}; choose one of {', '.join(PRIORITIES)}")
     if change.group is not None and change.group not in cfg.groups:
         raise UnknownGroup(change.group, sorted(cfg.groups))
+    if change.group is not None and task.slots > (cap := cfg.groups[change.group].max_agents):
+        raise UsageError(f"task {task.name} (#{task.id}) takes {task.slots} slots: it could never start in group"
+                         f" {change.group}, which has {cap}")
     for what, value in (("expiry", change.expire_after), ("timeout", change.timeout)):
         if value is not None and value < 0:
             raise UsageError(f"a negative {what} ({value:g}s) makes no sense; 0 means none")
@@ -1153,8 +1223,62 @@ class Adopted(msgspec.Struct, frozen=True):
     code: int | None = None  # it has ended already, with this status
 
 
+class Measured(msgspec.Struct, frozen=True, kw_only=True):
+    """A running task's use as the service measured it (usage.py): its processes' total RSS
+    now and at most so far, CPU seconds, how many, and what the kernel did in its cgroups."""
+
+    task: int
+    memory: int
+    peak: int
+    cpu: float
+    procs: int
+    oom_kills: int = 0
+    forks_refused: int = 0
+    attempt: int = 1  # the task's run it measured: a retry's run is not held to its last one's figures
+
+
+def max_procs_of(cfg: Config, task: Task) -> int | None:
+    return task.max_procs if task.max_procs is not None else cfg.resources.max_procs
+
+
+def over_limits(index: Index, cfg: Config, now: datetime, seen: list[Measured]) -> list[Task]:
+    """Record what was measured of each running task (its peak and CPU time stay on its
+    record), and stop (failed) those over a limit they declared: their memory, or their
+    processes; also those the kernel had to act on in their cgroups (an OOM kill, a fork
+    refused), which are over it by definition. Returns the tasks to send SIGTERM to now."""
+    tasks = {t.id: t for t in index.active}
+    due = []
+    for m in seen:
+        task = tasks.get(m.task)
+        if task is None or m.attempt != task.attempt:
+            continue
+        task.peak_memory = max(task.peak_memory or 0, m.peak, m.memory) or None
+        task.cpu_seconds = max(task.cpu_seconds or 0.0, m.cpu) or None
+        why = limit_exceeded(cfg, task, m)
+        if why is not None:
+            _request_stop(task, TaskState.FAILED, why, now, cfg.kill_grace_s)
+            due.append(task)
+    return due
+
+
+def limit_exceeded(cfg: Config, task: Task, m: Measured) -> str | None:
+    """Why a running task must be stopped for what was measured of it, or None."""
+    if task.stop is not None or task.ended_at is not None or m.attempt != task.attempt:
+        return None
+    limit, procs = memory_of(cfg, task), max_procs_of(cfg, task)
+    if limit and (m.memory > limit or m.oom_kills):
+        peak = max(task.peak_memory or 0, m.peak, m.memory)
+        kernel = f"; the kernel ended {m.oom_kills} of its processes" if m.oom_kills else ""
+        return f"memory limit {short_size(limit)} exceeded (peak {short_size(peak)}){kernel}"
+    if procs and (m.procs > procs or m.forks_refused):
+        refused = f", {m.forks_refused} forks refused" if m.forks_refused else ""
+        return f"process limit {procs} exceeded ({m.procs} processes{refused})"
+    return None
+
+
 class Observations(msgspec.Struct, kw_only=True):
     exits: list[Exit] = []
+    measured: list[Measured] = []  # the running tasks' use, as last measured
     found: list[Found] = []
     adopted: list[Adopted] = []
     resources: Resources | None = None  # the machine's readings, for the resource guard
@@ -1187,6 +1311,9 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
     me = here.name if here else None
     live = {t.id: t for t in index.active if ours(t, me)}  # another machine's processes are its own
     holds = dict(index.holds)
+    # Limits first: an agent the kernel ended at its cgroup's memory limit exits with SIGKILL's
+    # status, and its end is booked as over the limit, not as a plain kill.
+    plan.signal_groups += [(t, 15) for t in over_limits(index, cfg, now, obs.measured) if ours(t, me)]
     for e in obs.exits:
         task = live.get(e.task)
         if task is None or task.ended_at is not None:
@@ -1566,4 +1693,4 @@ def retry_request(task: Task, prompt: str | None) -> Request:
                    env={} if routed else dict(task.env), retries=task.retries, retry_delay=task.retry_delay,
                    retry_of=task.id, fallback=task.route[1:] if routed else None,
                    fallback_fresh=task.fallback_fresh if routed else None, budget_usd=task.budget_usd,
-                   max_tokens=task.max_tokens)
+                   max_tokens=task.max_tokens, memory=task.memory, max_procs=task.max_procs, slots=task.slots)

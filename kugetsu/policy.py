@@ -52,6 +52,28 @@ def guard_hold(cfg: Config, res: Resources | None) -> str | None:
     return None
 
 
+def memory_of(cfg: Config, task: Task) -> int:
+    """The memory a task declared (bytes; 0: none), counted against the machine's budget: its
+    own (delegate --memory, its preset's, fixed at admission), else resources.default_memory."""
+    if task.memory is not None:
+        return task.memory
+    return cfg.resources.default_memory_bytes or 0
+
+
+def accounts(index: Index, cfg: Config) -> bool:
+    """Does any live task take more than one slot or declare memory? Else the selection
+    counts tasks alone, as it always did (and the short cuts that assume it hold)."""
+    return cfg.resources.default_memory is not None or any(t.memory or t.slots != 1 for t in index.live())
+
+
+def short_size(size: float) -> str:
+    """A size as `waiting for: memory (6.0G of 8.0G in use)` says it."""
+    for unit, scale in (("T", 1024**4), ("G", 1024**3), ("M", 1024**2), ("K", 1024)):
+        if size >= scale:
+            return f"{size / scale:.1f}{unit}"
+    return f"{int(size)}B"
+
+
 def task_key(cfg: Config, task: Task) -> tuple[int, int]:
     """Order within a lane. Ids are the admission sequence: they never repeat or go back,
     where timestamps can tie."""
@@ -103,10 +125,19 @@ class Board:
     """What the selection needs from an Index, in a form cheap to play forward."""
 
     def __init__(self, index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
-                 lanes: bool = True):
+                 lanes: bool = True, host: str | None = None, budget: int | None = None):
         self.cfg = cfg
         self.now = now
         self.hold = guard_hold(cfg, resources)
+        self.available = resources.available_memory if resources is not None else None
+        # Capacity (fits): slots taken (a task may take several) and, once any task declares
+        # memory, the memory declared by the running tasks of this machine (`host` in a
+        # cluster, whose `budget` is its own) against its budget.
+        self.slots_used = sum(t.slots for t in index.active)
+        self.budget: int | None = None
+        if accounts(index, cfg):
+            self.budget = budget if budget is not None else cfg.memory_budget
+        self.blocked: tuple[Task, str] | None = None  # the task the last pick would start, and why it does not fit
         # `kugetsu pause`: like the guard, it holds every start alike (see drain).
         self.pause: str | None = "paused" if index.paused else None
         self.paused_groups = frozenset(index.paused_groups)
@@ -130,11 +161,17 @@ class Board:
         self.ready = {s: m.at + self.interval for s, m in index.last_start.items()} if self.interval else {}
         # Running tasks in start order (pm.start appends to index.active): when the
         # simulation frees a slot, the oldest ends first.
-        self.running: deque[tuple[str, str | None, str | None]] = deque(
-            (t.source, self.group_of(t), t.agent) for t in index.active)
-        self.by_source = Counter(s for s, _, _ in self.running)
-        self.by_group = Counter(g for _, g, _ in self.running if g is not None)
-        self.by_agent = Counter(a for _, _, a in self.running if a is not None)
+        self.running: deque[tuple[str, str | None, str | None, int, int]] = deque(
+            (t.source, self.group_of(t), t.agent, t.slots,
+             memory_of(cfg, t) if self.budget is not None and (host is None or t.host == host) else 0)
+            for t in index.active)
+        self.mem_used = sum(m for _, _, _, _, m in self.running)
+        self.by_source = Counter(s for s, _, _, _, _ in self.running)
+        self.by_group: Counter[str] = Counter()  # slots taken in each group
+        for _, g, _, n, _ in self.running:
+            if g is not None:
+                self.by_group[g] += n
+        self.by_agent = Counter(a for _, _, a, _, _ in self.running if a is not None)
         # `delegate --after`: a task whose dependencies are still live is parked outside the
         # lanes (it must not hold up the tasks behind it in its lane) until they have ended.
         # lanes=False: a Board for `why` alone, which needs only the counts (pm.waiting_for_one).
@@ -217,7 +254,8 @@ class Board:
 
     # ---- the rules --------------------------------------------------------------------
 
-    def free(self, source: str, group: str | None, route: tuple[str, ...] = (), not_before: datetime | None = None) -> bool:
+    def free(self, source: str, group: str | None, route: tuple[str, ...] = (), not_before: datetime | None = None,
+             slots: int = 1) -> bool:
         """May a task of this lane start now, given a free global slot? (`why` in words.)"""
         if self.source_limit is not None and self.by_source[source] >= self.source_limit:
             return False
@@ -231,9 +269,10 @@ class Board:
             return False
         if group is not None and group in self.paused_groups:
             return False
-        return group is None or self.by_group[group] < self.caps[group]
+        return group is None or self.by_group[group] + slots <= self.caps[group]
 
-    def why(self, source: str, group: str | None, route: tuple[str, ...] = (), not_before: datetime | None = None) -> str | None:
+    def why(self, source: str, group: str | None, route: tuple[str, ...] = (), not_before: datetime | None = None,
+            slots: int = 1) -> str | None:
         """Why a task of this lane may not start now even with a free global slot, or None.
         A failover order that has no preset with room names each preset's reason."""
         if route and self.preset_for(route) is None:
@@ -251,8 +290,40 @@ class Board:
             return spent
         if group is not None and group in self.paused_groups:
             return f"group {group} paused"
-        if group is not None and self.by_group[group] >= self.caps[group]:
-            return f"group {group} full ({self.by_group[group]}/{self.caps[group]} running)"
+        if group is not None and self.by_group[group] + slots > self.caps[group]:
+            took = f", it takes {slots}" if slots > 1 else ""
+            return f"group {group} full ({self.by_group[group]}/{self.caps[group]} running{took})"
+        return None
+
+    def fits(self, task: Task) -> str | None:
+        """THE capacity check: does `task` fit what the machine has left now — its slots of
+        max_agents, its declared memory within the budget, and the pressure the readings show
+        (the resource guard; available memory below what it declares)? None: it fits; else
+        why not, in words. Unlike a lane's limits, a task that does not fit holds the tasks
+        behind it (no backfill): a big task is not passed by small ones for ever, and the
+        start order stays the sort."""
+        if self.hold is not None:
+            return self.hold
+        if self.slots_used + task.slots > self.cfg.max_agents:
+            return f"slots ({self.slots_used} of {self.cfg.max_agents} in use, it takes {task.slots})"
+        if self.budget is None:
+            return None
+        need = memory_of(self.cfg, task)
+        if need and self.mem_used + need > self.budget:
+            return f"memory ({short_size(self.mem_used)} of {short_size(self.budget)} in use, it needs {short_size(need)})"
+        if need and self.available is not None and need > self.available:
+            return f"memory ({short_size(self.available)} available, it needs {short_size(need)})"
+        return None
+
+    def never(self, task: Task) -> str | None:
+        """Why `task` can never start here (its declaration is beyond the whole machine, after
+        a lowering of max_agents or max_memory since it was admitted): its lane stands aside
+        rather than hold every task behind it."""
+        if task.slots > self.cfg.max_agents:
+            return f"it takes {task.slots} slots, more than max_agents ({self.cfg.max_agents}): it can never start"
+        need = memory_of(self.cfg, task) if self.budget is not None else 0
+        if self.budget is not None and need > self.budget:
+            return f"it needs {short_size(need)}, more than max_memory ({short_size(self.budget)}): it can never start"
         return None
 
     def pick(self) -> Task | None:
@@ -260,7 +331,8 @@ class Board:
 
         fifo and priority: the smallest task key among the lanes that may start; fair: the
         same, after the source whose last start is oldest (round-robin)."""
-        if self.hold is not None or self.pause is not None or len(self.running) >= self.cfg.max_agents:
+        self.blocked = None
+        if self.hold is not None or self.pause is not None or self.slots_used >= self.cfg.max_agents:
             return None
         best: Task | None = None
         best_key: tuple = ()
@@ -273,8 +345,11 @@ class Board:
                 key = (mark.get(source, NEVER), key)
             if best is not None and key >= best_key:
                 continue
-            if self.free(*lane_id):
+            if self.free(*lane_id, task.slots) and self.never(task) is None:
                 best, best_key = task, key
+        if best is not None and (why := self.fits(best)) is not None:
+            self.blocked = (best, why)
+            return None
         return best
 
     def take(self, task: Task) -> str | None:
@@ -289,13 +364,16 @@ class Board:
         lane.popleft()
         if not lane:
             del self.lanes[lane_id]
-        self.running.append((task.source, group, agent))
+        memory = memory_of(self.cfg, task) if self.budget is not None else 0
+        self.running.append((task.source, group, agent, task.slots, memory))
         self.running_ids.append(task.id)
         if agent in self.window_presets:
             budgets.window_start(self.cfg, self.windows, agent, task.id, self.now)
+        self.slots_used += task.slots
+        self.mem_used += memory
         self.by_source[task.source] += 1
         if group is not None:
-            self.by_group[group] += 1
+            self.by_group[group] += task.slots
         if agent is not None:
             self.by_agent[agent] += 1
         self.starts += 1
@@ -306,10 +384,12 @@ class Board:
 
     def finish_oldest(self) -> None:
         """The oldest running task ends (as a success: a forecast cannot know better)."""
-        source, group, agent = self.running.popleft()
+        source, group, agent, slots, memory = self.running.popleft()
+        self.slots_used -= slots
+        self.mem_used -= memory
         self.by_source[source] -= 1
         if group is not None:
-            self.by_group[group] -= 1
+            self.by_group[group] -= slots
         if agent is not None:
             self.by_agent[agent] -= 1
         done = self.running_ids.popleft()
@@ -362,7 +442,7 @@ class Board:
                 self.take(task)
                 order.append(task)
                 continue
-            release = self.next_release() if len(self.running) < self.cfg.max_agents else None
+            release = self.next_release() if self.slots_used < self.cfg.max_agents else None
             if release is not None:
                 self.now = release
             elif self.running:

@@ -31,6 +31,11 @@ WARM_AHEAD = 100  # queued tasks whose wrapper waits, started ahead (sync_warm)
 _FINAL = frozenset(s.value for s in TaskState if s.final)
 
 
+def limited(cfg: Config, task: Task) -> bool:
+    """Has the task a memory or process limit (in cgroup mode: cgroups of its own)?"""
+    return bool(pm.memory_of(cfg, task) or pm.max_procs_of(cfg, task))
+
+
 class LetGo(msgspec.Struct):
     """An agent this service let go, not yet in a committed index."""
 
@@ -52,6 +57,9 @@ class Processes:
         self.warm: dict[int, runner.Spawned] = {}  # task id -> its wrapper, started ahead, waiting
         self.dropped: list[subprocess.Popen[bytes]] = []  # warm wrappers let go, to reap once they exit
         self.host: str | None = None  # in a cluster, this machine: other machines' tasks are theirs
+        # cgroup mode (service._confine): the cgroups a task with limits starts in, as its
+        # wrapper's environment; such a task gets no warm wrapper (its cgroups are its run's).
+        self.confine: Callable[[Task], dict[str, str] | None] | None = None
 
     def committed(self) -> None:
         """The index on disk now records everything let go and every exit reaped so far."""
@@ -76,12 +84,17 @@ class Processes:
         if warm is not None and released:
             return warm
         argv = self._argv(task, self._prompts([task]))
+        confine = self.confine(task) if self.confine is not None else None
+        if warm is not None and confine is not None:
+            self.drop(warm)  # started before its limits were known to need cgroups
+            warm = None
         if warm is not None:
             if warm.gate is not None and warm.argv == argv and warm.env == env and runner.alive(warm.pid, warm.start):
                 runner.release(warm)
                 return warm
             self.drop(warm)
-        return runner.spawn(self.home, task.id, task.name, argv, cwd, env, token=task.token, depth=task.depth)
+        return runner.spawn(self.home, task.id, task.name, argv, cwd, env, token=task.token, depth=task.depth,
+                            confine=confine)
 
     def _argv(self, task: Task, stored: dict[int, str]) -> list[str]:
         """pm.argv of the task; a {prompt_file} preset's file is made here first, on the
@@ -115,7 +128,7 @@ class Processes:
         want: list[Task] = []
         if index.queued and pm.free_slots(index, cfg) == 0:
             order = pm.start_order(index, cfg, ops.now())[:WARM_AHEAD]
-            want = [t for t in order if not t.repo and t.token]
+            want = [t for t in order if not t.repo and t.token and not (self.confine and limited(cfg, t))]
         wanted = {t.id for t in want}
         for task_id in [i for i in self.warm if i not in wanted]:
             self.drop(self.warm.pop(task_id))

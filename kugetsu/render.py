@@ -11,7 +11,7 @@ import msgspec
 from kugetsu.config import format_duration, format_size
 from kugetsu import runner
 from kugetsu.models import Task
-from kugetsu.pm import Capacity
+from kugetsu.pm import Capacity, Measured, short_size
 
 if TYPE_CHECKING:  # render shows what ops lists; ops does not need render
     from kugetsu.ops import Listing
@@ -74,6 +74,8 @@ def until(t: datetime | None, now: datetime) -> str:
 def summary(cap: Capacity) -> str:
     text = (f"{cap.active}/{cap.max_agents} running, {cap.free} free, {cap.queued} queued (max {cap.max_queue})"
             + paused_note(cap))
+    if cap.max_memory:
+        text += f", memory {short_size(cap.memory_used or 0)} of {short_size(cap.max_memory)} declared"
     return text + ("\n" + holds_line(cap) if cap.holds else "") + ("\n" + budgets_line(cap) if cap.budgets else "")
 
 
@@ -118,9 +120,19 @@ def agent_text(agent: str | None, fallback_from: str | None) -> str:
     return f"{agent} (fallback from {fallback_from})" if fallback_from else agent
 
 
-def running_table(tasks: list[Task], now: datetime, here: str | None = None) -> str:
+def memory_cell(task: Task, m: Measured | None) -> str:
+    """A running task's memory as the queue shows it: now, its peak, of what it declared."""
+    limit = f" of {short_size(task.memory)}" if task.memory else ""
+    if m is None:
+        return f"-{limit}" if limit else "-"
+    return f"{short_size(m.memory)} (peak {short_size(max(m.peak, task.peak_memory or 0))}){limit}"
+
+
+def running_table(tasks: list[Task], now: datetime, here: str | None = None,
+                  measured: dict[int, Measured] | None = None) -> str:
     """`here`: this machine, in a cluster: another machine's agents are shown by their
-    wrapper's pid there (this machine's /proc knows nothing of them)."""
+    wrapper's pid there (this machine's /proc knows nothing of them). `measured`: their use,
+    as the service last measured it (a MEM column)."""
     rows = [
         [str(t.slot or "-"), str(t.id), t.name, t.source, agent_text(t.agent, t.fallback_from), since(t.started_at, now),
          str((runner.agent_pid(t.pid, t.pid_start) if t.host in (None, here) else None) or t.pid or "starting"),
@@ -136,6 +148,10 @@ def running_table(tasks: list[Task], now: datetime, here: str | None = None) -> 
         headers.insert(-1, "BRANCH")
         for row, t in zip(rows, tasks):
             row.insert(-1, t.branch or "-")
+    if measured or any(t.memory for t in tasks):
+        headers.insert(-1, "MEM")
+        for row, t in zip(rows, tasks):
+            row.insert(-1, memory_cell(t, (measured or {}).get(t.id)))
     return table(headers, rows, right={0, 1})
 
 
@@ -198,7 +214,7 @@ def queue_text(listed: Listing, service_running: bool = True) -> str:
     if view.groups:
         parts.append(groups_line(view.groups))
     if view.running:
-        parts.append("\nRUNNING\n" + running_table(view.running, now, listed.here))
+        parts.append("\nRUNNING\n" + running_table(view.running, now, listed.here, listed.measured))
     if view.queued:
         parts.append("\nQUEUED\n" + queued_table(view.queued, view.positions, now, view.waiting_for))
     if listed.finished:
@@ -249,6 +265,10 @@ def task_lines(task: dict[str, Any]) -> str:
             from kugetsu.agents.report import Usage, describe
 
             value = describe(Usage(**value))
+        elif key in ("memory", "peak_memory", "rss"):
+            value = short_size(value)
+        elif key == "slots" and value == 1:
+            continue
         elif isinstance(value, list):
             value = " ".join("{prompt}" if v == "{prompt}" or (prompt and v == prompt) else _quote(v) for v in value)
         text = str(value).replace("\n", "\n" + " " * (width + 2))

@@ -13,6 +13,7 @@ import os
 import signal
 from datetime import datetime, timezone
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -36,6 +37,7 @@ from kugetsu.paths import Home, open_file
 # without truncating): the space is allocated when the task starts, so an agent's end is
 # recorded even on a disk that filled up while it ran.
 WRAPPER = (
+    'for f in $KUGETSU_CGROUP_PROCS; do echo $$ > "$f"; done; unset KUGETSU_CGROUP_PROCS; '
     's=$1; w=$2; n=$3; set --; '
     'i=0; while [ $i -lt $n ]; do eval "set -- \\"\\$@\\" \\"\\$KUGETSU_ARG_$i\\"; unset KUGETSU_ARG_$i"; i=$((i+1)); done; '
     'if [ "$w" = warm ]; then read -r go || exit 0; exec </dev/null; fi; '
@@ -43,6 +45,9 @@ WRAPPER = (
 )
 EXIT_BLANK = b" " * 15 + b"\n"  # what an exit file holds until its wrapper writes a status
 TOKEN_VAR = "KUGETSU_TASK_TOKEN"
+# cgroup mode (usage.py): the cgroup.procs files the wrapper writes itself into, first of all,
+# so that its agent and everything the agent starts are counted and bounded by the kernel.
+CGROUP_VAR = "KUGETSU_CGROUP_PROCS"
 _TOKEN_B = TOKEN_VAR.encode() + b"="
 # What of the service's environment an agent gets. kugetsu's own namespace is an allow-list:
 # of the KUGETSU_* variables (the store URL, the bot's and the MCP server's tokens, the
@@ -121,7 +126,7 @@ def agent_env(home: Home, task_id: int, name: str, token: str | None, env: dict[
 
 def spawn(
     home: Home, task_id: int, name: str, argv: list[str], cwd: str, env: dict[str, str],
-    warm: bool = False, token: str | None = None, depth: int = 0,
+    warm: bool = False, token: str | None = None, depth: int = 0, confine: dict[str, str] | None = None,
 ) -> Spawned:
     """Start the task's wrapper: running at once, or (warm) waiting for `release`."""
     import subprocess  # only the service spawns; the CLI never pays for this import
@@ -140,6 +145,7 @@ def spawn(
     os.close(fd)
     full_env = agent_env(home, task_id, name, token, env, depth)
     full_env.update((f"KUGETSU_ARG_{i}", arg) for i, arg in enumerate(argv))
+    full_env.update(confine or {})
     gate_r, gate_w = os.pipe() if warm else (None, None)  # not inheritable: only this wrapper gets it
     try:
         fd = open_file(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
@@ -412,14 +418,14 @@ def own_children() -> list[int]:
     return out
 
 
-def scan_token(token: str) -> dict[int, int]:
-    """pid -> start of every living process of this user that carries `token`: one pass over
-    /proc (for a worker thread; the service's loop never scans /proc)."""
+def users_pids(limit: int | None = None) -> Iterator[int]:
+    """The pids of this user's processes but this one, from one pass over /proc (`limit`:
+    looking at that many entries at most)."""
     uid = os.getuid()
-    found = {}
     me = os.getpid()
-    blank = []  # no environment yet: caught mid-exec (see environ); looked at again at the end
-    for entry in os.scandir("/proc"):
+    for n, entry in enumerate(os.scandir("/proc")):
+        if limit is not None and n >= limit:
+            return
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
         try:
@@ -427,7 +433,15 @@ def scan_token(token: str) -> dict[int, int]:
                 continue
         except OSError:
             continue
-        pid = int(entry.name)
+        yield int(entry.name)
+
+
+def scan_token(token: str) -> dict[int, int]:
+    """pid -> start of every living process of this user that carries `token`: one pass over
+    /proc (for a worker thread; the service's loop never scans /proc)."""
+    found = {}
+    blank = []  # no environment yet: caught mid-exec (see environ); looked at again at the end
+    for pid in users_pids():
         env = environ(pid)
         if env == b"":
             blank.append(pid)

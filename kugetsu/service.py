@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kugetsu import agents, control, limits, logtail, ops, placement, pm, runner
+from kugetsu import agents, control, limits, logtail, ops, placement, pm, runner, usage
 from kugetsu.config import Config, format_size, host_name, load_config
 from kugetsu.deadlines import DeadlineTimer
 from kugetsu.errors import DiskFull, KugetsuError, Unreachable
 from kugetsu.exits import Ending, Exits
 from kugetsu.agents.report import Usage
-from kugetsu.models import Event, Index, Task
+from kugetsu.models import Event, Index, Task, TaskState
 from kugetsu.pm import GUARD_RECHECK
 from kugetsu.paths import Home, atomic_write, read_head
 from kugetsu.processes import WARM_AHEAD, LetGo, Processes
@@ -48,6 +48,8 @@ if TYPE_CHECKING:  # imported only where used: psycopg in cluster mode, the othe
 __all__ = ["COMMIT_DELAY", "GUARD_RECHECK", "RECONCILE_EVERY", "WARM_AHEAD", "Ending", "LetGo", "Service", "serve"]
 
 log = logging.getLogger("kugetsu.service")
+
+_FINAL_STATES = frozenset(s.value for s in TaskState if s.final)
 
 RECONCILE_EVERY = 5.0  # seconds: a safety net; exits and deadlines do not wait for it
 LOG_CHECK_EVERY = 2.0  # seconds between looks at the running agents' log sizes (log_max_size)
@@ -93,6 +95,14 @@ class Service:
         self._log_check: asyncio.TimerHandle | None = None
         self._compacting: set[int] = set()  # logs being compacted in a worker thread
         self._cap_failed: set[int] = set()  # logs that could not be compacted (said once)
+        # Resources (usage.py): the mode in force, where tasks' cgroups go, the last measurement.
+        self.resource_mode = "sampling"
+        self.cgroup_base: usage.Base | None = None
+        self.sampler = usage.Sampler(home, "sampling")
+        self.measured: dict[int, pm.Measured] = {}
+        self._measure_handle: asyncio.TimerHandle | None = None
+        self._measuring = False
+        self._cgroups_left = False  # cgroup mode: runs over whose cgroups could not be removed yet
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -117,6 +127,7 @@ class Service:
             # the pid file comes before the first tick, which may already start agents.
             self.store.read()
             self._join_cluster()
+            self._resources_mode()
             atomic_write(self.home.service_pid, f"{os.getpid()}\n".encode())
             # A first tick that fails (a full disk, a record no rule foresaw) is said and retried
             # with backoff, as every later one: the service stays up for the tasks it can serve.
@@ -131,9 +142,12 @@ class Service:
             if self.member is not None:
                 await asyncio.to_thread(self.member.stop)
             self._reconcile_handle.cancel()
-            for handle in (self._log_check, self._usage_check):
+            for handle in (self._log_check, self._usage_check, self._measure_handle):
                 if handle is not None:
                     handle.cancel()
+            self.home.usage.unlink(missing_ok=True)  # no service, no measurement to show
+            if self.cgroup_base is not None:
+                usage.remove_base(self.cgroup_base)
             self.timer.cancel()
             self.worktrees.shutdown()
             self.procs.close()
@@ -230,7 +244,7 @@ class Service:
             if wrong is not None:
                 index.clock_error = wrong
                 log.warning("clock error: %s", pm.describe_clock_error(wrong))
-            obs = pm.Observations(resources=ops.measure(cfg))
+            obs = pm.Observations(resources=ops.measure(cfg), measured=list(self.measured.values()))
             committed_running = {t.id for t in index.active}
             if self.member is not None:
                 self._observe_cluster(txn, obs)
@@ -245,6 +259,8 @@ class Service:
             obs.exits = [self._with_output(self.exits.seen(t, self._first_tick), t) for t in list(index.active)
                          if t.ended_at is None and t.pid is not None and placement.ours(t, here)
                          and (t.id in self.exits.exited or not runner.alive(t.pid, t.pid_start))]
+            if self.cgroup_base is not None and obs.exits:
+                obs.measured += self._kernel_said(index, obs.exits)
             if self.exits.endings or any(t.ended_at is not None for t in index.active):
                 obs.found = self.exits.look_for_leftovers(txn)
             if self._first_tick:
@@ -313,10 +329,120 @@ class Service:
             self.member.shipping({t.id: self.home.log(t.id) for t in self.index.active if t.host == self.member.name})
         self._watch_logs(here)
         self._watch_usage(here)
+        self._watch_resources(here)
+        if self.cgroup_base is not None and any(e.task is not None and e.state in _FINAL_STATES for e in plan.events):
+            self._sweep()
         if not hold:
             self._committed(txn.events)
         if deferred:
             self.request_tick()  # the starts this tick committed: spawned by the next one
+
+    # ---- resources: measured use, limits (usage.py) ---------------------------------------
+
+    def _resources_mode(self) -> None:
+        """Decide once, at start, how use is measured and limits enforced: cgroups where this
+        service may make them (config resources.mode auto or cgroup), else sampling."""
+        cfg = load_config(self.home)
+        why = "resources.mode is sampling"
+        if cfg.resources.mode != "sampling":
+            mode, why = usage.probe(self.home)
+            if mode == "cgroup":
+                self.cgroup_base = usage.cgroup_base(self.home)
+            elif cfg.resources.mode == "cgroup":
+                log.error("resources.mode is cgroup, but %s: measuring by sampling instead", why)
+            self.resource_mode = mode
+        self.sampler.mode = self.resource_mode
+        self.procs.confine = self._confine if self.cgroup_base is not None else None
+        # Runs that ended while the service was down leave their cgroups: the first look removes them.
+        self._cgroups_left = self.cgroup_base is not None
+        log.info("resources: %s mode (%s)", self.resource_mode, why)
+
+    def _confine(self, task: Task) -> dict[str, str] | None:
+        """cgroup mode: the cgroups a task with limits starts in (its wrapper joins them before
+        its agent runs), as the wrapper's environment says it; None: no limit, none needed."""
+        memory, procs = pm.memory_of(self.cfg, task), pm.max_procs_of(self.cfg, task)
+        if self.cgroup_base is None or not (memory or procs):
+            return None
+        try:
+            groups = usage.make_groups(self.cgroup_base, task.id, task.attempt, memory, procs)
+        except OSError as err:
+            log.warning("cannot create the cgroups of %s (#%d): %s; its limits are enforced by sampling",
+                        task.name, task.id, err)
+            return None
+        self._cgroups_left = True  # to be removed once the run is over
+        return {runner.CGROUP_VAR: groups.procs_files()}
+
+    def _kernel_said(self, index: Index, exits: list[pm.Exit]) -> list[pm.Measured]:
+        """cgroup mode: what the kernel did to the tasks that just ended (an OOM kill, a fork
+        refused), read at once (a few bytes of /sys): their end is booked as over a limit."""
+        out = []
+        attempts = {t.id: t.attempt for t in index.active}
+        for e in exits:
+            groups = usage.groups_of(self.cgroup_base, e.task, attempts.get(e.task, 0))
+            if groups is None:
+                continue
+            oom, refused, peak = groups.read()
+            if oom or refused:
+                seen = self.measured.get(e.task)
+                out.append(pm.Measured(task=e.task, memory=0, peak=max(peak, seen.peak if seen else 0),
+                                       cpu=seen.cpu if seen else 0.0, procs=0, oom_kills=oom, forks_refused=refused,
+                                       attempt=attempts.get(e.task, 0)))
+        return out
+
+    def _watch_resources(self, here: str | None) -> None:
+        """After each tick: while this machine runs agents, measure them every
+        resources.interval (usage.Sampler, in a worker thread)."""
+        if self._measure_handle is None and (self._cgroups_left or any(t.pid and placement.ours(t, here)
+                                                                        for t in self.index.active)):
+            self._measure_handle = self.loop.call_later(self.cfg.resources.interval_s, self._measure)
+
+    def _sweep(self, tries: int = 30) -> None:
+        """cgroup mode: remove the cgroups of runs that are over, off the loop; while some are
+        not empty yet (their last processes being killed), again a second later."""
+        live = {t.id: t.attempt for t in self.index.live()}
+        job = self.loop.run_in_executor(None, usage.remove_finished, self.cgroup_base, live, self.index.next_id)
+        job.add_done_callback(lambda done: done.exception() is None and done.result() and tries > 1
+                              and self.loop.call_later(1.0, self._sweep, tries - 1))
+
+    def _measure(self) -> None:
+        self._measure_handle = None
+        here = self.member.name if self.member is not None else None
+        tasks = {t.id: t.token for t in self.index.active if t.pid and t.token and placement.ours(t, here)}
+        if self._measuring:
+            return  # the last look has not finished (a loaded machine): the next one waits for it
+        if not tasks and not self.measured and not self._cgroups_left:
+            return
+        self._cgroups_left = False
+        self._measuring = True
+        groups = {}
+        if self.cgroup_base is not None:
+            groups = {t.id: usage.groups_of(self.cgroup_base, t.id, t.attempt)
+                      for t in self.index.active if t.id in tasks}
+        live = {t.id: t.attempt for t in self.index.live()}
+        job = self.loop.run_in_executor(None, self._measure_job, tasks, groups, live, self.index.next_id)
+        job.add_done_callback(self._measured)
+
+    def _measure_job(self, tokens: dict[int, str], groups: dict[int, usage.TaskGroups | None], live: dict[int, int],
+                     next_id: int) -> dict[int, pm.Measured]:
+        measured = self.sampler.measure(tokens, groups, live)
+        self.sampler.publish(measured, ops.now())
+        if self.cgroup_base is not None and usage.remove_finished(self.cgroup_base, live, next_id):
+            self._cgroups_left = True  # a look once more, until they are gone
+        return measured
+
+    def _measured(self, done: asyncio.Future[dict[int, pm.Measured]]) -> None:
+        self._measuring = False
+        err = done.exception()
+        if err is not None:
+            log.warning("measuring the running tasks failed: %s", err)
+            measured = self.measured
+        else:
+            measured = self.measured = done.result()
+        tasks = {t.id: t for t in self.index.active}
+        if any(pm.limit_exceeded(self.cfg, t, m) for m in measured.values() if (t := tasks.get(m.task)) is not None):
+            self.request_tick()  # pm decides: over a limit, stopped
+        if self._measure_handle is None and (tasks or measured or self._cgroups_left):
+            self._measure_handle = self.loop.call_later(self.cfg.resources.interval_s, self._measure)
 
     # ---- log_max_size: each log capped on disk -------------------------------------------
 
@@ -629,7 +755,9 @@ class Service:
                     raise
                 obs.hosts = member.observe(conn)
         needed = {placement.needs_dir(t) for t in txn.index.queued}
-        obs.here = member.here(frozenset(d for d in needed if not os.path.isdir(d)))
+        # Its own memory budget (max_memory is a machine's own key): what its tasks may declare here.
+        obs.here = msgspec.structs.replace(member.here(frozenset(d for d in needed if not os.path.isdir(d))),
+                                           max_memory=self.cfg.memory_budget)
 
     def _fence(self, txn: Txn) -> None:
         """This machine was declared gone: the tasks it ran were ended as lost and their slots

@@ -177,6 +177,8 @@ class Record:
     host: str | None = None  # in a cluster, the machine it ran on
     usage: Usage | None = None  # what its runs that ended in the window used, as their agents reported
     fallback: bool = False  # it ran on a fallback preset (failover)
+    peak_memory: int | None = None  # measured (README, "Resources"): its largest total RSS
+    cpu_seconds: float | None = None
 
     def key(self, by: str, host: str) -> str:
         if by == "host":
@@ -211,6 +213,7 @@ def records(events: Iterable[Event], tasks: Iterable[Task], start: datetime) -> 
             r = out[t.id] = Record(t.id)
         r.name, r.source, r.agent, r.group = t.name, t.source, t.agent, t.group
         r.host, r.usage, r.fallback = t.host, usage_in(t, start), t.fallback_from is not None
+        r.peak_memory, r.cpu_seconds = t.peak_memory, t.cpu_seconds
         r.created = t.created_at
         if t.started_at is not None:
             r.started, r.ran = t.started_at, True
@@ -258,6 +261,8 @@ class _Row:
     done: int = 0  # ran and finished in the window
     usage: Usage = field(default_factory=Usage)
     fallbacks: int = 0  # tasks that ran on a fallback preset
+    peak_memory: int | None = None  # the largest any of its tasks that ran in the window reached
+    cpu: float = 0.0  # CPU seconds of its tasks that ran in the window (their whole runs)
 
     def add(self, r: Record, start: datetime, now: datetime) -> None:
         c = self.counts
@@ -282,6 +287,9 @@ class _Row:
             # task cleaned away that began before it) counts from the window's start.
             began = max(r.started or start, start)
             self.busy += max(0.0, ((r.finished or now) - began).total_seconds())
+            if r.peak_memory is not None:
+                self.peak_memory = max(self.peak_memory or 0, r.peak_memory)
+            self.cpu += r.cpu_seconds or 0.0
 
     def report(self, seconds: float, available: float) -> dict[str, Any]:
         c = self.counts
@@ -299,6 +307,8 @@ class _Row:
                       "cache_read_tokens": self.usage.cache_read_tokens,
                       "cache_write_tokens": self.usage.cache_write_tokens, "cost_usd": self.usage.cost_usd},
             "fallbacks": self.fallbacks,
+            "peak_memory": self.peak_memory,
+            "cpu_seconds": round(self.cpu, 2),
         }
 
 
@@ -445,6 +455,11 @@ def render(report: dict[str, Any]) -> str:
                           f"{u['cache_read_tokens'] + u['cache_write_tokens']:,}",
                           "-" if u["cost_usd"] is None else f"${u['cost_usd']:.2f}", str(r["fallbacks"])]
                          for k, r in rows for u in [r["usage"]]], right=set(range(1, 6))), ""]
+    if any(r["peak_memory"] is not None for _, r in rows):  # measured use (README, "Resources")
+        from kugetsu.policy import short_size
+
+        lines += [table([by, "PEAK MEM", "CPU"], [[k, "-" if r["peak_memory"] is None else short_size(r["peak_memory"]),
+                                                  f"{r['cpu_seconds']:.1f}s"] for k, r in rows], right={1, 2}), ""]
     waiting = report["longest_waiting"]
     if waiting:
         lines.append("longest waiting now:")

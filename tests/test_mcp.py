@@ -628,6 +628,23 @@ async def test_delegate_with_retries(kg):
     assert task["state"] == "failed" and task["attempt"] == 2 and task["attempts"][0]["exit_code"] == 5
 
 
+async def test_delegate_declares_memory_slots_and_max_procs(kg):
+    """Resources (issue 29) through MCP as through the CLI: declared, counted, refused when
+    they could never fit."""
+    kg.config(max_agents=2, max_memory="1G")
+    async with connect(kg) as c:
+        r = await c.call_tool("delegate", {"name": "m", "command": ["sleep", "30"], "memory": "800M", "max_procs": 40})
+        task = r.structured_content["task"]
+        assert (task["memory"], task["max_procs"], task["slots"]) == (800 * 1024**2, 40, 1)
+        r = await c.call_tool("delegate", {"name": "n", "command": ["true"], "memory": "300M"})
+        assert "waiting for: memory (800.0M of 1.0G in use, it needs 300.0M)" in r.content[0].text
+        r = await c.call_tool("delegate", {"name": "s", "command": ["true"], "slots": 3})
+        assert r.is_error and "a task of 3 slots could never start: max_agents is 2" in r.content[0].text
+        r = await c.call_tool("delegate", {"name": "x", "command": ["true"], "memory": "lots"})
+        assert r.is_error and "is not a size" in r.content[0].text
+        await c.call_tool("cancel", {"tasks": ["m", "n"]})
+
+
 # ---- as real clients see it (issue 25, item 6) --------------------------------------------
 
 

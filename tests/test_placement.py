@@ -43,6 +43,26 @@ def test_a_machine_takes_no_more_than_its_own_slots_and_the_cluster_no_more_than
     assert len(index.active) == 3 and {t.host for t in index.active} == {"m1", "m2"}
 
 
+def test_each_machine_admits_memory_against_its_own_budget_and_slots_count_in_its_own():
+    """Issue 29: max_memory is a machine's own; memory declared on another machine does not
+    count here, and a task of 2 slots needs 2 of this machine's."""
+    G = 1024**3
+
+    def started(plan: pm.Plan) -> list[str]:
+        return [e.name for e in plan.events if e.type == "started"]
+    index, cfg = Index(), cluster(max_agents=8)
+    for name, mem in (("a", 3), ("b", 3), ("c", 3)):
+        admit(index, cfg, name, memory=mem * G)
+    admit(index, cfg, "wide", slots=2)
+    admit(index, cfg, "d", memory=G)
+    m1, m2 = Here(name="m1", max_agents=4, max_memory=4 * G), Here(name="m2", max_agents=3, max_memory=6 * G)
+    assert started(pm.settle(index, cfg, T0, here=m1)) == ["a"]  # b does not fit beside a's 3G
+    # m1's 3G is not counted on m2; then wide needs 2 of m2's slots, which has 1 left: it waits
+    assert started(pm.settle(index, cfg, T0, here=m2)) == ["b", "c"]
+    assert started(pm.settle(index, cfg, T0, here=m1)) == ["wide", "d"]  # 3G + 1G = m1's 4G
+    assert sorted((t.host, t.slots) for t in index.active) == [("m1", 1), ("m1", 1), ("m1", 2), ("m2", 1), ("m2", 1)]
+
+
 def test_pinned_tasks_start_only_on_their_machine_and_others_pass_them():
     index, cfg = Index(), cluster()
     admit(index, cfg, "pinned", pinned_host="m2")

@@ -7,6 +7,7 @@ from collections import Counter
 from datetime import datetime, timedelta
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -257,3 +258,105 @@ def test_the_quick_answers_for_one_task_are_the_full_ones(raw, first, later, gap
         board.take(task)
         picked.append(task)
     assert pm.plan_starts(index, cfg, now, res) == picked
+
+
+# ---- capacity: slots and memory (issue 29) -----------------------------------------------
+
+G = 1024**3
+# A task: source, priority, group, preset, then its declared memory (GiB; None: none) and slots.
+heavy_st = st.tuples(st.sampled_from("abc"), st.sampled_from(PRIORITIES), st.sampled_from([None, None, "g1", "g2"]),
+                     st.sampled_from([None, "p1"]), st.sampled_from([None, 1, 2, 3]), st.sampled_from([1, 1, 2]))
+
+
+def build_heavy(raw: dict, first: list, later: list, gap: int) -> tuple[Config, Index, datetime]:
+    """As build, with each task's memory and slots; what admission refuses (more than the
+    machine or its group could ever hold) is left out, as a delegator would be told."""
+    cfg = msgspec.convert(raw, Config)
+    index = Index()
+    now = T0
+    for batch in (first, later):
+        for source, priority, group, agent, mem, slots in batch:
+            try:
+                pm.admit(index, cfg, now, pm.Request(cwd="/", command=["true"], source=source, priority=priority,
+                                                     group=group, agent=agent, memory=mem and mem * G, slots=slots))
+            except pm.UsageError:
+                assert slots > cfg.max_agents or (group and slots > cfg.groups[group].max_agents) \
+                    or (mem or 0) * G > cfg.memory_budget
+        pm.settle(index, cfg, now)
+        now = T0 + timedelta(seconds=gap)
+    return cfg, index, now
+
+
+def check_capacity(cfg: Config, index: Index) -> None:
+    assert sum(t.slots for t in index.active) <= cfg.max_agents
+    assert sum(pm.memory_of(cfg, t) for t in index.active) <= cfg.memory_budget
+    for group in cfg.groups:
+        assert sum(t.slots for t in index.active if t.group == group) <= cfg.groups[group].max_agents
+
+
+heavy_config_st = config_st.map(lambda raw: raw | {"max_agents": raw["max_agents"] + 1}).flatmap(
+    lambda raw: st.fixed_dictionaries({"max_memory": st.sampled_from(["3G", "4G", "6G"]),
+                                       "resources": st.sampled_from([{}, {"default_memory": "1G"}])}).map(raw.__or__))
+
+
+@settings(max_examples=150, deadline=None)
+@given(heavy_config_st, st.lists(heavy_st, max_size=8), st.lists(heavy_st, max_size=16), st.integers(0, 6))
+def test_slots_and_memory_hold_and_positions_are_the_real_start_order(raw, first, later, gap):
+    """Memory and slots are counted with every other limit: never more declared than the
+    budget nor more slots than max_agents (and a group's) at once, and the positions are the
+    order the tasks really start in, one being held for memory included."""
+    cfg, index, now = build_heavy(raw, first, later, gap)
+    check_capacity(cfg, index)
+    predicted = [t.id for t in pm.start_order(index, cfg, now)]
+    assert [i for i, _ in sorted(pm.positions(index, cfg, now).items(), key=lambda kv: kv[1])] == predicted
+    assert drain(cfg, index, now, lambda index, now, task: check_capacity(cfg, index)) == predicted
+    check_capacity(cfg, index)
+
+
+@settings(max_examples=100, deadline=None)
+@given(heavy_config_st, st.lists(heavy_st, max_size=8), st.lists(heavy_st, min_size=1, max_size=16), st.integers(0, 6))
+def test_a_task_that_does_not_fit_says_why_and_nothing_passes_it(raw, first, later, gap):
+    """The task next in line that does not fit (memory, slots) waits with the numbers, and no
+    task behind it starts meanwhile; the quick answer for one task is the full one."""
+    cfg, index, now = build_heavy(raw, first, later, gap)
+    why = pm.waiting_for(index, cfg, now)
+    for task in index.queued:
+        assert pm.waiting_for_one(index, cfg, now, task) == why.get(task.id)
+    board = Board(index, cfg, now)
+    if board.pick() is None and board.blocked is not None:
+        task, reason = board.blocked
+        assert why[task.id] == reason
+        assert reason.startswith(("memory (", "slots ("))
+        assert pm.plan_starts(index, cfg, now) == []
+        if reason.startswith("memory"):
+            used = sum(pm.memory_of(cfg, t) for t in index.active)
+            assert f"{used / G:.1f}G of {cfg.memory_budget / G:.1f}G in use" in reason
+
+
+def test_memory_waits_with_the_numbers_and_capacity_counts_it():
+    cfg = msgspec.convert({"max_agents": 4, "max_memory": "8G"}, Config)
+    index = Index()
+    for mem in (4, 2, 4, 1):
+        pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], memory=mem * G))
+    pm.settle(index, cfg, T0)
+    assert [t.id for t in index.active] == [1, 2]
+    assert pm.waiting_for(index, cfg, T0) == {3: "memory (6.0G of 8.0G in use, it needs 4.0G)"}
+    assert pm.positions(index, cfg, T0) == {3: 1, 4: 2}  # the small one does not pass it
+    cap = pm.capacity(index, cfg, T0)
+    assert (cap.max_memory, cap.memory_used, cap.free) == (8 * G, 6 * G, 2)
+    with pytest.raises(pm.UsageError, match="could never start: max_memory is 8.0G"):
+        pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], memory=9 * G))
+    with pytest.raises(pm.UsageError, match="5 slots could never start: max_agents is 4"):
+        pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], slots=5))
+    pm.finish(index, index.active[0], T0, 0)
+    pm.settle(index, cfg, T0)
+    assert [t.id for t in index.active] == [2, 3, 4]
+
+
+def test_a_wide_task_cannot_be_moved_into_a_group_too_small_for_it():
+    cfg = msgspec.convert({"max_agents": 4, "groups": {"small": {"max_agents": 1}}}, Config)
+    index = Index()
+    task, _ = pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], slots=2))
+    with pytest.raises(pm.UsageError, match="takes 2 slots: it could never start in group small, which has 1"):
+        pm.edit(index, cfg, task, T0, pm.Edit(group="small"))
+    assert task.group is None

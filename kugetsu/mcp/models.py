@@ -80,6 +80,13 @@ class TaskOut(BaseModel):
     fallback_fresh: bool = Field(False, description="a run interrupted with a session may start afresh elsewhere")
     budget_usd: OptFloat = Field(None, description="its budget in US dollars: a run past it is stopped")
     max_tokens: OptInt = Field(None, description="its budget in tokens (in + out): a run past it is stopped")
+    memory: OptInt = Field(None, description="bytes it declared it may use (delegate memory); over it, it is stopped")
+    max_procs: OptInt = Field(None, description="its processes at most; over it, it is stopped")
+    slots: int = Field(1, description="slots of max_agents (and of its group) it takes")
+    peak_memory: OptInt = Field(None, description="bytes: the largest total RSS of its processes measured")
+    cpu_seconds: OptFloat = Field(None, description="CPU seconds its processes used, as measured")
+    rss: OptInt = Field(None, description="while running: bytes, the total RSS of its processes now")
+    procs: OptInt = Field(None, description="while running: its processes now")
 
 
 class UsageOut(BaseModel):
@@ -116,6 +123,9 @@ class CapacityOut(BaseModel):
     queued: int = Field(description="waiting for a slot")
     free: int = Field(description="slots free now: a task delegated now starts at once if free > 0")
     max_queue: int = Field(description="queued tasks at most; beyond it delegate is rejected (back off)")
+    max_memory: OptInt = Field(None, description="once a task declares memory: the bytes this machine's running"
+                               " tasks may declare in all; a task starts only when its memory fits")
+    memory_used: OptInt = Field(None, description="bytes the running tasks declared")
     holds: dict[str, HoldOut] | None = Field(
         None, description="agent presets held now (their provider's usage limit, or by hand): their tasks wait")
     budgets: list[BudgetOut] | None = Field(

@@ -32,7 +32,7 @@ from pydantic import Field, ValidationError
 
 import kugetsu
 from kugetsu import control, logtail, ops, pm, render, waiting
-from kugetsu.config import Config, format_duration, load_config, parse_duration
+from kugetsu.config import Config, format_duration, load_config, parse_duration, parse_size
 from kugetsu.errors import KugetsuError, Nested, Rejected, UsageError
 from kugetsu.mcp.handshake import INSTRUCTIONS, NAME, TITLE, differs
 from kugetsu.mcp.models import (
@@ -73,6 +73,15 @@ def _duration(value: str | float | None, what: str) -> float | None:
         return None
     try:
         return parse_duration(value, what)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _size(value: str | int | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value, "memory")
     except ValueError as err:
         raise UsageError(str(err)) from None
 
@@ -314,6 +323,13 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
                                                      " afresh on a fallback (default: it waits to resume)")] = None,
         budget_usd: Annotated[float | None, Field(gt=0, description="stop it once its runs cost more (US dollars)")] = None,
         max_tokens: Annotated[int | None, Field(gt=0, description="stop it once its runs used more tokens (in + out)")] = None,
+        memory: Annotated[str | int | None, Field(description="memory it may use (4G, 512M or bytes): it starts"
+                                                  " when that fits the machine's max_memory; over it, it is"
+                                                  " stopped. null: the preset's, else none")] = None,
+        max_procs: Annotated[int | None, Field(ge=1, description="its processes at most (a fork storm is"
+                                               " stopped); null: the preset's or the config's")] = None,
+        slots: Annotated[int | None, Field(ge=1, le=64, description="slots of max_agents (and of its group) it"
+                                           " takes; null: the preset's (1)")] = None,
     ) -> Annotated[CallToolResult, DelegateOut]:
         """Hand one piece of work (one issue) to a worker agent. kugetsu starts it at once in a
         free slot or queues it, and says which: "started NAME (#ID), slot 2/3" or "queued NAME
@@ -330,7 +346,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             source=source, priority=priority, group=group, expire_after=_duration(expire_after, "expire_after"),
             timeout=_duration(timeout, "timeout"), worktree=worktree, base=base, retries=retries,
             retry_delay=_duration(retry_delay, "retry_delay"), fallback=fallback, fallback_fresh=fallback_fresh,
-            budget_usd=budget_usd, max_tokens=max_tokens,
+            budget_usd=budget_usd, max_tokens=max_tokens, memory=_size(memory), max_procs=max_procs, slots=slots,
         )
         try:
             adm = await admitter.admit(req)

@@ -161,7 +161,8 @@ async def cmd_status(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None
         home = _env(context).home
         cfg, index = ops.read(home)
         task = pm.find(index, context.args[0])
-        return text.status(ops.task_json(task, pm.positions(index, cfg, ops.now()).get(task.id),
+        measured = ops.measured(home, cfg, index)  # a running task's memory now (README, "Resources")
+        return text.status(ops.task_json(task, pm.positions(index, cfg, ops.now()).get(task.id), measured=measured,
                                          prompts=ops.prompts(home, [task])))
 
     await _reply(update, await asyncio.to_thread(look))

@@ -80,6 +80,7 @@ class Dashboard(App[None]):
         self.index = Index()
         self.events: list[Event] = []
         self.service_pid: int | None = None
+        self.measured: dict[int, pm.Measured] = {}  # the running tasks' use (usage.json), read each refresh
         self.error: str | None = None
         self._stamps: dict[str, Stamp] = {}
         self._selected_table: TaskTable | None = None
@@ -139,6 +140,7 @@ class Dashboard(App[None]):
                 self.error = None
                 self.notify("the files read cleanly again", title="recovered")
         self.service_pid = control.service_pid(self.home)
+        self.measured = ops.measured(self.home, self.cfg, self.index) if self.cfg.store is None else {}
         self._show()
 
     def _stamps_now(self) -> dict[str, object]:
@@ -173,7 +175,7 @@ class Dashboard(App[None]):
         now = self.clock()
         summary = self.summary
         queue = pm.queue_view(self.index, self.cfg, now)  # once per refresh, for every pane
-        text = view.summary(queue.capacity, self.service_pid)
+        text = view.summary(queue.capacity, self.service_pid, self.measured)
         summary.update(plain(text + (" · files unreadable: see notification" if self.error else "")))
         summary.set_class(self.service_pid is None, "-down")
         summary.set_class(self.error is not None, "-error")
@@ -192,7 +194,7 @@ class Dashboard(App[None]):
             y = events.scroll_y
             self.call_after_refresh(lambda: events.scroll_y == y and events.scroll_end(animate=False, immediate=True))
         self._follow_selection()
-        self.output.border_title = plain(view.task_title(self.selected_task()))
+        self.output.border_title = plain(view.task_title(self.selected_task(), self.measured))
         self.call_after_refresh(self._count_hidden)
 
     TABLE_TITLES = {"running": "Running", "queue": "Queue", "finished": "Finished"}
@@ -257,7 +259,7 @@ class Dashboard(App[None]):
         path = None if selected is None else self.home.log(selected) if task is None else ops.log_path(self.home, self.cfg, task)
         output.follow(path, NOTHING_SELECTED if selected is None else "(no output yet)",
                       "text" if task is None else ops.output_kind(self.cfg, task))
-        output.border_title = plain(view.task_title(self.selected_task()))
+        output.border_title = plain(view.task_title(self.selected_task(), self.measured))
 
     # ---- actions ---------------------------------------------------------------------
 

@@ -99,12 +99,16 @@ def _event_detail(e: Event) -> str:
     return e.reason or ""
 
 
-def summary(cap: pm.Capacity, service_pid: int | None) -> str:
+def summary(cap: pm.Capacity, service_pid: int | None, measured: dict[int, pm.Measured] | None = None) -> str:
     service = f"service running (pid {service_pid})" if service_pid else "service not running"
     from kugetsu.render import budgets_line, holds_line, paused_note
 
     text = (f"{cap.active}/{cap.max_agents} running · {cap.queued} queued · max queue {cap.max_queue}"
             f"{paused_note(cap)} · {service}")
+    if cap.max_memory:  # once a task declares memory: what is declared of the budget
+        text += f" · memory {pm.short_size(cap.memory_used or 0)} of {pm.short_size(cap.max_memory)} declared"
+    if measured:  # what the running tasks use, as last measured
+        text += f" · using {pm.short_size(sum(m.memory for m in measured.values()))}"
     if cap.holds:  # a provider's limit, or a hold by hand: its tasks wait, and for how long
         text += " · " + holds_line(cap)
     if any(b.over for b in cap.budgets):  # a daily budget spent: its tasks wait until midnight
@@ -112,11 +116,19 @@ def summary(cap: pm.Capacity, service_pid: int | None) -> str:
     return text
 
 
-def task_title(task: Task | None) -> str:
-    """The Output pane's title: whose output, and how that task stands."""
+def task_title(task: Task | None, measured: dict[int, pm.Measured] | None = None) -> str:
+    """The Output pane's title: whose output, and how that task stands (running: its memory
+    now and at its peak, as last measured; final: its peak, on its record)."""
     if task is None:
         return "Output"
     state = task_style(task)
     if task.state.final and task.reason:
         state = f"{state}: {task.reason}"
+    m = (measured or {}).get(task.id) if not task.state.final else None
+    if m is not None:
+        from kugetsu.render import memory_cell
+
+        state += f" · {memory_cell(task, m)}"
+    elif task.state.final and task.peak_memory:
+        state += f" · peak {pm.short_size(task.peak_memory)}"
     return f"Output · {task.name} (#{task.id}) · {state}"

@@ -1,0 +1,378 @@
+"""Resources are capacity (issue 29): declared memory and slots in admission, measured use,
+per-task limits enforced by sampling and by cgroups. Real agents: Python processes that
+grow a bytearray in steps (never beyond ~200 MB) and shell scripts that fork (bounded)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+
+from kugetsu import runner, usage
+from kugetsu.paths import Home
+
+M = 1024**2
+
+# An agent that grows to $1 MiB in steps of 10 MiB (touching every page), records each step's
+# size, then holds it for $2 seconds.
+HOG = (
+    "import sys, time\n"
+    "goal, hold, rec = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]\n"
+    "chunks = []\n"
+    "while len(chunks) * 10 < goal:\n"
+    "    chunks.append(bytearray(10 * 1024 * 1024))\n"
+    "    open(rec, 'a').write(f'{len(chunks) * 10} {time.time()}\\n')\n"
+    "    time.sleep(0.05)\n"
+    "time.sleep(hold)\n"
+)
+
+
+def hog(kg, name: str, mb: int, hold: float = 30.0) -> list[str]:
+    script = kg.rec.parent / "hog.py"
+    script.write_text(HOG)
+    return [sys.executable, str(script), str(mb), str(hold), str(kg.rec / name)]
+
+
+def grown(kg, name: str) -> int:
+    """The size (MiB) the hog `name` has reached, by its own record."""
+    try:
+        lines = (kg.rec / name).read_text().split()
+    except FileNotFoundError:
+        return 0
+    return int(lines[-2]) if lines else 0
+
+
+def cgroups_here() -> bool:
+    return os.geteuid() == 0 and usage.cgroup_base(Home(Path("/nonexistent"))) is not None
+
+
+def cgroup_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return ""
+
+
+# ---- admission by declared memory and slots ------------------------------------------------
+
+
+def test_memory_admission_positions_are_the_real_start_order(kg):
+    """max_memory 200M: a 120M task runs; a 100M one waits, with the numbers, and a 20M one
+    queued after it does not pass it; they start in the order their positions said."""
+    kg.config(max_agents=4, max_memory="200M", resources={"mode": "sampling", "interval": "0.2s"})
+    gate = kg.rec.parent / "gate"
+    assert kg.delegate("big", 0, 0, "--memory", "120M", gate=gate).startswith("started big")
+    out = kg.delegate("mid", 0, 0, "--memory", "100M")
+    assert out.startswith("queued mid (#2), position 1 of 1; waiting for: memory (120.0M of 200.0M in use")
+    assert kg.delegate("small", 0, 0, "--memory", "20M").startswith("queued small (#3), position 2 of 2")
+    q = kg.json("queue")
+    assert q["queued"][0]["waiting_for"] == "memory (120.0M of 200.0M in use, it needs 100.0M)"
+    assert [t["name"] for t in q["queued"]] == ["mid", "small"]
+    assert [t["memory"] for t in q["queued"]] == [100 * M, 20 * M]
+    cap = kg.json("capacity")
+    assert (cap["max_memory"], cap["memory_used"]) == (200 * M, 120 * M)
+    assert "waiting_for     memory (120.0M of 200.0M in use" in kg.ok("status", "mid")
+    gate.touch()
+    for name in ("big", "mid", "small"):
+        kg.wait_state(name, "succeeded")
+    assert [e["name"] for e in kg.events("started")] == ["big", "mid", "small"]
+    # the small one did not pass the task ahead of it: both waited for the big one's end
+    assert min(kg.times("mid")["start"], kg.times("small")["start"]) >= kg.times("big")["end"]
+
+
+def test_slots_count_in_max_agents_and_groups(kg):
+    kg.config(max_agents=3, groups={"gpu": {"max_agents": 2}})
+    gate = kg.rec.parent / "gate"
+    assert kg.delegate("one", 0, 0, gate=gate).startswith("started one")
+    out = kg.delegate("heavy", 0, 0, "--slots", "3")
+    assert out.startswith("queued heavy (#2), position 1 of 1; waiting for: slots (1 of 3 in use, it takes 3)")
+    assert kg.delegate("after", 0).startswith("queued after (#3), position 2 of 2")
+    r = kg.run("delegate", "huge", "--slots", "4", "--", "true")
+    assert r.returncode == 2 and "a task of 4 slots could never start: max_agents is 3" in r.stderr
+    r = kg.run("delegate", "g", "--slots", "3", "--group", "gpu", "--", "true")
+    assert r.returncode == 2 and "could never start in group gpu, which has 2" in r.stderr
+    r = kg.run("delegate", "z", "--slots", "0", "--", "true")
+    assert r.returncode == 2 and "expected 1 or more" in r.stderr and "Traceback" not in r.stderr
+    r = kg.run("delegate", "z", "--memory", "lots", "--", "true")
+    assert r.returncode == 2 and "is not a size" in r.stderr
+    assert kg.task("heavy")["slots"] == 3
+    gate.touch()
+    kg.wait_state("after", "succeeded")
+    assert kg.times("heavy")["start"] >= kg.times("one")["end"]
+    assert kg.times("after")["start"] >= kg.times("heavy")["end"]
+
+
+def test_a_preset_declares_memory_and_max_procs(kg):
+    kg.config(max_memory="1G", agents={"big": {"command": ["sh", "-c", "true"], "memory": "300M",
+                                                "max_procs": 50, "slots": 2}})
+    kg.ok("delegate", "p", "--agent", "big")
+    t = kg.wait_state("p", "succeeded")
+    assert (t["memory"], t["max_procs"], t["slots"]) == (300 * M, 50, 2)
+    r = kg.run("delegate", "q", "--agent", "big", "--memory", "2G")
+    assert r.returncode == 2 and "could never start: max_memory is 1.0G" in r.stderr
+
+
+# ---- limits enforced -------------------------------------------------------------------------
+
+
+def _over_limit_is_stopped(kg, mode: str, interval: str = "0.1s") -> None:
+    kg.config(max_agents=1, kill_grace="2s", resources={"mode": mode, "interval": interval})
+    kg.ok("delegate", "hog", "--memory", "60M", "--", *hog(kg, "hog", 200))
+    kg.delegate("next", 0)
+    t = kg.wait_state("hog", "failed", timeout=20)
+    assert t["reason"].startswith("memory limit 60.0M exceeded (peak "), t["reason"]
+    assert t["peak_memory"] >= 60 * M  # the kernel's own count stops at the limit
+    assert grown(kg, "hog") < 200  # stopped on its way
+    kg.wait_state("next", "succeeded")
+    assert any(e["type"] == "failed" and e["reason"].startswith("memory limit 60.0M") for e in kg.events())
+
+
+def test_over_its_memory_limit_a_task_is_stopped_sampling(kg):
+    _over_limit_is_stopped(kg, "sampling")
+    assert "resources: sampling mode" in kg.home.service_log.read_text()
+
+
+@pytest.mark.skipif(not cgroups_here(), reason="needs root and cgroup v1 memory and pids controllers")
+def test_over_its_memory_limit_the_kernel_stops_it_cgroup(kg):
+    """cgroup mode, measured only every minute: the kernel alone bounds the task (its OOM
+    killer, in the task's own cgroup under the service's), and its end says why."""
+    _over_limit_is_stopped(kg, "cgroup", "60s")
+    assert "resources: cgroup mode" in kg.home.service_log.read_text()
+    assert "the kernel ended 1 of its processes" in kg.task("hog")["reason"]
+    base = usage.cgroup_base(kg.home)
+    assert base is not None
+    wait_for(lambda: not any(base.memory.glob("task-*")), 10, "the task's cgroups to be removed")
+
+
+@pytest.mark.skipif(not cgroups_here(), reason="needs root and cgroup v1 memory and pids controllers")
+def test_a_task_with_limits_runs_in_its_own_cgroups(kg):
+    kg.config(resources={"mode": "cgroup"})
+    gate = kg.rec.parent / "gate"
+    kg.delegate("free", 0, 0, gate=gate)
+    kg.delegate("bounded", 0, 0, "--memory", "100M", "--max-procs", "30", gate=gate)
+    wait_for(lambda: kg.times("bounded").get("start") and kg.times("free").get("start"), 10, "both to start")
+    free, bounded = (kg.task(n)["agent_pid"] for n in ("free", "bounded"))
+    assert f"kugetsu-{kg.home.key}/task-2-1" in cgroup_of(bounded)
+    assert "kugetsu-" not in cgroup_of(free)  # no limit, no cgroup of its own
+    mem = usage.cgroup_base(kg.home).memory / "task-2-1"
+    assert int((mem / "memory.limit_in_bytes").read_text()) == 100 * M
+    assert "KUGETSU_CGROUP_PROCS" not in (runner.environ(bounded) or b"").decode()
+    gate.touch()
+    kg.wait_state("bounded", "succeeded")
+    wait_for(lambda: not mem.exists(), 10, "its cgroups to be removed")
+    kg.ok("shutdown")
+    assert not mem.parent.exists()  # a stopped service leaves no cgroup behind
+
+
+@pytest.mark.skipif(not cgroups_here(), reason="needs root and cgroup v1 memory and pids controllers")
+def test_tasks_without_limits_make_no_cgroup(kg):
+    kg.config(resources={"mode": "auto"})
+    kg.delegate("plain", 0)
+    kg.wait_state("plain", "succeeded")
+    assert not usage.cgroup_base(kg.home).memory.exists()
+
+
+FORKER = 'i=0; while [ $i -lt 200 ]; do sleep 30 & i=$((i+1)); done; wait'
+
+
+def _fork_storm_is_bounded(kg, mode: str) -> None:
+    kg.config(max_agents=1, kill_grace="1s", resources={"mode": mode, "interval": "0.1s"})
+    kg.ok("delegate", "storm", "--max-procs", "20", "--", "sh", "-c", FORKER)
+    t = kg.wait_state("storm", "failed", timeout=20)
+    assert t["reason"].startswith("process limit 20 exceeded"), t["reason"]
+    token = kg.index()["finished"][0]["token"]
+    from kugetsu import runner
+
+    wait_for(lambda: not runner.scan_token(token), 10, "every process of the storm to be gone")
+
+
+def test_a_fork_storm_is_stopped_sampling(kg):
+    _fork_storm_is_bounded(kg, "sampling")
+
+
+@pytest.mark.skipif(not cgroups_here(), reason="needs root and cgroup v1 memory and pids controllers")
+def test_a_fork_storm_is_bounded_by_the_kernel_cgroup(kg):
+    _fork_storm_is_bounded(kg, "cgroup")
+    reason = kg.task("storm")["reason"]
+    assert "forks refused" in reason
+    assert int(reason.split("(")[1].split()[0]) <= 20  # never more than its limit at once
+
+
+# ---- measured use ----------------------------------------------------------------------------
+
+
+def test_measured_use_in_status_queue_and_the_final_record(kg):
+    kg.config(resources={"mode": "sampling", "interval": "0.1s"})
+    kg.ok("delegate", "m", "--", *hog(kg, "m", 50, 3))
+    wait_for(lambda: grown(kg, "m") >= 50, 10, "the hog to grow")
+    t = wait_for(lambda: (t := kg.task("m")).get("rss") and t["rss"] > 45 * M and t, 5, "a measurement")
+    assert t["procs"] >= 1
+    assert "MEM" in kg.ok("queue") and "peak" in kg.ok("status", "m")
+    t = kg.wait_state("m", "succeeded")
+    assert t["peak_memory"] > 45 * M and t["cpu_seconds"] > 0  # the final record keeps them
+    assert "peak_memory" in kg.ok("status", "m")
+    stats = kg.json("stats", "--by", "source")
+    assert stats["rows"]["cli"]["peak_memory"] == t["peak_memory"] == stats["total"]["peak_memory"]
+    assert "PEAK MEM" in kg.ok("stats", "--by", "agent")
+
+
+def test_doctor_says_which_mode_is_in_force_and_config_checks_it(kg):
+    kg.config(resources={"mode": "sampling", "interval": "1s"}, max_memory="3G")
+    out = kg.run("doctor").stdout
+    assert "max_memory 3.0G; sampling every 1s: a task over its memory limit is stopped at the next look" in out
+    r = kg.run("config", "set", "resources.mode", "magic")
+    assert r.returncode == 2 and "resources.mode" in r.stderr and "Traceback" not in r.stderr
+    r = kg.run("config", "set", "max_memory", "lots")
+    assert r.returncode == 2 and "is not a size" in r.stderr
+    if cgroups_here():
+        kg.ok("config", "set", "resources.mode", "auto")
+        assert "cgroup mode (v1): the kernel bounds each task" in kg.run("doctor").stdout
+
+
+def test_metrics_show_each_running_tasks_use_and_the_memory_budget(kg):
+    pytest.importorskip("prometheus_client", reason="the `metrics` extra is not installed")
+    from test_metrics import endpoint, scrape, value
+
+    kg.config(max_memory="2G", metrics={"listen": "127.0.0.1:0"}, resources={"mode": "sampling", "interval": "0.1s"})
+    kg.ok("serve", "--detach")
+    url = endpoint(kg)
+    kg.ok("delegate", "m", "--source", "pm", "--memory", "200M", "--", *hog(kg, "m", 40, 30))
+    wait_for(lambda: grown(kg, "m") >= 40, 10, "the hog to grow")
+    labels = {"task": "1", "source": "pm", "agent": ""}
+    samples = wait_for(lambda: (s := scrape(url)) and (value(s, "kugetsu_task_memory_bytes", **labels) or 0) > 35 * M
+                       and s, 10, "the page to show its memory")
+    assert value(samples, "kugetsu_task_memory_peak_bytes", **labels) >= value(samples, "kugetsu_task_memory_bytes", **labels)
+    assert value(samples, "kugetsu_task_processes", **labels) >= 1
+    assert value(samples, "kugetsu_memory_declared_bytes") == 200 * M
+    assert value(samples, "kugetsu_max_memory_bytes") == 2 * 1024 * M
+    kg.ok("cancel", "m")
+    samples = wait_for(lambda: (s := scrape(url)) and value(s, "kugetsu_task_memory_bytes", **labels) is None and s,
+                       10, "a task that ended to leave the page")
+    assert value(samples, "kugetsu_memory_declared_bytes") == 0
+
+
+async def test_the_dashboard_shows_declared_and_measured_memory(kg):
+    import asyncio
+
+    from dashboard_data import until
+
+    from kugetsu.tui.app import make_app
+
+    kg.config(max_memory="1G", resources={"mode": "sampling", "interval": "0.1s"})
+    app = make_app(kg.home, cwd=str(kg.home.root.parent))
+    async with app.run_test() as pilot:
+        await asyncio.to_thread(kg.ok, "delegate", "m", "--memory", "300M", "--", *hog(kg, "m", 40, 30))
+        await until(pilot, lambda: app.running.keys == ["1"], timeout=10, what="the task in Running")
+        await until(pilot, lambda: "(peak " in str(app.output.border_title), timeout=10, what="its memory in the title")
+        assert "of 300.0M" in str(app.output.border_title)
+        await until(pilot, lambda: "memory 300.0M of 1.0G declared · using " in str(app.summary.render()), timeout=10,
+                    what="the memory in the summary")
+        await asyncio.to_thread(kg.ok, "cancel", "m")
+        await until(pilot, lambda: "1" in app.finished.keys, timeout=10, what="the task in Finished")
+        await until(pilot, lambda: "· peak " in str(app.output.border_title), timeout=10, what="its peak, once final")
+
+
+@pytest.mark.skipif(not cgroups_here(), reason="needs root and cgroup v1 memory and pids controllers")
+def test_cgroup_mode_counts_a_process_that_dropped_the_tasks_token(kg):
+    """`env -i` clears the environment (the token with it): sampling cannot tell the process
+    is the task's, its cgroup can."""
+    kg.config(resources={"mode": "cgroup", "interval": "0.1s"})
+    kg.ok("delegate", "m", "--memory", "300M", "--", "env", "-i", *hog(kg, "m", 40, 30))
+    wait_for(lambda: grown(kg, "m") >= 40, 10, "the hog to grow")
+    wait_for(lambda: (kg.task("m").get("rss") or 0) > 35 * M, 10, "its memory to be counted")
+    kg.ok("cancel", "m")
+
+
+# ---- the rule, pure ----------------------------------------------------------------------------
+
+
+def test_over_limits_stops_with_the_reason_and_never_a_retry_for_its_last_runs_figures():
+    from conftest import T0
+    from kugetsu import pm
+    from kugetsu.config import Config
+    from kugetsu.models import Index
+
+    cfg = Config(kill_grace="5s")
+    index = Index()
+    task, _ = pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], memory=100 * M, max_procs=20,
+                                                  retries=1))
+    pm.settle(index, cfg, T0)
+    seen = pm.Measured(task=task.id, memory=110 * M, peak=120 * M, cpu=1.5, procs=3)
+    assert pm.over_limits(index, cfg, T0, [seen]) == [task]
+    assert task.reason == "memory limit 100.0M exceeded (peak 120.0M)" and task.peak_memory == 120 * M
+    assert task.kill_at is not None and (task.kill_at - T0).total_seconds() == 5
+    assert pm.over_limits(index, cfg, T0, [seen]) == []  # once: it is being stopped
+    pm.conclude(index, cfg, task, T0, 137)
+    pm.settle(index, cfg, T0)
+    assert task.attempt == 2 and task.stop is None  # retried
+    assert pm.over_limits(index, cfg, T0, [seen]) == []  # a figure of its first run
+    storm = pm.Measured(task=task.id, memory=M, peak=M, cpu=0.1, procs=20, forks_refused=7, attempt=2)
+    assert pm.over_limits(index, cfg, T0, [storm]) == [task]
+    assert task.reason == "process limit 20 exceeded (20 processes, 7 forks refused)"
+
+
+def test_pressure_is_part_of_the_same_check():
+    """The resource guard's readings fold into Board.fits: the guard holds every start, and a
+    task that declares more memory than is available waits for it, by name."""
+    from conftest import T0
+    from kugetsu import pm
+    from kugetsu.config import Config
+    from kugetsu.models import Index
+
+    G = 1024 * M
+    import msgspec
+
+    cfg = msgspec.convert({"max_memory": "100G", "resource_guard": {"min_available_memory": "100M"}}, Config)
+    index = Index()
+    big, _ = pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], memory=8 * G))
+    small, _ = pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], memory=G))
+    tight = pm.Resources(available_memory=4 * G, load_per_cpu=0.1)
+    assert pm.plan_starts(index, cfg, T0, tight) == []  # the big one is next, and nothing passes it
+    assert pm.waiting_for(index, cfg, T0, tight) == {big.id: "memory (4.0G available, it needs 8.0G)"}
+    assert pm.waiting_for_one(index, cfg, T0, big, tight) == "memory (4.0G available, it needs 8.0G)"
+    held = pm.Resources(available_memory=50 * M, load_per_cpu=0.1)
+    assert pm.waiting_for(index, cfg, T0, held)[small.id].startswith("held: 50 MiB available")
+    assert [t.id for t in pm.plan_starts(index, cfg, T0, pm.Resources(available_memory=20 * G))] == [big.id, small.id]
+
+
+def test_cgroup_v2_delegated_subtree_is_found_and_written_as_v2_wants(tmp_path):
+    """No cgroup v2 with memory and pids on these machines: the v2 paths are proved on a copy
+    of its files (what the kernel shows and what kugetsu writes), the v1 path above for real."""
+    home = Home(tmp_path / "home")
+    root = tmp_path / "cgroup"  # a v2-only machine: the hierarchy at the root
+    own = root / "system.slice" / "kugetsu.service"
+    own.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu io memory pids\n")
+    (own / "cgroup.subtree_control").write_text("memory pids\n")
+    base = usage.cgroup_base(home, root, own="0::/system.slice/kugetsu.service\n")
+    assert base is not None and base.v2 and base.memory == base.pids == own / f"kugetsu-{home.key}"
+    base.memory.mkdir()
+    (base.memory / "cgroup.subtree_control").write_text("")
+    groups = usage.make_groups(base, 7, 2, 64 * M, 20)
+    assert (base.memory / "cgroup.subtree_control").read_text() == "+memory +pids"
+    assert (groups.memory / "memory.max").read_text() == str(64 * M)
+    assert (groups.memory / "memory.swap.max").read_text() == "0"
+    assert (groups.pids / "pids.max").read_text() == "20"
+    assert groups.procs_files() == f"{groups.memory}/cgroup.procs"  # one hierarchy: joined once
+    (groups.memory / "memory.events").write_text("low 0\nhigh 0\nmax 12\noom 1\noom_kill 1\n")
+    (groups.memory / "pids.events").write_text("max 3\n")
+    (groups.memory / "memory.peak").write_text(str(65 * M))
+    assert groups.read() == (1, 3, 65 * M)
+    assert usage.groups_of(base, 7, 2) == groups
+    for f in groups.memory.iterdir():
+        f.unlink()
+    assert usage.remove_finished(base, {}, 8) == 0 and not groups.memory.exists()
+    # Not delegated (memory and pids not enabled for its children): no cgroup mode.
+    (own / "cgroup.subtree_control").write_text("cpu\n")
+    assert usage.cgroup_base(home, root, own="0::/system.slice/kugetsu.service\n") is None
+    # A hybrid machine: v1 controllers first, v2 under `unified` otherwise.
+    hybrid = tmp_path / "hybrid"
+    (hybrid / "unified" / "me").mkdir(parents=True)
+    (hybrid / "unified" / "cgroup.controllers").write_text("memory pids\n")
+    (hybrid / "unified" / "me" / "cgroup.subtree_control").write_text("memory pids\n")
+    found = usage.cgroup_base(home, hybrid, own="4:memory:/x\n0::/me\n")  # v1 memory, but no v1 pids
+    assert found is not None and found.v2 and found.memory.parent == hybrid / "unified" / "me"
