@@ -12,8 +12,10 @@ import sys
 
 from conftest import Kugetsu, wait_for
 
-# Writes the argv element it was given, byte for byte, to rec/<name>.prompt.
-RECORDER = "import sys; open(sys.argv[2], 'w', encoding='utf-8', newline='').write(sys.argv[1])"
+# Writes the argv element it was given, byte for byte, to rec/<name>.prompt (whole: through a
+# rename, so that a reader never sees the file half written).
+RECORDER = ("import os, sys; open(sys.argv[2] + '.new', 'w', encoding='utf-8', newline='').write(sys.argv[1]);"
+            " os.replace(sys.argv[2] + '.new', sys.argv[2])")
 
 
 def recorder(kg: Kugetsu) -> dict:
