@@ -64,6 +64,14 @@ def _delegate_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--retries", metavar="N", type=_positive_int, default=0,
                    help="run it again, as the same task, up to N times when it fails or is lost")
     d.add_argument("--retry-delay", metavar="DUR", type=_duration, help="wait DUR before each retry")
+    _start_args(d)
+
+
+def _start_args(p: argparse.ArgumentParser) -> None:
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--at", metavar="TIME", help="start no earlier than TIME (02:00, 3pm, ISO 8601; the next one"
+                      " to come); until then it waits in the queue, keeping its place")
+    when.add_argument("--delay", metavar="DUR", type=_duration, help="start no earlier than DUR from now (30m, 2h)")
 
 
 def _hold_args(h: argparse.ArgumentParser) -> None:
@@ -127,6 +135,7 @@ def _edit_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--expire-after", metavar="DUR", type=_duration, help="expire if still queued DUR from now")
     e.add_argument("--timeout", metavar="DUR", type=_duration, help="stop the agent after running DUR")
     e.add_argument("--group", metavar="NAME", help="run in this pool (config `groups`)")
+    _start_args(e)
     e.add_argument("--json", action="store_true", help="print the task object")
 
 
@@ -367,7 +376,7 @@ def _fix(err: KugetsuError) -> str:
 
 _STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value",
                    "bind", "host", "url", "dir")
-_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines", "since", "retry_delay", "until")
+_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines", "since", "retry_delay", "until", "at", "delay")
 
 
 def _undo_dashdash(args: argparse.Namespace) -> None:
@@ -405,6 +414,7 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         after=_after_refs(args.after),
         retries=args.retries,
         retry_delay=args.retry_delay,
+        start_at=ops.start_time(args.at, args.delay),
     )
     if pm.unused_prompt(req):
         print("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"
@@ -447,10 +457,11 @@ def _read_prompt(args: argparse.Namespace) -> str | None:
 
 def cmd_edit(home: Home, args: argparse.Namespace) -> int:
     change = pm.Edit(prompt=_read_prompt(args), priority=args.priority, expire_after=args.expire_after,
-                     timeout=args.timeout, group=args.group)
-    if all(v is None for v in (change.prompt, change.priority, change.expire_after, change.timeout, change.group)):
-        raise UsageError("nothing to change: give --prompt, --prompt-file, --priority, --expire-after, --timeout"
-                         " or --group")
+                     timeout=args.timeout, group=args.group, start_at=ops.start_time(args.at, args.delay))
+    if all(v is None for v in (change.prompt, change.priority, change.expire_after, change.timeout, change.group,
+                               change.start_at)):
+        raise UsageError("nothing to change: give --prompt, --prompt-file, --priority, --expire-after, --timeout,"
+                         " --group, --at or --delay")
     task, position, changed = ops.edit(home, args.task, change)
     if args.priority:
         _priority_ignored(load_config(home).strategy, args.priority)
@@ -596,7 +607,7 @@ def cmd_status(home: Home, args: argparse.Namespace) -> int:
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
     task = pm.find(index, args.task)
-    obj = ops.task_json(task, pm.position(index, cfg, ops.now(), task), cluster_host(cfg))
+    obj = ops.status_json(index, cfg, task)
     if args.json:
         print(to_json(obj))
     else:

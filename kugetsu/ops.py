@@ -10,7 +10,7 @@ import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,6 +79,23 @@ class Admission(msgspec.Struct):
     max_agents: int
     queued: int
     waiting_for: str | None = None  # why it waits when not simply behind others (pm.waiting_for)
+
+
+def start_time(at: str | None, delay: float | None, flag: str = "--at") -> datetime | None:
+    """`--at TIME` or `--delay DUR` (delegate, edit, a schedule's task; MCP's at/delay) as the
+    moment it may start; None: neither given. TIME is read as `hold --until` reads it."""
+    if at is not None and delay is not None:
+        raise UsageError(f"give {flag} or {flag.replace('at', 'delay')}, not both")
+    if delay is not None:
+        return now() + timedelta(seconds=delay)
+    if at is None:
+        return None
+    from kugetsu import limits
+
+    when = limits.parse_until(at, now())
+    if when is None:
+        raise UsageError(f"{flag} {at!r} is neither a time (02:00, 3pm, 2026-11-23T15:00Z) nor a duration (30m, 2h)")
+    return when
 
 
 def delegate(home: Home, cfg: Config, req: pm.Request) -> Admission:
@@ -641,6 +658,16 @@ def public_tasks(tasks: list[Task], positions: list[int | None] | None = None, h
 def task_json(task: Task, position: int | None, here: str | None = None) -> dict[str, Any]:
     """The public task object of docs/architecture.md §5, as plain JSON values."""
     return tasks_json([task], [position], here)[0]
+
+
+def status_json(index: Index, cfg: Config, task: Task) -> dict[str, Any]:
+    """`status`: the task object, and for a queued task why it waits (`starts at 02:00`), as
+    `queue --json` says it."""
+    now_ = now()
+    obj = task_json(task, pm.position(index, cfg, now_, task), cluster_host(cfg))
+    if task.state is TaskState.QUEUED:
+        obj["waiting_for"] = pm.waiting_for_one(index, cfg, now_, task, measure(cfg))
+    return obj
 
 
 def tasks_json(tasks: list[Task], positions: list[int | None] | None = None, here: str | None = None) -> list[dict[str, Any]]:

@@ -304,6 +304,9 @@ class Request(msgspec.Struct, kw_only=True):
     retries: int = 0  # failed or lost runs run again, as the same task
     retry_delay: float | None = None  # seconds between a failed run and the next
     retry_of: int | None = None  # `kugetsu retry`: the finished task this one runs again
+    # `delegate --at/--delay`: it waits in the queue until then (Task.not_before), then
+    # competes like any other; its queue expiry counts from then. Past or None: at once.
+    start_at: datetime | None = None
     env: dict[str, str] = {}
     # Worktree isolation: None lets the agent preset and config decide (ops does); ops then
     # fills `repo` (the repository's top level) and `base`, which pm records on the task.
@@ -471,6 +474,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     task_id = index.next_id
     name = req.name or f"task-{task_id}"
     expire_after = req.expire_after if req.expire_after is not None else cfg.queue_timeout_s
+    start_at = req.start_at if req.start_at is not None and req.start_at > now else None
     timeout = req.timeout if req.timeout is not None else cfg.run_timeout_s
     if not req.command and req.prompt_path is None and any("{prompt_file}" in a for a in template):
         raise ValueError("a {prompt_file} preset needs Request.prompt_path (ops.delegate sets it)")
@@ -487,7 +491,8 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         command=command,
         cwd=req.cwd,
         created_at=now,
-        expires_at=now + timedelta(seconds=expire_after) if expire_after else None,
+        expires_at=(start_at or now) + timedelta(seconds=expire_after) if expire_after else None,
+        not_before=start_at,
         prompt=req.prompt,
         timeout=timeout,
         env=env,
@@ -567,6 +572,7 @@ class Edit(msgspec.Struct, kw_only=True):
     timeout: float | None = None  # run timeout in seconds; 0: no limit
     group: str | None = None
     prompt_path: str | None = None  # where a {prompt_file} preset's prompt is (ops knows; pm does no I/O)
+    start_at: datetime | None = None  # `edit --at/--delay`: when it may start (now or past: at once)
 
 
 def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> list[Event]:
@@ -609,6 +615,16 @@ def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> 
     if change.timeout is not None and (change.timeout or None) != task.timeout:
         task.timeout = change.timeout or None
         changed["timeout"] = task.timeout
+    if change.start_at is not None:
+        start = change.start_at if change.start_at > now else None
+        if start != task.not_before:
+            # Its queue expiry moves with its start (it counts from then, as at admission),
+            # unless an expiry was given in this same edit.
+            if task.expires_at is not None and change.expire_after is None:
+                task.expires_at += (start or now) - max(task.not_before or now, now)
+                changed["expires_at"] = task.expires_at.isoformat()
+            task.not_before = start
+            changed["not_before"] = start.isoformat() if start else None
     if not changed:
         return []
     return [_event("edited", task, now, key=",".join(changed), value=changed)]

@@ -5,9 +5,9 @@ tasks start now (pm.plan_starts), and positions come from playing it forward on 
 the state (`Board.drain`) with slots freeing one at a time and nothing new arriving. So a
 position is the truth for every strategy and limit: there is no second ordering to drift.
 
-A Board groups queued tasks into lanes by (source, group, agent preset, retry time): every
+A Board groups queued tasks into lanes by (source, group, agent preset, start time): every
 limit applies to a whole source, group or preset (its max_agents, a hold on its provider),
-and a retry's delay to that task alone, so within a lane only the head can be next, and a
+and a start time (a retry's delay, `delegate --at`) to that task alone, so within a lane only the head can be next, and a
 pick looks at one task per lane instead of the whole queue.
 """
 
@@ -22,7 +22,9 @@ import msgspec
 from kugetsu.config import Config, format_duration, format_size
 from kugetsu.models import PRIORITIES, Index, Task
 
-Lane = tuple[str, str | None, str | None, datetime | None]  # source, group, agent, not_before
+# source, group, agent, not_before, and whether that wait is a start time asked for
+# (`delegate --at`, a task that never ran) rather than a retry's delay: only the words differ.
+Lane = tuple[str, str | None, str | None, datetime | None, bool]
 
 RANK = {p: i for i, p in enumerate(PRIORITIES)}
 NEVER = -1  # the start counter of a source that never started: oldest of all under `fair`
@@ -131,7 +133,8 @@ class Board:
         self.lanes = {k: deque(sorted(v, key=lambda kt: kt[0])) for k, v in queued.items()}
 
     def lane_of(self, task: Task) -> Lane:
-        return (task.source, self.group_of(task), task.agent, task.not_before)
+        return (task.source, self.group_of(task), task.agent, task.not_before,
+                task.not_before is not None and not task.attempts)
 
     def held_until(self, agent: str | None) -> datetime | None:
         """The end of a hold on this preset that holds it now (datetime.max: by hand, no end)."""
@@ -148,7 +151,8 @@ class Board:
 
     # ---- the rules --------------------------------------------------------------------
 
-    def free(self, source: str, group: str | None, agent: str | None = None, not_before: datetime | None = None) -> bool:
+    def free(self, source: str, group: str | None, agent: str | None = None, not_before: datetime | None = None,
+             asked: bool = False) -> bool:
         """May a task of this lane start now, given a free global slot? (`why` in words.)"""
         if self.source_limit is not None and self.by_source[source] >= self.source_limit:
             return False
@@ -163,7 +167,8 @@ class Board:
             return False
         return group is None or self.by_group[group] < self.caps[group]
 
-    def why(self, source: str, group: str | None, agent: str | None = None, not_before: datetime | None = None) -> str | None:
+    def why(self, source: str, group: str | None, agent: str | None = None, not_before: datetime | None = None,
+            asked: bool = False) -> str | None:
         """Why a task of this lane may not start now even with a free global slot, or None."""
         until = self.held_until(agent)
         if until is not None:
@@ -172,7 +177,7 @@ class Board:
         if agent is not None and agent in self.agent_caps and self.by_agent[agent] >= self.agent_caps[agent]:
             return f"agent {agent} full ({self.by_agent[agent]}/{self.agent_caps[agent]} running)"
         if not_before is not None and not_before > self.now:
-            return f"retry at {clock(not_before, self.now)}"
+            return f"{'starts' if asked else 'retry'} at {clock(not_before, self.now)}"
         limit = self.source_limit
         if limit is not None and self.by_source[source] >= limit:
             return f"source {source} has {self.by_source[source]} running (limit {limit})"
@@ -250,7 +255,7 @@ class Board:
         """The earliest moment a rate limit, a hold on a preset or a retry's delay that holds
         a queued task runs out."""
         times = []
-        for source, _, agent, not_before in self.lanes:
+        for source, _, agent, not_before, _ in self.lanes:
             if self.interval is not None and source in self.ready and self.ready[source] > self.now:
                 times.append(self.ready[source])
             hold = self.holds.get(agent) if agent is not None else None

@@ -66,7 +66,10 @@ class TaskOut(BaseModel):
     retries: int = Field(0, description="failed or lost runs run again (delegate --retries)")
     retry_delay: OptFloat = Field(None, description="seconds between a failed run and its retry")
     retry_of: OptInt = Field(None, description="the finished task this one runs again (`kugetsu retry`)")
-    not_before: OptStr = Field(None, description="a retry waits for its delay: it starts no earlier")
+    not_before: OptStr = Field(None, description="it starts no earlier: a retry's delay, or the time asked"
+                               " (delegate at/delay)")
+    waiting_for: OptStr = Field(None, description="while queued: why it waits when not simply behind others"
+                                " (starts at 02:00, a source or group limit, ...)")
     session: OptStr = Field(None, description="the agent's session id, read from its output (it resumes it)")
     depth: int = Field(0, description="tasks above it: 0 when delegated from outside any task, 1 when a task's agent"
                        " delegated it, ...")
@@ -98,7 +101,8 @@ class AttemptOut(BaseModel):
 
 class QueuedTaskOut(TaskOut):
     waiting_for: OptStr = Field(
-        description="why it waits when it is not simply behind others (a source or group limit, a rate limit, ...)")
+        description="why it waits when it is not simply behind others (starts at 02:00, a source or group limit, a"
+                    " rate limit, ...)")
 
 
 class CapacityOut(BaseModel):

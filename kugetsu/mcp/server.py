@@ -301,6 +301,10 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
                                       " times when it fails or is lost (not when cancelled)")] = 0,
         retry_delay: Annotated[str | float | None, Field(description="wait this long before each retry (90s,"
                                                          " 15m or seconds)")] = None,
+        at: Annotated[str | None, Field(description="start no earlier than this time (02:00, 3pm, ISO 8601: the"
+                                        " next one to come); it waits in the queue until then")] = None,
+        delay: Annotated[str | float | None, Field(description="start no earlier than this long from now (30m, 2h"
+                                                   " or seconds)")] = None,
     ) -> Annotated[CallToolResult, DelegateOut]:
         """Hand one piece of work (one issue) to a worker agent. kugetsu starts it at once in a
         free slot or queues it, and says which: "started NAME (#ID), slot 2/3" or "queued NAME
@@ -316,7 +320,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             cwd=os.path.abspath(cwd or os.getcwd()), name=name, command=command, prompt=prompt, agent=agent,
             source=source, priority=priority, group=group, expire_after=_duration(expire_after, "expire_after"),
             timeout=_duration(timeout, "timeout"), worktree=worktree, base=base, retries=retries,
-            retry_delay=_duration(retry_delay, "retry_delay"),
+            retry_delay=_duration(retry_delay, "retry_delay"), start_at=ops.start_time(at, _duration(delay, "delay"), "at"),
         )
         try:
             adm = await admitter.admit(req)
@@ -359,7 +363,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         branch."""
         cfg, index = ops.read(home)
         control.ensure_service(home, cfg, index)
-        obj = _task_json(cfg, index, pm.find(index, task))
+        obj = ops.status_json(index, cfg, pm.find(index, task))
         return _text(render.task_lines(obj), obj)
 
     @server.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=False, open_world_hint=False))
