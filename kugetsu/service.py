@@ -3,13 +3,14 @@
 This module holds its lifecycle and its executor: each tick gathers what happened
 (observations), asks pm.tick what to do, carries out the plan and commits, in one store
 transaction. It spawns agents as slots free and learns of their exit at once, records the
-result and promotes the next task in the same transaction. One loop timer wakes it at the
+result and promotes the next task in the same transaction. One APScheduler job wakes it at the
 earliest of everything that happens at a time (queue expiry, run timeouts, SIGKILL after
-the grace, policy wake-ups), another for a periodic reconcile; the CLI wakes it through a
+the grace, policy wake-ups), others fire the recurring schedules, a loop timer runs a
+periodic reconcile; the CLI wakes it through a
 Unix datagram socket after each transaction. What to do is always decided by pm.
 
 Its parts: processes.py (spawned, warm and adopted wrappers), exits.py (exit watching and
-leftovers), worktree_worker.py (git in a worker thread), deadlines.py (the one timer),
+leftovers), worktree_worker.py (git in a worker thread), deadlines.py (APScheduler: deadlines, schedules),
 wakeup.py (the socket), control.py (the single-instance lock, start/stop from outside).
 """
 
@@ -28,7 +29,7 @@ import msgspec
 
 from kugetsu import agents, control, limits, logtail, ops, placement, pm, runner
 from kugetsu.config import Config, format_size, host_name, load_config
-from kugetsu.deadlines import DeadlineTimer
+from kugetsu.deadlines import DeadlineTimer, new_scheduler
 from kugetsu.errors import DiskFull, KugetsuError, Unreachable
 from kugetsu.exits import Ending, Exits
 from kugetsu.models import Event, Index, Task
@@ -102,7 +103,9 @@ class Service:
         self._stopping = asyncio.Event()
         wakeup = WakeSocket(self.home, self.loop, self.request_tick, self.stop)
         wakeup.open()
-        self.timer = DeadlineTimer(self.loop, self._on_deadline)
+        self.scheduler = new_scheduler()
+        self.scheduler.start()
+        self.timer = DeadlineTimer(self.scheduler, self._on_deadline)
         self._reconcile_handle = self.loop.call_later(RECONCILE_EVERY, self._reconcile)
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self._stopping.set)
@@ -128,6 +131,7 @@ class Service:
             if self._log_check is not None:
                 self._log_check.cancel()
             self.timer.cancel()
+            self.scheduler.shutdown(wait=False)
             self.worktrees.shutdown()
             self.procs.close()
             self.exits.close()
@@ -613,7 +617,7 @@ class Service:
     # ---- watching processes and deadlines --------------------------------------------
 
     def _sync_jobs(self) -> None:
-        """Set the one deadline timer (deadlines.py) at the earliest moment anything falls due:
+        """Set the deadline job (deadlines.py) at the earliest moment anything falls due:
         pm's deadlines (expiry, run timeouts, SIGKILL after the grace) and the policies'."""
         now = ops.now()
         self.jobs = pm.policy_wakeups(self.index, self.cfg, now, ops.measure(self.cfg), self.jobs)
