@@ -182,6 +182,26 @@ def _worktrees_args(wts: argparse.ArgumentParser) -> None:
     wp.add_argument("--json", action="store_true")
 
 
+def _schedule_args(sc: argparse.ArgumentParser) -> None:
+    ssub = sc.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=_Parser)
+    add = ssub.add_parser("add", help="a schedule: each firing delegates a task NAME-YYYYmmdd-HHMMSS")
+    _delegate_args(add)
+    add.usage = 'kugetsu schedule add NAME (--cron "0 2 * * 1-5" | --every 6h) [--tz ZONE] [delegate\'s options] [-- CMD...]'
+    when = add.add_mutually_exclusive_group(required=True)
+    when.add_argument("--cron", metavar="LINE", help="a crontab line: minute hour day month weekday (0,7 = Sunday),"
+                      " or 6 fields with seconds first")
+    when.add_argument("--every", metavar="DUR", type=_duration, help="every DUR (30m, 6h), counted from now")
+    add.add_argument("--tz", metavar="ZONE", help="--cron in this IANA zone (Europe/Paris); default: this machine's")
+    add.add_argument("--overlap", action="store_true", help="fire even while its last task is still queued or running")
+    ls = ssub.add_parser("list", help="every schedule, its next firing, its last task and how it ended")
+    ls.add_argument("--json", action="store_true")
+    for action, what in (("pause", "stop firing until resume"), ("resume", "fire again"),
+                         ("remove", "delete it (its tasks stay)"), ("run", "fire it now, once")):
+        one = ssub.add_parser(action, help=what)
+        one.add_argument("name", metavar="NAME")
+        one.add_argument("--json", action="store_true")
+
+
 def _telegram_args(tg: argparse.ArgumentParser) -> None:
     tgsub = tg.add_subparsers(dest="action", metavar="ACTION", required=True)
     tgsub.add_parser("check", help="validate the token (getMe) and send a test message to each notify chat")
@@ -280,7 +300,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
-    if argv and argv[0] == "delegate" and "--" in argv:
+    if argv and argv[0] in ("delegate", "schedule") and "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
     args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
@@ -396,26 +416,7 @@ def _undo_dashdash(args: argparse.Namespace) -> None:
 
 def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     cfg = load_config(home)
-    prompt = _read_prompt(args)
-    req = pm.Request(
-        cwd=os.path.abspath(args.cwd or os.getcwd()),
-        name=args.name,
-        command=args.argv_command or None,
-        prompt=prompt,
-        agent=args.agent,
-        source=args.source,
-        priority=args.priority,
-        group=args.group,
-        expire_after=args.expire_after,
-        timeout=args.timeout,
-        worktree=args.worktree,
-        base=args.base,
-        pinned_host=args.host,
-        after=_after_refs(args.after),
-        retries=args.retries,
-        retry_delay=args.retry_delay,
-        start_at=ops.start_time(args.at, args.delay),
-    )
+    req = _request(args)
     if pm.unused_prompt(req):
         print("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"
               " in its arguments, or drop the command to run the agent preset)", file=sys.stderr)
@@ -436,6 +437,30 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(ops.task_json(adm.task, adm.position)))
     return OK
+
+
+def _request(args: argparse.Namespace) -> pm.Request:
+    """delegate's options as a request (delegate, schedule add)."""
+    prompt = _read_prompt(args)
+    return pm.Request(
+        cwd=os.path.abspath(args.cwd or os.getcwd()),
+        name=args.name,
+        command=args.argv_command or None,
+        prompt=prompt,
+        agent=args.agent,
+        source=args.source,
+        priority=args.priority,
+        group=args.group,
+        expire_after=args.expire_after,
+        timeout=args.timeout,
+        worktree=args.worktree,
+        base=args.base,
+        pinned_host=args.host,
+        after=_after_refs(args.after),
+        retries=args.retries,
+        retry_delay=args.retry_delay,
+        start_at=ops.start_time(getattr(args, "at", None), getattr(args, "delay", None)),
+    )
 
 
 def _read_prompt(args: argparse.Namespace) -> str | None:
@@ -1121,6 +1146,41 @@ def cmd_demo(home: Home, args: argparse.Namespace) -> int:
     return run_demo()
 
 
+def cmd_schedule(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu import render
+
+    if args.action == "list":
+        cfg, index = _read(home)
+        rows = ops.schedules_json(cfg, index)
+        print(to_json(rows) if args.json else render.schedules_table(rows, ops.now()))
+        return OK
+    if args.action == "add":
+        for flag, given in (("--wait", args.wait), ("--at", args.at), ("--delay", args.delay)):
+            if given:
+                raise UsageError(f"{flag} is not for a schedule: its firings start its tasks")
+        cfg = load_config(home)
+        if args.source == "cli":  # not given: its tasks say where they come from
+            args.source = f"schedule:{args.name}"
+        sched = ops.schedule_add(home, cfg, args.name or "", cron=args.cron, every=args.every, tz=args.tz,
+                                 req=_request(args), overlap=args.overlap)
+        row = next(r for r in ops.schedules_json(cfg, ops.read(home)[1]) if r["name"] == sched.name)
+        print(to_json(row) if args.json else f"added schedule {sched.name}, next firing {render.when(row['next_fire'], ops.now())}")
+        return OK
+    if args.action == "run":
+        firing = ops.fire_schedule(home, args.name)
+        assert firing is not None  # by hand: always recorded
+        if args.json:
+            print(to_json({"note": firing.note, "task": ops.task_json(firing.task, firing.admission.position)
+                           if firing.task and firing.admission else None}))
+        else:
+            _say(f"{args.name}: {firing.note}")
+        return OK if firing.task is not None else FAILURE
+    events = ops.schedule_change(home, args.name, args.action)
+    past = {"pause": "paused", "resume": "resumed", "remove": "removed"}[args.action]
+    _say(f"{past} schedule {args.name}" if events else f"schedule {args.name} was already {past}")
+    return OK
+
+
 def cmd_hold(home: Home, args: argparse.Namespace) -> int:
     from kugetsu import limits
 
@@ -1190,4 +1250,6 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "hold": ("hold an agent preset: its queued tasks wait (until a time, or release)", _hold_args, cmd_hold),
     "release": ("release a held agent preset: its tasks may start at once", _release_args, cmd_release),
     "retry": ("admit a finished task again, as a new task linked to it (retry_of)", _retry_args, cmd_retry),
+    "schedule": ("recurring work: add (cron or every), list, pause, resume, remove, run now", _schedule_args,
+                 cmd_schedule),
 }

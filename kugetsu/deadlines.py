@@ -35,13 +35,15 @@ other commands never load APScheduler.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
-from typing import Any
 
-from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_EXECUTED, EVENT_JOB_MAX_INSTANCES, JobEvent
+from apscheduler.events import (EVENT_JOB_ERROR, EVENT_JOB_EXECUTED, EVENT_JOB_MAX_INSTANCES, EVENT_JOB_SUBMITTED,
+                                JobEvent, JobSubmissionEvent)
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.date import DateTrigger
+
+from kugetsu.models import Schedule
 
 log = logging.getLogger("kugetsu.deadlines")
 
@@ -51,7 +53,9 @@ JOB_DEFAULTS = {"misfire_grace_time": None, "coalesce": True, "max_instances": 1
 
 def new_scheduler() -> AsyncIOScheduler:
     """The service's scheduler: in UTC (deadlines are UTC; a schedule's trigger carries its
-    own zone), with the job defaults above. Started on the running loop by the caller."""
+    own zone), with the job defaults above. Started on the running loop by the caller.
+    APScheduler logs each run at INFO (two lines per deadline): only its warnings are kept."""
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
     return AsyncIOScheduler(timezone=timezone.utc, job_defaults=dict(JOB_DEFAULTS))
 
 
@@ -102,11 +106,51 @@ class DeadlineTimer:
         self._arm()
 
 
-def job_ids(scheduler: AsyncIOScheduler, prefix: str) -> set[str]:
-    return {job.id for job in scheduler.get_jobs() if job.id.startswith(prefix)}
+PREFIX = "schedule:"
 
 
-def add_recurring(scheduler: AsyncIOScheduler, job_id: str, trigger: Any, func: Callable[..., Any],
-                  args: tuple[Any, ...] = ()) -> None:
-    """A schedule's job: replaced whole when it changes (fixed id, replace_existing)."""
-    scheduler.add_job(func, trigger, args=args, id=job_id, replace_existing=True, name=job_id, **JOB_DEFAULTS)
+class ScheduleJobs:
+    """One job per recurring schedule (`schedule:NAME`), kept in line with the index after
+    every tick (`sync`): added, replaced when its rule changes, removed when it is paused or
+    gone. A schedule's firings missed while the service was down (schedules.missed) are
+    given to APScheduler as the job's first run time, so its coalescing makes them one run
+    (config schedule_missed = one); with `skip` the job starts at its next firing.
+    `fire(name, at)` gets the firing's scheduled time (the last of the run times coalesced),
+    read from the EVENT_JOB_SUBMITTED event that comes just before the run."""
+
+    def __init__(self, scheduler: AsyncIOScheduler, fire: Callable[[str, datetime], Awaitable[None]]):
+        self.scheduler, self.fire = scheduler, fire
+        self.rules: dict[str, tuple[object, ...]] = {}  # name -> the rule its job was made from
+        self._submitted: dict[str, datetime] = {}
+        scheduler.add_listener(self._on_submitted, EVENT_JOB_SUBMITTED)
+
+    def sync(self, schedules: dict[str, Schedule], now: datetime, missed: str) -> None:
+        from kugetsu import schedules as rules
+
+        for name in [n for n in self.rules if n not in schedules or schedules[n].paused]:
+            del self.rules[name]
+            if self.scheduler.get_job(PREFIX + name) is not None:
+                self.scheduler.remove_job(PREFIX + name)
+        for name, sched in schedules.items():
+            rule = (sched.cron, sched.every, sched.tz, sched.created_at)
+            if sched.paused or self.rules.get(name) == rule:
+                continue
+            try:
+                trigger = rules.trigger(sched)
+            except Exception as err:  # a zone gone from this machine's tzdata: this schedule only
+                log.error("schedule %s cannot be registered: %s", name, err)
+                self.rules[name] = rule
+                continue
+            first = rules.missed(sched, now) if missed == "one" else None
+            extra = {"next_run_time": first} if first is not None else {}
+            self.scheduler.add_job(self._run, trigger, args=(name,), id=PREFIX + name, replace_existing=True,
+                                   name=PREFIX + name, **JOB_DEFAULTS, **extra)
+            self.rules[name] = rule
+
+    def _on_submitted(self, event: JobSubmissionEvent) -> None:
+        if event.job_id.startswith(PREFIX):
+            self._submitted[event.job_id] = event.scheduled_run_times[-1]
+
+    async def _run(self, name: str) -> None:
+        at = self._submitted.pop(PREFIX + name, None) or datetime.now(timezone.utc)
+        await self.fire(name, at)

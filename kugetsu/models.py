@@ -207,6 +207,30 @@ class ClockError(msgspec.Struct, kw_only=True, omit_defaults=True):
     by: str | None = None  # the command that wrote it, when known (ClockMark)
 
 
+class Schedule(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A recurring schedule (`kugetsu schedule add`, docs/scheduling.md): each firing
+    delegates `request` (a pm.Request as JSON values, without its name) as a task named after
+    the schedule and the time. In the index, so the file store and the cluster's database
+    keep it alike, and every change of it is one transaction."""
+
+    name: str
+    cron: str | None = None  # a crontab line: 5 fields, or 6 with seconds first
+    every: float | None = None  # seconds between firings (from created_at)
+    tz: str | None = None  # an IANA zone for cron (None: the service's local zone)
+    request: dict[str, object] = {}
+    created_at: Time
+    paused: bool = False
+    overlap: bool = False  # fire even while its last task is still queued or running
+    # The last firing: its scheduled time (a firing at or before it is never run again: a
+    # restart, or a second machine, cannot double it), the task it delegated, what happened.
+    last_fire: Time | None = None
+    last_task: int | None = None
+    last_note: str | None = None
+    last_at: Time | None = None  # when that happened (a firing, a skip, a refusal, `schedule run`)
+    fired: int = 0  # tasks delegated
+    skipped: int = 0  # firings that delegated nothing (overlap, a full queue, a bad request)
+
+
 class Index(msgspec.Struct, kw_only=True):
     """The whole state. `active`, `queued` and `finished` hold each task exactly once."""
 
@@ -232,6 +256,8 @@ class Index(msgspec.Struct, kw_only=True):
     # The last writer and its clock; the last clock error the service found (doctor says it).
     clock: ClockMark | None = None
     clock_error: ClockError | None = None
+    # Recurring schedules by name (kugetsu/schedules.py).
+    schedules: dict[str, Schedule] = {}
 
     def live(self) -> list[Task]:
         return self.active + self.queued

@@ -29,7 +29,7 @@ import msgspec
 
 from kugetsu import agents, control, limits, logtail, ops, placement, pm, runner
 from kugetsu.config import Config, format_size, host_name, load_config
-from kugetsu.deadlines import DeadlineTimer, new_scheduler
+from kugetsu.deadlines import DeadlineTimer, ScheduleJobs, new_scheduler
 from kugetsu.errors import DiskFull, KugetsuError, Unreachable
 from kugetsu.exits import Ending, Exits
 from kugetsu.models import Event, Index, Task
@@ -106,6 +106,7 @@ class Service:
         self.scheduler = new_scheduler()
         self.scheduler.start()
         self.timer = DeadlineTimer(self.scheduler, self._on_deadline)
+        self.schedule_jobs = ScheduleJobs(self.scheduler, self._fire_schedule)
         self._reconcile_handle = self.loop.call_later(RECONCILE_EVERY, self._reconcile)
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self._stopping.set)
@@ -623,6 +624,21 @@ class Service:
         self.jobs = pm.policy_wakeups(self.index, self.cfg, now, ops.measure(self.cfg), self.jobs)
         due = min(filter(None, [pm.next_deadline(self.index), *self.jobs.values()]), default=None)
         self.timer.set(due, now)
+        if self.index.schedules or self.schedule_jobs.rules:
+            self.schedule_jobs.sync(self.index.schedules, now, self.cfg.schedule_missed)
+
+    async def _fire_schedule(self, name: str, at: datetime) -> None:
+        """A schedule's firing (deadlines.ScheduleJobs): delegated in a worker thread (its
+        checks look at the file system and may run git), recorded on the schedule. In a
+        cluster every service has the job; the firing's transaction lets the first one through
+        and the others find it done (schedules.should_fire)."""
+        try:
+            firing = await asyncio.to_thread(ops.fire_schedule, self.home, name, at)
+        except Exception as err:
+            log.error("schedule %s: firing at %s failed: %s", name, at.isoformat(), err)
+            return
+        if firing is not None:
+            log.info("schedule %s: %s", name, firing.note)
 
     # ---- extensions (the Telegram bot) -----------------------------------------------
 

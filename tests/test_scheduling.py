@@ -9,6 +9,8 @@ import json
 import time
 from datetime import datetime
 
+import pytest
+
 from conftest import wait_for
 
 
@@ -43,3 +45,113 @@ def test_at_is_shown_everywhere_and_edit_moves_it(kg):
     bad = kg.run("delegate", "x", "--at", "soonish", "--", "true")
     assert bad.returncode == 2 and "--at 'soonish' is neither a time" in bad.stderr and "Traceback" not in bad.stderr
     assert [t["name"] for t in kg.index()["queued"]] == ["nightly"]  # nothing written
+
+
+def _starts(kg, name: str) -> list[float]:
+    """The start times the firings' agents recorded (one line each)."""
+    try:
+        return [float(x) for x in (kg.rec / name).read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _recorder(kg, name: str, seconds: float = 0) -> list[str]:
+    return ["sh", "-c", f'date +%s.%N >> "$0"; sleep {seconds}', str(kg.rec / name)]
+
+
+def _schedule(kg, name: str) -> dict:
+    return next(s for s in json.loads(kg.ok("schedule", "list", "--json")) if s["name"] == name)
+
+
+def test_every_and_cron_with_seconds_fire_on_time(kg):
+    kg.config(max_agents=4)
+    kg.ok("schedule", "add", "tick", "--every", "2s", "--", *_recorder(kg, "tick"))
+    created = _iso(_schedule(kg, "tick")["created_at"])
+    kg.ok("schedule", "add", "sec", "--cron", "*/2 * * * * *", "--tz", "UTC", "--", *_recorder(kg, "sec"))
+    kg.ok("queue")  # starts the service
+    wait_for(lambda: len(_starts(kg, "tick")) >= 3 and len(_starts(kg, "sec")) >= 3, 15, "three firings of each")
+    for start in _starts(kg, "tick"):  # every 2 s from its creation
+        late = (start - created) % 2.0
+        assert late < 0.5, (start, created, late)
+    for start in _starts(kg, "sec"):  # at even seconds of the clock
+        assert start % 2.0 < 0.5, start
+    row = _schedule(kg, "tick")
+    assert row["fired"] >= 3 and row["last_task_name"].startswith("tick-") and row["next_fire"]
+    names = [t["name"] for t in kg.index()["finished"] + kg.index()["active"] if t["name"].startswith("tick-")]
+    assert len(names) == len(set(names))
+    assert "tick" in kg.ok("schedule", "list")
+
+
+@pytest.mark.parametrize("missed", ["one", "skip"])
+def test_restart_coalesces_missed_firings_into_one_or_skips_them(kg, missed):
+    kg.config(max_agents=4, schedule_missed=missed)
+    kg.ok("schedule", "add", "r", "--every", "1s", "--", *_recorder(kg, "r"))
+    kg.ok("queue")
+    wait_for(lambda: len(_starts(kg, "r")) >= 2, 10, "two firings")
+    kg.ok("shutdown")
+    wait_for(lambda: kg.service_pid() is None, 10, "the service to stop")
+    before = len(_starts(kg, "r"))
+    down = time.time()
+    time.sleep(4.2)  # four firings missed while down
+    assert len(_starts(kg, "r")) == before
+    up = time.time()
+    kg.ok("queue")  # back up: a schedule is work, the service is started for it
+    wait_for(lambda: len(_starts(kg, "r")) > before, 10, "a firing after the restart")
+    assert _starts(kg, "r")[before] - up < 2
+    wait_for(lambda: len(_starts(kg, "r")) >= before + 3, 10, "regular firings after it")
+    # Each firing's event holds its scheduled time: of the four missed while down, one ran
+    # (the last, coalesced) or none (skip); no scheduled time ran twice.
+    tasks = [t["name"] for t in kg.index()["finished"] + kg.index()["active"] if t["name"].startswith("r-")]
+    assert len(set(tasks)) == len(tasks) == len(_starts(kg, "r"))
+    scheduled = [_iso(e["value"]) for e in kg.events("schedule") if e.get("task") and e["name"] == "r"]
+    assert len(set(scheduled)) == len(scheduled) == len(tasks)
+    missed_run = [t for t in scheduled if down < t < up]
+    assert len(missed_run) == (1 if missed == "one" else 0), (down, up, scheduled)
+
+
+def test_overlap_is_skipped_and_said(kg):
+    kg.config(max_agents=4)
+    kg.ok("schedule", "add", "long", "--every", "1s", "--", *_recorder(kg, "long", 3.5))
+    kg.ok("queue")
+    wait_for(lambda: _schedule(kg, "long")["skipped"] >= 2, 15, "firings skipped while its task runs")
+    row = _schedule(kg, "long")
+    assert "still running" in (row["last_note"] or "") or row["skipped"] >= 2
+    assert len(_starts(kg, "long")) == 1  # never two at once
+    assert "still running" in "".join(e.get("reason") or "" for e in kg.events("schedule"))
+
+
+def test_full_queue_is_recorded_on_the_schedule(kg):
+    kg.config(max_agents=1, max_queue=0)
+    kg.delegate("blocker", 30)
+    kg.ok("schedule", "add", "full", "--cron", "0 2 * * 1-5", "--", "true")
+    r = kg.run("schedule", "run", "full")
+    assert r.returncode == 1 and "not delegated: queue full" in r.stdout, r
+    row = _schedule(kg, "full")
+    assert row["last_note"].startswith("not delegated: queue full") and row["skipped"] == 1 and row["fired"] == 0
+    assert "queue full" in kg.ok("schedule", "list")
+    assert [e["reason"] for e in kg.events("schedule")][-1].startswith("not delegated: queue full")
+
+
+def test_schedule_bad_input_and_pause_resume_remove(kg):
+    kg.config(autostart=False)
+    for args, words in ((["--cron", "0 25 * * *"], "higher than the maximum"),
+                        (["--cron", "0 2 * *"], "give 5 fields"),
+                        (["--cron", "0 2 * * 1-9"], "day of week '9'"),
+                        (["--cron", "0 2 * * *", "--tz", "Mars/Base"], "unknown time zone 'Mars/Base'"),
+                        (["--every", "0.5s"], "too short"),
+                        (["--every", "1h", "--at", "02:00"], "--at is not for a schedule")):
+        r = kg.run("schedule", "add", "bad", *args, "--", "true")
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    assert kg.run("schedule", "list", "--json").stdout.strip() == "[]"  # nothing written
+    kg.ok("schedule", "add", "wk", "--cron", "0 2 * * 1-5", "--tz", "Europe/Paris", "--", "true")
+    nxt = datetime.fromisoformat(_schedule(kg, "wk")["next_fire"].replace("Z", "+00:00"))
+    from zoneinfo import ZoneInfo
+
+    local = nxt.astimezone(ZoneInfo("Europe/Paris"))
+    assert (local.hour, local.minute) == (2, 0) and local.weekday() < 5  # crontab's 1-5: Monday to Friday
+    assert "paused schedule wk" in kg.ok("schedule", "pause", "wk")
+    assert _schedule(kg, "wk")["paused"] and _schedule(kg, "wk")["next_fire"] is None
+    kg.ok("schedule", "resume", "wk")
+    assert "removed schedule wk" in kg.ok("schedule", "remove", "wk")
+    r = kg.run("schedule", "remove", "wk")
+    assert r.returncode == 1 and "no schedule 'wk'" in r.stderr
