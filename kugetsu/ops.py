@@ -661,12 +661,13 @@ def task_json(task: Task, position: int | None, here: str | None = None) -> dict
 
 
 def status_json(index: Index, cfg: Config, task: Task) -> dict[str, Any]:
-    """`status`: the task object, and for a queued task why it waits (`starts at 02:00`), as
-    `queue --json` says it."""
+    """`status`: the task object, and for a queued task that waits for more than the tasks
+    ahead of it, why (`waiting_for`: `starts at 02:00`), as `queue --json` says it."""
     now_ = now()
     obj = task_json(task, pm.position(index, cfg, now_, task), cluster_host(cfg))
-    if task.state is TaskState.QUEUED:
-        obj["waiting_for"] = pm.waiting_for_one(index, cfg, now_, task, measure(cfg))
+    why = pm.waiting_for_one(index, cfg, now_, task, measure(cfg)) if task.state is TaskState.QUEUED else None
+    if why is not None:
+        obj["waiting_for"] = why
     return obj
 
 

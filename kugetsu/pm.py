@@ -910,7 +910,9 @@ def correct_clock(index: Index, cfg: Config, now: datetime, before: Index | None
         if task.kill_at is not None and task.kill_at > ahead + grace:
             task.kill_at -= off(task.kill_at, f"{who} was to be killed at") - grace  # now + grace
         delay = timedelta(seconds=task.retry_delay or 0)
-        if task.not_before is not None and task.not_before > ahead + delay:
+        # A retry's wait is at most its delay from now; a start time asked for (`delegate
+        # --at/--delay`, a task that never ran) may lie anywhere ahead: it is the caller's.
+        if task.not_before is not None and task.attempts and task.not_before > ahead + delay:
             task.not_before -= off(task.not_before, f"{who} was to retry at") - delay  # now + delay
         for a in task.attempts:
             if a.ended_at > ahead:

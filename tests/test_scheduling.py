@@ -155,3 +155,41 @@ def test_schedule_bad_input_and_pause_resume_remove(kg):
     assert "removed schedule wk" in kg.ok("schedule", "remove", "wk")
     r = kg.run("schedule", "remove", "wk")
     assert r.returncode == 1 and "no schedule 'wk'" in r.stderr
+
+
+async def test_mcp_delegate_at_delay_and_the_schedules_tool(kg):
+    from test_mcp import connect, text
+
+    kg.config(autostart=False, max_agents=1)
+    kg.ok("schedule", "add", "nightly", "--cron", "0 2 * * 1-5", "--", "true")
+    async with connect(kg) as c:
+        r = await c.call_tool("delegate", {"name": "hold", "command": ["sleep", "30"]})
+        r = await c.call_tool("delegate", {"name": "later", "command": ["true"], "delay": "1h"})
+        assert "waiting for: starts at" in text(r) and r.structured_content["task"]["not_before"]
+        r = await c.call_tool("delegate", {"name": "both", "command": ["true"], "delay": "1h", "at": "02:00"})
+        assert r.is_error and "give at or delay, not both" in text(r)
+        r = await c.call_tool("status", {"task": "later"})
+        assert r.structured_content["waiting_for"].startswith("starts at")
+        r = await c.call_tool("schedules", {})
+        assert not r.is_error and r.structured_content["schedules"] == json.loads(kg.ok("schedule", "list", "--json"))
+        assert "nightly" in text(r) and "02:00" in text(r)
+
+
+def test_the_bot_lists_schedules_and_shows_a_start_time(kg):
+    from fakebot import FakeBotAPI
+    from test_telegram_bot import ME, bot_up, reply, setup
+
+    api = FakeBotAPI().start()
+    try:
+        setup(kg, api, max_agents=1)
+        kg.ok("schedule", "add", "nightly", "--cron", "0 2 * * 1-5", "--", "true")
+        bot_up(kg, api)
+        kg.delegate("busy", 30)
+        kg.ok("delegate", "later", "--delay", "1h", "--", "true")
+        api.message(ME, "/schedules")
+        listing = reply(api, ME, "nightly")
+        assert "cron 0 2 * * 1-5" in listing and "02:00" in listing
+        api.message(ME, "/queue")
+        assert "waiting for: starts at" in reply(api, ME, "later")
+    finally:
+        api.close()

@@ -42,6 +42,7 @@ from kugetsu.mcp.models import (
     Level,
     LogsOut,
     QueueOut,
+    SchedulesOut,
     TaskOut,
     WaitOut,
 )
@@ -476,6 +477,17 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         strategies (not under fifo); the result gives its new position."""
         changed, position = ops.set_priority(home, task, level)
         return _text(render.priority_changed(changed, position), ops.task_json(changed, position))
+
+    @server.tool(annotations=read_only)
+    @answers
+    def schedules() -> Annotated[CallToolResult, SchedulesOut]:
+        """The recurring schedules (`kugetsu schedule add`): each one's rule (cron or every),
+        when it fires next, the task its last firing delegated and how that task stands or
+        ended, and what its last firing did (skipped while its task still ran, not delegated
+        because the queue was full). Each firing delegates a task named NAME-YYYYmmdd-HHMMSS."""
+        cfg, index = ops.read(home)
+        rows = ops.schedules_json(cfg, index)
+        return _text(render.schedules_table(rows, ops.now()), {"schedules": rows})
 
     # ---- resources -----------------------------------------------------------------------
 

@@ -181,6 +181,13 @@ def tail_lines(data: bytes, count: int = 8, width: int = 300) -> str:
     return "\n".join(lines[-count:])
 
 
+def schedules(rows: list[dict[str, object]], now: datetime) -> str:
+    """/schedules: the CLI's `schedule list` table, as preformatted text."""
+    from kugetsu import render
+
+    return pre(render.schedules_table(rows, now))  # type: ignore[arg-type]
+
+
 def help_text(allow_delegate: bool) -> str:
     lines = [
         "<b>kugetsu</b>: the agent queue on this machine.",
@@ -189,6 +196,7 @@ def help_text(allow_delegate: bool) -> str:
         "/status TASK: one task in full (TASK = id or name)",
         "/capacity: slots and queue in one line",
         "/cancel TASK...: cancel queued or running tasks",
+        "/schedules: the recurring schedules, their next firing and last task",
     ]
     if allow_delegate:
         lines.append("/delegate NAME PROMPT: run the default agent on PROMPT")
@@ -202,6 +210,7 @@ COMMANDS = [
     ("capacity", "slots and queue"),
     ("cancel", "cancel tasks: /cancel TASK"),
     ("delegate", "start an agent: /delegate NAME PROMPT"),
+    ("schedules", "recurring schedules"),
     ("help", "what this bot does"),
 ]
 
