@@ -193,3 +193,24 @@ def test_the_bot_lists_schedules_and_shows_a_start_time(kg):
         assert "waiting for: starts at" in reply(api, ME, "later")
     finally:
         api.close()
+
+
+async def test_the_dashboard_shows_the_schedules(kg):
+    from dashboard_data import until
+
+    from kugetsu.tui.app import make_app
+    from kugetsu.tui.screens import SchedulesScreen
+
+    kg.config(autostart=False)
+    kg.ok("schedule", "add", "nightly", "--cron", "0 2 * * 1-5", "--", "true")
+    app = make_app(kg.home, cwd="/")
+    async with app.run_test() as pilot:
+        await pilot.press("w")
+        assert isinstance(app.screen, SchedulesScreen)
+        shown = app.screen.query_one("#schedules")
+        await until(pilot, lambda: "nightly" in str(shown.render()), what="the schedule listed")
+        assert "cron 0 2 * * 1-5" in str(shown.render())
+        kg.ok("schedule", "pause", "nightly")  # refreshed with the poll
+        await until(pilot, lambda: "paused" in str(shown.render()), what="the pause shown")
+        await pilot.press("escape")
+        assert not isinstance(app.screen, SchedulesScreen)
