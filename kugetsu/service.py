@@ -568,6 +568,25 @@ class Service:
         self.member.start()
         self.member.watch(self.store)  # type: ignore[arg-type]  (a PgStore in cluster mode)
         self.procs.host = self.exits.host = self.member.name
+        from kugetsu.cluster.member import SCHEDULER_LEASE
+
+        # The schedules fire on one machine, the lease's holder (their tasks run anywhere).
+        # One that takes the lease over registers them afresh: what fell due while no one
+        # held it is found missed, and coalesced as after a restart.
+        self.member.want(SCHEDULER_LEASE, lambda held: loop.call_soon_threadsafe(self._scheduler_lease, held),
+                         "the schedules' lease")
+
+    def _scheduler_lease(self, held: bool) -> None:
+        if held:
+            self.schedule_jobs.rules.clear()
+            self.request_tick()
+
+    def _fires_here(self) -> bool:
+        if self.member is None:
+            return True
+        from kugetsu.cluster.member import SCHEDULER_LEASE
+
+        return self.member.holds(SCHEDULER_LEASE)
 
     def _observe_cluster(self, txn: Txn, obs: pm.Observations) -> None:
         """Every machine's lease, and the directories queued tasks need that this machine
@@ -630,8 +649,11 @@ class Service:
     async def _fire_schedule(self, name: str, at: datetime) -> None:
         """A schedule's firing (deadlines.ScheduleJobs): delegated in a worker thread (its
         checks look at the file system and may run git), recorded on the schedule. In a
-        cluster every service has the job; the firing's transaction lets the first one through
-        and the others find it done (schedules.should_fire)."""
+        cluster every service has the job and the lease's holder fires it; should two fire
+        at once (the lease changing hands), the firing's transaction lets the first one
+        through and the other finds it done (schedules.should_fire)."""
+        if not self._fires_here():
+            return  # a cluster: the machine holding the schedules' lease fires them
         try:
             firing = await asyncio.to_thread(ops.fire_schedule, self.home, name, at)
         except Exception as err:
