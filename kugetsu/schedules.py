@@ -106,15 +106,46 @@ def trigger(sched: Schedule) -> Any:
     Cron in its zone (DST as APScheduler's CronTrigger: docs/scheduling.md); `every` counts
     from its creation."""
     if sched.cron is not None:
-        from apscheduler.triggers.cron import CronTrigger
-
         try:
-            return CronTrigger(timezone=zone(sched.tz), **cron_fields(sched.cron))
+            return _cron_class()(timezone=zone(sched.tz), **cron_fields(sched.cron))
         except ValueError as err:
             raise UsageError(f"cron {sched.cron!r}: {err}") from None
     from apscheduler.triggers.interval import IntervalTrigger
 
     return IntervalTrigger(seconds=sched.every or 0, start_date=sched.created_at, timezone=zone("UTC"))
+
+
+_CRON: type | None = None
+
+
+def _cron_class() -> type:
+    """APScheduler 3.x's CronTrigger, made to move on across a DST fall-back.
+
+    In the hour a fall-back repeats, 3.x (3.11.3, with zoneinfo) gives a time of that hour
+    again as the next fire time, the same instant over and over once past it
+    (agronholm/apscheduler#1021, open): the scheduler's `_get_run_times` would loop on it.
+    Here a next time whose wall-clock time is not after the previous firing's is passed
+    over, and the search starts again after it in the repeated hour: each wall-clock time
+    fires once, at its first occurrence (as Vixie cron does), and the schedule goes on."""
+    global _CRON
+    if _CRON is None:
+        from apscheduler.triggers.cron import CronTrigger
+
+        class Cron(CronTrigger):  # type: ignore[misc]
+            def get_next_fire_time(self, previous_fire_time: datetime | None, now: datetime) -> datetime | None:
+                nxt = super().get_next_fire_time(previous_fire_time, now)
+                for _ in range(10):  # two passes at most in practice
+                    if nxt is None or previous_fire_time is None:
+                        return nxt  # type: ignore[no-any-return]
+                    wall = previous_fire_time.astimezone(self.timezone).replace(tzinfo=None)
+                    if nxt.astimezone(self.timezone).replace(tzinfo=None) > wall:
+                        return nxt  # type: ignore[no-any-return]
+                    after = (wall + timedelta(microseconds=1)).replace(tzinfo=self.timezone, fold=1)
+                    nxt = super().get_next_fire_time(None, max(after, now))
+                raise RuntimeError(f"cron trigger {self} makes no progress after {previous_fire_time}")
+
+        _CRON = Cron
+    return _CRON
 
 
 def next_fire(sched: Schedule, now: datetime) -> datetime | None:

@@ -80,3 +80,30 @@ def test_starts_at_is_the_reason_and_expiry_counts_from_the_start():
     assert task.not_before == T0 + timedelta(hours=6) and task.expires_at == T0 + timedelta(hours=7)
     pm.edit(index, cfg, task, T0, pm.Edit(start_at=T0))
     assert task.not_before is None and task.expires_at == T0 + timedelta(hours=1)
+
+
+def test_cron_fires_each_wall_clock_time_once_across_dst_and_never_loops():
+    """APScheduler 3.x's CronTrigger returns a time of a fall-back's repeated hour again
+    and again (agronholm/apscheduler#1021): schedules.trigger moves on. Every transition of
+    a year, in zones with DST (a half-hour one too), each next time is later than the last,
+    no wall-clock time fires twice, and a nightly schedule fires every day."""
+    from datetime import timezone
+    from zoneinfo import ZoneInfo
+
+    from kugetsu import schedules
+    from kugetsu.models import Schedule
+
+    for tz in ("Europe/Paris", "America/New_York", "Australia/Lord_Howe", "UTC"):
+        for line in ("30 2 * * *", "0 * * * *", "*/20 * * * *", "15,45 0-3 * * 1-5"):
+            trig = schedules.trigger(Schedule(name="x", cron=line, tz=tz, created_at=T0))
+            now, prev, walls = T0, None, set()
+            for _ in range(24 * 3 * 310 if line == "*/20 * * * *" else 2000):
+                nxt = trig.get_next_fire_time(prev, now)
+                assert nxt.astimezone(timezone.utc) >= now.astimezone(timezone.utc)
+                wall = nxt.astimezone(ZoneInfo(tz)).replace(tzinfo=None)
+                assert wall not in walls, (tz, line, nxt)
+                walls.add(wall)
+                prev, now = nxt, nxt.astimezone(timezone.utc) + timedelta(milliseconds=3)
+            if line == "30 2 * * *":  # 2000 days in a row, none missed (a spring-forward's 02:30 too)
+                days = sorted({w.date() for w in walls})
+                assert len(days) == 2000 and (days[-1] - days[0]).days == 1999
