@@ -747,9 +747,11 @@ def schedule_add(home: Home, cfg: Config, name: str, *, cron: str | None, every:
     from kugetsu import schedules
 
     schedules.check_name(name)
-    req.name = schedules.task_name(Schedule(name=name, created_at=now()), now())  # checked as the tasks' names
-    _checked(home, cfg, req)
-    req.name = None
+    # Checked on a copy, as the firings' tasks will be named: the checks fill in what holds
+    # for one task (a worktree's base pinned to the commit of now), which each firing must
+    # find afresh.
+    probe = msgspec.structs.replace(req, name=schedules.task_name(Schedule(name=name, created_at=now()), now()))
+    _checked(home, cfg, probe)
     with _locked(home) as (txn, cfg):
         sched, events = schedules.add(txn.index, txn.now, name, cron=cron, every=every, tz=tz, request=req,
                                       overlap=overlap)
@@ -814,6 +816,7 @@ def fire_schedule(home: Home, name: str, at: datetime | None = None) -> Firing |
             if why is None and problem is not None:
                 out.note = schedules.refused(problem)
             elif why is None:
+                req.name = schedules.free_name(txn.index, req.name or "")
                 try:
                     adm = _admit(home, txn, cfg, req, written)
                 except KugetsuError as err:

@@ -224,6 +224,17 @@ def task_name(sched: Schedule, at: datetime) -> str:
     return f"{sched.name}-{local.strftime('%Y%m%d-%H%M%S')}"
 
 
+def free_name(index: Index, name: str) -> str:
+    """`name`, or `name-2`, `name-3`... when a live task has it (two firings in one second:
+    `schedule run` twice, `--every 1s --overlap`)."""
+    live = {t.name for t in index.live()}
+    n, out = 1, name
+    while out in live:
+        n += 1
+        out = f"{name}-{n}"
+    return out
+
+
 def request(sched: Schedule, at: datetime) -> pm.Request:
     return msgspec.convert({**sched.request, "name": task_name(sched, at)}, pm.Request)
 

@@ -11,6 +11,8 @@ from datetime import datetime
 
 import pytest
 
+from test_worktrees import git, repo  # noqa: F401  (a fixture: a real git repository)
+
 from conftest import wait_for
 
 
@@ -214,3 +216,30 @@ async def test_the_dashboard_shows_the_schedules(kg):
         await until(pilot, lambda: "paused" in str(shown.render()), what="the pause shown")
         await pilot.press("escape")
         assert not isinstance(app.screen, SchedulesScreen)
+
+
+async def test_the_dashboard_shows_a_start_time(kg):
+    from dashboard_data import until
+
+    from kugetsu.tui.app import make_app
+    from kugetsu.tui.widgets import TaskTable
+
+    kg.config(autostart=False, max_agents=1)
+    kg.ok("delegate", "busy", "--", "sleep", "30")
+    kg.ok("delegate", "nightly", "--at", "02:00", "--", "true")
+    app = make_app(kg.home, cwd="/")
+    async with app.run_test(size=(160, 40)) as pilot:
+        queue = app.query_one("#queue", TaskTable)
+        await until(pilot, lambda: queue.row_count == 1, what="the queued task")
+        assert "starts at 02:00" in " ".join(str(c) for c in queue.get_row_at(0))
+
+
+def test_a_worktree_schedule_branches_from_the_head_of_each_firing(kg, repo):
+    kg.config(autostart=False, max_agents=1)
+    kg.ok("schedule", "add", "wt", "--cron", "0 2 * * *", "--overlap", "--worktree", "--cwd", str(repo), "--", "true")
+    assert "base" not in _schedule(kg, "wt")["request"]  # nothing pinned when it was added
+    kg.ok("schedule", "run", "wt")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "two")
+    kg.ok("schedule", "run", "wt")
+    first, second = sorted(kg.index()["queued"] + kg.index()["active"], key=lambda t: t["id"])
+    assert first["base"] != second["base"] == git(repo, "rev-parse", "HEAD")

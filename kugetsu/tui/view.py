@@ -58,9 +58,13 @@ def running_rows(queue: pm.QueueView, now: datetime, tz: tzinfo | None) -> list[
 
 
 def queue_rows(queue: pm.QueueView, now: datetime) -> list[Row]:
+    """WAITING: how long it has waited, and why when it is not simply behind others (`starts
+    at 02:00`, its dependencies, a group full), as `queue`'s WAITING FOR says."""
+    why = queue.waiting_for
     return [
         Row(str(t.id), t.state.value, (str(queue.positions[t.id]), str(t.id), t.name, t.priority, t.source,
-                                       since(t.created_at, now), until(t.expires_at, now)))
+                                       since(t.created_at, now) + (f" · {why[t.id]}" if t.id in why else ""),
+                                       until(t.expires_at, now)))
         for t in queue.queued
     ]
 
