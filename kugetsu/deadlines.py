@@ -90,7 +90,9 @@ class DeadlineTimer:
         self._armed = self.due
 
     async def _fire(self) -> None:
-        self._armed = None  # a date job leaves the store when submitted
+        # A date job leaves the store when submitted; and it has fired: only what the tick
+        # sets now is armed next (a tick that failed sets nothing: the retry's tick does).
+        self._armed = self.due = None
         self._running = True
         try:
             self.on_due()  # the tick: everything due at its `now`, and set() of the next one
