@@ -395,8 +395,8 @@ def _fix(err: KugetsuError) -> str:
 
 
 _STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value",
-                   "bind", "host", "url", "dir")
-_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines", "since", "retry_delay", "until", "at", "delay")
+                   "bind", "host", "url", "dir", "cron", "tz")
+_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines", "since", "retry_delay", "until", "at", "delay", "every")
 
 
 def _undo_dashdash(args: argparse.Namespace) -> None:

@@ -124,7 +124,15 @@ class ScheduleJobs:
         self.scheduler, self.fire = scheduler, fire
         self.rules: dict[str, tuple[object, ...]] = {}  # name -> the rule its job was made from
         self._submitted: dict[str, datetime] = {}
+        # The next sync registers every schedule with what it missed: at the service's start,
+        # and when this machine takes the schedules' lease over (restart). A schedule added or
+        # resumed later starts at its next firing (a pause's firings are not caught up).
+        self.catch_up = True
         scheduler.add_listener(self._on_submitted, EVENT_JOB_SUBMITTED)
+
+    def restart(self) -> None:
+        self.rules.clear()
+        self.catch_up = True
 
     def sync(self, schedules: dict[str, Schedule], now: datetime, missed: str) -> None:
         from kugetsu import schedules as rules
@@ -143,11 +151,12 @@ class ScheduleJobs:
                 log.error("schedule %s cannot be registered: %s", name, err)
                 self.rules[name] = rule
                 continue
-            first = rules.missed(sched, now) if missed == "one" else None
+            first = rules.missed(sched, now) if missed == "one" and self.catch_up else None
             extra = {"next_run_time": first} if first is not None else {}
             self.scheduler.add_job(self._run, trigger, args=(name,), id=PREFIX + name, replace_existing=True,
                                    name=PREFIX + name, **JOB_DEFAULTS, **extra)
             self.rules[name] = rule
+        self.catch_up = False
 
     def _on_submitted(self, event: JobSubmissionEvent) -> None:
         if event.job_id.startswith(PREFIX):

@@ -578,7 +578,7 @@ class Service:
 
     def _scheduler_lease(self, held: bool) -> None:
         if held:
-            self.schedule_jobs.rules.clear()
+            self.schedule_jobs.restart()
             self.request_tick()
 
     def _fires_here(self) -> bool:
@@ -645,6 +645,8 @@ class Service:
         self.timer.set(due, now)
         if self.index.schedules or self.schedule_jobs.rules:
             self.schedule_jobs.sync(self.index.schedules, now, self.cfg.schedule_missed)
+        else:
+            self.schedule_jobs.catch_up = False  # none yet: one added later starts at its next firing
 
     async def _fire_schedule(self, name: str, at: datetime) -> None:
         """A schedule's firing (deadlines.ScheduleJobs): delegated in a worker thread (its

@@ -243,3 +243,19 @@ def test_a_worktree_schedule_branches_from_the_head_of_each_firing(kg, repo):
     kg.ok("schedule", "run", "wt")
     first, second = sorted(kg.index()["queued"] + kg.index()["active"], key=lambda t: t["id"])
     assert first["base"] != second["base"] == git(repo, "rev-parse", "HEAD")
+
+
+def test_a_resumed_schedule_does_not_catch_up_what_its_pause_skipped(kg):
+    kg.config(max_agents=4)
+    kg.ok("schedule", "add", "p", "--every", "1s", "--", *_recorder(kg, "p"))
+    kg.ok("queue")
+    wait_for(lambda: len(_starts(kg, "p")) >= 1, 10, "a firing")
+    kg.ok("schedule", "pause", "p")
+    paused = len(_starts(kg, "p"))
+    time.sleep(2.5)  # two firings skipped by the pause
+    assert len(_starts(kg, "p")) <= paused + 1  # (one may have been under way at the pause)
+    resumed = time.time()
+    kg.ok("schedule", "resume", "p")
+    wait_for(lambda: len(_starts(kg, "p")) >= paused + 2, 10, "firings after the resume")
+    scheduled = [_iso(e["value"]) for e in kg.events("schedule") if e.get("task") and e["name"] == "p"]
+    assert not [t for t in scheduled if resumed - 2.4 < t < resumed - 0.05], scheduled  # none of the pause's
