@@ -16,7 +16,7 @@ import msgspec
 from datetime import datetime, timedelta
 
 from kugetsu import limits, placement
-from kugetsu.config import Config, format_duration, format_size, parse_duration
+from kugetsu.config import MAX_DURATION, Config, format_duration, format_size, parse_duration
 from kugetsu.errors import (AmbiguousName, EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered,
                             QueueFull, Rejected, UnknownDependency, UnknownGroup, UsageError)
 from kugetsu.agents.report import Usage
@@ -474,7 +474,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     task_id = index.next_id
     name = req.name or f"task-{task_id}"
     expire_after = req.expire_after if req.expire_after is not None else cfg.queue_timeout_s
-    start_at = req.start_at if req.start_at is not None and req.start_at > now else None
+    start_at = _start_time(req.start_at, now)
     timeout = req.timeout if req.timeout is not None else cfg.run_timeout_s
     if not req.command and req.prompt_path is None and any("{prompt_file}" in a for a in template):
         raise ValueError("a {prompt_file} preset needs Request.prompt_path (ops.delegate sets it)")
@@ -616,7 +616,7 @@ def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> 
         task.timeout = change.timeout or None
         changed["timeout"] = task.timeout
     if change.start_at is not None:
-        start = change.start_at if change.start_at > now else None
+        start = _start_time(change.start_at, now)
         if start != task.not_before:
             # Its queue expiry moves with its start (it counts from then, as at admission),
             # unless an expiry was given in this same edit.
@@ -628,6 +628,16 @@ def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> 
     if not changed:
         return []
     return [_event("edited", task, now, key=",".join(changed), value=changed)]
+
+
+def _start_time(at: datetime | None, now: datetime) -> datetime | None:
+    """A start time asked for (`--at`, `--delay`): None when it has come already; at most
+    MAX_DURATION ahead, as every duration (a deadline computed from it must stay a date)."""
+    if at is None or at <= now:
+        return None
+    if at - now > timedelta(seconds=MAX_DURATION):
+        raise UsageError(f"a start time {at.isoformat()} is too far ahead: at most {MAX_DURATION // 86400}d from now")
+    return at
 
 
 # Linux refuses a single argv element of 32 pages (MAX_ARG_STRLEN) or more at exec.

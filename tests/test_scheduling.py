@@ -46,6 +46,8 @@ def test_at_is_shown_everywhere_and_edit_moves_it(kg):
     assert kg.task("nightly")["waiting_for"].startswith("starts at")
     bad = kg.run("delegate", "x", "--at", "soonish", "--", "true")
     assert bad.returncode == 2 and "--at 'soonish' is neither a time" in bad.stderr and "Traceback" not in bad.stderr
+    far = kg.run("delegate", "x", "--at", "9999-12-31T00:00Z", "--", "true")  # no date could follow it
+    assert far.returncode == 2 and "too far ahead: at most 3650d" in far.stderr and "Traceback" not in far.stderr
     assert [t["name"] for t in kg.index()["queued"]] == ["nightly"]  # nothing written
 
 
