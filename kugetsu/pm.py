@@ -70,19 +70,27 @@ def successor(index: Index, cfg: Config) -> Successor | None:
     transaction that records the exit. The service lets it go the moment an agent exits,
     ahead of that transaction. None wherever the answer could depend on which task ends, on
     the clock or on the machine (source, group and rate limits, fair, the resource guard),
-    or when one exit frees no slot (more running than max_agents after a lowering)."""
+    or when one exit frees no slot (more running than max_agents after a lowering). A task
+    waiting for its time that sorts before it bounds `until`."""
     if (
         not index.queued
         or cfg.store is not None  # a cluster: the next slot may free on another machine
         or index.paused
         or len(index.active) != cfg.max_agents
         or cfg.resource_guard.enabled
-        or not simple_order(index, cfg)
+        or not simple_order(index, cfg, waits=False)
         or any(may_requeue(cfg, t) for t in index.active)  # it would come back ahead of the successor
     ):
         return None
-    first = min(index.queued, key=lambda t: task_key(cfg, t))
-    return Successor(first, first.expires_at)
+    due = [t for t in index.queued if t.not_before is None]
+    if not due:
+        return None
+    first = min(due, key=lambda t: task_key(cfg, t))
+    key = task_key(cfg, first)
+    # A task waiting for its time (a retry's delay, `delegate --at`) that sorts before it
+    # would take the slot once that time has come: the promise holds until then.
+    waits = [t.not_before for t in index.queued if t.not_before is not None and task_key(cfg, t) < key]
+    return Successor(first, min(filter(None, [first.expires_at, *waits]), default=None))
 
 
 def start_order(index: Index, cfg: Config, now: datetime) -> list[Task]:

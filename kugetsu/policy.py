@@ -58,9 +58,11 @@ def task_key(cfg: Config, task: Task) -> tuple[int, int]:
     return (0 if cfg.strategy == "fifo" else RANK[task.priority], task.id)
 
 
-def simple_order(index: Index, cfg: Config) -> bool:
+def simple_order(index: Index, cfg: Config, waits: bool = True) -> bool:
     """True when no limit can hold one queued task while another passes it: then every pick
-    takes the smallest key of all heads, and the start order is a plain sort (fifo, priority)."""
+    takes the smallest key of all heads, and the start order is a plain sort (fifo, priority).
+    `waits=False`: tasks that wait for their time (a retry's delay, `delegate --at`) are left
+    out of the question (pm.successor bounds its promise by their times instead)."""
     return (
         cfg.strategy in ("fifo", "priority")
         and cfg.max_active_per_source is None
@@ -68,7 +70,7 @@ def simple_order(index: Index, cfg: Config) -> bool:
         and not index.holds
         and not any(p.max_agents is not None for p in cfg.agents.values())
         # one pass over the queue (delegate asks this of a long queue on every call)
-        and not any(t.after or t.not_before is not None or (t.group is not None and t.group in cfg.groups)
+        and not any(t.after or (waits and t.not_before is not None) or (t.group is not None and t.group in cfg.groups)
                     for t in index.queued)
     )
 
