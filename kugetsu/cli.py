@@ -191,7 +191,7 @@ def _schedule_args(sc: argparse.ArgumentParser) -> None:
     when.add_argument("--cron", metavar="LINE", help="a crontab line: minute hour day month weekday (0,7 = Sunday),"
                       " or 6 fields with seconds first")
     when.add_argument("--every", metavar="DUR", type=_duration, help="every DUR (30m, 6h), counted from now")
-    add.add_argument("--tz", metavar="ZONE", help="--cron in this IANA zone (Europe/Paris); default: this machine's")
+    add.add_argument("--tz", metavar="ZONE", help="--cron in this IANA zone (Europe/Paris); default: this machine's, kept with it")
     add.add_argument("--overlap", action="store_true", help="fire even while its last task is still queued or running")
     ls = ssub.add_parser("list", help="every schedule, its next firing, its last task and how it ended")
     ls.add_argument("--json", action="store_true")

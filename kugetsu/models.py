@@ -216,7 +216,7 @@ class Schedule(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str
     cron: str | None = None  # a crontab line: 5 fields, or 6 with seconds first
     every: float | None = None  # seconds between firings (from created_at)
-    tz: str | None = None  # an IANA zone for cron (None: the service's local zone)
+    tz: str | None = None  # cron's IANA zone (given, or the adding machine's; None: the service's)
     request: dict[str, object] = {}
     created_at: Time
     paused: bool = False

@@ -752,6 +752,10 @@ def schedule_add(home: Home, cfg: Config, name: str, *, cron: str | None, every:
     # find afresh.
     probe = msgspec.structs.replace(req, name=schedules.task_name(Schedule(name=name, created_at=now()), now()))
     _checked(home, cfg, probe)
+    if cron is not None and tz is None:
+        # This machine's zone, kept with it: a cron line means the same hours wherever the
+        # service that fires it runs (another machine of a cluster, a server in UTC).
+        tz = schedules.local_zone_name()
     with _locked(home) as (txn, cfg):
         sched, events = schedules.add(txn.index, txn.now, name, cron=cron, every=every, tz=tz, request=req,
                                       overlap=overlap)

@@ -101,6 +101,16 @@ def zone(name: str | None) -> tzinfo:
         raise UsageError(f"unknown time zone {name!r}: give an IANA name such as Europe/Paris or UTC") from None
 
 
+def local_zone_name() -> str | None:
+    """This machine's IANA zone (TZ, /etc/localtime), or None when it has no name."""
+    from tzlocal import get_localzone_name
+
+    try:
+        return get_localzone_name()  # type: ignore[no-any-return]
+    except Exception:  # no zone configured, or one tzlocal cannot name
+        return None
+
+
 def trigger(sched: Schedule) -> Any:
     """Its APScheduler trigger (imported here only: the service and `kugetsu schedule`).
     Cron in its zone (DST as APScheduler's CronTrigger: docs/scheduling.md); `every` counts

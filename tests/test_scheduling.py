@@ -159,6 +159,15 @@ def test_schedule_bad_input_and_pause_resume_remove(kg):
     assert "removed schedule wk" in kg.ok("schedule", "remove", "wk")
     r = kg.run("schedule", "remove", "wk")
     assert r.returncode == 1 and "no schedule 'wk'" in r.stderr
+    # Without --tz, the adding machine's zone is kept with it (another service fires it alike).
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "kugetsu", "schedule", "add", "loc", "--cron", "0 9 * * *", "--", "true"],
+                   env={**kg.env, "TZ": "Asia/Tokyo"}, check=True, capture_output=True)
+    assert _schedule(kg, "loc")["tz"] == "Asia/Tokyo"
+    local = datetime.fromisoformat(_schedule(kg, "loc")["next_fire"].replace("Z", "+00:00")).astimezone(ZoneInfo("Asia/Tokyo"))
+    assert (local.hour, local.minute) == (9, 0)
 
 
 async def test_mcp_delegate_at_delay_and_the_schedules_tool(kg):
