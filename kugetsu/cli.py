@@ -39,6 +39,15 @@ def _positive_int(text: str) -> int:
 def _delegate_args(d: argparse.ArgumentParser) -> None:
     d.usage = "kugetsu delegate [NAME] [options] [-- CMD ARGS...]"
     d.add_argument("name", nargs="?", help="task name (default task-<id>)")
+    _request_args(d)
+    d.add_argument("--json", action="store_true", help="print the task object (with --wait: once it is final)")
+    d.add_argument("--wait", action="store_true",
+                   help="once admitted, block until the task is final; exit codes of `kugetsu wait`")
+    _start_args(d)
+
+
+def _request_args(d: argparse.ArgumentParser) -> None:
+    """What a task is to run and how: delegate's, and each firing's of a schedule."""
     g = d.add_mutually_exclusive_group()
     g.add_argument("--prompt", help="the prompt for the agent preset")
     g.add_argument("--prompt-file", metavar="F", help="read the prompt from a file (- for stdin)")
@@ -49,11 +58,8 @@ def _delegate_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--group", metavar="NAME", help="run in this pool (config `groups`): it needs a slot there too")
     d.add_argument("--expire-after", metavar="DUR", type=_duration, help="expire if still queued after DUR")
     d.add_argument("--timeout", metavar="DUR", type=_duration, help="stop the agent after running DUR")
-    d.add_argument("--json", action="store_true", help="print the task object (with --wait: once it is final)")
     d.add_argument("--after", metavar="TASK[,TASK...]", action="append", default=[],
                    help="start only once these tasks have succeeded; if one ends otherwise, this one is cancelled")
-    d.add_argument("--wait", action="store_true",
-                   help="once admitted, block until the task is final; exit codes of `kugetsu wait`")
     wt = d.add_mutually_exclusive_group()
     wt.add_argument("--worktree", action="store_true", default=None,
                     help="run the agent in its own git worktree on branch kugetsu/NAME")
@@ -64,7 +70,6 @@ def _delegate_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--retries", metavar="N", type=_positive_int, default=0,
                    help="run it again, as the same task, up to N times when it fails or is lost")
     d.add_argument("--retry-delay", metavar="DUR", type=_duration, help="wait DUR before each retry")
-    _start_args(d)
 
 
 def _start_args(p: argparse.ArgumentParser) -> None:
@@ -185,7 +190,9 @@ def _worktrees_args(wts: argparse.ArgumentParser) -> None:
 def _schedule_args(sc: argparse.ArgumentParser) -> None:
     ssub = sc.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=_Parser)
     add = ssub.add_parser("add", help="a schedule: each firing delegates a task NAME-YYYYmmdd-HHMMSS")
-    _delegate_args(add)
+    add.add_argument("name", metavar="NAME", help="the schedule's name: its tasks are NAME-YYYYmmdd-HHMMSS")
+    _request_args(add)
+    add.add_argument("--json", action="store_true", help="print the schedule as `schedule list --json` does")
     add.usage = 'kugetsu schedule add NAME (--cron "0 2 * * 1-5" | --every 6h) [--tz ZONE] [delegate\'s options] [-- CMD...]'
     when = add.add_mutually_exclusive_group(required=True)
     when.add_argument("--cron", metavar="LINE", help="a crontab line: minute hour day month weekday (0,7 = Sunday),"
@@ -1155,13 +1162,10 @@ def cmd_schedule(home: Home, args: argparse.Namespace) -> int:
         print(to_json(rows) if args.json else render.schedules_table(rows, ops.now()))
         return OK
     if args.action == "add":
-        for flag, given in (("--wait", args.wait), ("--at", args.at), ("--delay", args.delay)):
-            if given:
-                raise UsageError(f"{flag} is not for a schedule: its firings start its tasks")
         cfg = load_config(home)
         if args.source == "cli":  # not given: its tasks say where they come from
             args.source = f"schedule:{args.name}"
-        sched = ops.schedule_add(home, cfg, args.name or "", cron=args.cron, every=args.every, tz=args.tz,
+        sched = ops.schedule_add(home, cfg, args.name, cron=args.cron, every=args.every, tz=args.tz,
                                  req=_request(args), overlap=args.overlap)
         row = next(r for r in ops.schedules_json(cfg, ops.read(home)[1]) if r["name"] == sched.name)
         print(to_json(row) if args.json else f"added schedule {sched.name}, next firing {render.when(row['next_fire'], ops.now())}")

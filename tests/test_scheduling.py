@@ -143,7 +143,7 @@ def test_schedule_bad_input_and_pause_resume_remove(kg):
                         (["--cron", "0 2 * * 1-9"], "day of week '9'"),
                         (["--cron", "0 2 * * *", "--tz", "Mars/Base"], "unknown time zone 'Mars/Base'"),
                         (["--every", "0.5s"], "too short"),
-                        (["--every", "1h", "--at", "02:00"], "--at is not for a schedule")):
+                        (["--every", "1h", "--at", "02:00"], "unrecognized arguments: --at 02:00")):
         r = kg.run("schedule", "add", "bad", *args, "--", "true")
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
     assert kg.run("schedule", "list", "--json").stdout.strip() == "[]"  # nothing written
