@@ -227,6 +227,9 @@ async def test_the_dashboard_shows_the_schedules(kg):
         await until(pilot, lambda: "paused" in str(shown.render()), what="the pause shown")
         await pilot.press("escape")
         assert not isinstance(app.screen, SchedulesScreen)
+        events = app.query_one("#events")  # the schedule's events, named after it
+        await until(pilot, lambda: "nightly: paused" in " ".join(str(c) for r in range(events.row_count)
+                                                                  for c in events.get_row_at(r)), what="its event")
 
 
 async def test_the_dashboard_shows_a_start_time(kg):
