@@ -142,7 +142,7 @@ DEFAULT_AGENTS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_TELEGRAM_EVENTS = ["started", "succeeded", "failed", "cancelled", "expired", "lost", "held"]
 EVENT_TYPES = ("queued", "started", "succeeded", "failed", "cancelled", "expired", "lost", "config", "worktree",
-               "requeued", "held", "released")
+               "requeued", "held", "released", "schedule")
 
 
 def _builtin_patterns() -> frozenset[str]:

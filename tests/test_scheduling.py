@@ -273,3 +273,18 @@ def test_a_resumed_schedule_does_not_catch_up_what_its_pause_skipped(kg):
     wait_for(lambda: len(_starts(kg, "p")) >= paused + 2, 10, "firings after the resume")
     scheduled = [_iso(e["value"]) for e in kg.events("schedule") if e.get("task") and e["name"] == "p"]
     assert not [t for t in scheduled if resumed - 2.4 < t < resumed - 0.05], scheduled  # none of the pause's
+
+
+def test_schedule_events_can_be_notified():
+    from datetime import timezone
+
+    from kugetsu.config import Config
+    from kugetsu.models import Event
+    from kugetsu.telegram.text import notification, wanted
+
+    e = Event(type="schedule", at=datetime.now(timezone.utc), name="nightly", task=12,
+              reason="not delegated: queue full: 50/50 waiting")
+    assert wanted(e, ["schedule"]) and not wanted(e, ["started", "failed"])  # opt-in, not by default
+    assert notification(e, None, Config(), None) == (
+        "🗓️ schedule <b>nightly</b>: not delegated: queue full: 50/50 waiting")
+    Config(telegram={"events": ["schedule"]})  # a known type: the config takes it

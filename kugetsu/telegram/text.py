@@ -140,6 +140,8 @@ def notification(event: Event, task: Task | None, cfg: Config, log_tail: str | N
     if kind == "worktree":  # what became of a task's worktree, or a prune
         what = esc(event.reason or f"worktree {event.worktree_state or 'changed'}")
         return f"🌿 {ref}: {what}" if event.task is not None else f"🌿 {what}"
+    if kind == "schedule":  # a recurring schedule: added, paused, what a firing did (docs/scheduling.md)
+        return f"🗓️ schedule <b>{esc(event.name)}</b>: {esc(event.reason or '')}"
     return f"{esc(kind)} {ref}"
 
 
