@@ -54,6 +54,15 @@ def _positive_int(text: str) -> int:
 def _delegate_args(d: argparse.ArgumentParser) -> None:
     d.usage = "kugetsu delegate [NAME] [options] [-- CMD ARGS...]"
     d.add_argument("name", nargs="?", help="task name (default task-<id>)")
+    _request_args(d)
+    d.add_argument("--json", action="store_true", help="print the task object (with --wait: once it is final)")
+    d.add_argument("--wait", action="store_true",
+                   help="once admitted, block until the task is final; exit codes of `kugetsu wait`")
+    _start_args(d)
+
+
+def _request_args(d: argparse.ArgumentParser) -> None:
+    """What a task is to run and how: delegate's, and each firing's of a schedule."""
     g = d.add_mutually_exclusive_group()
     g.add_argument("--prompt", help="the prompt for the agent preset")
     g.add_argument("--prompt-file", metavar="F", help="read the prompt from a file (- for stdin)")
@@ -69,11 +78,8 @@ def _delegate_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--group", metavar="NAME", help="run in this pool (config `groups`): it needs a slot there too")
     d.add_argument("--expire-after", metavar="DUR", type=_duration, help="expire if still queued after DUR")
     d.add_argument("--timeout", metavar="DUR", type=_duration, help="stop the agent after running DUR")
-    d.add_argument("--json", action="store_true", help="print the task object (with --wait: once it is final)")
     d.add_argument("--after", metavar="TASK[,TASK...]", action="append", default=[],
                    help="start only once these tasks have succeeded; if one ends otherwise, this one is cancelled")
-    d.add_argument("--wait", action="store_true",
-                   help="once admitted, block until the task is final; exit codes of `kugetsu wait`")
     wt = d.add_mutually_exclusive_group()
     wt.add_argument("--worktree", action="store_true", default=None,
                     help="run the agent in its own git worktree on branch kugetsu/NAME")
@@ -88,6 +94,13 @@ def _delegate_args(d: argparse.ArgumentParser) -> None:
                    help="memory it may use (4G, 512M): it starts when that fits max_memory; over it, it is stopped")
     d.add_argument("--max-procs", metavar="N", type=_at_least_one, help="its processes at most (a fork storm is stopped)")
     d.add_argument("--slots", metavar="N", type=_at_least_one, help="slots of max_agents (and of its group) it takes")
+
+
+def _start_args(p: argparse.ArgumentParser) -> None:
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--at", metavar="TIME", help="start no earlier than TIME (02:00, 3pm, ISO 8601; the next one"
+                      " to come); until then it waits in the queue, keeping its place")
+    when.add_argument("--delay", metavar="DUR", type=_duration, help="start no earlier than DUR from now (30m, 2h)")
 
 
 def _hold_args(h: argparse.ArgumentParser) -> None:
@@ -151,6 +164,7 @@ def _edit_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--expire-after", metavar="DUR", type=_duration, help="expire if still queued DUR from now")
     e.add_argument("--timeout", metavar="DUR", type=_duration, help="stop the agent after running DUR")
     e.add_argument("--group", metavar="NAME", help="run in this pool (config `groups`)")
+    _start_args(e)
     e.add_argument("--json", action="store_true", help="print the task object")
 
 
@@ -195,6 +209,28 @@ def _worktrees_args(wts: argparse.ArgumentParser) -> None:
     wp.add_argument("--older-than", metavar="DUR", type=_duration, help="only tasks finished more than DUR ago")
     wp.add_argument("--force", action="store_true", help="also uncommitted changes and unmerged branches")
     wp.add_argument("--json", action="store_true")
+
+
+def _schedule_args(sc: argparse.ArgumentParser) -> None:
+    ssub = sc.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=_Parser)
+    add = ssub.add_parser("add", help="a schedule: each firing delegates a task NAME-YYYYmmdd-HHMMSS")
+    add.add_argument("name", metavar="NAME", help="the schedule's name: its tasks are NAME-YYYYmmdd-HHMMSS")
+    _request_args(add)
+    add.add_argument("--json", action="store_true", help="print the schedule as `schedule list --json` does")
+    add.usage = 'kugetsu schedule add NAME (--cron "0 2 * * 1-5" | --every 6h) [--tz ZONE] [delegate\'s options] [-- CMD...]'
+    when = add.add_mutually_exclusive_group(required=True)
+    when.add_argument("--cron", metavar="LINE", help="a crontab line: minute hour day month weekday (0,7 = Sunday),"
+                      " or 6 fields with seconds first")
+    when.add_argument("--every", metavar="DUR", type=_duration, help="every DUR (30m, 6h), counted from now")
+    add.add_argument("--tz", metavar="ZONE", help="--cron in this IANA zone (Europe/Paris); default: this machine's, kept with it")
+    add.add_argument("--overlap", action="store_true", help="fire even while its last task is still queued or running")
+    ls = ssub.add_parser("list", help="every schedule, its next firing, its last task and how it ended")
+    ls.add_argument("--json", action="store_true")
+    for action, what in (("pause", "stop firing until resume"), ("resume", "fire again"),
+                         ("remove", "delete it (its tasks stay)"), ("run", "fire it now, once")):
+        one = ssub.add_parser(action, help=what)
+        one.add_argument("name", metavar="NAME")
+        one.add_argument("--json", action="store_true")
 
 
 def _telegram_args(tg: argparse.ArgumentParser) -> None:
@@ -296,7 +332,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
-    if argv and argv[0] == "delegate" and "--" in argv:
+    if argv and argv[0] in ("delegate", "schedule") and "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
     args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
@@ -391,8 +427,8 @@ def _fix(err: KugetsuError) -> str:
 
 
 _STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value",
-                   "bind", "host", "url", "dir")
-_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines", "since", "retry_delay", "until")
+                   "bind", "host", "url", "dir", "cron", "tz")
+_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines", "since", "retry_delay", "until", "at", "delay", "every")
 
 
 def _undo_dashdash(args: argparse.Namespace) -> None:
@@ -412,31 +448,7 @@ def _undo_dashdash(args: argparse.Namespace) -> None:
 
 def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     cfg = load_config(home)
-    prompt = _read_prompt(args)
-    req = pm.Request(
-        cwd=os.path.abspath(args.cwd or os.getcwd()),
-        name=args.name,
-        command=args.argv_command or None,
-        prompt=prompt,
-        agent=args.agent,
-        source=args.source,
-        priority=args.priority,
-        group=args.group,
-        expire_after=args.expire_after,
-        timeout=args.timeout,
-        worktree=args.worktree,
-        base=args.base,
-        pinned_host=args.host,
-        after=_after_refs(args.after),
-        retries=args.retries,
-        retry_delay=args.retry_delay,
-        fallback_fresh=args.fallback_fresh,
-        budget_usd=args.budget_usd,
-        max_tokens=args.max_tokens,
-        memory=args.memory,
-        max_procs=args.max_procs,
-        slots=args.slots,
-    )
+    req = _request(args)
     if pm.unused_prompt(req):
         print("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"
               " in its arguments, or drop the command to run the agent preset)", file=sys.stderr)
@@ -459,6 +471,36 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     return OK
 
 
+def _request(args: argparse.Namespace) -> pm.Request:
+    """delegate's options as a request (delegate, schedule add)."""
+    prompt = _read_prompt(args)
+    return pm.Request(
+        cwd=os.path.abspath(args.cwd or os.getcwd()),
+        name=args.name,
+        command=args.argv_command or None,
+        prompt=prompt,
+        agent=args.agent,
+        source=args.source,
+        priority=args.priority,
+        group=args.group,
+        expire_after=args.expire_after,
+        timeout=args.timeout,
+        worktree=args.worktree,
+        base=args.base,
+        pinned_host=args.host,
+        after=_after_refs(args.after),
+        retries=args.retries,
+        retry_delay=args.retry_delay,
+        start_at=ops.start_time(getattr(args, "at", None), getattr(args, "delay", None)),
+        fallback_fresh=args.fallback_fresh,
+        budget_usd=args.budget_usd,
+        max_tokens=args.max_tokens,
+        memory=args.memory,
+        max_procs=args.max_procs,
+        slots=args.slots,
+    )
+
+
 def _read_prompt(args: argparse.Namespace) -> str | None:
     """--prompt TEXT, or the text of --prompt-file F (- for stdin), or None."""
     if not args.prompt_file:
@@ -478,10 +520,11 @@ def _read_prompt(args: argparse.Namespace) -> str | None:
 
 def cmd_edit(home: Home, args: argparse.Namespace) -> int:
     change = pm.Edit(prompt=_read_prompt(args), priority=args.priority, expire_after=args.expire_after,
-                     timeout=args.timeout, group=args.group)
-    if all(v is None for v in (change.prompt, change.priority, change.expire_after, change.timeout, change.group)):
-        raise UsageError("nothing to change: give --prompt, --prompt-file, --priority, --expire-after, --timeout"
-                         " or --group")
+                     timeout=args.timeout, group=args.group, start_at=ops.start_time(args.at, args.delay))
+    if all(v is None for v in (change.prompt, change.priority, change.expire_after, change.timeout, change.group,
+                               change.start_at)):
+        raise UsageError("nothing to change: give --prompt, --prompt-file, --priority, --expire-after, --timeout,"
+                         " --group, --at or --delay")
     task, position, changed = ops.edit(home, args.task, change)
     if args.priority:
         _priority_ignored(load_config(home).strategy, args.priority)
@@ -627,11 +670,7 @@ def cmd_status(home: Home, args: argparse.Namespace) -> int:
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
     task = pm.find(index, args.task)
-    t = ops.now()
-    why = pm.waiting_for_one(index, cfg, t, task, ops.measure(cfg)) if task.state is TaskState.QUEUED else None
-    obj = ops.task_json(task, pm.position(index, cfg, t, task), cluster_host(cfg), why,
-                        ops.measured(home, cfg, index) if task.state is TaskState.RUNNING else None,
-                        prompts=ops.prompts(home, [task]))
+    obj = ops.status_json(home, index, cfg, task)
     if args.json:
         print(to_json(obj))
     else:
@@ -1145,6 +1184,38 @@ def cmd_demo(home: Home, args: argparse.Namespace) -> int:
     return run_demo()
 
 
+def cmd_schedule(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu import render
+
+    if args.action == "list":
+        cfg, index = _read(home)
+        rows = ops.schedules_json(cfg, index)
+        print(to_json(rows) if args.json else render.schedules_table(rows, ops.now()))
+        return OK
+    if args.action == "add":
+        cfg = load_config(home)
+        if args.source == "cli":  # not given: its tasks say where they come from
+            args.source = f"schedule:{args.name}"
+        sched = ops.schedule_add(home, cfg, args.name, cron=args.cron, every=args.every, tz=args.tz,
+                                 req=_request(args), overlap=args.overlap)
+        row = next(r for r in ops.schedules_json(cfg, ops.read(home)[1]) if r["name"] == sched.name)
+        print(to_json(row) if args.json else f"added schedule {sched.name}, next firing {render.when(row['next_fire'], ops.now())}")
+        return OK
+    if args.action == "run":
+        firing = ops.fire_schedule(home, args.name)
+        assert firing is not None  # by hand: always recorded
+        if args.json:
+            print(to_json({"note": firing.note, "task": ops.task_json(firing.task, firing.admission.position)
+                           if firing.task and firing.admission else None}))
+        else:
+            _say(f"{args.name}: {firing.note}")
+        return OK if firing.task is not None else FAILURE
+    events = ops.schedule_change(home, args.name, args.action)
+    past = {"pause": "paused", "resume": "resumed", "remove": "removed"}[args.action]
+    _say(f"{past} schedule {args.name}" if events else f"schedule {args.name} was already {past}")
+    return OK
+
+
 def cmd_hold(home: Home, args: argparse.Namespace) -> int:
     from kugetsu import limits
 
@@ -1214,4 +1285,6 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "hold": ("hold an agent preset: its queued tasks wait (until a time, or release)", _hold_args, cmd_hold),
     "release": ("release a held agent preset: its tasks may start at once", _release_args, cmd_release),
     "retry": ("admit a finished task again, as a new task linked to it (retry_of)", _retry_args, cmd_retry),
+    "schedule": ("recurring work: add (cron or every), list, pause, resume, remove, run now", _schedule_args,
+                 cmd_schedule),
 }

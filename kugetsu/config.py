@@ -142,7 +142,7 @@ DEFAULT_AGENTS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_TELEGRAM_EVENTS = ["started", "succeeded", "failed", "cancelled", "expired", "lost", "held"]
 EVENT_TYPES = ("queued", "started", "succeeded", "failed", "cancelled", "expired", "lost", "config", "worktree",
-               "requeued", "held", "released")
+               "requeued", "held", "released", "schedule")
 
 
 def _builtin_patterns() -> frozenset[str]:
@@ -452,6 +452,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     max_queued_per_source: Annotated[int, msgspec.Meta(ge=1)] | None = None
     min_start_interval_per_source: Duration | None = None
     on_queue_full: Literal["reject", "drop_oldest"] = "reject"
+    # Recurring schedules (docs/scheduling.md): firings missed while the service was down
+    # run once when it is back (one) or not at all (skip).
+    schedule_missed: Literal["one", "skip"] = "one"
     groups: dict[str, GroupConfig] = {}
     resource_guard: ResourceGuard = msgspec.field(default_factory=ResourceGuard)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
@@ -562,6 +565,8 @@ KEY_HELP: dict[str, str] = {
     "max_queued_per_source": "queued tasks one source may have; beyond: rejected, exit 3 (null: no limit)",
     "min_start_interval_per_source": "rate limit: two starts of one source at least this far apart (null: none)",
     "on_queue_full": "when max_queue is reached: reject (exit 3) | drop_oldest (cancel the oldest queued task)",
+    "schedule_missed": "recurring schedules: firings missed while the service was down run once (one) or not"
+    " at all (skip)",
     "groups": 'named pools {name: {"max_agents": N}}; delegate --group NAME needs a slot there and globally',
     "resource_guard": "hold new starts while min_available_memory (e.g. 2GiB) or max_load_per_cpu is not met",
     "metrics": "the service's OpenMetrics endpoint: listen (e.g. 127.0.0.1:9464; null: off), allow_remote"

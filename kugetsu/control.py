@@ -52,8 +52,9 @@ def check_wakeable(home: Home) -> None:
 
 
 def ensure_service(home: Home, cfg: Config, index: Index) -> None:
-    """For read-only commands: if there is live work and no service (it crashed), bring it back."""
-    if index.live():
+    """For read-only commands: if there is live work (or a schedule to fire) and no service (it
+    crashed), bring it back."""
+    if index.live() or any(not s.paused for s in index.schedules.values()):
         check_wakeable(home)
         wake(home, cfg)
 

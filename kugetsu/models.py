@@ -254,6 +254,28 @@ class QuotaWindow(msgspec.Struct, kw_only=True, omit_defaults=True):
     starts: int = 0
     tokens: int = 0
     probe: int | None = None
+class Schedule(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A recurring schedule (`kugetsu schedule add`, docs/scheduling.md): each firing
+    delegates `request` (a pm.Request as JSON values, without its name) as a task named after
+    the schedule and the time. In the index, so the file store and the cluster's database
+    keep it alike, and every change of it is one transaction."""
+
+    name: str
+    cron: str | None = None  # a crontab line: 5 fields, or 6 with seconds first
+    every: float | None = None  # seconds between firings (from created_at)
+    tz: str | None = None  # cron's IANA zone (given, or the adding machine's; None: the service's)
+    request: dict[str, object] = {}
+    created_at: Time
+    paused: bool = False
+    overlap: bool = False  # fire even while its last task is still queued or running
+    # The last firing: its scheduled time (a firing at or before it is never run again: a
+    # restart, or a second machine, cannot double it), the task it delegated, what happened.
+    last_fire: Time | None = None
+    last_task: int | None = None
+    last_note: str | None = None
+    last_at: Time | None = None  # when that happened (a firing, a skip, a refusal, `schedule run`)
+    fired: int = 0  # tasks delegated
+    skipped: int = 0  # firings that delegated nothing (overlap, a full queue, a bad request)
 
 
 class Index(msgspec.Struct, kw_only=True):
@@ -284,6 +306,8 @@ class Index(msgspec.Struct, kw_only=True):
     # The last writer and its clock; the last clock error the service found (doctor says it).
     clock: ClockMark | None = None
     clock_error: ClockError | None = None
+    # Recurring schedules by name (kugetsu/schedules.py).
+    schedules: dict[str, Schedule] = {}
 
     def live(self) -> list[Task]:
         return self.active + self.queued

@@ -10,7 +10,7 @@ import os
 import signal
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +21,7 @@ from kugetsu import placement, pm, runner
 from kugetsu.control import check_wakeable, wake
 from kugetsu.config import LOCAL_KEYS, Config, cluster_config, cluster_host, format_size, host_name, load_config, mask_secrets, read_raw, save_raw, validate, with_value
 from kugetsu.errors import KugetsuError, NotClustered, UsageError
-from kugetsu.models import TASK_DEFAULTS, Event, Index, Task, TaskState
+from kugetsu.models import TASK_DEFAULTS, Event, Index, Schedule, Task, TaskState
 from kugetsu.paths import Home
 from kugetsu.store import open_store, Txn
 
@@ -79,6 +79,23 @@ class Admission(msgspec.Struct):
     max_agents: int
     queued: int
     waiting_for: str | None = None  # why it waits when not simply behind others (pm.waiting_for)
+
+
+def start_time(at: str | None, delay: float | None, flag: str = "--at") -> datetime | None:
+    """`--at TIME` or `--delay DUR` (delegate, edit, a schedule's task; MCP's at/delay) as the
+    moment it may start; None: neither given. TIME is read as `hold --until` reads it."""
+    if at is not None and delay is not None:
+        raise UsageError(f"give {flag} or {flag.replace('at', 'delay')}, not both")
+    if delay is not None:
+        return now() + timedelta(seconds=delay)
+    if at is None:
+        return None
+    from kugetsu import limits
+
+    when = limits.parse_until(at, now())
+    if when is None:
+        raise UsageError(f"{flag} {at!r} is neither a time (02:00, 3pm, 2026-11-23T15:00Z) nor a duration (30m, 2h)")
+    return when
 
 
 def delegate(home: Home, cfg: Config, req: pm.Request) -> Admission:
@@ -662,6 +679,17 @@ def task_json(task: Task, position: int | None, here: str | None = None, waiting
     return msgspec.to_builtins(public_tasks([task], [position], here, why, measured, prompts))[0]  # type: ignore[no-any-return]
 
 
+def status_json(home: Home, index: Index, cfg: Config, task: Task) -> dict[str, Any]:
+    """`status` (CLI, MCP): the task object with its prompt, a running task's measured use,
+    and for a queued task that waits for more than the tasks ahead of it, why (`waiting_for`:
+    `starts at 02:00`, `memory (...)`), as `queue --json` says it."""
+    now_ = now()
+    why = pm.waiting_for_one(index, cfg, now_, task, measure(cfg)) if task.state is TaskState.QUEUED else None
+    return task_json(task, pm.position(index, cfg, now_, task), cluster_host(cfg), why,
+                     measured(home, cfg, index) if task.state is TaskState.RUNNING else None,
+                     prompts=prompts(home, [task]))
+
+
 def tasks_json(tasks: list[Task], positions: list[int | None] | None = None, here: str | None = None,
                prompts: Mapping[int, str] | None = None) -> list[dict[str, Any]]:
     """task_json of each task."""
@@ -721,3 +749,130 @@ def log_path(home: Home, cfg: Config, task: Task) -> Path:
     with store_for(cfg.store).guarded() as conn:
         logs.mirror(conn, task.id, path)
     return path
+
+
+# ---- recurring schedules (kugetsu/schedules.py, docs/scheduling.md) --------------------------
+
+
+def _checked(home: Home, cfg: Config, req: pm.Request) -> None:
+    """The checks delegate makes outside the lock (a schedule's request, at `add` and again
+    at each firing: the command or repository may have gone since)."""
+    _check_request(req)
+    _check_runnable(cfg, req, _agents_path(home))
+    _check_worktree(cfg, req)
+
+
+def schedule_add(home: Home, cfg: Config, name: str, *, cron: str | None, every: float | None, tz: str | None,
+                 req: pm.Request, overlap: bool = False) -> Schedule:
+    from kugetsu import schedules
+
+    schedules.check_name(name)
+    # Checked on a copy, as the firings' tasks will be named: the checks fill in what holds
+    # for one task (a worktree's base pinned to the commit of now), which each firing must
+    # find afresh.
+    probe = msgspec.structs.replace(req, name=schedules.task_name(Schedule(name=name, created_at=now()), now()))
+    _checked(home, cfg, probe)
+    if cron is not None and tz is None:
+        # This machine's zone, kept with it: a cron line means the same hours wherever the
+        # service that fires it runs (another machine of a cluster, a server in UTC).
+        tz = schedules.local_zone_name()
+    with _locked(home) as (txn, cfg):
+        sched, events = schedules.add(txn.index, txn.now, name, cron=cron, every=every, tz=tz, request=req,
+                                      overlap=overlap)
+        txn.emit(events)
+    wake(home, cfg)
+    return sched
+
+
+def schedule_change(home: Home, name: str, what: str) -> list[Event]:
+    """`schedule pause|resume|remove NAME`."""
+    from kugetsu import schedules
+
+    with _locked(home) as (txn, cfg):
+        if what == "remove":
+            events = schedules.remove(txn.index, txn.now, name)
+        else:
+            events = schedules.set_paused(txn.index, txn.now, name, what == "pause")
+        txn.emit(events)
+    if events:
+        wake(home, cfg)
+    return events
+
+
+class Firing(msgspec.Struct):
+    note: str  # what happened: "delegated NAME (#ID) ...", "skipped: ...", "not delegated: queue full ..."
+    task: Task | None = None
+    admission: Admission | None = None
+
+
+def fire_schedule(home: Home, name: str, at: datetime | None = None) -> Firing | None:
+    """One firing of a schedule, at its scheduled time `at` (the service's job), or now by
+    hand (`schedule run`, at None). Delegated through the same admission as `delegate`, in
+    one transaction that also records the outcome on the schedule; a refusal (a full queue,
+    a command gone) is recorded there too. None: nothing to record (it already fired at
+    that time, or it is paused or gone)."""
+    from kugetsu import schedules
+
+    by_hand = at is None
+    cfg, index = read(home)
+    sched = schedules.find(index, name)
+    fire_at = at or now()
+    req = schedules.request(sched, fire_at)
+    problem: KugetsuError | None = None
+    try:
+        _checked(home, cfg, req)
+    except KugetsuError as err:
+        problem = err
+    req.token = runner.new_token()
+    written: list[Path] = []
+    try:
+        with _locked(home) as (txn, cfg):
+            settle(txn, cfg)
+            sched = txn.index.schedules.get(name)
+            if sched is None:
+                if by_hand:
+                    raise schedules.NoSuchSchedule(name)
+                return None
+            why = schedules.should_fire(txn.index, sched, fire_at, by_hand)
+            if why in ("already fired", "paused"):
+                return None
+            out = Firing(note=why or "")
+            if why is None and problem is not None:
+                out.note = schedules.refused(problem)
+            elif why is None:
+                req.name = schedules.free_name(txn.index, req.name or "")
+                try:
+                    adm = _admit(home, txn, cfg, req, written)
+                except KugetsuError as err:
+                    out.note = schedules.refused(err)
+                else:
+                    out = Firing(note=f"delegated {adm.task.name} (#{adm.task.id})", task=adm.task, admission=adm)
+            txn.emit(schedules.record(txn.index, sched, fire_at, txn.now, by_hand,
+                                      out.task.id if out.task else None, out.note))
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
+    wake(home, cfg)
+    return out
+
+
+def schedules_json(cfg: Config, index: Index) -> list[dict[str, Any]]:
+    """`schedule list --json`: each schedule, its next firing, its last task and how it ended."""
+    from kugetsu import schedules
+
+    t = now()
+    out = []
+    for sched in sorted(index.schedules.values(), key=lambda s: s.name):
+        raw = msgspec.to_builtins(sched)
+        nxt = schedules.next_fire(sched, t)
+        last = next((x for x in index.all_tasks() if x.id == sched.last_task), None) if sched.last_task else None
+        out.append({"name": sched.name, "cron": sched.cron, "every": sched.every, "tz": sched.tz,
+                    "paused": sched.paused, "overlap": sched.overlap,
+                    "next_fire": msgspec.to_builtins(nxt),
+                    "last_fire": raw.get("last_fire"), "last_at": raw.get("last_at"),
+                    "last_task": sched.last_task, "last_task_name": last.name if last else None,
+                    "last_outcome": schedules.outcome(index, sched), "last_note": sched.last_note,
+                    "fired": sched.fired, "skipped": sched.skipped, "request": sched.request,
+                    "created_at": raw["created_at"]})
+    return out

@@ -17,7 +17,7 @@ import msgspec
 from datetime import datetime, timedelta
 
 from kugetsu import budgets, limits, placement
-from kugetsu.config import Config, cluster_host, format_duration, format_size, parse_duration, parse_size
+from kugetsu.config import MAX_DURATION, Config, cluster_host, format_duration, format_size, parse_duration, parse_size
 from kugetsu.errors import (AmbiguousName, EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered,
                             QueueFull, Rejected, UnknownDependency, UnknownGroup, UsageError)
 from kugetsu.agents.report import Usage
@@ -103,7 +103,8 @@ def successor(index: Index, cfg: Config) -> Successor | None:
     transaction that records the exit. The service lets it go the moment an agent exits,
     ahead of that transaction. None wherever the answer could depend on which task ends, on
     the clock or on the machine (source, group and rate limits, fair, the resource guard),
-    or when one exit frees no slot (more running than max_agents after a lowering)."""
+    or when one exit frees no slot (more running than max_agents after a lowering). A task
+    waiting for its time that sorts before it bounds `until`."""
     if (
         not index.queued
         or cfg.store is not None  # a cluster: the next slot may free on another machine
@@ -111,13 +112,20 @@ def successor(index: Index, cfg: Config) -> Successor | None:
         or len(index.active) != cfg.max_agents
         or cfg.resource_guard.enabled
         or accounts(index, cfg)  # slots and memory: one exit may not make room for the next
-        or not simple_order(index, cfg)
+        or not simple_order(index, cfg, waits=False)
         or any(may_requeue(cfg, t) for t in index.active)  # it would come back ahead of the successor
         or any(t.route for t in index.queued)  # it may start on another preset than its command's
     ):
         return None
-    first = min(index.queued, key=lambda t: task_key(cfg, t))
-    return Successor(first, first.expires_at)
+    due = [t for t in index.queued if t.not_before is None]
+    if not due:
+        return None
+    first = min(due, key=lambda t: task_key(cfg, t))
+    key = task_key(cfg, first)
+    # A task waiting for its time (a retry's delay, `delegate --at`) that sorts before it
+    # would take the slot once that time has come: the promise holds until then.
+    waits = [t.not_before for t in index.queued if t.not_before is not None and task_key(cfg, t) < key]
+    return Successor(first, min(filter(None, [first.expires_at, *waits]), default=None))
 
 
 def start_order(index: Index, cfg: Config, now: datetime) -> list[Task]:
@@ -383,6 +391,9 @@ class Request(msgspec.Struct, kw_only=True):
     retries: int = 0  # failed or lost runs run again, as the same task
     retry_delay: float | None = None  # seconds between a failed run and the next
     retry_of: int | None = None  # `kugetsu retry`: the finished task this one runs again
+    # `delegate --at/--delay`: it waits in the queue until then (Task.not_before), then
+    # competes like any other; its queue expiry counts from then. Past or None: at once.
+    start_at: datetime | None = None
     env: dict[str, str] = {}
     # Worktree isolation: None lets the agent preset and config decide (ops does); ops then
     # fills `repo` (the repository's top level) and `base`, which pm records on the task.
@@ -636,6 +647,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     task_id = index.next_id
     name = req.name or f"task-{task_id}"
     expire_after = req.expire_after if req.expire_after is not None else cfg.queue_timeout_s
+    start_at = _start_time(req.start_at, now)
     timeout = req.timeout if req.timeout is not None else cfg.run_timeout_s
     if not req.command and req.prompt_path is None and wants_prompt_file(cfg, req):
         raise ValueError("a {prompt_file} preset needs Request.prompt_path (ops.delegate sets it)")
@@ -655,7 +667,8 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         command=command,
         cwd=req.cwd,
         created_at=now,
-        expires_at=now + timedelta(seconds=expire_after) if expire_after else None,
+        expires_at=(start_at or now) + timedelta(seconds=expire_after) if expire_after else None,
+        not_before=start_at,
         prompted=prompted,
         timeout=timeout,
         env=env,
@@ -771,6 +784,7 @@ class Edit(msgspec.Struct, kw_only=True):
     timeout: float | None = None  # run timeout in seconds; 0: no limit
     group: str | None = None
     prompt_path: str | None = None  # where a {prompt_file} preset's prompt is (ops knows; pm does no I/O)
+    start_at: datetime | None = None  # `edit --at/--delay`: when it may start (now or past: at once)
 
 
 def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> list[Event]:
@@ -819,9 +833,29 @@ def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> 
     if change.timeout is not None and (change.timeout or None) != task.timeout:
         task.timeout = change.timeout or None
         changed["timeout"] = task.timeout
+    if change.start_at is not None:
+        start = _start_time(change.start_at, now)
+        if start != task.not_before:
+            # Its queue expiry moves with its start (it counts from then, as at admission),
+            # unless an expiry was given in this same edit.
+            if task.expires_at is not None and change.expire_after is None:
+                task.expires_at += (start or now) - max(task.not_before or now, now)
+                changed["expires_at"] = task.expires_at.isoformat()
+            task.not_before = start
+            changed["not_before"] = start.isoformat() if start else None
     if not changed:
         return []
     return [_event("edited", task, now, key=",".join(changed), value=changed)]
+
+
+def _start_time(at: datetime | None, now: datetime) -> datetime | None:
+    """A start time asked for (`--at`, `--delay`): None when it has come already; at most
+    MAX_DURATION ahead, as every duration (a deadline computed from it must stay a date)."""
+    if at is None or at <= now:
+        return None
+    if at - now > timedelta(seconds=MAX_DURATION):
+        raise UsageError(f"a start time {at.isoformat()} is too far ahead: at most {MAX_DURATION // 86400}d from now")
+    return at
 
 
 # Linux refuses a single argv element of 32 pages (MAX_ARG_STRLEN) or more at exec.
@@ -1135,7 +1169,9 @@ def correct_clock(index: Index, cfg: Config, now: datetime, before: Index | None
         if task.kill_at is not None and task.kill_at > ahead + grace:
             task.kill_at -= off(task.kill_at, f"{who} was to be killed at") - grace  # now + grace
         delay = timedelta(seconds=task.retry_delay or 0)
-        if task.not_before is not None and task.not_before > ahead + delay:
+        # A retry's wait is at most its delay from now; a start time asked for (`delegate
+        # --at/--delay`, a task that never ran) may lie anywhere ahead: it is the caller's.
+        if task.not_before is not None and task.attempts and task.not_before > ahead + delay:
             task.not_before -= off(task.not_before, f"{who} was to retry at") - delay  # now + delay
         for a in task.attempts:
             if a.ended_at > ahead:

@@ -5,9 +5,9 @@ tasks start now (pm.plan_starts), and positions come from playing it forward on 
 the state (`Board.drain`) with slots freeing one at a time and nothing new arriving. So a
 position is the truth for every strategy and limit: there is no second ordering to drift.
 
-A Board groups queued tasks into lanes by (source, group, agent preset, retry time): every
+A Board groups queued tasks into lanes by (source, group, agent preset, start time): every
 limit applies to a whole source, group or preset (its max_agents, a hold on its provider),
-and a retry's delay to that task alone, so within a lane only the head can be next, and a
+and a start time (a retry's delay, `delegate --at`) to that task alone, so within a lane only the head can be next, and a
 pick looks at one task per lane instead of the whole queue.
 """
 
@@ -23,8 +23,10 @@ from kugetsu import budgets
 from kugetsu.config import Config, format_duration, format_size
 from kugetsu.models import PRIORITIES, Index, Task
 
-# source, group, route (the presets it may start on, in order; () for a bare command), not_before
-Lane = tuple[str, str | None, tuple[str, ...], datetime | None]
+# source, group, route (the presets it may start on, in order; () for a bare command),
+# not_before, and whether that wait is a start time asked for (`delegate --at`, a task that
+# never ran) rather than a retry's delay: only the words differ.
+Lane = tuple[str, str | None, tuple[str, ...], datetime | None, bool]
 
 RANK = {p: i for i, p in enumerate(PRIORITIES)}
 NEVER = -1  # the start counter of a source that never started: oldest of all under `fair`
@@ -80,9 +82,11 @@ def task_key(cfg: Config, task: Task) -> tuple[int, int]:
     return (0 if cfg.strategy == "fifo" else RANK[task.priority], task.id)
 
 
-def simple_order(index: Index, cfg: Config) -> bool:
+def simple_order(index: Index, cfg: Config, waits: bool = True) -> bool:
     """True when no limit can hold one queued task while another passes it: then every pick
-    takes the smallest key of all heads, and the start order is a plain sort (fifo, priority)."""
+    takes the smallest key of all heads, and the start order is a plain sort (fifo, priority).
+    `waits=False`: tasks that wait for their time (a retry's delay, `delegate --at`) are left
+    out of the question (pm.successor bounds its promise by their times instead)."""
     return (
         cfg.strategy in ("fifo", "priority")
         and cfg.max_active_per_source is None
@@ -91,7 +95,7 @@ def simple_order(index: Index, cfg: Config) -> bool:
         and not cfg.budgets.enabled
         and not any(p.max_agents is not None or p.limit.window is not None for p in cfg.agents.values())
         # one pass over the queue (delegate asks this of a long queue on every call)
-        and not any(t.after or t.not_before is not None or (t.group is not None and t.group in cfg.groups)
+        and not any(t.after or (waits and t.not_before is not None) or (t.group is not None and t.group in cfg.groups)
                     for t in index.queued)
     )
 
@@ -188,7 +192,8 @@ class Board:
         self.lanes = {k: deque(sorted(v, key=lambda kt: kt[0])) for k, v in queued.items()}
 
     def lane_of(self, task: Task) -> Lane:
-        return (task.source, self.group_of(task), route_of(task), task.not_before)
+        return (task.source, self.group_of(task), route_of(task), task.not_before,
+                task.not_before is not None and not task.attempts)
 
     # ---- presets: holds, caps, failover --------------------------------------------------
 
@@ -255,7 +260,7 @@ class Board:
     # ---- the rules --------------------------------------------------------------------
 
     def free(self, source: str, group: str | None, route: tuple[str, ...] = (), not_before: datetime | None = None,
-             slots: int = 1) -> bool:
+             asked: bool = False, slots: int = 1) -> bool:
         """May a task of this lane start now, given a free global slot? (`why` in words.)"""
         if self.source_limit is not None and self.by_source[source] >= self.source_limit:
             return False
@@ -272,13 +277,13 @@ class Board:
         return group is None or self.by_group[group] + slots <= self.caps[group]
 
     def why(self, source: str, group: str | None, route: tuple[str, ...] = (), not_before: datetime | None = None,
-            slots: int = 1) -> str | None:
+            asked: bool = False, slots: int = 1) -> str | None:
         """Why a task of this lane may not start now even with a free global slot, or None.
         A failover order that has no preset with room names each preset's reason."""
         if route and self.preset_for(route) is None:
             return self.route_why(route)
         if not_before is not None and not_before > self.now:
-            return f"retry at {clock(not_before, self.now)}"
+            return f"{'starts' if asked else 'retry'} at {clock(not_before, self.now)}"
         limit = self.source_limit
         if limit is not None and self.by_source[source] >= limit:
             return f"source {source} has {self.by_source[source]} running (limit {limit})"
@@ -405,7 +410,7 @@ class Board:
         """The earliest moment a rate limit, a hold on a preset or a retry's delay that holds
         a queued task runs out."""
         times = []
-        for source, _, route, not_before in self.lanes:
+        for source, _, route, not_before, _ in self.lanes:
             if self.interval is not None and source in self.ready and self.ready[source] > self.now:
                 times.append(self.ready[source])
             for agent in route:

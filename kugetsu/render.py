@@ -287,3 +287,30 @@ def hosts_table(rows: list[dict[str, Any]]) -> str:
     body = [[r["name"] + (" *" if r["this"] else ""), r["state"], f"{r['running']}/{r['max_agents']}",
              format_duration(r["heartbeat_age"]) + " ago", ", ".join(r["tasks"]) or "-"] for r in rows]
     return table(["HOST", "STATE", "RUNNING", "HEARTBEAT", "TASKS"], body)
+
+
+def when(iso: str | None, now: datetime | None = None) -> str:
+    """A JSON time (`schedule list --json`) as people read it here: 02:00, Nov 27 02:00."""
+    if iso is None:
+        return "-"
+    from kugetsu.policy import clock
+
+    at = datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    return clock(at, now or at)
+
+
+def schedules_table(rows: list[dict[str, Any]], now: datetime) -> str:
+    """`kugetsu schedule list`, the bot's /schedules and the dashboard's pane: each schedule,
+    when it fires next, its last task and how it ended (or why its last firing did nothing)."""
+    if not rows:
+        return "no schedules (`kugetsu schedule add NAME --cron LINE | --every DUR -- CMD`)"
+    out = []
+    for r in rows:
+        rule = f"cron {r['cron']}" + (f" ({r['tz']})" if r["tz"] else "") if r["cron"] else \
+            f"every {format_duration(r['every'])}"
+        last = r["last_task_name"] or (f"#{r['last_task']}" if r["last_task"] else "-")
+        if r["last_outcome"]:
+            last += f" {r['last_outcome']}"
+        note = r["last_note"] if r["last_note"] and not r["last_note"].startswith("delegated") else ""
+        out.append([r["name"], rule, "paused" if r["paused"] else when(r["next_fire"], now), last, note])
+    return table(["NAME", "WHEN", "NEXT", "LAST TASK", "NOTE"], out)

@@ -3,13 +3,14 @@
 This module holds its lifecycle and its executor: each tick gathers what happened
 (observations), asks pm.tick what to do, carries out the plan and commits, in one store
 transaction. It spawns agents as slots free and learns of their exit at once, records the
-result and promotes the next task in the same transaction. One loop timer wakes it at the
+result and promotes the next task in the same transaction. One APScheduler job wakes it at the
 earliest of everything that happens at a time (queue expiry, run timeouts, SIGKILL after
-the grace, policy wake-ups), another for a periodic reconcile; the CLI wakes it through a
+the grace, policy wake-ups), others fire the recurring schedules, a loop timer runs a
+periodic reconcile; the CLI wakes it through a
 Unix datagram socket after each transaction. What to do is always decided by pm.
 
 Its parts: processes.py (spawned, warm and adopted wrappers), exits.py (exit watching and
-leftovers), worktree_worker.py (git in a worker thread), deadlines.py (the one timer),
+leftovers), worktree_worker.py (git in a worker thread), deadlines.py (APScheduler: deadlines, schedules),
 wakeup.py (the socket), control.py (the single-instance lock, start/stop from outside).
 """
 
@@ -28,7 +29,7 @@ import msgspec
 
 from kugetsu import agents, control, limits, logtail, ops, placement, pm, runner, usage
 from kugetsu.config import Config, format_size, host_name, load_config
-from kugetsu.deadlines import DeadlineTimer
+from kugetsu.deadlines import DeadlineTimer, ScheduleJobs, new_scheduler
 from kugetsu.errors import DiskFull, KugetsuError, Unreachable
 from kugetsu.exits import Ending, Exits
 from kugetsu.agents.report import Usage
@@ -118,7 +119,10 @@ class Service:
         self._stopping = asyncio.Event()
         wakeup = WakeSocket(self.home, self.loop, self.request_tick, self.stop)
         wakeup.open()
-        self.timer = DeadlineTimer(self.loop, self._on_deadline)
+        self.scheduler = new_scheduler()
+        self.scheduler.start()
+        self.timer = DeadlineTimer(self.scheduler, self._on_deadline)
+        self.schedule_jobs = ScheduleJobs(self.scheduler, self._fire_schedule)
         self._reconcile_handle = self.loop.call_later(RECONCILE_EVERY, self._reconcile)
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self._stopping.set)
@@ -149,6 +153,7 @@ class Service:
             if self.cgroup_base is not None:
                 usage.remove_base(self.cgroup_base)
             self.timer.cancel()
+            self.scheduler.shutdown(wait=False)
             self.worktrees.shutdown()
             self.procs.close()
             self.exits.close()
@@ -737,6 +742,25 @@ class Service:
         self.member.start()
         self.member.watch(self.store)  # type: ignore[arg-type]  (a PgStore in cluster mode)
         self.procs.host = self.exits.host = self.member.name
+        from kugetsu.cluster.member import SCHEDULER_LEASE
+
+        # The schedules fire on one machine, the lease's holder (their tasks run anywhere).
+        # One that takes the lease over registers them afresh: what fell due while no one
+        # held it is found missed, and coalesced as after a restart.
+        self.member.want(SCHEDULER_LEASE, lambda held: loop.call_soon_threadsafe(self._scheduler_lease, held),
+                         "the schedules' lease")
+
+    def _scheduler_lease(self, held: bool) -> None:
+        if held:
+            self.schedule_jobs.restart()
+            self.request_tick()
+
+    def _fires_here(self) -> bool:
+        if self.member is None:
+            return True
+        from kugetsu.cluster.member import SCHEDULER_LEASE
+
+        return self.member.holds(SCHEDULER_LEASE)
 
     def _observe_cluster(self, txn: Txn, obs: pm.Observations) -> None:
         """Every machine's lease, and the directories queued tasks need that this machine
@@ -789,12 +813,32 @@ class Service:
     # ---- watching processes and deadlines --------------------------------------------
 
     def _sync_jobs(self) -> None:
-        """Set the one deadline timer (deadlines.py) at the earliest moment anything falls due:
+        """Set the deadline job (deadlines.py) at the earliest moment anything falls due:
         pm's deadlines (expiry, run timeouts, SIGKILL after the grace) and the policies'."""
         now = ops.now()
         self.jobs = pm.policy_wakeups(self.index, self.cfg, now, ops.measure(self.cfg), self.jobs)
         due = min(filter(None, [pm.next_deadline(self.index), *self.jobs.values()]), default=None)
         self.timer.set(due, now)
+        if self.index.schedules or self.schedule_jobs.rules:
+            self.schedule_jobs.sync(self.index.schedules, now, self.cfg.schedule_missed)
+        else:
+            self.schedule_jobs.catch_up = False  # none yet: one added later starts at its next firing
+
+    async def _fire_schedule(self, name: str, at: datetime) -> None:
+        """A schedule's firing (deadlines.ScheduleJobs): delegated in a worker thread (its
+        checks look at the file system and may run git), recorded on the schedule. In a
+        cluster every service has the job and the lease's holder fires it; should two fire
+        at once (the lease changing hands), the firing's transaction lets the first one
+        through and the other finds it done (schedules.should_fire)."""
+        if not self._fires_here():
+            return  # a cluster: the machine holding the schedules' lease fires them
+        try:
+            firing = await asyncio.to_thread(ops.fire_schedule, self.home, name, at)
+        except Exception as err:
+            log.error("schedule %s: firing at %s failed: %s", name, at.isoformat(), err)
+            return
+        if firing is not None:
+            log.info("schedule %s: %s", name, firing.note)
 
     # ---- extensions (the Telegram bot) -----------------------------------------------
 

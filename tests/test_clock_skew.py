@@ -98,22 +98,25 @@ def test_correct_clock_moves_only_what_is_beyond_the_tolerance():
     counts from now."""
     from kugetsu import pm
     from kugetsu.config import Config
-    from kugetsu.models import ClockMark, Hold, Index, SourceMark, Task
+    from kugetsu.models import Attempt, ClockMark, Hold, Index, SourceMark, Task
 
     now = datetime(2026, 11, 24, 12, tzinfo=timezone.utc)
     year = timedelta(days=365)
-    index = Index(next_id=3, queued=[
+    index = Index(next_id=4, queued=[
         Task(id=1, name="near", command=["true"], cwd="/", created_at=now + timedelta(minutes=4),
              expires_at=now + timedelta(hours=1)),
         Task(id=2, name="retry", command=["true"], cwd="/", created_at=now, retry_delay=60,
-             not_before=now + year),
+             not_before=now + year, attempts=[Attempt(ended_at=now, exit_code=1)]),
+        # A start time asked for (`delegate --at`): the caller's, however far ahead.
+        Task(id=3, name="asked", command=["true"], cwd="/", created_at=now, not_before=now + year),
     ], last_start={"cli": SourceMark(at=now + year, n=1)},
         holds={"claude": Hold(until=now + year + timedelta(hours=1), reason="claude held by hand", since=now + year)},
         clock=ClockMark(at=now + year, by="kugetsu hold (pid 7)"))
     err = pm.correct_clock(index, Config(), now)
-    near, retry = index.queued
+    near, retry, asked = index.queued
     assert near.created_at == now + timedelta(minutes=4) and near.expires_at == now + timedelta(hours=1)
     assert retry.not_before == now + timedelta(seconds=60)
+    assert asked.not_before == now + year
     assert index.last_start["cli"].at == now
     assert (index.holds["claude"].since, index.holds["claude"].until) == (now, now + timedelta(hours=1))
     assert err is not None and err.by == "kugetsu hold (pid 7)" and err.off > 364 * 86400

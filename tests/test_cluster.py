@@ -411,3 +411,40 @@ def test_prompts_are_rows_beside_the_queue_and_reach_an_agent_on_another_machine
         rows = [bytes(r[0]) for r in conn.execute("SELECT body FROM kugetsu.tasks")]
         assert len(rows) == 2 and all(b"xxxxxxxxxx" not in r and len(r) < 2_000 for r in rows)
         assert conn.execute("SELECT count(*) FROM kugetsu.prompts").fetchone()[0] == 2
+
+
+def test_a_schedule_fires_once_on_the_lease_holder_and_another_takes_over(machines: Machine, pg_url: str):
+    """Two services share a schedule (every 1 s): only the machine holding the schedules'
+    lease fires it, no firing happens twice; its holder is killed -9, the other takes the
+    lease over and the firings go on, still once each (docs/scheduling.md)."""
+    import psycopg
+
+    a, b = machines("m1", serve=False), machines("m2", serve=False)
+    a.ok("config", "set", "cluster.lease", "3s")
+    a.ok("serve", "--detach")
+    wait_for(lambda: "holding the schedules' lease" in a.home.service_log.read_text(), 15, "m1 to take the lease")
+    b.ok("serve", "--detach")
+    rec = a.rec / "tick"
+    a.ok("schedule", "add", "tick", "--every", "1s", "--", "sh", "-c", 'date +%s.%N >> "$0"', str(rec))
+
+    def firings() -> list[tuple[str, int]]:
+        with psycopg.connect(pg_url, autocommit=True) as db:
+            rows = db.execute("SELECT body FROM kugetsu.events ORDER BY seq").fetchall()
+        evs = [json.loads(r[0]) for r in rows]
+        return [(e["value"], e["task"]) for e in evs if e["type"] == "schedule" and e.get("task")]
+
+    wait_for(lambda: len(firings()) >= 3, 15, "three firings")
+    holders = [k.home.root.name for k in (a, b) if "holding the schedules' lease" in k.home.service_log.read_text()]
+    assert holders == ["m1"]
+    pid = a.service_pid()
+    assert pid
+    os.kill(pid, signal.SIGKILL)  # the holder dies: its lease runs out, m2 takes the firings over
+    killed = len(firings())
+    wait_for(lambda: "holding the schedules' lease" in b.home.service_log.read_text(), 15, "m2 to take the lease")
+    wait_for(lambda: len(firings()) >= killed + 3, 15, "firings from m2")
+    fired = firings()
+    times = [at for at, _ in fired]
+    assert len(set(times)) == len(times), fired  # no scheduled time fired twice
+    assert len({task for _, task in fired}) == len(fired)
+    assert sorted(times) == times
+    wait_for(lambda: len(rec.read_text().split()) >= len(fired), 15, "every firing's task to run")

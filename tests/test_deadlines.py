@@ -79,3 +79,37 @@ def test_expiries_timeouts_and_kills_fire_on_time_after_a_burst_and_a_sigkill(kg
     assert 0 <= term - due <= LATE, f"the 2s timeout stopped the agent {term - due + 2:.3f}s after its start"
     hold.touch()
     kg.wait_state("hold", "succeeded")
+
+
+async def test_a_deadline_its_own_tick_sets_already_due_still_fires():
+    """The way APScheduler dropped the deadline before (README, "Design decisions"): the tick
+    a deadline job runs sets the next deadline, already due. A date job leaves the store when
+    submitted and counts as running until its done-callback: re-added from inside, it is
+    refused (max_instances) and dropped. deadlines.DeadlineTimer arms it from the listener
+    instead, so every one fires, each within a few ms, on the real AsyncIOScheduler."""
+    import asyncio
+    import time
+    from datetime import timedelta, timezone
+
+    from kugetsu.deadlines import DeadlineTimer, new_scheduler
+
+    scheduler = new_scheduler()
+    scheduler.start()
+    fired: list[tuple[float, float]] = []  # (when it was due, when it fired)
+    due_at: list[datetime] = []
+
+    def on_due() -> None:
+        fired.append((due_at[-1].timestamp(), time.time()))
+        if len(fired) < 20:  # the next deadline, set by the tick and already due (two in one tick)
+            due_at.append(datetime.now(timezone.utc) - timedelta(milliseconds=1))
+            timer.set(due_at[-1])
+
+    timer = DeadlineTimer(scheduler, on_due)
+    due_at.append(datetime.now(timezone.utc) + timedelta(milliseconds=50))
+    timer.set(due_at[-1])
+    deadline = time.monotonic() + 5
+    while len(fired) < 20 and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    scheduler.shutdown(wait=False)
+    assert len(fired) == 20, f"only {len(fired)} of 20 deadlines fired"
+    assert max(at - due for due, at in fired) < LATE

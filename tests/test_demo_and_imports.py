@@ -71,7 +71,8 @@ def test_everyday_commands_do_not_import_heavy_modules(kg, command):
                                                          # shutil (with bz2, lzma): runner.which instead, 3 ms
                                                          "shutil", "bz2", "lzma")}
     # kugetsu's own modules that only their commands need (stats reads history, doctor probes)
-    heavy |= imported & {"kugetsu.stats", "kugetsu.metrics", "kugetsu.doctor", "kugetsu.web"}
+    heavy |= imported & {"kugetsu.stats", "kugetsu.metrics", "kugetsu.doctor", "kugetsu.web", "kugetsu.schedules",
+                          "kugetsu.deadlines"}
     heavy |= {m for m in imported if m.startswith("kugetsu.mcp")}  # the MCP server: only `kugetsu mcp` loads it
     assert heavy == set()
 

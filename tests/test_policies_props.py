@@ -211,20 +211,26 @@ def test_fair_never_starves_a_source(raw, first, later, gap):
 def test_successor_is_what_the_next_free_slot_starts(raw, simple, first, later, gap, data):
     """pm.successor is a promise the service acts on before its transaction: whichever
     running task ends, at any moment before `until`, the transaction that records the end
-    starts that task first. Queue deadlines are random, so expiry is part of the bargain."""
+    starts that task first. Queue deadlines are random, so expiry is part of the bargain; so
+    are start times (`delegate --at`, a retry's delay) of tasks that sort before it."""
     if simple:
         raw |= {"strategy": data.draw(st.sampled_from(["fifo", "priority"])), "max_active_per_source": None,
                 "min_start_interval_per_source": None, "agents": {}, "budgets": {}}
         first, later = ([(s, p, None, None) for s, p, _, _ in batch] for batch in (first, later))
     cfg, index, now = build(raw, first, later, gap)
+    waiting = data.draw(st.booleans())  # some tasks wait for their time (`delegate --at`, a retry's delay)
     for task in index.queued:
         task.expires_at = data.draw(st.none() | st.integers(1, 30).map(lambda s: now + timedelta(seconds=s)))
+        if waiting:
+            task.not_before = data.draw(st.none() | st.integers(1, 30).map(lambda s: now + timedelta(seconds=s)))
     succ = pm.successor(index, cfg)
-    if simple and index.queued and len(index.active) == cfg.max_agents:
+    if simple and not waiting and index.queued and len(index.active) == cfg.max_agents:
         assert succ is not None  # the common case of a busy queue does get its fast start
     if succ is None:
         return
-    assert succ.until == succ.task.expires_at
+    assert succ.task.not_before is None
+    ahead = [t.not_before for t in index.queued if t.not_before and task_key(cfg, t) < task_key(cfg, succ.task)]
+    assert succ.until == min(filter(None, [succ.task.expires_at, *ahead]), default=None)
     last = (succ.until - now) - timedelta(microseconds=1) if succ.until else timedelta(hours=1)
     for ending in range(len(index.active)):
         for at in (now, now + last):

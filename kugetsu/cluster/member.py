@@ -34,8 +34,18 @@ log = logging.getLogger("kugetsu.cluster")
 BACKOFF_FIRST, BACKOFF_MAX = 0.2, 5.0  # seconds between attempts to reach a database that is away
 SHIP_EVERY = 0.5  # seconds between shipments of agents' new output
 BOT_LEASE = "telegram"  # the lease of the one machine that runs the Telegram bot
+SCHEDULER_LEASE = "scheduler"  # the lease of the one machine that fires the recurring schedules
 STUCK = LOCK_WAIT_MS / 1000 + 10  # seconds: past any lock wait a session allows (db.LOCK_WAIT_MS)
 LISTEN_POLL = 0.5  # seconds: how long the listener waits for a notification before it looks at `stop`
+
+
+class Lease:
+    """A lease this machine competes for (hosts.take_lease), and what to do when it changes."""
+
+    def __init__(self, name: str, what: str, on_change: Callable[[bool], None]):
+        self.name, self.what, self.on_change = name, what, on_change
+        self.held = False
+        self.renewed = 0.0  # time.monotonic() of the last renewal
 
 
 class Member:
@@ -47,12 +57,11 @@ class Member:
         self._logs: dict[int, Path] = {}  # the running agents' logs (set by the service)
         self._pending: dict[int, Path] = {}  # every log with output still to ship
         self._lock = threading.Lock()
-        # The Telegram bot's lease, when this machine wants it (a token is configured):
-        # on_bot(True) once it holds it, on_bot(False) once it may no longer count on it.
-        self.on_bot: Callable[[bool], None] | None = None
+        # Leases of work one machine does for the whole cluster (the Telegram bot, the
+        # schedules' firings), by name, when this machine wants them: on_change(True) once it
+        # holds one, on_change(False) once it may no longer count on it.
+        self.leases: dict[str, Lease] = {}
         self._watched: PgStore | None = None
-        self.holds_bot = False
-        self._bot_renewed = 0.0  # time.monotonic() of the last renewal
         self._shipped: dict[int, int] = {}  # task id -> bytes of its log the database has
         self.epoch: int | None = None
         self.machine = ""  # this home's machine id (hosts.machine_id), read at join
@@ -101,7 +110,7 @@ class Member:
                     conn.close()
                 conn = None
                 self.since = None  # a gap: others' silence is no proof until a whole lease passes again
-                self._bot_lease(None)
+                self._renew_leases(None)
                 if str(err) != failing:
                     log.error("heartbeat failed: %s; retrying with backoff (running agents are not affected)", err)
                 failing = str(err)
@@ -118,13 +127,14 @@ class Member:
                 self.wake()
             elif self.since is None:
                 self.since = hosts.clock(conn)
-            self._bot_lease(conn if ok else None)
+            self._renew_leases(conn if ok else None)
         if conn is not None:
-            if self.holds_bot:
-                try:
-                    hosts.drop_lease(conn, BOT_LEASE, self.name)
-                except psycopg.Error:
-                    pass  # it runs out by itself
+            for lease in list(self.leases.values()):
+                if lease.held:
+                    try:
+                        hosts.drop_lease(conn, lease.name, self.name)
+                    except psycopg.Error:
+                        pass  # it runs out by itself
             conn.close()
 
     def watch(self, store: PgStore) -> None:
@@ -144,36 +154,43 @@ class Member:
 
     def want_bot(self, on_bot: Callable[[bool], None]) -> None:
         """Compete for the Telegram bot's lease from now on (the first try is at once)."""
-        self.on_bot = on_bot
+        self.want(BOT_LEASE, on_bot, "the Telegram bot's lease")
+
+    def want(self, name: str, on_change: Callable[[bool], None], what: str) -> None:
+        """Compete for the lease `name` from now on (the first try is at once)."""
+        self.leases[name] = Lease(name, what, on_change)
         try:
             conn = connect(self.url)
             try:
-                self._bot_lease(conn)
+                self._renew_leases(conn)
             finally:
                 conn.close()
         except KugetsuError:
             pass  # the heartbeats try again
 
-    def _bot_lease(self, conn: psycopg.Connection | None) -> None:
-        """Renew (or try to take) the bot's lease; without a connection, give the bot up once
-        the lease may have run out, before another machine can take it."""
-        if self.on_bot is None:
-            return
-        held = self.holds_bot
-        if conn is not None:
-            try:
-                held = hosts.take_lease(conn, BOT_LEASE, self.name, self.lease)
-            except psycopg.Error:
-                conn = None
-            else:
-                if held:
-                    self._bot_renewed = time.monotonic()
-        if conn is None and held and time.monotonic() - self._bot_renewed > self.lease * 2 / 3:
-            held = False
-        if held != self.holds_bot:
-            self.holds_bot = held
-            log.info("%s the Telegram bot's lease", "holding" if held else "gave up")
-            self.on_bot(held)
+    def holds(self, name: str) -> bool:
+        lease = self.leases.get(name)
+        return lease is not None and lease.held
+
+    def _renew_leases(self, conn: psycopg.Connection | None) -> None:
+        """Renew (or try to take) each lease wanted; without a connection, give one up once
+        it may have run out, before another machine can take it."""
+        for lease in list(self.leases.values()):
+            held = lease.held
+            if conn is not None:
+                try:
+                    held = hosts.take_lease(conn, lease.name, self.name, self.lease)
+                except psycopg.Error:
+                    conn = None
+                else:
+                    if held:
+                        lease.renewed = time.monotonic()
+            if conn is None and held and time.monotonic() - lease.renewed > self.lease * 2 / 3:
+                held = False
+            if held != lease.held:
+                lease.held = held
+                log.info("%s %s", "holding" if held else "gave up", lease.what)
+                lease.on_change(held)
 
     def _listen(self) -> None:
         tag = process_tag()

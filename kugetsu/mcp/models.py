@@ -66,7 +66,8 @@ class TaskOut(BaseModel):
     retries: int = Field(0, description="failed or lost runs run again (delegate --retries)")
     retry_delay: OptFloat = Field(None, description="seconds between a failed run and its retry")
     retry_of: OptInt = Field(None, description="the finished task this one runs again (`kugetsu retry`)")
-    not_before: OptStr = Field(None, description="a retry waits for its delay: it starts no earlier")
+    not_before: OptStr = Field(None, description="it starts no earlier: a retry's delay, or the time asked"
+                               " (delegate at/delay)")
     session: OptStr = Field(None, description="the agent's session id, read from its output (it resumes it)")
     depth: int = Field(0, description="tasks above it: 0 when delegated from outside any task, 1 when a task's agent"
                        " delegated it, ...")
@@ -112,7 +113,8 @@ class AttemptOut(BaseModel):
 
 class QueuedTaskOut(TaskOut):
     waiting_for: OptStr = Field(
-        description="why it waits when it is not simply behind others (a source or group limit, a rate limit, ...)")
+        description="why it waits when it is not simply behind others (starts at 02:00, a source or group limit, a"
+                    " rate limit, ...)")
 
 
 class CapacityOut(BaseModel):
@@ -201,3 +203,20 @@ class LogsOut(BaseModel):
     text: str = Field(description="the end of the task's output (stdout and stderr), as UTF-8 text")
     size: int = Field(description="the whole log's size in bytes")
     truncated: bool = Field(description="true when text is only the end of the log")
+
+
+class ScheduleOut(BaseModel):
+    """One recurring schedule, as `kugetsu schedule list --json` prints it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    cron: OptStr = Field(description="a crontab line (5 fields, or 6 with seconds first); null: every (seconds)")
+    next_fire: OptStr = Field(description="when it fires next (null while paused)")
+    last_outcome: OptStr = Field(description="its last task's state now, and why it ended if it did not succeed")
+    last_note: OptStr = Field(description="what its last firing did: delegated, skipped (its task still runs),"
+                              " not delegated (queue full, ...)")
+
+
+class SchedulesOut(BaseModel):
+    schedules: list[ScheduleOut]

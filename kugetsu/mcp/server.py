@@ -42,6 +42,7 @@ from kugetsu.mcp.models import (
     Level,
     LogsOut,
     QueueOut,
+    SchedulesOut,
     TaskOut,
     WaitOut,
 )
@@ -330,6 +331,10 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
                                                " stopped); null: the preset's or the config's")] = None,
         slots: Annotated[int | None, Field(ge=1, le=64, description="slots of max_agents (and of its group) it"
                                            " takes; null: the preset's (1)")] = None,
+        at: Annotated[str | None, Field(description="start no earlier than this time (02:00, 3pm, ISO 8601: the"
+                                        " next one to come); it waits in the queue until then")] = None,
+        delay: Annotated[str | float | None, Field(description="start no earlier than this long from now (30m, 2h"
+                                                   " or seconds)")] = None,
     ) -> Annotated[CallToolResult, DelegateOut]:
         """Hand one piece of work (one issue) to a worker agent. kugetsu starts it at once in a
         free slot or queues it, and says which: "started NAME (#ID), slot 2/3" or "queued NAME
@@ -347,6 +352,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             timeout=_duration(timeout, "timeout"), worktree=worktree, base=base, retries=retries,
             retry_delay=_duration(retry_delay, "retry_delay"), fallback=fallback, fallback_fresh=fallback_fresh,
             budget_usd=budget_usd, max_tokens=max_tokens, memory=_size(memory), max_procs=max_procs, slots=slots,
+            start_at=ops.start_time(at, _duration(delay, "delay"), "at"),
         )
         try:
             adm = await admitter.admit(req)
@@ -389,7 +395,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         branch."""
         cfg, index = ops.read(home)
         control.ensure_service(home, cfg, index)
-        obj = _task_json(home, cfg, index, pm.find(index, task))
+        obj = ops.status_json(home, index, cfg, pm.find(index, task))
         return _text(render.task_lines(obj), obj)
 
     @server.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=False, open_world_hint=False))
@@ -502,6 +508,17 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         strategies (not under fifo); the result gives its new position."""
         changed, position = ops.set_priority(home, task, level)
         return _text(render.priority_changed(changed, position), ops.task_json(changed, position, prompts=ops.prompts(home, [changed])))
+
+    @server.tool(annotations=read_only)
+    @answers
+    def schedules() -> Annotated[CallToolResult, SchedulesOut]:
+        """The recurring schedules (`kugetsu schedule add`): each one's rule (cron or every),
+        when it fires next, the task its last firing delegated and how that task stands or
+        ended, and what its last firing did (skipped while its task still ran, not delegated
+        because the queue was full). Each firing delegates a task named NAME-YYYYmmdd-HHMMSS."""
+        cfg, index = ops.read(home)
+        rows = ops.schedules_json(cfg, index)
+        return _text(render.schedules_table(rows, ops.now()), {"schedules": rows})
 
     # ---- resources -----------------------------------------------------------------------
 

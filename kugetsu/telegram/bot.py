@@ -152,6 +152,14 @@ async def cmd_capacity(update: Update, context: ContextTypes.DEFAULT_TYPE) -> No
     await _reply(update, text.capacity(pm.capacity(index, cfg, ops.now())))
 
 
+async def cmd_schedules(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
+    def look() -> str:
+        cfg, index = ops.read(_env(context).home)
+        return text.schedules(ops.schedules_json(cfg, index), ops.now())
+
+    await _reply(update, await asyncio.to_thread(look))
+
+
 async def cmd_status(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
     if not context.args:
         await _reply(update, "usage: /status TASK (an id or a name)")
@@ -260,7 +268,7 @@ def build(token: str, home: Home, get_cfg: Callable[[], Config]) -> Application:
     app.add_handler(TypeHandler(Update, gate), group=-1)
     for name, handler in (
         ("start", cmd_help), ("help", cmd_help), ("queue", cmd_queue), ("status", cmd_status),
-        ("capacity", cmd_capacity), ("cancel", cmd_cancel), ("delegate", cmd_delegate),
+        ("capacity", cmd_capacity), ("cancel", cmd_cancel), ("delegate", cmd_delegate), ("schedules", cmd_schedules),
     ):
         app.add_handler(CommandHandler(name, handler))
     app.add_handler(CallbackQueryHandler(on_button))

@@ -140,6 +140,8 @@ def notification(event: Event, task: Task | None, cfg: Config, log_tail: str | N
     if kind == "worktree":  # what became of a task's worktree, or a prune
         what = esc(event.reason or f"worktree {event.worktree_state or 'changed'}")
         return f"🌿 {ref}: {what}" if event.task is not None else f"🌿 {what}"
+    if kind == "schedule":  # a recurring schedule: added, paused, what a firing did (docs/scheduling.md)
+        return f"🗓️ schedule <b>{esc(event.name)}</b>: {esc(event.reason or '')}"
     return f"{esc(kind)} {ref}"
 
 
@@ -181,6 +183,13 @@ def tail_lines(data: bytes, count: int = 8, width: int = 300) -> str:
     return "\n".join(lines[-count:])
 
 
+def schedules(rows: list[dict[str, object]], now: datetime) -> str:
+    """/schedules: the CLI's `schedule list` table, as preformatted text."""
+    from kugetsu import render
+
+    return pre(render.schedules_table(rows, now))  # type: ignore[arg-type]
+
+
 def help_text(allow_delegate: bool) -> str:
     lines = [
         "<b>kugetsu</b>: the agent queue on this machine.",
@@ -189,6 +198,7 @@ def help_text(allow_delegate: bool) -> str:
         "/status TASK: one task in full (TASK = id or name)",
         "/capacity: slots and queue in one line",
         "/cancel TASK...: cancel queued or running tasks",
+        "/schedules: the recurring schedules, their next firing and last task",
     ]
     if allow_delegate:
         lines.append("/delegate NAME PROMPT: run the default agent on PROMPT")
@@ -202,6 +212,7 @@ COMMANDS = [
     ("capacity", "slots and queue"),
     ("cancel", "cancel tasks: /cancel TASK"),
     ("delegate", "start an agent: /delegate NAME PROMPT"),
+    ("schedules", "recurring schedules"),
     ("help", "what this bot does"),
 ]
 

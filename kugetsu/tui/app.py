@@ -28,7 +28,7 @@ from kugetsu.models import Event, Index, Task
 from kugetsu.paths import Home
 from kugetsu.store import open_store
 from kugetsu.tui import view
-from kugetsu.tui.screens import SOURCE, ConfirmCancel, DelegateForm, HelpScreen, LogScreen, describe_error
+from kugetsu.tui.screens import SOURCE, ConfirmCancel, DelegateForm, HelpScreen, LogScreen, SchedulesScreen, describe_error
 from kugetsu.render import printable
 from kugetsu.tui.widgets import LogView, StateTable, TaskTable, plain
 
@@ -60,6 +60,7 @@ class Dashboard(App[None]):
         Binding("minus", "max_agents(-1)", "fewer agents", show=False),
         Binding("l", "log", "log"),
         Binding("s", "stats", "stats"),
+        Binding("w", "schedules", "schedules", show=False),  # the footer must fit 80 columns: in `?`
         Binding("r", "refresh", "refresh"),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
@@ -283,6 +284,9 @@ class Dashboard(App[None]):
         from kugetsu.tui.stats import StatsScreen  # the stats module reads history: only when asked
 
         self.push_screen(StatsScreen(self.home, self.clock))
+
+    def action_schedules(self) -> None:
+        self.push_screen(SchedulesScreen(self.home, self.clock, self.poll))
 
     def action_log(self) -> None:
         task = self.selected_task()

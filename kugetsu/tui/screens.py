@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from datetime import datetime
 
 from rich.text import Text
 from textual import on, work
@@ -174,9 +176,40 @@ HELP = """\
 [b]+[/b] / [b]-[/b]  raise / lower max_agents (as `kugetsu config set` does)
 [b]l[/b]  the selected task's log, full screen
 [b]s[/b]  stats: queue depth and starts over the last hour, wait and run times
+[b]w[/b]  the recurring schedules: next firing, last task and how it ended
 [b]r[/b]  refresh now (it also refreshes by itself, within a second)
 [b]q[/b]  quit (tasks keep running)
 """
+
+
+class SchedulesScreen(ModalScreen[None]):
+    """`kugetsu schedule list` in the dashboard: each schedule, when it fires next, its last
+    task and how that stands or ended, refreshed with the dashboard's poll."""
+
+    BINDINGS = [Binding("escape,w,q", "app.pop_screen", "close")]
+
+    def __init__(self, home: Home, clock: Callable[[], datetime], poll: float):
+        super().__init__()
+        self.home, self.clock, self.poll = home, clock, poll
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="help"):
+            yield Static("[b]Schedules[/b]  (`kugetsu schedule add NAME --cron LINE | --every DUR -- CMD`)")
+            yield Static("", id="schedules")
+
+    def on_mount(self) -> None:
+        self.show()
+        self.set_interval(self.poll, self.show)
+
+    def show(self) -> None:
+        from kugetsu import render
+
+        try:
+            cfg, index = ops.read(self.home)
+            body = render.schedules_table(ops.schedules_json(cfg, index), self.clock())
+        except Exception as err:  # a damaged index: say it here, the dashboard says it too
+            body = f"cannot read the schedules: {err}"
+        self.query_one("#schedules", Static).update(Text(body))
 
 
 class HelpScreen(ModalScreen[None]):

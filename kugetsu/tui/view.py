@@ -58,9 +58,13 @@ def running_rows(queue: pm.QueueView, now: datetime, tz: tzinfo | None) -> list[
 
 
 def queue_rows(queue: pm.QueueView, now: datetime) -> list[Row]:
+    """WAITING: how long it has waited, and why when it is not simply behind others (`starts
+    at 02:00`, its dependencies, a group full), as `queue`'s WAITING FOR says."""
+    why = queue.waiting_for
     return [
         Row(str(t.id), t.state.value, (str(queue.positions[t.id]), str(t.id), t.name, t.priority, t.source,
-                                       since(t.created_at, now), until(t.expires_at, now)))
+                                       since(t.created_at, now) + (f" · {why[t.id]}" if t.id in why else ""),
+                                       until(t.expires_at, now)))
         for t in queue.queued
     ]
 
@@ -80,7 +84,8 @@ def event_rows(events: list[Event], now: datetime, tz: tzinfo | None) -> list[Ro
 def _event_task(e: Event) -> str:
     if e.task is None:
         return "-"
-    return f"#{e.task} {e.name}" if e.name else f"#{e.task}"
+    # A schedule's event names the schedule, not its task (the detail names the task).
+    return f"#{e.task} {e.name}" if e.name and e.type != "schedule" else f"#{e.task}"
 
 
 def _event_detail(e: Event) -> str:
@@ -94,6 +99,8 @@ def _event_detail(e: Event) -> str:
         return f"group {e.value}" if e.value else "every start"
     if e.type == "edited" and e.key:
         return f"changed {e.key.replace(',', ', ')}"
+    if e.type == "schedule":  # added, paused, a firing's outcome (delegated, skipped, not delegated)
+        return f"{e.name}: {e.reason}"
     if e.type == "worktree" and not e.reason and e.worktree_state:
         return f"worktree {e.worktree_state}"
     return e.reason or ""
