@@ -227,8 +227,10 @@ def task_lines(task: dict[str, Any]) -> str:
             from kugetsu.agents.report import Usage, describe
 
             value = describe(Usage(**value))
+        elif key == "after":  # task ids, as `status #3` takes them
+            value = " ".join(f"#{v}" for v in value)
         elif isinstance(value, list):
-            value = " ".join("{prompt}" if prompt and v == prompt else _quote(v) for v in value)
+            value = " ".join("{prompt}" if prompt and v == prompt else _quote(str(v)) for v in value)
         text = str(value).replace("\n", "\n" + " " * (width + 2))
         out.append(f"{key.ljust(width)}  {text}")
     return "\n".join(out)
