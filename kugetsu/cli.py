@@ -891,7 +891,10 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
     if args.action in ("set", "unset"):
         value = None if args.action == "unset" else parse_value(_stdin_value(args.key) if args.value == "-" else args.value)
         cfg = ops.set_config(home, args.key, value, remove=args.action == "unset")
-        print(f"{args.key} = {to_json(C.mask_secrets(get_value(cfg, args.key), args.key))}")
+        if not C.has_value(cfg, args.key):  # an entry removed (agents.x): no default to show
+            print(f"{args.key} removed")
+        else:
+            print(f"{args.key} = {to_json(C.mask_secrets(get_value(cfg, args.key), args.key))}")
         return OK
     cfg = load_config(home)
     if args.action == "get":

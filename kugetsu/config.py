@@ -834,6 +834,16 @@ def get_value(cfg: Config, key: str) -> object:
     return node
 
 
+def has_value(cfg: Config, key: str) -> bool:
+    """Does the effective config hold `key` (set, or a default)? `config unset agents.x`
+    leaves none."""
+    try:
+        get_value(cfg, key)
+    except UsageError:
+        return False
+    return True
+
+
 def with_value(raw: dict[str, Any], key: str, value: object, *, remove: bool = False) -> dict[str, Any]:
     """A copy of the raw config with `key` set to `value` (or removed, back to its default)."""
     import json

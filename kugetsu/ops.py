@@ -19,7 +19,7 @@ import msgspec
 
 from kugetsu import placement, pm, runner
 from kugetsu.control import check_wakeable, wake
-from kugetsu.config import LOCAL_KEYS, Config, cluster_config, cluster_host, format_size, host_name, load_config, mask_secrets, read_raw, save_raw, validate, with_value
+from kugetsu.config import LOCAL_KEYS, Config, cluster_config, cluster_host, format_size, has_value, host_name, load_config, mask_secrets, read_raw, save_raw, validate, with_value
 from kugetsu.errors import KugetsuError, NotClustered, UsageError
 from kugetsu.models import TASK_DEFAULTS, Event, Index, Task, TaskState
 from kugetsu.paths import Home, write_new
@@ -379,8 +379,10 @@ def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Con
             _check_joinable(home, local, txn.index)
         if txn.shared_config and key.split(".")[0] not in LOCAL_KEYS:
             # A cluster: the shared config is in the queue row, written in this transaction.
-            shared = with_value(msgspec.json.decode(txn.shared_config), key, value, remove=remove)
+            before = msgspec.json.decode(txn.shared_config)
+            shared = with_value(before, key, value, remove=remove)
             cfg = cluster_config(home, local, shared, setting=key)
+            _check_unset(cfg, key, remove and shared == before)
             txn.new_config = msgspec.json.encode(shared)
         else:
             raw = with_value(local, key, value, remove=remove)
@@ -388,11 +390,19 @@ def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Con
                 cfg = cluster_config(home, raw, msgspec.json.decode(txn.shared_config), setting=key)
             else:
                 cfg = validate(raw, home.config, hint="\nNothing was changed.", setting=key)
+            _check_unset(cfg, key, remove and raw == local)
             save_raw(home, raw)
         txn.emit([Event(type="config", at=txn.now, key=key, value=None if remove else mask_secrets(value, key))])
         settle(txn, cfg)
     wake(home, cfg)
     return cfg
+
+
+def _check_unset(cfg: Config, key: str, removed_nothing: bool) -> None:
+    """`config unset` of a key that was not there and has no default (`agents.typo`) is an
+    error before anything is written; one that removed an entry (`agents.x`) succeeds."""
+    if removed_nothing and not has_value(cfg, key):
+        raise UsageError(f"config key {key!r} is not set; nothing was changed")
 
 
 def _check_joinable(home: Home, local: dict[str, Any], index: Index) -> None:

@@ -54,3 +54,21 @@ async def test_mcp_status_of_a_task_with_after(kg):
         r = await c.call_tool("status", {"task": "b"})
     assert not r.is_error, text(r)
     assert r.structured_content["after"] == [1] and "#1" in text(r)
+
+
+# ---- broken 2: config unset of a preset or a group --------------------------------------
+
+
+def test_config_unset_of_a_preset_or_group_succeeds_and_a_failing_unset_writes_nothing(kg):
+    kg.config(autostart=False, agents={"x": {"command": ["true", "{prompt}"]}}, groups={"gpu": {"max_agents": 1}})
+    for key in ("agents.x", "groups.gpu"):
+        r = kg.run("config", "unset", key)
+        assert r.returncode == 0 and r.stdout.strip() == f"{key} removed" and r.stderr == "", r
+    raw = json.loads(kg.home.config.read_text())
+    assert "x" not in raw["agents"] and "gpu" not in raw["groups"]
+    assert [e["key"] for e in kg.events("config")] == ["agents.x", "groups.gpu"]
+    before = kg.home.config.read_bytes()
+    r = kg.run("config", "unset", "agents.x")  # nothing there: an error, and nothing written
+    assert r.returncode == 2 and "not set" in r.stderr and "nothing was changed" in r.stderr, r
+    assert kg.home.config.read_bytes() == before and len(kg.events("config")) == 2
+    assert kg.ok("config", "unset", "max_agents").strip() == "max_agents = 3"  # back to its default
