@@ -981,17 +981,21 @@ def _last_lines(path: os.PathLike[str], count: int = 4) -> str:
 
 def cmd_shutdown(home: Home, args: argparse.Namespace) -> int:
     control.check_wakeable(home)  # else "no service is running" would hide why it cannot be told
-    pid = control.service_pid(home)
-    if not control.send(home, b"shutdown") or pid is None:
+    if not control.service_holds_lock(home):
         _say("no kugetsu service is running")
         return OK
+    # The lock is held: a service is up, or still coming up (autostarted by the command just
+    # before, its socket not bound yet): it is told as soon as it listens, never missed.
+    pid, told = None, False
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
+        pid = control.service_pid(home) or pid
         if not control.service_holds_lock(home):  # not just its pid file gone: wholly stopped
-            _say(f"kugetsu service stopped (pid {pid}); running agents keep running")
+            _say(f"kugetsu service stopped{f' (pid {pid})' if pid else ''}; running agents keep running")
             return OK
-        time.sleep(0.05)
-    raise KugetsuError(f"the service (pid {pid}) did not stop within 15s")
+        told = told or control.send(home, b"shutdown")
+        time.sleep(0.02)
+    raise KugetsuError(f"the service{f' (pid {pid})' if pid else ''} did not stop within 15s")
 
 
 def cmd_hosts(home: Home, args: argparse.Namespace) -> int:

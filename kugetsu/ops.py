@@ -131,7 +131,7 @@ def delegate_many(home: Home, cfg: Config, reqs: list[pm.Request]) -> list[Admis
         for path in written:  # no task owns them: a failed command leaves nothing behind
             path.unlink(missing_ok=True)
         raise
-    wake(home, cfg)
+    wake(home, cfg, txn.index)
     return out  # type: ignore[return-value]
 
 
@@ -257,7 +257,7 @@ def cancel(home: Home, refs: list[str], *, everything: bool = False, reason: str
     for task in tasks if cfg.store is None else []:
         if task.state is TaskState.RUNNING:
             runner.kill_group(task.pid, task.pid_start, signal.SIGTERM)
-    wake(home, cfg)
+    wake(home, cfg, txn.index)
     return tasks
 
 
@@ -271,7 +271,7 @@ def set_priority(home: Home, ref: str, level: str) -> tuple[Task, int | None]:
         txn.emit(pm.set_priority(txn.index, task, level, txn.now))
         settle(txn, cfg)
         position = pm.position(txn.index, cfg, txn.now, task)
-    wake(home, cfg)
+    wake(home, cfg, txn.index)
     return task, position
 
 
@@ -302,7 +302,7 @@ def edit(home: Home, ref: str, change: pm.Edit) -> tuple[Task, int | None, bool]
         if old is not None and path is not None:
             _replace_prompt(path, old)
         raise
-    wake(home, cfg)
+    wake(home, cfg, txn.index)
     return task, position, bool(events)
 
 
@@ -324,7 +324,7 @@ def pause(home: Home, group: str | None, on: bool) -> tuple[bool, pm.Capacity]:
         txn.emit(events)
         settle(txn, cfg)
         cap = pm.capacity(txn.index, cfg)
-    wake(home, cfg)
+    wake(home, cfg, txn.index)
     return bool(events), cap
 
 
@@ -337,7 +337,7 @@ def hold(home: Home, agent: str, until: datetime | None) -> list[Event]:
         events = pm.hold(txn.index, cfg, agent, until, txn.now)
         txn.emit(events)
         settle(txn, cfg)
-    wake(home, cfg)
+    wake(home, cfg, txn.index)
     return events
 
 
@@ -347,7 +347,7 @@ def release(home: Home, agent: str) -> list[Event]:
         events = pm.release(txn.index, cfg, agent, txn.now)
         txn.emit(events)
         settle(txn, cfg)
-    wake(home, cfg)
+    wake(home, cfg, txn.index)
     return events
 
 
@@ -394,7 +394,7 @@ def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Con
             save_raw(home, raw)
         txn.emit([Event(type="config", at=txn.now, key=key, value=None if remove else mask_secrets(value, key))])
         settle(txn, cfg)
-    wake(home, cfg)
+    wake(home, cfg, txn.index)
     return cfg
 
 
