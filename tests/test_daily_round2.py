@@ -127,3 +127,51 @@ def test_a_clean_up_script_leaves_no_service(kg):
     kg.delegate("b", 30)
     kg.ok("shutdown")  # the agents run on, with no service: `cancel` starts one to book their ends
     clean_up()
+
+
+# ---- broken 5: time back in the queue is not run time ------------------------------------
+
+
+def test_stats_counts_only_the_runs_not_the_time_back_in_the_queue(kg):
+    from test_limits import preset
+
+    kg.config(agents={"fake": preset(kg, "fake", limited=1, reset=600)})
+    kg.ok("delegate", "a", "--agent", "fake", "--prompt", "go")
+    wait_for(lambda: kg.index()["holds"], 10, "fake to be held")  # ran once, back in the queue
+    time.sleep(2.5)  # the time in the queue that must not count
+    kg.ok("cancel", "a")
+    a = kg.task("a")
+    attempt = a["attempts"][0]
+    from datetime import datetime
+
+    ran = (datetime.fromisoformat(attempt["ended_at"]) - datetime.fromisoformat(attempt["started_at"])).total_seconds()
+    report = json.loads(kg.ok("stats", "--json"))["total"]
+    assert report["cancelled"] == 1 and report["run_seconds"]["count"] == 1
+    assert report["run_seconds"]["max"] == pytest.approx(ran, abs=1e-3) and ran < 2, report
+    assert report["busy_slot_seconds"] == pytest.approx(ran, abs=1e-3)
+
+
+# ---- broken 6: stats --by host in a cluster ----------------------------------------------
+
+
+def test_stats_by_host_in_a_cluster_names_the_machines_tasks_ran_on(tmp_path, pg_url):
+    from conftest import Kugetsu
+
+    made = []
+    try:
+        for name in ("m1", "m2"):
+            k = Kugetsu(tmp_path / name)
+            k.config(store=pg_url, host=name, host_max_agents=1)
+            made.append(k)
+            k.ok("serve", "--detach")
+        a = made[0]
+        a.delegate("one", 0, 0, "--host", "m1")
+        a.delegate("two", 0, 0, "--host", "m2")
+        a.wait_state("one", "succeeded")
+        a.wait_state("two", "succeeded")
+        rows = json.loads(a.ok("stats", "--by", "host", "--json"))["rows"]
+        assert {k: r["succeeded"] for k, r in rows.items()} == {"m1": 1, "m2": 1}, rows
+        assert "m1" in a.ok("stats", "--by", "host")
+    finally:
+        for k in made:
+            k.cleanup()
