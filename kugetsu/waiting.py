@@ -171,7 +171,25 @@ def wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = F
         before = store.stamp()
     elif watch is None and store.stamp() != before:
         return  # committed since the caller read: look again now
-    fds = [fd for t in tasks if ours(t, here) if (fd := runner.open_pidfd(t.pid, t.pid_start)) is not None]
+    fds: list[int] = []
+    unwatched = False  # a running task of ours with no process to watch
+    for t in tasks:
+        if ours(t, here):
+            fd = runner.open_pidfd(t.pid, t.pid_start)
+            if fd is not None:
+                fds.append(fd)
+            elif t.state is TaskState.RUNNING:
+                unwatched = True
+    if unwatched and watch is None:
+        # Its agent is gone (or not spawned yet) and its end not booked: the service is
+        # killing what it left behind, or starting it. No process to watch, so the store's
+        # stamp is watched closely: the booking is seen within 10 ms, not at the next look.
+        for fd in fds:
+            os.close(fd)
+        end = time.monotonic() + timeout
+        while store.stamp() == before and time.monotonic() < end and not (stop and stop.is_set):
+            time.sleep(0.01)
+        return
     try:
         news = [watch.fileno()] if watch is not None else []
         stops = [stop.fileno()] if stop is not None else []

@@ -175,3 +175,22 @@ def test_stats_by_host_in_a_cluster_names_the_machines_tasks_ran_on(tmp_path, pg
     finally:
         for k in made:
             k.cleanup()
+
+
+# ---- broken 8: cancel returns when the task is final ---------------------------------------
+
+
+def test_cancel_returns_as_soon_as_a_task_with_leftovers_is_final(kg):
+    from datetime import datetime
+
+    kg.config(kill_grace="1s")
+    # The agent ends at SIGTERM; the process it left behind ignores it: SIGKILL after the grace.
+    kg.ok("delegate", "stubborn", "--", "sh", "-c", "(trap '' TERM; sleep 30) & wait")
+    kg.wait_state("stubborn", "running")
+    wait_for(lambda: kg.task("stubborn")["pid"], 10, "the agent to start")
+    time.sleep(0.3)  # the leftover is started
+    r = kg.run("cancel", "stubborn")
+    returned = time.time()
+    assert r.returncode == 0 and r.stdout.strip() == "cancelled stubborn (#1)", r
+    finished = datetime.fromisoformat(kg.task("stubborn")["finished_at"]).timestamp()
+    assert returned - finished < 0.4, f"cancel returned {returned - finished:.2f}s after the task was final"
