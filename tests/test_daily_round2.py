@@ -194,3 +194,23 @@ def test_cancel_returns_as_soon_as_a_task_with_leftovers_is_final(kg):
     assert r.returncode == 0 and r.stdout.strip() == "cancelled stubborn (#1)", r
     finished = datetime.fromisoformat(kg.task("stubborn")["finished_at"]).timestamp()
     assert returned - finished < 0.4, f"cancel returned {returned - finished:.2f}s after the task was final"
+
+
+# ---- broken 7: an adopted agent's end after a restart is booked at once ---------------------
+
+
+def test_after_a_restart_an_adopted_agents_end_is_booked_and_the_next_starts_at_once(kg):
+    from datetime import datetime
+
+    kg.config(max_agents=1)
+    kg.delegate("adopted", 2.5)
+    kg.delegate("next", 0)
+    wait_for(lambda: kg.times("adopted").get("start"), 10, "the agent to start")
+    kg.ok("shutdown")
+    kg.ok("serve", "--detach")  # adopts the running agent; `next` waits for its slot
+    # `wait`, not a loop of `status` (a read-only command wakes the service when work is live).
+    kg.ok("wait", "next", "--timeout", "20")
+    ended = kg.times("adopted")["end"]
+    booked = datetime.fromisoformat(kg.task("adopted")["finished_at"]).timestamp()
+    started = kg.times("next")["start"]
+    assert booked - ended < 0.5 and started - ended < 0.6, (booked - ended, started - ended)
