@@ -12,6 +12,7 @@ import time
 
 import pytest
 from conftest import wait_for
+from test_dashboard_web import served  # noqa: F401  (a fixture: the web dashboard on a free port)
 
 
 # ---- broken 1: status of a task made with --after ----------------------------------------
@@ -214,3 +215,94 @@ def test_after_a_restart_an_adopted_agents_end_is_booked_and_the_next_starts_at_
     booked = datetime.fromisoformat(kg.task("adopted")["finished_at"]).timestamp()
     started = kg.times("next")["start"]
     assert booked - ended < 0.5 and started - ended < 0.6, (booked - ended, started - ended)
+
+
+# ---- broken 4: a web dashboard tab ends with its socket and with its server ---------------
+
+
+def _tab_socket(served):
+    """A raw websocket of one tab, opened with the token, that has read the first screen."""
+    import socket
+
+    s = socket.create_connection(("127.0.0.1", served.port), timeout=30)
+    s.sendall((f"GET /ws?token={served.token}&width=120&height=40 HTTP/1.1\r\nHost: 127.0.0.1:{served.port}\r\n"
+               "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+               "Sec-WebSocket-Version: 13\r\n\r\n").encode())
+    got = b""
+    while len(got) < 4000:
+        got += s.recv(65536)
+    return s
+
+
+def _tabs(served) -> list[int]:
+    from test_dashboard_web import processes_in_group
+
+    return [p for p in processes_in_group(served.proc.pid) if p != served.proc.pid]
+
+
+def _vanish(s) -> None:
+    """Gone without a close frame or a FIN: a reset, as a browser killed after a screenshot."""
+    import socket
+    import struct
+
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+
+
+@pytest.fixture
+def busy_home(kg):
+    """Something that changes on the screen: the tab keeps writing."""
+    kg.config(max_agents=2)
+    for i in range(2):
+        kg.ok("delegate", f"chatty{i}", "--", "sh", "-c", "while :; do echo $(date +%s.%N); sleep 0.01; done")
+    return kg
+
+
+def test_a_tab_whose_socket_vanishes_while_stalled_ends(busy_home, served):
+    s = _tab_socket(served)
+    tabs = wait_for(lambda: _tabs(served), 30, "the tab's dashboard")
+    time.sleep(3)  # the client reads nothing: the server's buffers and the tab's pipe fill
+    _vanish(s)
+    wait_for(lambda: not any(p in _tabs(served) for p in tabs), 20, "the tab's dashboard to end")
+    assert served.proc.poll() is None  # the server serves on
+
+
+def test_sigterm_ends_a_stalled_tab(busy_home, served):
+    s = _tab_socket(served)
+    tabs = wait_for(lambda: _tabs(served), 30, "the tab's dashboard")
+    time.sleep(3)
+    for pid in tabs:
+        os.kill(pid, 15)
+    wait_for(lambda: not any(p in _tabs(served) for p in tabs), 10, "the tab's dashboard to end at SIGTERM")
+    s.close()
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_the_servers_end_ends_every_tab(busy_home, served, sig):
+    import signal
+
+    sockets = [_tab_socket(served) for _ in range(2)]
+    tabs = wait_for(lambda: len(t := _tabs(served)) >= 2 and t, 30, "two tabs' dashboards")
+    time.sleep(2)  # stalled: neither client reads
+    os.kill(served.proc.pid, getattr(signal, sig))  # the server alone, as Ctrl+C in its terminal
+    served.proc.wait(15)
+
+    def alive() -> list[int]:
+        return [p for p in tabs if os.path.exists(f"/proc/{p}") and b") Z" not in open(f"/proc/{p}/stat", "rb").read()]
+
+    wait_for(lambda: not alive(), 10, "every tab to end with the server")
+    for s in sockets:
+        s.close()
+
+
+def test_a_headless_chromium_screenshot_leaves_no_tab_behind(busy_home, served, tmp_path):
+    from test_dashboard_web import CHROMIUM, FLAGS
+
+    if CHROMIUM is None:
+        pytest.skip("no chromium on this machine")
+    shot = tmp_path / "shot.png"
+    subprocess.run([CHROMIUM, "--headless", *FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=3000",
+                    f"--screenshot={shot}", "--window-size=1200,700", served.url],
+                   capture_output=True, timeout=90)
+    assert shot.exists()
+    wait_for(lambda: not _tabs(served), 20, "the screenshot's tab to end")
