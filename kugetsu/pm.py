@@ -161,9 +161,11 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def capacity(index: Index, cfg: Config, now: datetime | None = None) -> Capacity:
-    """Counts only: cheap at any queue length (no order is computed)."""
+    """Counts only: cheap at any queue length (no order is computed). While `pause` holds
+    every start, no slot is free to a new task: free is 0, so that "free > 0: a task delegated
+    now starts at once" (the PM instructions) holds."""
     return Capacity(max_agents=cfg.max_agents, active=len(index.active), queued=len(index.queued),
-                    free=free_slots(index, cfg), max_queue=cfg.max_queue, paused=index.paused,
+                    free=0 if index.paused else free_slots(index, cfg), max_queue=cfg.max_queue, paused=index.paused,
                     paused_groups=sorted(index.paused_groups), holds=holds_view(index, now))
 
 

@@ -88,7 +88,7 @@ def test_pause_holds_every_start_across_a_restart_and_resume_lets_them_go(kg):
     assert out.strip() == "queued held (#2), position 1 of 1; waiting for: paused", out
     kg.delegate("held2", 0)
     cap = kg.json("capacity")
-    assert cap["paused"] is True and cap["paused_groups"] == [] and cap["free"] == 1
+    assert cap["paused"] is True and cap["paused_groups"] == [] and cap["free"] == 0  # none to a new task
     q = kg.json("queue")
     assert q["paused"] is True
     assert [(t["name"], t["position"], t["waiting_for"]) for t in q["queued"]] == [

@@ -306,3 +306,16 @@ def test_a_headless_chromium_screenshot_leaves_no_tab_behind(busy_home, served, 
                    capture_output=True, timeout=90)
     assert shot.exists()
     wait_for(lambda: not _tabs(served), 20, "the screenshot's tab to end")
+
+
+# ---- confusing: capacity while paused --------------------------------------------------------
+
+
+def test_capacity_while_paused_has_no_free_slot(kg):
+    kg.config(autostart=False, max_agents=2)
+    kg.ok("pause")
+    cap = kg.json("capacity")
+    assert cap["paused"] is True and cap["free"] == 0, cap
+    assert kg.ok("capacity").startswith("0/2 running, 0 free")
+    kg.ok("resume")
+    assert kg.json("capacity")["free"] == 2
