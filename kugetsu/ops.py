@@ -149,6 +149,8 @@ def _admit(home: Home, txn: Txn, cfg: Config, req: pm.Request, written: list[Pat
     why = pm.waiting_for_one(txn.index, cfg, txn.now, task, measure(cfg)) if position else None
     if position and task.pinned_host is not None:
         why = placement.placement_note(task, hosts_up(cfg)) or why
+    if position == 1 and why is None:
+        why = placement.handed_over(cfg, pm.free_slots(txn.index, cfg))
     return Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
 
 

@@ -319,3 +319,20 @@ def test_capacity_while_paused_has_no_free_slot(kg):
     assert kg.ok("capacity").startswith("0/2 running, 0 free")
     kg.ok("resume")
     assert kg.json("capacity")["free"] == 2
+
+
+# ---- confusing: delegate in a cluster with a slot free -------------------------------------
+
+
+def test_delegate_in_a_cluster_says_a_machine_starts_it_when_a_slot_is_free(tmp_path, pg_url):
+    from conftest import Kugetsu
+
+    k = Kugetsu(tmp_path / "m1")
+    k.config(store=pg_url, host="m1", host_max_agents=2)
+    try:
+        k.ok("serve", "--detach")
+        out = k.ok("delegate", "soon", "--", "true").strip()
+        assert out == "queued soon (#1), position 1 of 1; waiting for: a machine to start it (a slot is free: within a moment)"
+        k.wait_state("soon", "succeeded")
+    finally:
+        k.cleanup()
