@@ -356,7 +356,7 @@ def release(home: Home, agent: str) -> list[Event]:
 def retry(home: Home, cfg: Config, ref: str) -> Admission:
     """`kugetsu retry TASK`: a finished task admitted again as a new task (`retry_of`)."""
     _, index = read(home)
-    return delegate(home, cfg, pm.retry_request(pm.find(index, ref)))
+    return delegate(home, cfg, pm.retry_request(index, pm.find(index, ref)))
 
 
 # ---- config ------------------------------------------------------------------------------

@@ -1338,10 +1338,33 @@ def release(index: Index, cfg: Config, agent: str, now: datetime) -> list[Event]
     return [_hold_event("released", agent, held, index, now)]
 
 
-def retry_request(task: Task) -> Request:
-    """`kugetsu retry TASK`: a finished task admitted again, as a new task linked to it."""
+def retry_request(index: Index, task: Task) -> Request:
+    """`kugetsu retry TASK`: a finished task admitted again, as a new task linked to it. It
+    runs after what it ran after: each dependency's latest run (`retry impl` then `retry
+    review`: review waits for the new impl). One whose latest run ended otherwise than
+    succeeded is refused, with what to do: the retry could never start."""
     if not task.state.final:
         raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}; only a finished task can be retried", code=1)
+    after = []
+    for dep_id in task.after:
+        dep = latest_run(index, dep_id)
+        if dep is not None and dep.state.final and dep.state is not TaskState.SUCCEEDED:
+            raise UsageError(f"{task.name} (#{task.id}) runs after {dep.name} (#{dep.id}), which {dep.state.value}:"
+                             f" retry that first (`kugetsu retry {dep.name}`), then this one", code=1)
+        after.append(f"#{dep.id if dep is not None else dep_id}")
     return Request(cwd=task.cwd, name=task.name, command=list(task.first_command or task.command), prompt=task.prompt,
                    agent=task.agent, source=task.source, priority=task.priority, group=task.group, timeout=task.timeout,
-                   env=dict(task.env), retries=task.retries, retry_delay=task.retry_delay, retry_of=task.id)
+                   env=dict(task.env), retries=task.retries, retry_delay=task.retry_delay, retry_of=task.id,
+                   after=after)
+
+
+def latest_run(index: Index, task_id: int) -> Task | None:
+    """The task `task_id`, or its newest retry (`retry_of` links, followed to the end)."""
+    tasks = index.all_tasks()
+    found = next((t for t in tasks if t.id == task_id), None)
+    while found is not None:
+        newer = max((t for t in tasks if t.retry_of == found.id), key=lambda t: t.id, default=None)
+        if newer is None:
+            return found
+        found = newer
+    return None

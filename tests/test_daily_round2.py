@@ -336,3 +336,31 @@ def test_delegate_in_a_cluster_says_a_machine_starts_it_when_a_slot_is_free(tmp_
         k.wait_state("soon", "succeeded")
     finally:
         k.cleanup()
+
+
+# ---- confusing: retry of a task cancelled because its dependency failed ---------------------
+
+
+def test_retry_of_a_task_whose_dependency_failed_waits_for_the_dependencys_retry(kg):
+    kg.config(max_agents=2)
+    flag = kg.rec / "fixed"
+    # impl fails until `fixed` exists; review runs after it.
+    kg.ok("delegate", "impl", "--", "sh", "-c", f"sleep 0.3; test -e {flag}")
+    kg.delegate("review", 0, 0, "--after", "impl")
+    assert kg.wait_state("review", "cancelled")["reason"] == "dependency impl failed"
+    r = kg.run("retry", "review")  # impl has not run again: review could never start
+    assert r.returncode == 1 and r.stdout == "", r
+    assert "runs after impl (#1), which failed: retry that first (`kugetsu retry impl`)" in r.stderr, r
+    flag.touch()
+    kg.ok("retry", "impl")
+    out = kg.ok("retry", "review")
+    assert "waiting for: impl" in out, out
+    kg.wait_state("#4", "succeeded")
+    assert kg.task("#4")["after"] == [3]
+    assert kg.times("review")["start"] >= datetime_of(kg.task("#3")["finished_at"])
+
+
+def datetime_of(text: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(text).timestamp()

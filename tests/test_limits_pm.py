@@ -245,9 +245,9 @@ def test_retry_request_links_a_finished_task():
     cfg, index = setup()
     admit(index, cfg, "a", "other")
     with pytest.raises(UsageError, match="only a finished task can be retried"):
-        pm.retry_request(index.queued[0])
+        pm.retry_request(index, index.queued[0])
     pm.cancel(index, index.queued[0], NOW, 10)
-    req = pm.retry_request(index.finished[0])
+    req = pm.retry_request(index, index.finished[0])
     task, _ = pm.admit(index, cfg, NOW, req)
     assert task.retry_of == 1 and task.command == ["other", "a"] and task.name == "a"
 
