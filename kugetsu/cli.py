@@ -406,9 +406,9 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         retries=args.retries,
         retry_delay=args.retry_delay,
     )
-    if pm.unused_prompt(req):
-        print("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"
-              " in its arguments, or drop the command to run the agent preset)", file=sys.stderr)
+    unused = pm.unused_prompt_text(cfg, req, "the command after --")
+    if unused:
+        print(f"kugetsu: warning: {unused}", file=sys.stderr)
     adm = ops.delegate(home, cfg, req)
     _priority_ignored(cfg.strategy, args.priority)
     if not args.json:
@@ -438,11 +438,16 @@ def _read_prompt(args: argparse.Namespace) -> str | None:
         else:
             with open(args.prompt_file, "rb") as f:
                 data = f.read()
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except OSError as err:
         raise UsageError(f"cannot read --prompt-file: {err}") from None
     except UnicodeDecodeError as err:
         raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    if not text.strip():  # pm refuses an empty prompt too; here the file is what to fix
+        where = "standard input" if args.prompt_file == "-" else f"the file {args.prompt_file}"
+        raise UsageError(f"--prompt-file: {where} is empty{' (only white space)' if text else ''}: write the"
+                         " task's instructions in it")
+    return text
 
 
 def cmd_edit(home: Home, args: argparse.Namespace) -> int:

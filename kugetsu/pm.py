@@ -338,10 +338,32 @@ def wants_prompt_file(cfg: Config, req: Request) -> bool:
     return not req.command and any("{prompt_file}" in a for a in resolve_agent(cfg, req)[1])
 
 
-def unused_prompt(req: Request) -> bool:
-    """A prompt given beside an explicit command and no preset: nothing puts it anywhere (the
-    command runs as given). Each front end says so in its own terms."""
-    return req.prompt is not None and bool(req.command) and req.agent is None
+def unused_prompt(cfg: Config, req: Request) -> str | None:
+    """Why a prompt given is put nowhere, or None: "command", beside an explicit command and
+    no preset (the command runs as given); "preset", its preset's command has neither
+    {prompt} nor {prompt_file}. Each front end says so in its own terms."""
+    if req.prompt is None:
+        return None
+    if req.command:
+        return "command" if req.agent is None else None
+    preset = cfg.agents.get(req.agent or cfg.default_agent)
+    if preset is not None and not any(_NEEDS_PROMPT.search(a) for a in preset.command):
+        return "preset"
+    return None
+
+
+def unused_prompt_text(cfg: Config, req: Request, command: str) -> str | None:
+    """The warning of unused_prompt, `command` naming the explicit command as the front end
+    takes it (`the command after --`, `command`)."""
+    why = unused_prompt(cfg, req)
+    if why == "command":
+        return (f"the prompt is not used: {command} runs as given (put the prompt in its arguments, or leave out"
+                " the command to run the agent preset)")
+    if why == "preset":
+        agent = req.agent or cfg.default_agent
+        return (f"the prompt is not used: preset {agent!r} has no {{prompt}} or {{prompt_file}} in its command"
+                f" (add one: `kugetsu config get agents.{agent}.command` shows it)")
+    return None
 
 
 def parent_task(index: Index, ref: tuple[int, str] | None) -> Task | None:
@@ -402,9 +424,10 @@ def check_prompt(cfg: Config, prompt: str | None) -> None:
     size, cap = len(prompt.encode("utf-8", "surrogateescape")), cfg.prompt_max_bytes
     if size > cap:
         raise UsageError(
-            f"the prompt is {format_size(size)}, over prompt_max_size ({format_size(cap)}): put the long text in a"
-            " file the agent can read (in its working directory) and give a short prompt that points to it; a preset with"
-            " {prompt_file} passes the prompt as a file rather than in the agent's argv; or raise prompt_max_size")
+            f"the prompt is {format_size(size)}, over prompt_max_size ({format_size(cap)}; kugetsu keeps each prompt"
+            " in index.json): raise it (`kugetsu config set prompt_max_size 1MiB`) and use a preset with {prompt_file},"
+            " which hands the agent the prompt as a file (an argument takes at most 128 KiB); or give a short prompt"
+            " that names a file in the task's directory for the agent to read")
 
 
 def _check_text(req: Request) -> None:
@@ -635,7 +658,8 @@ def _check_argv(command: list[str], cwd: str) -> None:
         if size > MAX_ARG_BYTES:
             raise UsageError(
                 f"argument {i} of the command is {size} bytes; the system allows at most {MAX_ARG_BYTES} in one"
-                " argument: put a long prompt in a file and have the agent read it"
+                " argument: if it is the prompt, put {prompt_file} in place of {prompt} in the preset's command"
+                " (the agent gets the prompt as a file), or give a short prompt that names a file for the agent to read"
             )
 
 

@@ -364,3 +364,43 @@ def datetime_of(text: str) -> float:
     from datetime import datetime
 
     return datetime.fromisoformat(text).timestamp()
+
+
+# ---- confusing: prompts put nowhere, or refused with the wrong advice -----------------------
+
+
+def test_a_preset_without_a_prompt_placeholder_warns_that_the_prompt_is_unused(kg):
+    kg.config(autostart=False, agents={"lint": {"command": ["true"]}})
+    r = kg.run("delegate", "a", "--agent", "lint", "--prompt", "fix issue 7")
+    assert r.returncode == 0, r
+    assert ("warning: the prompt is not used: preset 'lint' has no {prompt} or {prompt_file} in its command"
+            in r.stderr), r.stderr
+    r = kg.run("delegate", "b", "--agent", "lint")
+    assert r.returncode == 0 and r.stderr == "", r
+
+
+async def test_mcp_says_a_presets_prompt_is_unused(kg):
+    pytest.importorskip("mcp")
+    from test_mcp import connect, text
+
+    kg.config(autostart=False, agents={"lint": {"command": ["true"]}}, default_agent="lint")
+    async with connect(kg) as c:
+        r = await c.call_tool("delegate", {"name": "a", "prompt": "fix issue 7"})
+    assert not r.is_error and "preset 'lint' has no {prompt}" in text(r), text(r)
+
+
+def test_a_big_or_empty_prompt_file_is_refused_with_what_to_do(kg, tmp_path):
+    kg.config(autostart=False, agents={"echo": {"command": ["echo", "{prompt}"]}}, default_agent="echo")
+    big = tmp_path / "big.md"
+    big.write_text("x" * 200_000)
+    r = kg.run("delegate", "a", "--prompt-file", str(big))
+    assert r.returncode == 2 and "{prompt_file}" in r.stderr and "have the agent read it" not in r.stderr, r
+    kg.ok("config", "set", "prompt_max_size", "1MiB")
+    r = kg.run("delegate", "a", "--prompt-file", str(big))  # within the size, too big for one argument
+    assert r.returncode == 2 and "put {prompt_file} in place of {prompt} in the preset's command" in r.stderr, r
+    empty = tmp_path / "empty.md"
+    empty.write_text("\n")
+    r = kg.run("delegate", "a", "--prompt-file", str(empty))
+    assert r.returncode == 2 and r.stderr == (
+        f"kugetsu: --prompt-file: the file {empty} is empty (only white space): write the task's instructions in it\n"), r
+    assert not kg.home.index.exists() or kg.index()["queued"] == []
