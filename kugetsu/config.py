@@ -834,6 +834,15 @@ def get_value(cfg: Config, key: str) -> object:
     return node
 
 
+# What the service reads once, when it starts (the listeners it opens): a change applies at its
+# next start; every other key applies at once.
+AT_START = ("metrics", "telegram.token", "telegram.api_base_url")
+
+
+def applies_at_start(key: str) -> bool:
+    return key == "telegram" or any(key == k or key.startswith(k + ".") for k in AT_START)
+
+
 def has_value(cfg: Config, key: str) -> bool:
     """Does the effective config hold `key` (set, or a default)? `config unset agents.x`
     leaves none."""

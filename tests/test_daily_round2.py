@@ -404,3 +404,26 @@ def test_a_big_or_empty_prompt_file_is_refused_with_what_to_do(kg, tmp_path):
     assert r.returncode == 2 and r.stderr == (
         f"kugetsu: --prompt-file: the file {empty} is empty (only white space): write the task's instructions in it\n"), r
     assert not kg.home.index.exists() or kg.index()["queued"] == []
+
+
+# ---- confusing: telegram check without a token, keys read at the service's start -------------
+
+
+def test_telegram_check_without_a_token_suggests_stdin_or_the_env_var(kg):
+    kg.config(autostart=False)
+    env = {k: v for k, v in kg.env.items() if k != "KUGETSU_TELEGRAM_TOKEN"}
+    r = subprocess.run([sys.executable, "-m", "kugetsu", "telegram", "check"], env=env, capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2, r
+    assert "kugetsu config set telegram.token -`" in r.stderr and "KUGETSU_TELEGRAM_TOKEN" in r.stderr, r.stderr
+    assert "telegram.token TOKEN" not in r.stderr
+
+
+def test_setting_a_key_read_at_start_says_a_restart_is_needed_and_how(kg):
+    kg.delegate("a", 30)  # a service runs
+    r = kg.run("config", "set", "metrics.listen", "127.0.0.1:0")
+    assert r.returncode == 0 and r.stdout == "metrics.listen = \"127.0.0.1:0\"\n", r
+    assert r.stderr == ("kugetsu: note: the running service read metrics.listen when it starts: restart it to apply"
+                        " (`kugetsu shutdown && kugetsu serve --detach`)\n"), r.stderr
+    r = kg.run("config", "set", "max_agents", "4")  # applies at once: nothing to say
+    assert r.returncode == 0 and r.stderr == "", r
