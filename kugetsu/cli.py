@@ -231,9 +231,40 @@ class _Parser(argparse.ArgumentParser):
         if message.endswith("expected one argument"):
             message = message.replace("expected one argument", "needs a value after it (a value starting with '-'"
                                       " must be written --option=VALUE)")
+        choice = re.search(r"invalid choice: '(.*)' \(choose from (.*)\)$", message)
+        if choice:  # a typo (`kugetsu delgate`): the one it was meant to be, not the whole list
+            close = _close(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+            if close:
+                message = f"{message[:choice.start()]}invalid choice: '{choice.group(1)}' (did you mean '{close}'?)"
         if message.startswith("unrecognized arguments:"):
-            message = f"{message} (a value with spaces needs quotes; a command to run goes after --)"
+            message += self._unrecognized_hint(message.split(":", 1)[1].split())
         self.exit(2, f"kugetsu: {message}; `{self.prog} --help` lists the options\n")
+
+    def _unrecognized_hint(self, words: list[str]) -> str:
+        """A mistyped option (`queue --al`): the option meant. Words that are no option (an
+        unquoted prompt's): how to pass them."""
+        option = next((w.split("=", 1)[0] for w in words if w.startswith("-")), None)
+        if option is None:
+            return " (a value with spaces needs quotes; a command to run goes after --)"
+        close = _close(option, self._options_of_command())
+        return f" (did you mean {close}?)" if close else ""
+
+    def _options_of_command(self) -> list[str]:
+        """The option strings of the command being parsed (and of its own subcommands)."""
+        parsers: list[argparse.ArgumentParser] = [self]
+        words = sys.argv[1:]
+        for parser in parsers:
+            for action in parser._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    parsers += [p for name, p in action.choices.items() if name in words]
+        return [o for p in parsers for a in p._actions for o in a.option_strings]
+
+
+def _close(word: str, known: list[str]) -> str | None:
+    import difflib
+
+    found = difflib.get_close_matches(word, known, n=1, cutoff=0.75)  # `bogus` is no `logs`
+    return found[0] if found else None
 
     def _get_formatter(self) -> argparse.HelpFormatter:
         # argparse makes one at every add_argument, and its own asks shutil for the terminal's

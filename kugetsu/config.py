@@ -827,9 +827,14 @@ def _check_key(key: str) -> list[str]:
 
 def get_value(cfg: Config, key: str) -> object:
     node: object = msgspec.to_builtins(cfg)
-    for part in _check_key(key):
+    parts = _check_key(key)
+    for i, part in enumerate(parts):
         if not isinstance(node, dict) or part not in node:
-            raise UsageError(f"config key {key!r} is not set")
+            import difflib
+
+            close = difflib.get_close_matches(part, list(node), n=1) if isinstance(node, dict) else []
+            meant = ".".join(parts[:i] + close[:1])
+            raise UsageError(f"config key {key!r} is not set" + (f" (did you mean {meant!r}?)" if close else ""))
         node = node[part]
     return node
 

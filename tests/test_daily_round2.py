@@ -427,3 +427,19 @@ def test_setting_a_key_read_at_start_says_a_restart_is_needed_and_how(kg):
                         " (`kugetsu shutdown && kugetsu serve --detach`)\n"), r.stderr
     r = kg.run("config", "set", "max_agents", "4")  # applies at once: nothing to say
     assert r.returncode == 0 and r.stderr == "", r
+
+
+# ---- confusing: typos get the word meant -------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, says", [
+    (["config", "get", "agents.opencode.comand"], "config key 'agents.opencode.comand' is not set"
+     " (did you mean 'agents.opencode.command'?)"),
+    (["delgate"], "invalid choice: 'delgate' (did you mean 'delegate'?); `kugetsu --help` lists the options"),
+    (["queue", "--al"], "unrecognized arguments: --al (did you mean --all?); `kugetsu --help` lists the options"),
+])
+def test_typos_get_a_did_you_mean(kg, args, says):
+    kg.config(autostart=False)
+    r = kg.run(*args)
+    assert r.returncode == 2 and r.stdout == "" and says in r.stderr, r
+    assert "quotes" not in r.stderr and "'queue', 'status'" not in r.stderr
