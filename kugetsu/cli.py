@@ -825,11 +825,9 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
 def cmd_wait(home: Home, args: argparse.Namespace) -> int:
     cfg, index = ops.read(home)
     control.ensure_service(home, cfg, index)
+    # A name only one task ever bore is that task, finished or not (`delegate x; wait x`): no
+    # note; a name several finished tasks bore is refused by find_to_wait (which one?).
     tasks = [pm.find_to_wait(index, ref) for ref in args.tasks]
-    for ref, t in zip(args.tasks, tasks):
-        if t.state.final and not ref.strip().lstrip("#").isdigit():  # the name may have meant a newer task
-            _say(f"kugetsu: note: {ref} is task #{t.id}, which had already finished ({t.state.value}) before this"
-                 f" wait; `kugetsu wait #{t.id}` names it for sure", file=sys.stderr)
     return _wait_for(home, [t.id for t in tasks], args.timeout)
 
 
