@@ -362,7 +362,7 @@ def unused_prompt_text(cfg: Config, req: Request, command: str) -> str | None:
     if why == "preset":
         agent = req.agent or cfg.default_agent
         return (f"the prompt is not used: preset {agent!r} has no {{prompt}} or {{prompt_file}} in its command"
-                f" (add one: `kugetsu config get agents.{agent}.command` shows it)")
+                f" (add one to config agents.{agent}.command)")
     return None
 
 
@@ -424,8 +424,8 @@ def check_prompt(cfg: Config, prompt: str | None) -> None:
     size, cap = len(prompt.encode("utf-8", "surrogateescape")), cfg.prompt_max_bytes
     if size > cap:
         raise UsageError(
-            f"the prompt is {format_size(size)}, over prompt_max_size ({format_size(cap)}; kugetsu keeps each prompt"
-            " in index.json): raise it (`kugetsu config set prompt_max_size 1MiB`) and use a preset with {prompt_file},"
+            f"the prompt is {format_size(size)}, over prompt_max_size ({format_size(cap)}; each prompt is kept"
+            " in index.json): raise it (config prompt_max_size, e.g. 1MiB) and use a preset with {prompt_file},"
             " which hands the agent the prompt as a file (an argument takes at most 128 KiB); or give a short prompt"
             " that names a file in the task's directory for the agent to read")
 
@@ -1374,7 +1374,7 @@ def retry_request(index: Index, task: Task) -> Request:
         dep = latest_run(index, dep_id)
         if dep is not None and dep.state.final and dep.state is not TaskState.SUCCEEDED:
             raise UsageError(f"{task.name} (#{task.id}) runs after {dep.name} (#{dep.id}), which {dep.state.value}:"
-                             f" retry that first (`kugetsu retry {dep.name}`), then this one", code=1)
+                             f" retry {dep.name} first, then this one", code=1)
         after.append(f"#{dep.id if dep is not None else dep_id}")
     return Request(cwd=task.cwd, name=task.name, command=list(task.first_command or task.command), prompt=task.prompt,
                    agent=task.agent, source=task.source, priority=task.priority, group=task.group, timeout=task.timeout,

@@ -73,14 +73,15 @@ def simple_order(index: Index, cfg: Config) -> bool:
 
 def clock(at: datetime, now: datetime) -> str:
     """A moment as people read it on this machine: 15:00, or 15:00:12 within the minute; one
-    more than a day from `now` with its date: Nov 27 15:00 (a weekly limit's reset must not
-    read as today's)."""
+    on another day than `now` with its date: Nov 27 15:00 (a hold until 10:00 set at 14:38
+    ends tomorrow, and a weekly limit's reset must not read as today's)."""
     try:
         local = at.astimezone()
+        today = now.astimezone().date()
     except (OverflowError, ValueError):  # a recorded time at the end of what this zone can hold
         return at.isoformat()
     text = local.strftime("%H:%M:%S" if local.second else "%H:%M")
-    if abs(at - now) > timedelta(days=1):
+    if local.date() != today:
         text = f"{local.strftime('%b')} {local.day} {text}"
     return text
 
@@ -168,7 +169,11 @@ class Board:
         until = self.held_until(agent)
         if until is not None:
             hold = self.holds[agent]  # type: ignore[index]
-            return f"{hold.reason}, retry at {clock(until, self.now)}" if hold.until is not None else f"{hold.reason}"
+            if hold.until is None:
+                return hold.reason
+            # A limit's tasks are retried then; a hold by hand is simply over then.
+            return (f"{hold.reason} until {clock(until, self.now)}" if hold.reason.endswith("by hand")
+                    else f"{hold.reason}, retry at {clock(until, self.now)}")
         if agent is not None and agent in self.agent_caps and self.by_agent[agent] >= self.agent_caps[agent]:
             return f"agent {agent} full ({self.by_agent[agent]}/{self.agent_caps[agent]} running)"
         if not_before is not None and not_before > self.now:
