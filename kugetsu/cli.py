@@ -259,17 +259,17 @@ class _Parser(argparse.ArgumentParser):
                     parsers += [p for name, p in action.choices.items() if name in words]
         return [o for p in parsers for a in p._actions for o in a.option_strings]
 
+    def _get_formatter(self) -> argparse.HelpFormatter:
+        # argparse makes one at every add_argument, and its own asks shutil for the terminal's
+        # width (importing shutil costs 2 ms of every command): the same width, from os.
+        return self.formatter_class(prog=self.prog, width=_columns() - 2)  # type: ignore[call-arg]
+
 
 def _close(word: str, known: list[str]) -> str | None:
     import difflib
 
     found = difflib.get_close_matches(word, known, n=1, cutoff=0.75)  # `bogus` is no `logs`
     return found[0] if found else None
-
-    def _get_formatter(self) -> argparse.HelpFormatter:
-        # argparse makes one at every add_argument, and its own asks shutil for the terminal's
-        # width (importing shutil costs 2 ms of every command): the same width, from os.
-        return self.formatter_class(prog=self.prog, width=_columns() - 2)  # type: ignore[call-arg]
 
 
 def _columns() -> int:
