@@ -145,6 +145,7 @@ def _admit(home: Home, txn: Txn, cfg: Config, req: pm.Request, written: list[Pat
         _write_prompt(written[-1], req.prompt or "")
     txn.emit(events)
     settle(txn, cfg)
+    pm.started_at_once(events, task)  # still in the outbox: written with the commit
     position = pm.position(txn.index, cfg, txn.now, task)
     why = pm.waiting_for_one(txn.index, cfg, txn.now, task, measure(cfg)) if position else None
     if position and task.pinned_host is not None:

@@ -533,6 +533,20 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     return task, events + [_event("queued", task, now, position=position(index, cfg, now, task))]
 
 
+STARTED_AT_ONCE = "started at once"
+
+
+def started_at_once(events: list[Event], task: Task) -> None:
+    """The `queued` event of a task that started in its admission's own transaction: no
+    position (it never waited at one), and says so, so that a feed reads `queued · started
+    at once`, `started · slot 1`, not a position 1 it never held. The event stays: it is
+    the admission (stats count admissions by it)."""
+    if task.state is TaskState.RUNNING:
+        for e in events:
+            if e.type == "queued" and e.task == task.id:
+                e.position, e.reason = None, STARTED_AT_ONCE
+
+
 def dependencies(index: Index, refs: list[str]) -> list[int]:
     """The ids of the tasks named to run after (duplicates dropped). One kugetsu does not
     know, or one that has already ended otherwise than succeeded, is refused: this task

@@ -466,3 +466,18 @@ def test_a_hold_by_hand_until_a_time_tomorrow_shows_the_date_and_says_held_until
     waiting = kg.json("queue")["queued"][0]["waiting_for"]
     assert waiting == f"fake held by hand until {day}", waiting
     assert f"until {day}" in kg.ok("queue")
+
+
+# ---- confusing: a task that starts at once was never at position 1 ---------------------------
+
+
+def test_a_task_that_starts_at_once_has_no_queued_position_in_its_events(kg):
+    kg.config(max_agents=1)
+    kg.delegate("now", 30)
+    kg.delegate("later", 0)
+    by_task = {(e["type"], e["name"]): e for e in kg.events() if e["type"] in ("queued", "started")}
+    assert by_task[("queued", "now")].get("position") is None
+    assert by_task[("queued", "now")]["reason"] == "started at once"
+    assert by_task[("started", "now")]["slot"] == 1
+    assert by_task[("queued", "later")]["position"] == 1 and "reason" not in by_task[("queued", "later")]
+    assert json.loads(kg.ok("stats", "--json"))["total"]["admitted"] == 2  # still an admission each
