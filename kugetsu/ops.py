@@ -549,10 +549,7 @@ def read(home: Home) -> tuple[Config, Index]:
 
 def capacity_json(cfg: Config, index: Index) -> dict[str, Any]:
     """`kugetsu capacity --json`: what a PM agent checks before delegating."""
-    out: dict[str, Any] = msgspec.to_builtins(pm.capacity(index, cfg, now()))
-    if not out["holds"]:
-        del out["holds"]  # there only while a preset is held
-    return out
+    return msgspec.to_builtins(pm.capacity(index, cfg, now()))  # `holds` always there, {} when none
 
 
 class Listing(msgspec.Struct):
@@ -601,9 +598,8 @@ def queue_json(listed: Listing) -> dict[str, Any]:
         "groups": view.groups,
         "paused": view.capacity.paused,
         "paused_groups": view.capacity.paused_groups,
+        "holds": msgspec.to_builtins(view.capacity.holds),  # always there: {} when no preset is held
     }
-    if view.capacity.holds:
-        out["holds"] = msgspec.to_builtins(view.capacity.holds)
     if listed.finished is not None:
         out["finished"] = public_tasks(listed.finished)
     return out

@@ -481,3 +481,8 @@ def test_a_task_that_starts_at_once_has_no_queued_position_in_its_events(kg):
     assert by_task[("started", "now")]["slot"] == 1
     assert by_task[("queued", "later")]["position"] == 1 and "reason" not in by_task[("queued", "later")]
     assert json.loads(kg.ok("stats", "--json"))["total"]["admitted"] == 2  # still an admission each
+
+
+def test_holds_is_always_in_queue_and_capacity_json(kg):
+    kg.config(autostart=False)
+    assert kg.json("queue")["holds"] == {} and kg.json("capacity")["holds"] == {}
