@@ -943,9 +943,9 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(shown))
         return OK
-    for key, value in shown.items():
-        text = value if isinstance(value, str) else to_json(value).replace("\n", "\n  ")
-        _say(f"{key} = {text}" + (f"    # {C.KEY_HELP[key]}" if key in C.KEY_HELP and "\n" not in str(text) else ""))
+    from kugetsu import render
+
+    _say(render.config_lines(shown, C.KEY_HELP))
     return OK
 
 

@@ -242,6 +242,27 @@ def _quote(arg: str) -> str:
     return shlex.quote(arg)
 
 
+def config_lines(shown: dict[str, Any], help: dict[str, str]) -> str:
+    """`kugetsu config show`: one `key = value` line a setting, an object's settings by their
+    dotted keys (`agents.claude.command = [...]`, what `config get/set` take), lists and other
+    values as one line of JSON, a string as it is; a top-level key's help as a comment."""
+    import json
+
+    out: list[str] = []
+
+    def walk(key: str, value: Any, note: str | None) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(f"{key}.{k}", v, None)
+            return
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        out.append(f"{key} = {text}" + (f"    # {note}" if note else ""))
+
+    for key, value in shown.items():
+        walk(key, value, help.get(key))
+    return "\n".join(out)
+
+
 def hosts_table(rows: list[dict[str, Any]]) -> str:
     """`kugetsu hosts`: one row per machine."""
     body = [[r["name"] + (" *" if r["this"] else ""), r["state"], f"{r['running']}/{r['max_agents']}",

@@ -486,3 +486,15 @@ def test_a_task_that_starts_at_once_has_no_queued_position_in_its_events(kg):
 def test_holds_is_always_in_queue_and_capacity_json(kg):
     kg.config(autostart=False)
     assert kg.json("queue")["holds"] == {} and kg.json("capacity")["holds"] == {}
+
+
+def test_config_show_is_one_dotted_key_a_line(kg):
+    kg.config(autostart=False, telegram={"token": "123:SECRET"}, groups={"gpu": {"max_agents": 1}})
+    lines = kg.ok("config", "show").splitlines()
+    assert all(" = " in line and not line.startswith(" ") for line in lines), lines
+    assert "telegram.token = ***" in lines and "groups.gpu.max_agents = 1" in lines
+    assert any(line.startswith('agents.claude.command = ["claude", "-p", "{prompt}"') for line in lines)
+    assert "max_agents = 3    # running agents at once (1..64)" in lines
+    for line in lines[::12]:  # a key shown is one `config get` takes (a sample: a process each)
+        key = line.split(" = ")[0]
+        assert kg.run("config", "get", key).returncode == 0, key
