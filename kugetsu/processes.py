@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kugetsu import ops, pm, runner, worktree
+from kugetsu import ops, pm, render, runner, worktree
 from kugetsu.config import Config
 from kugetsu.models import Index, Task, TaskState
 from kugetsu.paths import Home
@@ -78,7 +78,8 @@ class Processes:
                 runner.release(warm)
                 return warm
             self.drop(warm)
-        return runner.spawn(self.home, task.id, task.name, task.command, cwd, env, token=task.token, depth=task.depth)
+        return runner.spawn(self.home, task.id, task.name, task.command, cwd, env, token=task.token, depth=task.depth,
+                            header=render.attempt_header(task))
 
     def sync_warm(self, index: Index, cfg: Config) -> None:
         """Keep the wrappers of the first WARM_AHEAD queued tasks in start order started and
@@ -102,7 +103,7 @@ class Processes:
             try:
                 self.warm[task.id] = runner.spawn(
                     self.home, task.id, task.name, task.command, task.cwd, task.env, warm=True, token=task.token,
-                    depth=task.depth,
+                    depth=task.depth, header=render.attempt_header(task),
                 )
             except (OSError, ValueError):
                 pass  # it gets a normal start, and its error, when its turn comes

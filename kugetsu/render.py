@@ -242,6 +242,18 @@ def _quote(arg: str) -> str:
     return shlex.quote(arg)
 
 
+def attempt_header(task: Task) -> str | None:
+    """The line a run after the first begins its part of the log with (`logs` shows the
+    attempts apart): `--- kugetsu: attempt 2 of issue-7 (attempt 1: exit code 3) ---`. None
+    for a first run."""
+    if task.attempt <= 1 or not task.attempts:
+        return None
+    last = task.attempts[-1]  # its reason names its exit ("exit code 3", "... limit (exit code 1)")
+    why = last.reason or ("no exit status" if last.exit_code is None else f"exit code {last.exit_code}")
+    return printable(f"--- kugetsu: attempt {task.attempt} of {task.name} (attempt {task.attempt - 1}: {why}) ---",
+                     lines=False)
+
+
 def config_lines(shown: dict[str, Any], help: dict[str, str]) -> str:
     """`kugetsu config show`: one `key = value` line a setting, an object's settings by their
     dotted keys (`agents.claude.command = [...]`, what `config get/set` take), lists and other

@@ -498,3 +498,18 @@ def test_config_show_is_one_dotted_key_a_line(kg):
     for line in lines[::12]:  # a key shown is one `config get` takes (a sample: a process each)
         key = line.split(" = ")[0]
         assert kg.run("config", "get", key).returncode == 0, key
+
+
+# ---- confusing: logs of a task that ran more than once --------------------------------------
+
+
+def test_logs_show_where_each_attempt_begins(kg):
+    kg.config(max_agents=1)
+    # Fails once, then succeeds: one retry, each run printing its own line.
+    flag = kg.rec / "ran"
+    kg.ok("delegate", "flaky", "--retries", "1", "--", "sh", "-c",
+          f'if [ -e {flag} ]; then echo second run; else touch {flag}; echo first run; exit 3; fi')
+    kg.wait_state("flaky", "succeeded")
+    lines = kg.ok("logs", "flaky").splitlines()
+    assert lines == ["first run", "--- kugetsu: attempt 2 of flaky (attempt 1: exit code 3) ---",
+                     "second run"], lines
