@@ -423,12 +423,22 @@ def test_telegram_check_without_a_token_suggests_stdin_or_the_env_var(kg):
 
 def test_setting_a_key_read_at_start_says_a_restart_is_needed_and_how(kg):
     kg.delegate("a", 30)  # a service runs
+    wait_for(lambda: kg.service_pid(), 10, "the service to be up")
     r = kg.run("config", "set", "metrics.listen", "127.0.0.1:0")
     assert r.returncode == 0 and r.stdout == "metrics.listen = \"127.0.0.1:0\"\n", r
     assert r.stderr == ("kugetsu: note: the running service read metrics.listen when it starts: restart it to apply"
                         " (`kugetsu shutdown && kugetsu serve --detach`)\n"), r.stderr
     r = kg.run("config", "set", "max_agents", "4")  # applies at once: nothing to say
     assert r.returncode == 0 and r.stderr == "", r
+    # doctor notices the change waiting for a restart (a warning, not a problem)...
+    report = json.loads(kg.run("doctor", "--json").stdout)
+    service = next(c for c in report["checks"] if c["name"] == "service")
+    assert service["ok"] and service["warning"] and "metrics.listen changed since it started" in service["detail"]
+    assert "kugetsu shutdown && kugetsu serve --detach" in service["fix"]
+    kg.ok("shutdown")
+    kg.ok("serve", "--detach")  # ...and no more once it restarted
+    service = next(c for c in json.loads(kg.run("doctor", "--json").stdout)["checks"] if c["name"] == "service")
+    assert not service["warning"], service
 
 
 # ---- confusing: typos get the word meant -------------------------------------------------------
