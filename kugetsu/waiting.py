@@ -172,18 +172,18 @@ def wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = F
     elif watch is None and store.stamp() != before:
         return  # committed since the caller read: look again now
     fds: list[int] = []
-    unwatched = False  # a running task of ours with no process to watch
+    ending = False  # a task of ours whose agent has ended, its end not booked yet
     for t in tasks:
         if ours(t, here):
             fd = runner.open_pidfd(t.pid, t.pid_start)
             if fd is not None:
                 fds.append(fd)
-            elif t.state is TaskState.RUNNING:
-                unwatched = True
-    if unwatched and watch is None:
-        # Its agent is gone (or not spawned yet) and its end not booked: the service is
-        # killing what it left behind, or starting it. No process to watch, so the store's
-        # stamp is watched closely: the booking is seen within 10 ms, not at the next look.
+            elif t.state is TaskState.RUNNING and t.ended_at is not None:
+                ending = True
+    if ending and watch is None:
+        # The service is ending what its agent left running (SIGKILL after the grace): no
+        # process of the task's to watch, so the store's stamp is watched closely, and the
+        # booking is seen within 10 ms, not at the next look a second on.
         for fd in fds:
             os.close(fd)
         end = time.monotonic() + timeout
