@@ -217,12 +217,13 @@ def records(events: Iterable[Event], tasks: Iterable[Task], start: datetime) -> 
             r = out[t.id] = Record(t.id)
         r.name, r.source, r.agent, r.group = t.name, t.source, t.agent, t.group
         r.created, r.host = t.created_at, t.host or r.host
-        r.runs = [(a.started_at, a.ended_at) for a in t.attempts if a.started_at is not None]
+        runs = [(a.started_at, a.ended_at) for a in t.attempts if a.started_at is not None]
         if t.started_at is not None:
             r.started, r.ran = t.started_at, True
-            r.runs.append((t.started_at, t.finished_at))
-        elif r.runs:
-            r.started, r.ran = r.started or r.runs[0][0], True
+            runs.append((t.started_at, t.finished_at))
+        elif runs:
+            r.started, r.ran = r.started or runs[0][0], True
+        r.runs = runs or None  # none recorded (a record of an older kugetsu): from its events
         if t.state.final:
             r.finished, r.state = t.finished_at, t.state.value
     return out
