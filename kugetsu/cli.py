@@ -1031,7 +1031,7 @@ def cmd_shutdown(home: Home, args: argparse.Namespace) -> int:
         if not control.service_holds_lock(home):  # not just its pid file gone: wholly stopped
             _say(f"kugetsu service stopped{f' (pid {pid})' if pid else ''}; running agents keep running")
             return OK
-        told = told or control.send(home, b"shutdown")
+        told = told or control.send(home, b"shutdown", warn=False)  # tried again until it listens
         time.sleep(0.02)
     raise KugetsuError(f"the service{f' (pid {pid})' if pid else ''} did not stop within 15s")
 

@@ -61,12 +61,13 @@ def ensure_service(home: Home, cfg: Config, index: Index) -> None:
         wake(home, cfg)
 
 
-def send(home: Home, message: bytes) -> bool:
+def send(home: Home, message: bytes, warn: bool = True) -> bool:
     """One datagram to the service; False if none got it. Never raises: a socket that cannot
-    be used is a warning on stderr (and False)."""
+    be used is a warning on stderr (unless not `warn`: a caller that tries again) and False."""
     sent = _send(home, message)
     if isinstance(sent, Exception):
-        _warn_unwoken(sent)
+        if warn:
+            _warn_unwoken(sent)
         return False
     return sent
 
