@@ -292,14 +292,45 @@ class _Parser(argparse.ArgumentParser):
         if message.endswith("expected one argument"):
             message = message.replace("expected one argument", "needs a value after it (a value starting with '-'"
                                       " must be written --option=VALUE)")
+        choice = re.search(r"invalid choice: '(.*)' \(choose from (.*)\)$", message)
+        if choice:  # a typo (`kugetsu delgate`): the one it was meant to be, not the whole list
+            close = _close(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+            if close:
+                message = f"{message[:choice.start()]}invalid choice: '{choice.group(1)}' (did you mean '{close}'?)"
         if message.startswith("unrecognized arguments:"):
-            message = f"{message} (a value with spaces needs quotes; a command to run goes after --)"
+            message += self._unrecognized_hint(message.split(":", 1)[1].split())
         self.exit(2, f"kugetsu: {message}; `{self.prog} --help` lists the options\n")
+
+    def _unrecognized_hint(self, words: list[str]) -> str:
+        """A mistyped option (`queue --al`): the option meant. Words that are no option (an
+        unquoted prompt's): how to pass them."""
+        option = next((w.split("=", 1)[0] for w in words if w.startswith("-")), None)
+        if option is None:
+            return " (a value with spaces needs quotes; a command to run goes after --)"
+        close = _close(option, self._options_of_command())
+        return f" (did you mean {close}?)" if close else ""
+
+    def _options_of_command(self) -> list[str]:
+        """The option strings of the command being parsed (and of its own subcommands)."""
+        parsers: list[argparse.ArgumentParser] = [self]
+        words = sys.argv[1:]
+        for parser in parsers:
+            for action in parser._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    parsers += [p for name, p in action.choices.items() if name in words]
+        return [o for p in parsers for a in p._actions for o in a.option_strings]
 
     def _get_formatter(self) -> argparse.HelpFormatter:
         # argparse makes one at every add_argument, and its own asks shutil for the terminal's
         # width (importing shutil costs 2 ms of every command): the same width, from os.
         return self.formatter_class(prog=self.prog, width=_columns() - 2)  # type: ignore[call-arg]
+
+
+def _close(word: str, known: list[str]) -> str | None:
+    import difflib
+
+    found = difflib.get_close_matches(word, known, n=1, cutoff=0.75)  # `bogus` is no `logs`
+    return found[0] if found else None
 
 
 def _columns() -> int:
@@ -449,9 +480,9 @@ def _undo_dashdash(args: argparse.Namespace) -> None:
 def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     cfg = load_config(home)
     req = _request(args)
-    if pm.unused_prompt(req):
-        print("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"
-              " in its arguments, or drop the command to run the agent preset)", file=sys.stderr)
+    unused = pm.unused_prompt_text(cfg, req, "the command after --")
+    if unused:
+        print(f"kugetsu: warning: {unused}", file=sys.stderr)
     adm = ops.delegate(home, cfg, req)
     _priority_ignored(cfg.strategy, args.priority)
     if not args.json:
@@ -511,11 +542,16 @@ def _read_prompt(args: argparse.Namespace) -> str | None:
         else:
             with open(args.prompt_file, "rb") as f:
                 data = f.read()
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except OSError as err:
         raise UsageError(f"cannot read --prompt-file: {err}") from None
     except UnicodeDecodeError as err:
         raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    if not text.strip():  # pm refuses an empty prompt too; here the file is what to fix
+        where = "standard input" if args.prompt_file == "-" else f"the file {args.prompt_file}"
+        raise UsageError(f"--prompt-file: {where} is empty{' (only white space)' if text else ''}: write the"
+                         " task's instructions in it")
+    return text
 
 
 def cmd_edit(home: Home, args: argparse.Namespace) -> int:
@@ -863,11 +899,9 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
 def cmd_wait(home: Home, args: argparse.Namespace) -> int:
     cfg, index = ops.read(home)
     control.ensure_service(home, cfg, index)
+    # A name only one task ever bore is that task, finished or not (`delegate x; wait x`): no
+    # note; a name several finished tasks bore is refused by find_to_wait (which one?).
     tasks = [pm.find_to_wait(index, ref) for ref in args.tasks]
-    for ref, t in zip(args.tasks, tasks):
-        if t.state.final and not ref.strip().lstrip("#").isdigit():  # the name may have meant a newer task
-            _say(f"kugetsu: note: {ref} is task #{t.id}, which had already finished ({t.state.value}) before this"
-                 f" wait; `kugetsu wait #{t.id}` names it for sure", file=sys.stderr)
     return _wait_for(home, [t.id for t in tasks], args.timeout)
 
 
@@ -965,7 +999,14 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
     if args.action in ("set", "unset"):
         value = None if args.action == "unset" else parse_value(_stdin_value(args.key) if args.value == "-" else args.value)
         cfg = ops.set_config(home, args.key, value, remove=args.action == "unset")
-        print(f"{args.key} = {to_json(C.mask_secrets(get_value(cfg, args.key), args.key))}")
+        if not C.has_value(cfg, args.key):  # an entry removed (agents.x): no default to show
+            print(f"{args.key} removed")
+        else:
+            print(f"{args.key} = {to_json(C.mask_secrets(get_value(cfg, args.key), args.key))}")
+        if C.applies_at_start(args.key) and (cfg.store is not None or control.service_holds_lock(home)):
+            which = "each machine's service reads" if cfg.store else "the running service read"
+            _say(f"kugetsu: note: {which} {args.key} when it starts: restart {'each' if cfg.store else 'it'} to apply"
+                 " (`kugetsu shutdown && kugetsu serve --detach`)", file=sys.stderr)
         return OK
     cfg = load_config(home)
     if args.action == "get":
@@ -976,9 +1017,9 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(shown))
         return OK
-    for key, value in shown.items():
-        text = value if isinstance(value, str) else to_json(value).replace("\n", "\n  ")
-        _say(f"{key} = {text}" + (f"    # {C.KEY_HELP[key]}" if key in C.KEY_HELP and "\n" not in str(text) else ""))
+    from kugetsu import render
+
+    _say(render.config_lines(shown, C.KEY_HELP))
     return OK
 
 
@@ -1052,17 +1093,21 @@ def _last_lines(path: os.PathLike[str], count: int = 4) -> str:
 
 def cmd_shutdown(home: Home, args: argparse.Namespace) -> int:
     control.check_wakeable(home)  # else "no service is running" would hide why it cannot be told
-    pid = control.service_pid(home)
-    if not control.send(home, b"shutdown") or pid is None:
+    if not control.service_holds_lock(home):
         _say("no kugetsu service is running")
         return OK
+    # The lock is held: a service is up, or still coming up (autostarted by the command just
+    # before, its socket not bound yet): it is told as soon as it listens, never missed.
+    pid, told = None, False
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
+        pid = control.service_pid(home) or pid
         if not control.service_holds_lock(home):  # not just its pid file gone: wholly stopped
-            _say(f"kugetsu service stopped (pid {pid}); running agents keep running")
+            _say(f"kugetsu service stopped{f' (pid {pid})' if pid else ''}; running agents keep running")
             return OK
-        time.sleep(0.05)
-    raise KugetsuError(f"the service (pid {pid}) did not stop within 15s")
+        told = told or control.send(home, b"shutdown", warn=False)  # tried again until it listens
+        time.sleep(0.02)
+    raise KugetsuError(f"the service{f' (pid {pid})' if pid else ''} did not stop within 15s")
 
 
 def cmd_hosts(home: Home, args: argparse.Namespace) -> int:

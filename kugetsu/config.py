@@ -946,11 +946,35 @@ def _check_key(key: str) -> list[str]:
 
 def get_value(cfg: Config, key: str) -> object:
     node: object = msgspec.to_builtins(cfg)
-    for part in _check_key(key):
+    parts = _check_key(key)
+    for i, part in enumerate(parts):
         if not isinstance(node, dict) or part not in node:
-            raise UsageError(f"config key {key!r} is not set")
+            import difflib
+
+            close = difflib.get_close_matches(part, list(node), n=1) if isinstance(node, dict) else []
+            meant = ".".join(parts[:i] + close[:1])
+            raise UsageError(f"config key {key!r} is not set" + (f" (did you mean {meant!r}?)" if close else ""))
         node = node[part]
     return node
+
+
+# What the service reads once, when it starts (the listeners it opens): a change applies at its
+# next start; every other key applies at once.
+AT_START = ("metrics", "telegram.token", "telegram.api_base_url")
+
+
+def applies_at_start(key: str) -> bool:
+    return key == "telegram" or any(key == k or key.startswith(k + ".") for k in AT_START)
+
+
+def has_value(cfg: Config, key: str) -> bool:
+    """Does the effective config hold `key` (set, or a default)? `config unset agents.x`
+    leaves none."""
+    try:
+        get_value(cfg, key)
+    except UsageError:
+        return False
+    return True
 
 
 def with_value(raw: dict[str, Any], key: str, value: object, *, remove: bool = False) -> dict[str, Any]:

@@ -17,9 +17,12 @@ from kugetsu.models import Index
 from kugetsu.paths import Home, open_file, read_file
 
 
-def wake(home: Home, cfg: Config | None = None, message: bytes = b"wake") -> bool:
-    """Tell the service the index changed. Starts it if it is not running and autostart is
-    on. Returns whether a service got the message (or is coming up).
+def wake(home: Home, cfg: Config | None = None, index: Index | None = None, message: bytes = b"wake") -> bool:
+    """Tell the service the index changed. Starts it if it is not running, autostart is on
+    and `index` (as committed) has work for it: a queued or running task. A command that
+    left nothing to run (`cancel --all` of nothing, `config set` in a fresh home) starts
+    no service, so that a clean-up script's `shutdown` is not raced by one coming up.
+    Returns whether a service got the message (or is coming up).
 
     Called after a commit: the change stands whatever happens here, so a failure is a
     warning on stderr, never an error that would make the caller report a committed
@@ -32,7 +35,7 @@ def wake(home: Home, cfg: Config | None = None, message: bytes = b"wake") -> boo
         return False
     # In a cluster the machines that run agents run `kugetsu serve` (docs/architecture.md §10): a
     # command on any other machine must not make it one, and the database wakes the others.
-    if cfg is not None and cfg.autostart and cfg.store is None:
+    if cfg is not None and cfg.autostart and cfg.store is None and (index is None or index.live()):
         try:
             # A new service replaces whatever sits at the socket's path (it holds the lock).
             if start_service(home) is not None or sent is False:
@@ -59,12 +62,13 @@ def ensure_service(home: Home, cfg: Config, index: Index) -> None:
         wake(home, cfg)
 
 
-def send(home: Home, message: bytes) -> bool:
+def send(home: Home, message: bytes, warn: bool = True) -> bool:
     """One datagram to the service; False if none got it. Never raises: a socket that cannot
-    be used is a warning on stderr (and False)."""
+    be used is a warning on stderr (unless not `warn`: a caller that tries again) and False."""
     sent = _send(home, message)
     if isinstance(sent, Exception):
-        _warn_unwoken(sent)
+        if warn:
+            _warn_unwoken(sent)
         return False
     return sent
 

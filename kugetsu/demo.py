@@ -89,7 +89,8 @@ def run_demo() -> int:
         say(f"throw-away home {home.root}, max_agents 2, seven tasks\n")
         adm = ops.delegate(home, cfg, pm.Request(cwd=str(root), name=LIMITED[0], source="demo", agent="sim-claude",
                                                  prompt="fix the flaky test"))
-        say(f"$ kugetsu delegate {LIMITED[0]} --agent sim-claude  ->  started in slot {adm.task.slot}/2")
+        say(f"$ kugetsu delegate {LIMITED[0]} --source demo --agent sim-claude --prompt 'fix the flaky test'")
+        _said(adm)
         for name, seconds, fail, expiry in PLAN:
             req = pm.Request(cwd=str(root), name=name, source="demo", expire_after=expiry,
                              command=[sys.executable, "-m", "kugetsu.demo", str(seconds), "fail" if fail else "ok"])
@@ -98,8 +99,7 @@ def run_demo() -> int:
             expire = f" --expire-after {format_duration(expiry)}" if expiry else ""
             say(f"$ kugetsu delegate {name} --source demo{expire} -- <simulated agent: {seconds}s"
                 + (", fails>" if fail else ">"))
-            print(" " * 9 + render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for),
-                  flush=True)
+            _said(adm)
         seen = 0
         cancelled = False
         while True:
@@ -143,6 +143,11 @@ def run_demo() -> int:
                 except ProcessLookupError:
                     pass
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _said(adm: ops.Admission) -> None:
+    """What `delegate` printed, under the command, as every delegate of the demo shows it."""
+    print(" " * 9 + render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for), flush=True)
 
 
 def _printer(started: float):

@@ -180,7 +180,30 @@ def _service(home: Home, cfg: Config, index: Index) -> Check:
     if late:
         return Check("service", False, f"the service (pid {pid}) is not booking ends: {late}",
                      f"look at {home.service_log}; `kugetsu shutdown && kugetsu serve --detach` (agents keep running)")
+    changed = _read_at_start_since(home)
+    if changed:
+        return Check("service", True, f"running (pid {pid}), answering on {home.socket}; {', '.join(changed)} changed"
+                     " since it started, which it reads only then",
+                     "`kugetsu shutdown && kugetsu serve --detach` applies it (agents keep running)", warning=True)
     return Check("service", True, f"running (pid {pid}), answering on {home.socket}")
+
+
+def _read_at_start_since(home: Home) -> list[str]:
+    """Keys the service reads when it starts (config.AT_START) set since it started (its
+    pid file's time), by the last `config` events: the change waits for a restart."""
+    from kugetsu.config import applies_at_start
+    from kugetsu.store import open_store
+
+    try:
+        since = os.stat(home.service_pid).st_mtime
+        events = open_store(home).tail_events(500)
+    except (OSError, KugetsuError):
+        return []
+    keys: list[str] = []
+    for e in events:
+        if e.type == "config" and e.key and applies_at_start(e.key) and e.at.timestamp() > since and e.key not in keys:
+            keys.append(e.key)
+    return keys
 
 
 def _pid_file(home: Home) -> int | None:

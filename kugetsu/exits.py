@@ -176,6 +176,10 @@ class Exits:
             found.append(pm.Found(task.id, len(pids), len(ending.seen)))
         return found
 
+    def unlooked(self, index: Index) -> bool:
+        """Is a task of ours ended, with leftovers possible, that no look has begun for?"""
+        return any(t.ended_at is not None and ours(t, self.host) and t.id not in self.endings for t in index.active)
+
     def signal_leftovers(self, plan: pm.Plan, index: Index) -> None:
         """Signal what the looks found (pm chose the signal) and watch each: when all are gone,
         look again. A task pm finished has its look forgotten."""

@@ -19,7 +19,7 @@ import msgspec
 
 from kugetsu import placement, pm, runner
 from kugetsu.control import check_wakeable, wake
-from kugetsu.config import LOCAL_KEYS, Config, cluster_config, cluster_host, format_size, host_name, load_config, mask_secrets, read_raw, save_raw, validate, with_value
+from kugetsu.config import LOCAL_KEYS, Config, cluster_config, cluster_host, format_size, has_value, host_name, load_config, mask_secrets, read_raw, save_raw, validate, with_value
 from kugetsu.errors import KugetsuError, NotClustered, UsageError
 from kugetsu.models import TASK_DEFAULTS, Event, Index, Schedule, Task, TaskState
 from kugetsu.paths import Home
@@ -143,7 +143,7 @@ def delegate_many(home: Home, cfg: Config, reqs: list[pm.Request]) -> list[Admis
                 raise _NoneAdmitted
     except _NoneAdmitted:
         return out  # type: ignore[return-value]
-    wake(home, cfg)
+    wake(home, cfg, txn.index)
     return out  # type: ignore[return-value]
 
 
@@ -157,10 +157,13 @@ def _admit(home: Home, txn: Txn, cfg: Config, req: pm.Request) -> Admission:
         txn.prompts[task.id] = req.prompt
     txn.emit(events)
     settle(txn, cfg)
+    pm.started_at_once(events, task)  # still in the outbox: written with the commit
     position = pm.position(txn.index, cfg, txn.now, task)
     why = pm.waiting_for_one(txn.index, cfg, txn.now, task, measure(cfg)) if position else None
     if position and task.pinned_host is not None:
         why = placement.placement_note(task, hosts_up(cfg)) or why
+    if position == 1 and why is None:
+        why = placement.handed_over(cfg, pm.free_slots(txn.index, cfg))
     return Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
 
 
@@ -267,7 +270,7 @@ def cancel(home: Home, refs: list[str], *, everything: bool = False, reason: str
     for task in tasks if cfg.store is None else []:
         if task.state is TaskState.RUNNING:
             runner.kill_group(task.pid, task.pid_start, signal.SIGTERM)
-    wake(home, cfg)
+    wake(home, cfg, txn.index)
     return tasks
 
 
@@ -281,7 +284,7 @@ def set_priority(home: Home, ref: str, level: str) -> tuple[Task, int | None]:
         txn.emit(pm.set_priority(txn.index, task, level, txn.now))
         settle(txn, cfg)
         position = pm.position(txn.index, cfg, txn.now, task)
-    wake(home, cfg)
+    wake(home, cfg, txn.index)
     return task, position
 
 
@@ -304,7 +307,7 @@ def edit(home: Home, ref: str, change: pm.Edit) -> tuple[Task, int | None, bool]
         txn.emit(events)
         settle(txn, cfg)
         position = pm.positions(txn.index, cfg, txn.now).get(task.id)
-    wake(home, cfg)
+    wake(home, cfg, txn.index)
     return task, position, bool(events)
 
 
@@ -319,7 +322,7 @@ def pause(home: Home, group: str | None, on: bool) -> tuple[bool, pm.Capacity]:
         txn.emit(events)
         settle(txn, cfg)
         cap = pm.capacity(txn.index, cfg)
-    wake(home, cfg)
+    wake(home, cfg, txn.index)
     return bool(events), cap
 
 
@@ -332,7 +335,7 @@ def hold(home: Home, agent: str, until: datetime | None) -> list[Event]:
         events = pm.hold(txn.index, cfg, agent, until, txn.now)
         txn.emit(events)
         settle(txn, cfg)
-    wake(home, cfg)
+    wake(home, cfg, txn.index)
     return events
 
 
@@ -342,7 +345,7 @@ def release(home: Home, agent: str) -> list[Event]:
         events = pm.release(txn.index, cfg, agent, txn.now)
         txn.emit(events)
         settle(txn, cfg)
-    wake(home, cfg)
+    wake(home, cfg, txn.index)
     return events
 
 
@@ -350,7 +353,7 @@ def retry(home: Home, cfg: Config, ref: str) -> Admission:
     """`kugetsu retry TASK`: a finished task admitted again as a new task (`retry_of`)."""
     _, index = read(home)
     task = pm.find(index, ref)
-    return delegate(home, cfg, pm.retry_request(task, pm.prompt_of(task, open_store(home).prompts([task.id]))))
+    return delegate(home, cfg, pm.retry_request(index, task, pm.prompt_of(task, open_store(home).prompts([task.id]))))
 
 
 # ---- config ------------------------------------------------------------------------------
@@ -375,8 +378,10 @@ def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Con
             _check_joinable(home, local, txn.index)
         if txn.shared_config and key.split(".")[0] not in LOCAL_KEYS:
             # A cluster: the shared config is in the queue row, written in this transaction.
-            shared = with_value(msgspec.json.decode(txn.shared_config), key, value, remove=remove)
+            before = msgspec.json.decode(txn.shared_config)
+            shared = with_value(before, key, value, remove=remove)
             cfg = cluster_config(home, local, shared, setting=key)
+            _check_unset(cfg, key, remove and shared == before)
             txn.new_config = msgspec.json.encode(shared)
         else:
             raw = with_value(local, key, value, remove=remove)
@@ -384,11 +389,19 @@ def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Con
                 cfg = cluster_config(home, raw, msgspec.json.decode(txn.shared_config), setting=key)
             else:
                 cfg = validate(raw, home.config, hint="\nNothing was changed.", setting=key)
+            _check_unset(cfg, key, remove and raw == local)
             save_raw(home, raw)
         txn.emit([Event(type="config", at=txn.now, key=key, value=None if remove else mask_secrets(value, key))])
         settle(txn, cfg)
-    wake(home, cfg)
+    wake(home, cfg, txn.index)
     return cfg
+
+
+def _check_unset(cfg: Config, key: str, removed_nothing: bool) -> None:
+    """`config unset` of a key that was not there and has no default (`agents.typo`) is an
+    error before anything is written; one that removed an entry (`agents.x`) succeeds."""
+    if removed_nothing and not has_value(cfg, key):
+        raise UsageError(f"config key {key!r} is not set; nothing was changed")
 
 
 def _check_joinable(home: Home, local: dict[str, Any], index: Index) -> None:
@@ -532,9 +545,7 @@ def read(home: Home) -> tuple[Config, Index]:
 
 def capacity_json(cfg: Config, index: Index) -> dict[str, Any]:
     """`kugetsu capacity --json`: what a PM agent checks before delegating."""
-    out: dict[str, Any] = msgspec.to_builtins(pm.capacity(index, cfg, now()))
-    if not out["holds"]:
-        del out["holds"]  # there only while a preset is held
+    out: dict[str, Any] = msgspec.to_builtins(pm.capacity(index, cfg, now()))  # `holds` always there, {} when none
     if not out["budgets"]:
         del out["budgets"]  # there only when daily budgets are set
     return out
@@ -604,9 +615,8 @@ def queue_json(listed: Listing, home: Home | None = None) -> dict[str, Any]:
         "groups": view.groups,
         "paused": view.capacity.paused,
         "paused_groups": view.capacity.paused_groups,
+        "holds": msgspec.to_builtins(view.capacity.holds),  # always there: {} when no preset is held
     }
-    if view.capacity.holds:
-        out["holds"] = msgspec.to_builtins(view.capacity.holds)
     if listed.finished is not None:
         out["finished"] = public_tasks(listed.finished, prompts=texts)
     return out

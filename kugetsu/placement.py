@@ -70,6 +70,15 @@ def placement_note(task: Task, alive: set[str] | None) -> str | None:
     return None
 
 
+def handed_over(cfg: Config, free: int) -> str | None:
+    """Why a task admitted in a cluster with a slot free is queued: a CLI starts nothing
+    there (starts_anywhere), a machine's service starts it a moment later. None on one
+    machine, or when no slot is free (then it waits like any other)."""
+    if cfg.store is None or free <= 0:
+        return None
+    return "a machine to start it (a slot is free: within a moment)"
+
+
 class HostSeen(msgspec.Struct, frozen=True, kw_only=True):
     """A machine's lease as the database holds it."""
 

@@ -227,14 +227,16 @@ class BudgetView(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def capacity(index: Index, cfg: Config, now: datetime | None = None) -> Capacity:
-    """Counts only: cheap at any queue length (no order is computed)."""
+    """Counts only: cheap at any queue length (no order is computed). While `pause` holds
+    every start, no slot is free to a new task: free is 0, so that "free > 0: a task delegated
+    now starts at once" (the PM instructions) holds."""
     memory = {}
     if accounts(index, cfg):
         here = cluster_host(cfg)  # in a cluster, this machine's tasks against its own budget
         memory = {"max_memory": cfg.memory_budget,
                   "memory_used": sum(memory_of(cfg, t) for t in index.active if here is None or t.host == here)}
     return Capacity(max_agents=cfg.max_agents, active=len(index.active), queued=len(index.queued),
-                    free=free_slots(index, cfg), max_queue=cfg.max_queue, paused=index.paused,
+                    free=0 if index.paused else free_slots(index, cfg), max_queue=cfg.max_queue, paused=index.paused,
                     paused_groups=sorted(index.paused_groups), holds=holds_view(index, now),
                     budgets=budgets_view(index, cfg, now) if now is not None and cfg.budgets.enabled else [],
                     **memory)
@@ -507,10 +509,32 @@ def wants_prompt_file(cfg: Config, req: Request) -> bool:
                for a in cfg.agents[name].command)
 
 
-def unused_prompt(req: Request) -> bool:
-    """A prompt given beside an explicit command and no preset: nothing puts it anywhere (the
-    command runs as given). Each front end says so in its own terms."""
-    return req.prompt is not None and bool(req.command) and req.agent is None
+def unused_prompt(cfg: Config, req: Request) -> str | None:
+    """Why a prompt given is put nowhere, or None: "command", beside an explicit command and
+    no preset (the command runs as given); "preset", its preset's command has neither
+    {prompt} nor {prompt_file}. Each front end says so in its own terms."""
+    if req.prompt is None:
+        return None
+    if req.command:
+        return "command" if req.agent is None else None
+    preset = cfg.agents.get(req.agent or cfg.default_agent)
+    if preset is not None and not any(_NEEDS_PROMPT.search(a) for a in preset.command):
+        return "preset"
+    return None
+
+
+def unused_prompt_text(cfg: Config, req: Request, command: str) -> str | None:
+    """The warning of unused_prompt, `command` naming the explicit command as the front end
+    takes it (`the command after --`, `command`)."""
+    why = unused_prompt(cfg, req)
+    if why == "command":
+        return (f"the prompt is not used: {command} runs as given (put the prompt in its arguments, or leave out"
+                " the command to run the agent preset)")
+    if why == "preset":
+        agent = req.agent or cfg.default_agent
+        return (f"the prompt is not used: preset {agent!r} has no {{prompt}} or {{prompt_file}} in its command"
+                f" (add one to config agents.{agent}.command)")
+    return None
 
 
 def parent_task(index: Index, ref: tuple[int, str] | None) -> Task | None:
@@ -571,9 +595,10 @@ def check_prompt(cfg: Config, prompt: str | None) -> None:
     size, cap = len(prompt.encode("utf-8", "surrogateescape")), cfg.prompt_max_bytes
     if size > cap:
         raise UsageError(
-            f"the prompt is {format_size(size)}, over prompt_max_size ({format_size(cap)}): put the long text in a"
-            " file the agent can read (in its working directory) and give a short prompt that points to it; a preset with"
-            " {prompt_file} passes the prompt as a file rather than in the agent's argv; or raise prompt_max_size")
+            f"the prompt is {format_size(size)}, over prompt_max_size ({format_size(cap)}; each prompt is kept"
+            " in index.json): raise it (config prompt_max_size, e.g. 1MiB) and use a preset with {prompt_file},"
+            " which hands the agent the prompt as a file (an argument takes at most 128 KiB); or give a short prompt"
+            " that names a file in the task's directory for the agent to read")
 
 
 def _check_text(req: Request) -> None:
@@ -723,6 +748,20 @@ def declared(cfg: Config, req: Request, agent: str | None) -> tuple[int | None, 
         raise UsageError(f"a task of {short_size(need)} could never start: max_memory is {short_size(budget)};"
                          " declare less memory, or raise max_memory")
     return memory, max_procs, slots
+
+
+STARTED_AT_ONCE = "started at once"
+
+
+def started_at_once(events: list[Event], task: Task) -> None:
+    """The `queued` event of a task that started in its admission's own transaction: no
+    position (it never waited at one), and says so, so that a feed reads `queued · started
+    at once`, `started · slot 1`, not a position 1 it never held. The event stays: it is
+    the admission (stats count admissions by it)."""
+    if task.state is TaskState.RUNNING:
+        for e in events:
+            if e.type == "queued" and e.task == task.id:
+                e.position, e.reason = None, STARTED_AT_ONCE
 
 
 def dependencies(index: Index, refs: list[str]) -> list[int]:
@@ -877,7 +916,8 @@ def _check_argv(command: list[str], cwd: str) -> None:
         if size > MAX_ARG_BYTES:
             raise UsageError(
                 f"argument {i} of the command is {size} bytes; the system allows at most {MAX_ARG_BYTES} in one"
-                " argument: put a long prompt in a file and have the agent read it"
+                " argument: if it is the prompt, put {prompt_file} in place of {prompt} in the preset's command"
+                " (the agent gets the prompt as a file), or give a short prompt that names a file for the agent to read"
             )
 
 
@@ -1716,11 +1756,21 @@ def release(index: Index, cfg: Config, agent: str, now: datetime) -> list[Event]
     return [_hold_event("released", agent, held, index, now)]
 
 
-def retry_request(task: Task, prompt: str | None) -> Request:
+def retry_request(index: Index, task: Task, prompt: str | None) -> Request:
     """`kugetsu retry TASK`: a finished task admitted again, as a new task linked to it
-    (`prompt`: its prompt, as the store keeps it: prompt_of)."""
+    (`prompt`: its prompt, as the store keeps it: prompt_of). It runs after what it ran
+    after: each dependency's latest run (`retry impl` then `retry review`: review waits for
+    the new impl). One whose latest run ended otherwise than succeeded is refused, with what
+    to do: the retry could never start."""
     if not task.state.final:
         raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}; only a finished task can be retried", code=1)
+    after = []
+    for dep_id in task.after:
+        dep = latest_run(index, dep_id)
+        if dep is not None and dep.state.final and dep.state is not TaskState.SUCCEEDED:
+            raise UsageError(f"{task.name} (#{task.id}) runs after {dep.name} (#{dep.id}), which {dep.state.value}:"
+                             f" retry {dep.name} first, then this one", code=1)
+        after.append(f"#{dep.id if dep is not None else dep_id}")
     routed = bool(task.route)  # a failover order: its first preset's command again, with the prompt
     return Request(cwd=task.cwd, name=task.name, command=None if routed else list(task.first_command or task.command),
                    prompt=prompt, prompted=task.prompted and not routed,
@@ -1729,4 +1779,17 @@ def retry_request(task: Task, prompt: str | None) -> Request:
                    env={} if routed else dict(task.env), retries=task.retries, retry_delay=task.retry_delay,
                    retry_of=task.id, fallback=task.route[1:] if routed else None,
                    fallback_fresh=task.fallback_fresh if routed else None, budget_usd=task.budget_usd,
-                   max_tokens=task.max_tokens, memory=task.memory, max_procs=task.max_procs, slots=task.slots)
+                   max_tokens=task.max_tokens, memory=task.memory, max_procs=task.max_procs, slots=task.slots,
+                   after=after)
+
+
+def latest_run(index: Index, task_id: int) -> Task | None:
+    """The task `task_id`, or its newest retry (`retry_of` links, followed to the end)."""
+    tasks = index.all_tasks()
+    found = next((t for t in tasks if t.id == task_id), None)
+    while found is not None:
+        newer = max((t for t in tasks if t.retry_of == found.id), key=lambda t: t.id, default=None)
+        if newer is None:
+            return found
+        found = newer
+    return None

@@ -113,14 +113,15 @@ def route_of(task: Task) -> tuple[str, ...]:
 
 def clock(at: datetime, now: datetime) -> str:
     """A moment as people read it on this machine: 15:00, or 15:00:12 within the minute; one
-    more than a day from `now` with its date: Nov 27 15:00 (a weekly limit's reset must not
-    read as today's)."""
+    on another day than `now` with its date: Nov 27 15:00 (a hold until 10:00 set at 14:38
+    ends tomorrow, and a weekly limit's reset must not read as today's)."""
     try:
         local = at.astimezone()
+        today = now.astimezone().date()
     except (OverflowError, ValueError):  # a recorded time at the end of what this zone can hold
         return at.isoformat()
     text = local.strftime("%H:%M:%S" if local.second else "%H:%M")
-    if abs(at - now) > timedelta(days=1):
+    if local.date() != today:
         text = f"{local.strftime('%b')} {local.day} {text}"
     return text
 
@@ -228,7 +229,11 @@ class Board:
         if until is None:
             return self.budget_why("agents", agent) or self.window_why(agent)
         hold = self.holds[agent]
-        return f"{hold.reason}, retry at {clock(until, self.now)}" if hold.until is not None else f"{hold.reason}"
+        if hold.until is None:
+            return hold.reason
+        # A limit's tasks are retried then; a hold by hand is simply over then.
+        return (f"{hold.reason} until {clock(until, self.now)}" if hold.reason.endswith("by hand")
+                else f"{hold.reason}, retry at {clock(until, self.now)}")
 
     def preset_full(self, agent: str) -> str | None:
         if agent in self.agent_caps and self.by_agent[agent] >= self.agent_caps[agent]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kugetsu import ops, pm, runner, worktree
+from kugetsu import ops, pm, render, runner, worktree
 from kugetsu.config import Config
 from kugetsu.models import Index, Task, TaskState
 from kugetsu.paths import Home, atomic_write, nofollow
@@ -94,7 +94,7 @@ class Processes:
                 return warm
             self.drop(warm)
         return runner.spawn(self.home, task.id, task.name, argv, cwd, env, token=task.token, depth=task.depth,
-                            confine=confine)
+                            confine=confine, header=render.attempt_header(task))
 
     def _argv(self, task: Task, stored: dict[int, str]) -> list[str]:
         """pm.argv of the task; a {prompt_file} preset's file is made here first, on the
@@ -152,7 +152,7 @@ class Processes:
             try:
                 self.warm[task.id] = runner.spawn(
                     self.home, task.id, task.name, argv, task.cwd, task.env, warm=True, token=task.token,
-                    depth=task.depth,
+                    depth=task.depth, header=render.attempt_header(task),
                 )
             except (OSError, ValueError):
                 pass  # it gets a normal start, and its error, when its turn comes

@@ -269,8 +269,10 @@ def task_lines(task: dict[str, Any]) -> str:
             value = short_size(value)
         elif key == "slots" and value == 1:
             continue
+        elif key == "after":  # task ids, as `status #3` takes them
+            value = " ".join(f"#{v}" for v in value)
         elif isinstance(value, list):
-            value = " ".join("{prompt}" if v == "{prompt}" or (prompt and v == prompt) else _quote(v) for v in value)
+            value = " ".join("{prompt}" if v == "{prompt}" or (prompt and v == prompt) else _quote(str(v)) for v in value)
         text = str(value).replace("\n", "\n" + " " * (width + 2))
         out.append(f"{key.ljust(width)}  {text}")
     return "\n".join(out)
@@ -280,6 +282,39 @@ def _quote(arg: str) -> str:
     import shlex
 
     return shlex.quote(arg)
+
+
+def attempt_header(task: Task) -> str | None:
+    """The line a run after the first begins its part of the log with (`logs` shows the
+    attempts apart): `--- kugetsu: attempt 2 of issue-7 (attempt 1: exit code 3) ---`. None
+    for a first run."""
+    if task.attempt <= 1 or not task.attempts:
+        return None
+    last = task.attempts[-1]  # its reason names its exit ("exit code 3", "... limit (exit code 1)")
+    why = last.reason or ("no exit status" if last.exit_code is None else f"exit code {last.exit_code}")
+    return printable(f"--- kugetsu: attempt {task.attempt} of {task.name} (attempt {task.attempt - 1}: {why}) ---",
+                     lines=False)
+
+
+def config_lines(shown: dict[str, Any], help: dict[str, str]) -> str:
+    """`kugetsu config show`: one `key = value` line a setting, an object's settings by their
+    dotted keys (`agents.claude.command = [...]`, what `config get/set` take), lists and other
+    values as one line of JSON, a string as it is; a top-level key's help as a comment."""
+    import json
+
+    out: list[str] = []
+
+    def walk(key: str, value: Any, note: str | None) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(f"{key}.{k}", v, None)
+            return
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        out.append(f"{key} = {text}" + (f"    # {note}" if note else ""))
+
+    for key, value in shown.items():
+        walk(key, value, help.get(key))
+    return "\n".join(out)
 
 
 def hosts_table(rows: list[dict[str, Any]]) -> str:

@@ -41,8 +41,13 @@ WRAPPER = (
     's=$1; w=$2; n=$3; set --; '
     'i=0; while [ $i -lt $n ]; do eval "set -- \\"\\$@\\" \\"\\$KUGETSU_ARG_$i\\"; unset KUGETSU_ARG_$i"; i=$((i+1)); done; '
     'if [ "$w" = warm ]; then read -r go || exit 0; exec </dev/null; fi; '
+    'if [ -n "$KUGETSU_LOG_HEADER" ]; then printf "%s\\n" "$KUGETSU_LOG_HEADER"; fi; unset KUGETSU_LOG_HEADER; '
     'trap : TERM INT HUP; "$@"; echo $? 1<> "$s"'
 )
+# A run after the first begins its part of the log with a line that says so (`logs` shows the
+# attempts apart): printed by the wrapper once its agent really runs (a warm wrapper may be
+# dropped and made again while its task waits), and not in the agent's environment.
+HEADER_VAR = "KUGETSU_LOG_HEADER"
 EXIT_BLANK = b" " * 15 + b"\n"  # what an exit file holds until its wrapper writes a status
 TOKEN_VAR = "KUGETSU_TASK_TOKEN"
 # cgroup mode (usage.py): the cgroup.procs files the wrapper writes itself into, first of all,
@@ -127,8 +132,10 @@ def agent_env(home: Home, task_id: int, name: str, token: str | None, env: dict[
 def spawn(
     home: Home, task_id: int, name: str, argv: list[str], cwd: str, env: dict[str, str],
     warm: bool = False, token: str | None = None, depth: int = 0, confine: dict[str, str] | None = None,
+    header: str | None = None,
 ) -> Spawned:
-    """Start the task's wrapper: running at once, or (warm) waiting for `release`."""
+    """Start the task's wrapper: running at once, or (warm) waiting for `release`. `header`:
+    the line its log gets before its agent's output (HEADER_VAR)."""
     import subprocess  # only the service spawns; the CLI never pays for this import
 
     log = home.log(task_id)
@@ -146,6 +153,8 @@ def spawn(
     full_env = agent_env(home, task_id, name, token, env, depth)
     full_env.update((f"KUGETSU_ARG_{i}", arg) for i, arg in enumerate(argv))
     full_env.update(confine or {})
+    if header:
+        full_env[HEADER_VAR] = header
     gate_r, gate_w = os.pipe() if warm else (None, None)  # not inheritable: only this wrapper gets it
     try:
         fd = open_file(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)

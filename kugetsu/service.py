@@ -327,6 +327,12 @@ class Service:
             runner.kill_group(stray.pid, stray.pid_start, signal.SIGKILL)
         self.exits.signal_leftovers(plan, self.index)
         self.exits.sync_watches(self.index)
+        if self.exits.unlooked(self.index):
+            # An agent this tick booked as ended with leftovers possible (an adopted one,
+            # whose orphans went to another service): its look starts now, not at the next
+            # wake-up (the reconcile, up to 5 s on), so its end and the next start wait for
+            # nothing.
+            self.request_tick()
         self._sync_jobs()
         if self.member is None:  # in a cluster the next task may start on another machine
             self.procs.sync_warm(self.index, self.cfg)

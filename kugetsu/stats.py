@@ -33,6 +33,7 @@ import msgspec
 
 from kugetsu.agents.report import Usage
 from kugetsu.config import Config
+from kugetsu.config import host_name as config_host
 from kugetsu.models import Event, Index, Task
 from kugetsu.paths import Home, nofollow
 from kugetsu.store import decode_events
@@ -49,7 +50,7 @@ _CHUNK = 1 << 16
 
 
 def host_name() -> str:
-    """This machine, for `--by host`. Every task runs here until the cluster mode comes."""
+    """This machine, for `--by host`: where the tasks that carry no host ran (one machine)."""
     return os.uname().nodename
 
 
@@ -174,20 +175,31 @@ class Record:
     finished: datetime | None = None
     state: str | None = None  # the final state, once final
     ran: bool = False  # it held a slot (known even when its start is not)
-    host: str | None = None  # in a cluster, the machine it ran on
+    host: str | None = None  # the machine it ran on last (cluster mode)
     usage: Usage | None = None  # what its runs that ended in the window used, as their agents reported
     fallback: bool = False  # it ran on a fallback preset (failover)
     peak_memory: int | None = None  # measured (README, "Resources"): its largest total RSS
     cpu_seconds: float | None = None
+    # Its runs (start, end; None: running now), from its task record: a task sent back to
+    # the queue (a provider's limit, a retry) is in no slot between two runs, so its time
+    # there is no run time. None when only events know it (then started -> finished).
+    runs: list[tuple[datetime, datetime | None]] | None = None
 
     def key(self, by: str, host: str) -> str:
-        if by == "host":
+        if by == "host":  # one machine: every task ran here; a cluster: where it ran
             return self.host or host
         if by == "day":  # the local day it ended, else started, else was queued
             at = self.finished or self.started or self.created
             return at.astimezone().date().isoformat() if at else "-"
         value = getattr(self, by)
         return value if value else "-"
+
+    def spans(self, start: datetime) -> list[tuple[datetime, datetime | None]]:
+        """Its time in a slot: each run, or started -> finished when the runs are not known
+        (a start the window does not know counts from the window's start)."""
+        if self.runs is not None:
+            return self.runs
+        return [(self.started or start, self.finished)] if self.ran else []
 
 
 def records(events: Iterable[Event], tasks: Iterable[Task], start: datetime) -> dict[int, Record]:
@@ -212,11 +224,16 @@ def records(events: Iterable[Event], tasks: Iterable[Task], start: datetime) -> 
         if r is None:
             r = out[t.id] = Record(t.id)
         r.name, r.source, r.agent, r.group = t.name, t.source, t.agent, t.group
-        r.host, r.usage, r.fallback = t.host, usage_in(t, start), t.fallback_from is not None
+        r.usage, r.fallback = usage_in(t, start), t.fallback_from is not None
         r.peak_memory, r.cpu_seconds = t.peak_memory, t.cpu_seconds
-        r.created = t.created_at
+        r.created, r.host = t.created_at, t.host or r.host
+        runs = [(a.started_at, a.ended_at) for a in t.attempts if a.started_at is not None]
         if t.started_at is not None:
             r.started, r.ran = t.started_at, True
+            runs.append((t.started_at, t.finished_at))
+        elif runs:
+            r.started, r.ran = r.started or runs[0][0], True
+        r.runs = runs or None  # none recorded (a record of an older kugetsu): from its events
         if t.state.final:
             r.finished, r.state = t.finished_at, t.state.value
     return out
@@ -280,13 +297,13 @@ class _Row:
             c[r.state] += 1  # type: ignore[index]
             if r.ran:
                 self.done += 1
-                if r.started is not None:
-                    self.runs.append(max(0.0, (r.finished - r.started).total_seconds()))  # type: ignore[operator]
+                if r.started is not None:  # the sum of its runs, not the span from first start to end
+                    self.runs.append(sum(max(0.0, ((end or r.finished) - began).total_seconds())  # type: ignore[operator]
+                                         for began, end in r.spans(start)))
         if r.ran and (r.finished is None or in_window):
-            # Its time in a slot inside the window; a start the window does not know (a
-            # task cleaned away that began before it) counts from the window's start.
-            began = max(r.started or start, start)
-            self.busy += max(0.0, ((r.finished or now) - began).total_seconds())
+            # Its time in a slot inside the window.
+            self.busy += sum(max(0.0, ((end or now) - max(began, start)).total_seconds())
+                             for began, end in r.spans(start) if end is None or end >= start)
             if r.peak_memory is not None:
                 self.peak_memory = max(self.peak_memory or 0, r.peak_memory)
             self.cpu += r.cpu_seconds or 0.0
@@ -339,7 +356,9 @@ def _max_agents_value(e: Event) -> int:
 def summarise(window: Window, by: str | None = None, host: str | None = None) -> dict[str, Any]:
     """The report of `kugetsu stats --json`."""
     start, now, cfg = window.start, window.now, window.cfg
-    host = host or host_name()
+    host = host or (config_host(cfg) if cfg.store else host_name())
+    # Where a task that carries no host ran: here on one machine; in a cluster it never started.
+    nowhere = "-" if cfg.store else host
     seconds = (now - start).total_seconds()
     available = available_slot_seconds(window.events, start, now, cfg, window.max_agents_at_start)
     recs = records(window.events, window.tasks, start)
@@ -347,7 +366,7 @@ def summarise(window: Window, by: str | None = None, host: str | None = None) ->
     for r in sorted(recs.values(), key=lambda r: r.id):
         total.add(r, start, now)
         if by is not None:
-            rows.setdefault(r.key(by, host), _Row()).add(r, start, now)
+            rows.setdefault(r.key(by, nowhere), _Row()).add(r, start, now)
     out: dict[str, Any] = {
         "since": start, "until": now, "window_seconds": seconds, "by": by, "host": host,
         "max_agents": cfg.max_agents, "running_now": len(window.index.active), "queued_now": len(window.index.queued),

@@ -171,7 +171,25 @@ def wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = F
         before = store.stamp()
     elif watch is None and store.stamp() != before:
         return  # committed since the caller read: look again now
-    fds = [fd for t in tasks if ours(t, here) if (fd := runner.open_pidfd(t.pid, t.pid_start)) is not None]
+    fds: list[int] = []
+    ending = False  # a task of ours whose agent has ended, its end not booked yet
+    for t in tasks:
+        if ours(t, here):
+            fd = runner.open_pidfd(t.pid, t.pid_start)
+            if fd is not None:
+                fds.append(fd)
+            elif t.state is TaskState.RUNNING and t.ended_at is not None:
+                ending = True
+    if ending and watch is None:
+        # The service is ending what its agent left running (SIGKILL after the grace): no
+        # process of the task's to watch, so the store's stamp is watched closely, and the
+        # booking is seen within 10 ms, not at the next look a second on.
+        for fd in fds:
+            os.close(fd)
+        end = time.monotonic() + timeout
+        while store.stamp() == before and time.monotonic() < end and not (stop and stop.is_set):
+            time.sleep(0.01)
+        return
     try:
         news = [watch.fileno()] if watch is not None else []
         stops = [stop.fileno()] if stop is not None else []

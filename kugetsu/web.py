@@ -17,6 +17,12 @@ a secret (kugetsu/guard.py says why each check):
   one, must be our own (a page on another site, or another port of 127.0.0.1, cannot open
   the socket even though the browser would send it the cookie); no page may frame it;
 - 127.0.0.1 unless `--allow-remote` (then any Host, the token still required).
+
+A tab's process ends with its socket and with the server, whatever the browser does: a
+socket gone (closed, reset, or a client that stalled and vanished) asks the tab to quit and
+kills it if it has not within TAB_GRACE; the server's end (Ctrl+C, SIGTERM) ends every tab
+the same way; and a tab whose server is gone (its pipes hang up, even after a SIGKILL of
+the server) ends itself (`guard_tab`), as it does at SIGTERM even when its output is stuck.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from kugetsu.errors import OK, UsageError
 from kugetsu.paths import Home
 
 DEFAULT_BIND = "127.0.0.1:8000"
+TAB_ENV = "KUGETSU_WEB_TAB"  # set for the tabs' processes: they guard themselves (guard_tab)
+TAB_GRACE = 2.0  # seconds a tab has to quit when asked before it is killed
 COOKIE = "kugetsu_dashboard_{port}"  # one per port: two dashboards (two homes) keep their own
 REFUSED = ("kugetsu: open the address `kugetsu dashboard --web` printed when it started (it carries the token;"
            " a restart makes a new one)\n")
@@ -63,6 +71,45 @@ def serve(home: Home, bind: str, allow_remote: bool) -> int:
     import asyncio
     import logging
     import signal
+
+    from textual_serve import server as textual_server
+    from textual_serve.app_service import AppService
+
+    class Tab(AppService):
+        """One tab's `kugetsu dashboard`, which never outlives its socket or the server."""
+
+        live: set[asyncio.subprocess.Process] = set()
+
+        async def _open_app_process(self, width: int = 80, height: int = 24) -> asyncio.subprocess.Process:
+            process = await super()._open_app_process(width, height)
+            Tab.live.add(process)
+            return process
+
+        async def stop(self) -> None:
+            # textual-serve asks the tab to quit and waits for its output to end: a tab whose
+            # output is stuck (a client that stopped reading) would never be waited out.
+            try:
+                await asyncio.wait_for(super().stop(), TAB_GRACE)
+            except (asyncio.TimeoutError, OSError):
+                pass
+            finally:
+                if self._process is not None:
+                    await end_tab(self._process)
+
+    async def end_tab(process: asyncio.subprocess.Process) -> None:
+        if process.returncode is None:
+            try:
+                process.terminate()  # it quits at once (guard_tab), stuck output or not
+                await asyncio.wait_for(process.wait(), TAB_GRACE)
+            except asyncio.TimeoutError:
+                process.kill()
+                await process.wait()
+            except ProcessLookupError:
+                pass
+        Tab.live.discard(process)
+
+    # textual-serve's websocket handler makes its AppService by this module global name.
+    textual_server.AppService = Tab  # type: ignore[misc]
 
     sock = guard.listen(host, port, "--bind")
     port = sock.getsockname()[1]
@@ -114,6 +161,10 @@ def serve(home: Home, bind: str, allow_remote: bool) -> int:
             print(f"kugetsu dashboard for {home.root} on http://{shown}:{port}/?token={token} (Ctrl+C stops it)",
                   flush=True)
 
+        async def on_shutdown(self, app: web.Application) -> None:
+            # Before aiohttp waits for the open sockets: every tab ends with the server.
+            await asyncio.gather(*(end_tab(p) for p in list(Tab.live)))
+
         def initialize_logging(self) -> None:
             # textual-serve's logs errors with each frame's locals, which would print the
             # token (a request's query, this module's closure): plain tracebacks instead.
@@ -126,10 +177,34 @@ def serve(home: Home, bind: str, allow_remote: bool) -> int:
             loop.add_signal_handler(signal.SIGINT, self.request_exit)
             loop.add_signal_handler(signal.SIGTERM, self.request_exit)
             web.run_app(self._make_app(), sock=sock, handle_signals=False, loop=loop, access_log=None,
-                        print=lambda *args: None)
+                        print=lambda *args: None, shutdown_timeout=TAB_GRACE)
 
     # Every browser tab runs this command; it reads the same home.
     os.environ["KUGETSU_HOME"] = str(home.root)
-    command = f"{shlex.quote(sys.executable)} -m kugetsu dashboard"
+    os.environ[TAB_ENV] = "1"
+    # exec: the tab is the server's own child (no shell between), so that ending it ends it.
+    command = f"exec {shlex.quote(sys.executable)} -m kugetsu dashboard"
     DashboardServer(command, host=host, port=port, title=f"kugetsu · {home.root}").serve()
     return OK
+
+
+def guard_tab() -> None:
+    """In a tab's `kugetsu dashboard` (TAB_ENV): end when the server is gone. Its pipes are the
+    server's: a hang-up of standard input or an error on standard output (the server closed
+    them, or died, even by SIGKILL) ends the process at once, from a thread that reads
+    nothing (Textual's own reader keeps its input)."""
+    import select
+    import threading
+
+    def watch() -> None:
+        poll = select.poll()
+        for fd in (0, 1):
+            poll.register(fd, 0)  # no events asked: a hang-up and an error are always told
+        while True:
+            try:
+                if poll.poll():
+                    os._exit(0)
+            except InterruptedError:
+                continue
+
+    threading.Thread(target=watch, name="kugetsu-tab-guard", daemon=True).start()

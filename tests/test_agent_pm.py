@@ -163,7 +163,7 @@ def test_a_claude_code_pm_backs_off_when_the_queue_is_full_then_delegates_and_wa
         [capacity] = tool_results(api)["mcp__kugetsu__capacity"]
         # Claude Code hands the model the structured content (the CLI's --json), not the text.
         assert json.loads(capacity) == {"max_agents": 1, "active": 1, "queued": 1, "free": 0, "max_queue": 1,
-                                        "paused": False, "paused_groups": []}, capacity
+                                        "paused": False, "paused_groups": [], "holds": {}}, capacity
         refused = json.loads(refused)
         assert refused["admitted"] is False and refused["task"] is None, refused
         assert refused["advice"] == BACK_OFF and refused["retry_after"] == 60, refused

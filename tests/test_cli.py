@@ -57,7 +57,7 @@ def test_queue_shows_running_and_positions(kg):
     text = kg.ok("queue")
     assert "1/1 running, 0 free, 2 queued (max 50)" in text and "QUEUED" in text
     assert kg.json("capacity") == {"max_agents": 1, "active": 1, "queued": 2, "free": 0, "max_queue": 50,
-                                   "paused": False, "paused_groups": []}
+                                   "paused": False, "paused_groups": [], "holds": {}}
 
 
 def test_promotion_is_immediate(kg):

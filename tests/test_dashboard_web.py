@@ -96,9 +96,11 @@ def served(kg, tmp_path):
         found = wait_for(up, 30, "the web dashboard to listen and print its address")
         yield Served(found.group(1), proc, log)  # type: ignore[union-attr]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and the dashboards it started for the page
         try:
+            os.killpg(proc.pid, signal.SIGTERM)  # the server and the dashboards it started for the page
             proc.wait(15)
+        except ProcessLookupError:  # the test stopped it already
+            pass
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)

@@ -102,7 +102,7 @@ def test_a_limit_requeues_in_place_holds_the_preset_and_resumes_the_session_at_t
     assert runs(kg, "b")[0][0] > second_start  # b stayed behind a
     assert kg.task("a")["state"] == "succeeded"
     assert [e["type"] for e in kg.events() if e["type"] in ("held", "released")] == ["held", "released"]
-    assert "holds" not in kg.json("capacity")
+    assert kg.json("capacity")["holds"] == {} and kg.json("queue")["holds"] == {}
 
 
 def test_backoff_when_the_output_gives_no_reset_time(kg):

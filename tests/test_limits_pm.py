@@ -245,9 +245,9 @@ def test_retry_request_links_a_finished_task():
     cfg, index = setup()
     admit(index, cfg, "a", "other")
     with pytest.raises(UsageError, match="only a finished task can be retried"):
-        pm.retry_request(index.queued[0], "a")
+        pm.retry_request(index, index.queued[0], "a")
     pm.cancel(index, index.queued[0], NOW, 10)
-    req = pm.retry_request(index.finished[0], "a")
+    req = pm.retry_request(index, index.finished[0], "a")
     task, _ = pm.admit(index, cfg, NOW, req)
     assert task.retry_of == 1 and task.command == ["other", "{prompt}"] and task.name == "a"
     assert req.prompt == "a" and pm.argv(task, req.prompt) == ["other", "a"]

@@ -111,7 +111,8 @@ async def test_every_tool_answers_with_the_clis_json_and_text(kg, tmp_path):
         r = await c.call_tool("capacity", {})
         assert not r.is_error
         assert r.structured_content == kg.json("capacity") == {
-            "max_agents": 1, "active": 0, "queued": 0, "free": 1, "max_queue": 50, "paused": False, "paused_groups": []}
+            "max_agents": 1, "active": 0, "queued": 0, "free": 1, "max_queue": 50, "paused": False, "paused_groups": [],
+            "holds": {}}
         assert text(r) == "0/1 running, 1 free, 0 queued (max 50)"
 
         r = await c.call_tool("delegate", {"name": "a", "source": "pm", "command": gated(

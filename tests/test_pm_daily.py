@@ -66,7 +66,7 @@ def test_pause_holds_every_start_but_positions_stay_the_order_after_resume():
     view = pm.queue_view(index, cfg, T0)
     assert view.positions == {b.id: 1, c.id: 2}
     assert view.waiting_for == {b.id: "paused", c.id: "paused"}
-    assert view.capacity.paused and view.capacity.free == 1
+    assert view.capacity.paused and view.capacity.free == 0  # no slot is free to a new task
     pm.pause(index, cfg, T0, None, False)
     assert started(index, cfg) == ["b"]
 

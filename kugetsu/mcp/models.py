@@ -123,7 +123,8 @@ class CapacityOut(BaseModel):
     max_agents: int = Field(description="slots: running agents at once")
     active: int = Field(description="running now")
     queued: int = Field(description="waiting for a slot")
-    free: int = Field(description="slots free now: a task delegated now starts at once if free > 0")
+    free: int = Field(description="slots free now (0 while kugetsu is paused): a task delegated now starts at once"
+                            " if free > 0")
     max_queue: int = Field(description="queued tasks at most; beyond it delegate is rejected (back off)")
     max_memory: OptInt = Field(None, description="once a task declares memory: the bytes this machine's running"
                                " tasks may declare in all; a task starts only when its memory fits")

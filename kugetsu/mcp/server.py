@@ -367,9 +367,9 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         advice = (f"It runs on its own; call wait with {adm.task.name!r} (or {adm.task.id}) when you need its"
                   " result, then logs if it did not succeed.")
         text = line
-        if pm.unused_prompt(req):  # as the CLI warns
-            warning = ("warning: the prompt is not used: `command` runs as given (put the prompt in its arguments,"
-                       " or leave out `command` to run the agent preset)")
+        unused = pm.unused_prompt_text(load_config(home), req, "`command`")  # as the CLI warns
+        if unused:
+            warning = f"warning: {unused}"
             text, advice = f"{line}\n{warning}", f"{warning}. {advice}"
         return _text(text, {"admitted": True, "task": task, "rejected": None, "retry_after": None,
                             "message": line, "advice": advice})

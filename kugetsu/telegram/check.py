@@ -22,8 +22,9 @@ def check(home: Home) -> int:
     token = resolve_token(cfg)
     if not token:
         raise UsageError(
-            f"no bot token: set one with `kugetsu config set telegram.token TOKEN` (or env {TOKEN_ENV});"
-            " BotFather gives it (docs/telegram.md)"
+            "no bot token: BotFather gives it (docs/telegram.md); set it from standard input, off the command"
+            " line where any local user could read it: `printf '%s' \"$TOKEN\" | kugetsu config set telegram.token -`"
+            f" (or put it in env {TOKEN_ENV} in the service's environment)"
         )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs URLs, token inside
     return asyncio.run(_check(cfg, token))

@@ -108,7 +108,7 @@ def notification(event: Event, task: Task | None, cfg: Config, log_tail: str | N
     kind = event.type
     took = _took(task)
     if kind == "queued":
-        pos = f", position {event.position}" if event.position else ""
+        pos = f", position {event.position}" if event.position else (f", {esc(event.reason)}" if event.reason else "")
         return f"🕒 queued {ref}{pos} · {esc(event.source or '-')}"
     if kind == "started":
         return f"▶️ started {ref}, slot {event.slot}/{cfg.max_agents} · {esc(event.source or '-')}"

@@ -67,6 +67,7 @@ class Dashboard(App[None]):
     ]
 
     selected: reactive[int | None] = reactive(None, init=False)
+    web_tab = False  # run by `dashboard --web` for one browser tab
 
     def __init__(self, home: Home, *, clock: Callable[[], datetime] = ops.now, tz: tzinfo | None = None,
                  poll: float = 1.0, cwd: str | None = None):
@@ -101,6 +102,14 @@ class Dashboard(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
+        if self.web_tab:
+            # Textual's web driver only asks the app to quit at SIGTERM, which never happens
+            # while its output is stuck (a browser that stopped reading): a tab has no
+            # terminal to restore, so it ends at once.
+            import asyncio
+            import signal
+
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, os._exit, 0)
         # Kept by reference: App.query_one searches the current screen, which may be a dialog.
         self.summary = self.query_one("#summary", Static)
         self.running = self.query_one("#running", TaskTable)
@@ -360,5 +369,13 @@ def make_app(home: Home | str | os.PathLike[str], **kw: Any) -> Dashboard:
 
 
 def run(home: Home) -> int:
-    make_app(home).run()
+    import os
+
+    app = make_app(home)
+    if os.environ.get("KUGETSU_WEB_TAB"):  # a web dashboard's tab (kugetsu/web.py)
+        from kugetsu import web
+
+        web.guard_tab()
+        app.web_tab = True
+    app.run()
     return 0
