@@ -83,7 +83,16 @@ def _retry_args(r: argparse.ArgumentParser) -> None:
 
 def _queue_args(q: argparse.ArgumentParser) -> None:
     q.add_argument("--all", action="store_true", help="also recent finished tasks")
+    _filter_args(q)
     q.add_argument("--json", action="store_true")
+
+
+def _filter_args(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--group", metavar="NAME", help="only the tasks of this pool (config `groups`)")
+    q.add_argument("--state", metavar="S[,S...]", action="append",
+                   help="only tasks in these states (queued, running, succeeded, failed, cancelled, expired, lost,"
+                        " or finished for any final one)")
+    q.add_argument("--source", metavar="WHO", help="only the tasks this source delegated")
 
 
 def _status_args(s: argparse.ArgumentParser) -> None:
@@ -107,8 +116,11 @@ def _logs_args(lg: argparse.ArgumentParser) -> None:
 
 
 def _wait_args(w: argparse.ArgumentParser) -> None:
-    w.add_argument("tasks", metavar="TASK", nargs="+")
+    w.add_argument("tasks", metavar="TASK", nargs="*")
+    w.add_argument("--all", action="store_true", help="every task queued or running now")
+    w.add_argument("--group", metavar="NAME", help="every task of this pool queued or running now")
     w.add_argument("--timeout", metavar="DUR", type=_duration)
+    w.add_argument("--json", action="store_true", help="print the tasks once final (a list)")
 
 
 
@@ -486,7 +498,8 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
 
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
-    view = ops.listing(cfg, index, finished=args.all)
+    keep = pm.task_filter(args.group, args.state, args.source)
+    view = ops.listing(cfg, index, finished=args.all, keep=None if keep == pm.TaskFilter() else keep)
     if args.json:
         _kept.append(shown := ops.queue_json(view))
         _print_json(shown)
@@ -787,17 +800,25 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
 
 
 def cmd_wait(home: Home, args: argparse.Namespace) -> int:
+    if bool(args.tasks) + args.all + (args.group is not None) != 1:
+        raise UsageError("wait: give TASK..., --all or --group NAME (one of them)")
     cfg, index = ops.read(home)
     control.ensure_service(home, cfg, index)
+    if not args.tasks:  # the live tasks now: one that is admitted later is not waited for
+        tasks = [t for t in index.live() if args.all or t.group == args.group]
+        if not tasks:
+            _say("kugetsu: nothing to wait for: no task" + (f" of group {args.group}" if args.group else "")
+                 + " is queued or running", file=sys.stderr)
+        return _wait_for(home, [t.id for t in tasks], args.timeout, args.json)
     tasks = [pm.find_to_wait(index, ref) for ref in args.tasks]
     for ref, t in zip(args.tasks, tasks):
         if t.state.final and not ref.strip().lstrip("#").isdigit():  # the name may have meant a newer task
             _say(f"kugetsu: note: {ref} is task #{t.id}, which had already finished ({t.state.value}) before this"
                  f" wait; `kugetsu wait #{t.id}` names it for sure", file=sys.stderr)
-    return _wait_for(home, [t.id for t in tasks], args.timeout)
+    return _wait_for(home, [t.id for t in tasks], args.timeout, args.json)
 
 
-def _wait_for(home: Home, ids: list[int], timeout: float | None) -> int:
+def _wait_for(home: Home, ids: list[int], timeout: float | None, as_json: bool = False) -> int:
     """Block until the tasks are final: 0 all succeeded, 1 otherwise (each failure on
     stderr), 124 on timeout. `wait` and `delegate --wait`."""
     from kugetsu import waiting
@@ -808,6 +829,8 @@ def _wait_for(home: Home, ids: list[int], timeout: float | None) -> int:
         _say(f"kugetsu: timed out after {format_duration(timeout or 0)}", file=sys.stderr)
         return TIMED_OUT
     tasks = {t.id: t for t in open_store(home).read().all_tasks()}
+    if as_json:  # only once every task is final: a timeout prints nothing on stdout
+        print(to_json(ops.tasks_json([tasks[i] for i in ids])))
     bad = [tasks[i] for i in ids if tasks[i].state is not TaskState.SUCCEEDED]
     for t in bad:
         _say(f"{t.name} (#{t.id}) {t.state.value}" + (f": {t.reason}" if t.reason else ""), file=sys.stderr)

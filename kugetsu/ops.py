@@ -557,13 +557,21 @@ class Listing(msgspec.Struct):
         return self.view.positions
 
 
-def listing(cfg: Config, index: Index, finished: bool = False) -> Listing:
+def listing(cfg: Config, index: Index, finished: bool = False, keep: pm.TaskFilter | None = None) -> Listing:
+    """The queue view every front end shows (the CLI's `queue`, MCP, the dashboard), with the
+    resource guard's and placement's notes; `keep`: only the tasks it matches, at their true
+    positions, and (when it asks for a final state) the latest 20 finished that match."""
     t = now()
-    latest = list(reversed(index.finished[-20:])) if finished else None
+    latest = None
+    if finished or (keep is not None and keep.wants_finished):
+        done = index.finished if keep is None else [x for x in index.finished if keep.matches(x)]
+        latest = list(reversed(done[-20:]))
     here = cluster_host(cfg)
     view = pm.queue_view(index, cfg, t, measure(cfg))
     if cfg.store is not None and any(x.pinned_host for x in view.queued):
         view = pm.with_placement(view, hosts_up(cfg))
+    if keep is not None:
+        view = pm.filter_view(view, keep)
     return Listing(view, index, t, latest, here)
 
 
@@ -581,9 +589,13 @@ def queue_json(listed: Listing) -> dict[str, Any]:
     """`kugetsu queue --json`: msgspec encodes it as it is (its tasks are PublicTask structs,
     the cheap way for a long queue); msgspec.to_builtins makes plain JSON values of it."""
     view = listed.view
+    active = listed.index.active  # in start order, as ever; a filtered view's only
+    if len(view.running) != len(active):
+        shown = {t.id for t in view.running}
+        active = [t for t in active if t.id in shown]
     out: dict[str, Any] = {
         "max_agents": view.capacity.max_agents,
-        "active": public_tasks(listed.index.active, here=listed.here),
+        "active": public_tasks(active, here=listed.here),
         "queued": public_tasks(view.queued, [view.positions[t.id] for t in view.queued], waiting_for=view.waiting_for),
         "groups": view.groups,
         "paused": view.capacity.paused,

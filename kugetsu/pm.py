@@ -227,6 +227,47 @@ def with_placement(view: QueueView, up: set[str]) -> QueueView:
     return msgspec.structs.replace(view, waiting_for={**view.waiting_for, **notes})
 
 
+class TaskFilter(msgspec.Struct, frozen=True, kw_only=True):
+    """`queue --group G --state S --source WHO` (and `wait --group G`): which tasks a listing
+    keeps. Positions stay the true ones: a filter hides rows, it never reorders the queue."""
+
+    group: str | None = None
+    states: frozenset[str] | None = None  # TaskState values; "finished" stands for every final one
+    source: str | None = None
+
+    def matches(self, task: Task) -> bool:
+        return ((self.group is None or task.group == self.group)
+                and (self.source is None or task.source == self.source)
+                and (self.states is None or task.state.value in self.states
+                     or ("finished" in self.states and task.state.final)))
+
+    @property
+    def wants_finished(self) -> bool:
+        """A final state was asked for: the listing shows finished tasks without `--all`."""
+        return self.states is not None and any(s not in ("queued", "running") for s in self.states)
+
+
+STATE_NAMES = tuple(s.value for s in TaskState) + ("finished",)
+
+
+def task_filter(group: str | None = None, states: list[str] | None = None, source: str | None = None) -> TaskFilter:
+    """A TaskFilter from what a user typed (`--state failed,cancelled`); an unknown state is refused."""
+    wanted = None
+    if states:
+        wanted = frozenset(s.strip() for v in states for s in v.split(",") if s.strip())
+        bad = sorted(wanted - set(STATE_NAMES))
+        if bad or not wanted:
+            raise UsageError(f"--state: unknown state {', '.join(map(repr, bad)) or repr('')}; one of"
+                             f" {', '.join(STATE_NAMES)} (several: --state failed,cancelled)")
+    return TaskFilter(group=group, states=wanted, source=source)
+
+
+def filter_view(view: QueueView, keep: TaskFilter) -> QueueView:
+    """The view with only the tasks `keep` matches, each at its true position."""
+    return msgspec.structs.replace(view, running=[t for t in view.running if keep.matches(t)],
+                                   queued=[t for t in view.queued if keep.matches(t)])
+
+
 def next_release(index: Index, cfg: Config, now: datetime) -> datetime | None:
     """When a rate limit that holds a queued task runs out (the service wakes then)."""
     return Board(index, cfg, now).next_release()

@@ -98,24 +98,27 @@ def paused_note(cap: Capacity) -> str:
     return ""
 
 
+COMMAND_WIDTH = 40  # the queue's last column: enough to tell tasks apart; `status` shows it whole
+
+
 def running_table(tasks: list[Task], now: datetime, here: str | None = None) -> str:
     """`here`: this machine, in a cluster: another machine's agents are shown by their
     wrapper's pid there (this machine's /proc knows nothing of them)."""
     rows = [
         [str(t.slot or "-"), str(t.id), t.name, t.source, t.agent or "-", since(t.started_at, now),
          str((runner.agent_pid(t.pid, t.pid_start) if t.host in (None, here) else None) or t.pid or "starting"),
-         "stopping" if t.stop else "running"]
+         "stopping" if t.stop else "running", command_text(t, COMMAND_WIDTH)]
         for t in tasks
     ]
-    headers = ["SLOT", "ID", "NAME", "SOURCE", "AGENT", "ELAPSED", "PID", "STATE"]
+    headers = ["SLOT", "ID", "NAME", "SOURCE", "AGENT", "ELAPSED", "PID", "STATE", "COMMAND"]
     if any(t.host for t in tasks):  # a cluster: which machine runs it
         headers.insert(1, "HOST")
         for row, t in zip(rows, tasks):
             row.insert(1, t.host or "-")
     if any(t.branch for t in tasks):  # worktree tasks: where their work goes
-        headers.insert(-1, "BRANCH")
+        headers.insert(-2, "BRANCH")
         for row, t in zip(rows, tasks):
-            row.insert(-1, t.branch or "-")
+            row.insert(-2, t.branch or "-")
     return table(headers, rows, right={0, 1})
 
 
@@ -130,10 +133,11 @@ def queued_table(
         + ([t.group or "-"] if grouped else [])
         + [since(t.created_at, now), until(t.expires_at, now)]
         + ([why.get(t.id, "")] if why else [])
+        + [command_text(t, COMMAND_WIDTH)]
         for t in tasks
     ]
     headers = ["POS", "ID", "NAME", "PRIORITY", "SOURCE"] + (["GROUP"] if grouped else [])
-    headers += ["WAITING", "EXPIRES IN"] + (["WAITING FOR"] if why else [])
+    headers += ["WAITING", "EXPIRES IN"] + (["WAITING FOR"] if why else []) + ["COMMAND"]
     return table(headers, rows, right={0, 1})
 
 
@@ -232,6 +236,13 @@ def task_lines(task: dict[str, Any]) -> str:
         text = str(value).replace("\n", "\n" + " " * (width + 2))
         out.append(f"{key.ljust(width)}  {text}")
     return "\n".join(out)
+
+
+def command_text(task: Task, width: int | None = None) -> str:
+    """A task's command as a shell would read it, its prompt shown as `{prompt}` (the queue's
+    COMMAND column, `status`); cut to `width` with "…" when given."""
+    text = " ".join("{prompt}" if task.prompt and v == task.prompt else _quote(v) for v in task.command)
+    return text if width is None else cut(text, width)
 
 
 def _quote(arg: str) -> str:
