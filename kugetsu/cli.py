@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from kugetsu import control, ops, pm, runner
 from kugetsu.config import Config, cluster_host, format_duration, get_value, load_config, parse_duration, parse_value
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
-from kugetsu.models import PRIORITIES, Index, TaskState
+from kugetsu.models import PRIORITIES, Index, Task, TaskState
 from kugetsu.paths import Home, default_home, nofollow, read_tail
 from kugetsu.render import printable, to_json
 
@@ -174,6 +174,14 @@ def _serve_args(sv: argparse.ArgumentParser) -> None:
 
 def _clean_args(cl: argparse.ArgumentParser) -> None:
     cl.add_argument("--older-than", metavar="DUR", type=_duration)
+    cl.add_argument("--state", metavar="S[,S...]", action="append",
+                    help="only finished tasks in these states (succeeded, failed, cancelled, expired, lost)")
+    cl.add_argument("--json", action="store_true", help="print the tasks removed")
+
+
+def _remove_args(rm: argparse.ArgumentParser) -> None:
+    rm.add_argument("tasks", metavar="TASK", nargs="+", help="finished tasks (ids or names)")
+    rm.add_argument("--json", action="store_true", help="print the tasks removed")
 
 
 def _worktrees_args(wts: argparse.ArgumentParser) -> None:
@@ -1039,8 +1047,20 @@ def cmd_store(home: Home, args: argparse.Namespace) -> int:
 
 
 def cmd_clean(home: Home, args: argparse.Namespace) -> int:
-    gone = ops.clean(home, args.older_than)
-    _say(f"removed {len(gone)} finished task{'s' if len(gone) != 1 else ''} from the index")
+    states = pm.task_filter(states=args.state).states
+    return _removed(ops.clean(home, args.older_than, states), args.json)
+
+
+def cmd_remove(home: Home, args: argparse.Namespace) -> int:
+    return _removed(ops.remove(home, args.tasks), args.json)
+
+
+def _removed(gone: list[Task], as_json: bool) -> int:
+    if as_json:
+        print(to_json(ops.tasks_json(gone)))
+    else:
+        _say(f"removed {_count(len(gone), 'finished task')} from the index"
+             + (f": {', '.join(f'{t.name} (#{t.id})' for t in gone)}" if 0 < len(gone) <= 10 else ""))
     return OK
 
 
@@ -1187,6 +1207,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "serve": ("run the service (foreground unless --detach)", _serve_args, cmd_serve),
     "shutdown": ("stop the service (agents keep running)", _no_args, cmd_shutdown),
     "clean": ("drop finished tasks (and their logs) from the index", _clean_args, cmd_clean),
+    "remove": ("drop these finished tasks (and their logs) from the index", _remove_args, cmd_remove),
     "worktrees": ("kugetsu's git worktrees: list, prune", _worktrees_args, cmd_worktrees),
     "dashboard": ("the live Textual dashboard: queue, output, events, actions (--web: in a browser)", _dashboard_args,
                   cmd_dashboard),

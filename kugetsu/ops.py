@@ -409,14 +409,26 @@ def _check_joinable(home: Home, local: dict[str, Any], index: Index) -> None:
 # ---- clean -------------------------------------------------------------------------------
 
 
-def clean(home: Home, older_than: float | None) -> list[Task]:
+def clean(home: Home, older_than: float | None, states: frozenset[str] | None = None) -> list[Task]:
     """Drop finished tasks from the index, with their log files. Ids are never reused."""
     with open_store(home).transaction() as txn:
-        gone = pm.clean(txn.index, txn.now, older_than)
+        gone = pm.clean(txn.index, txn.now, older_than, states)
+    _drop_files(home, gone)
+    return gone
+
+
+def remove(home: Home, refs: list[str]) -> list[Task]:
+    """`kugetsu remove TASK...`: these finished tasks leave the index, with their log files."""
+    with open_store(home).transaction() as txn:
+        gone = pm.remove(txn.index, [pm.find(txn.index, ref) for ref in refs])
+    _drop_files(home, gone)
+    return gone
+
+
+def _drop_files(home: Home, gone: list[Task]) -> None:
     for task in gone:
         for path in (home.log(task.id), home.exit_file(task.id), home.prompt_file(task.id)):
             path.unlink(missing_ok=True)
-    return gone
 
 
 # ---- worktrees ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 
 from kugetsu import limits, placement
 from kugetsu.config import Config, format_duration, format_size, parse_duration
-from kugetsu.errors import (AmbiguousName, EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered,
+from kugetsu.errors import (AmbiguousName, EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered, NotFound,
                             QueueFull, Rejected, UnknownDependency, UnknownGroup, UsageError)
 from kugetsu.agents.report import Usage
 from kugetsu.models import (PRIORITIES, Attempt, ClockError, Event, Hold, Index, LimitHit, SourceMark, Task, TaskState,
@@ -865,13 +865,32 @@ def trim_history(index: Index, limit: int) -> list[Task]:
     return gone
 
 
-def clean(index: Index, now: datetime, older_than: float | None = None) -> list[Task]:
-    """Drop finished tasks (finished more than `older_than` seconds ago, if given)."""
+def clean(index: Index, now: datetime, older_than: float | None = None, states: frozenset[str] | None = None) -> list[Task]:
+    """Drop finished tasks (finished more than `older_than` seconds ago, and in one of
+    `states`, if given)."""
+    if states is not None and (live := states & {"queued", "running"}):
+        raise UsageError(f"--state {', '.join(sorted(live))}: clean drops finished tasks only (a live one is"
+                         f" cancelled with `kugetsu cancel`)")
     keep, gone = [], []
     for task in index.finished:
         old = older_than is None or (task.finished_at and (now - task.finished_at).total_seconds() >= older_than)
-        (gone if old else keep).append(task)
+        chosen = states is None or task.state.value in states or "finished" in states
+        (gone if old and chosen else keep).append(task)
     index.finished = keep
+    return gone
+
+
+def remove(index: Index, tasks: list[Task]) -> list[Task]:
+    """`kugetsu remove TASK...`: finished tasks leave the index (their logs with them, ops).
+    A live one is refused, and then none is removed: it would vanish while its agent runs."""
+    live = [t for t in tasks if not t.state.final]
+    if live:
+        t = live[0]
+        raise NotFound(f"{t.name} (#{t.id}) is {t.state.value}: only a finished task can be removed; cancel it first"
+                       f" (`kugetsu cancel #{t.id}`), then remove it")
+    ids = {t.id for t in tasks}
+    gone = [t for t in index.finished if t.id in ids]
+    index.finished = [t for t in index.finished if t.id not in ids]
     return gone
 
 

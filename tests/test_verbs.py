@@ -66,3 +66,36 @@ def test_wait_all_and_group_wait_for_the_live_tasks_of_now(kg):
     assert r.returncode == 0 and "nothing to wait for" in r.stderr
     r = kg.run("wait")
     assert r.returncode == 2 and "TASK..., --all or --group" in r.stderr
+
+
+def test_remove_drops_finished_tasks_and_refuses_a_live_one(kg):
+    _fast(kg)
+    gate = kg.rec / "gate"
+    kg.delegate("done", 0, 0)
+    kg.wait_state("done", "succeeded")
+    kg.delegate("live", 0, 0, gate=gate)
+    log = Path(kg.task("done")["log"])
+    assert log.exists()
+    before = kg.home.index.read_bytes()
+    r = kg.run("remove", "done", "live")
+    assert r.returncode == 1 and "live (#2) is running" in r.stderr and "kugetsu cancel #2" in r.stderr
+    assert kg.home.index.read_bytes() == before  # nothing written, not even the finished one
+    r = kg.run("remove", "nosuch")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    out = kg.ok("remove", "done")
+    assert "removed 1 finished task from the index: done (#1)" in out
+    assert not log.exists() and kg.run("status", "#1").returncode == 1
+    gate.touch()
+
+
+def test_clean_state_drops_only_those_states(kg):
+    kg.config(max_agents=3)
+    kg.delegate("ok", 0, 0)
+    kg.delegate("bad", 0, 3)
+    kg.wait_state("bad", "failed")
+    kg.wait_state("ok", "succeeded")
+    r = kg.run("clean", "--state", "running")
+    assert r.returncode == 2 and "finished tasks only" in r.stderr
+    gone = json.loads(kg.ok("clean", "--state", "failed", "--json"))
+    assert [t["name"] for t in gone] == ["bad"]
+    assert kg.task("ok")["state"] == "succeeded" and kg.run("status", "bad").returncode == 1
