@@ -64,6 +64,9 @@ def _delegate_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--retries", metavar="N", type=_positive_int, default=0,
                    help="run it again, as the same task, up to N times when it fails or is lost")
     d.add_argument("--retry-delay", metavar="DUR", type=_duration, help="wait DUR before each retry")
+    d.add_argument("--env", metavar="K=V", action="append", default=[],
+                   help="set this variable in the agent's environment (repeatable); K alone passes this shell's"
+                        " value of K (a secret stays off the command line)")
 
 
 def _hold_args(h: argparse.ArgumentParser) -> None:
@@ -425,6 +428,7 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
         after=_after_refs(args.after),
         retries=args.retries,
         retry_delay=args.retry_delay,
+        env=_env_pairs(args.env),
     )
     if pm.unused_prompt(req):
         print("kugetsu: warning: the prompt is not used: the command after -- runs as given (put the prompt"
@@ -446,6 +450,21 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(ops.task_json(adm.task, adm.position)))
     return OK
+
+
+def _env_pairs(values: list[str]) -> dict[str, str]:
+    """--env K=V --env K2: the variables, in order (K alone: this shell's value of K)."""
+    env: dict[str, str] = {}
+    for value in values:
+        if not isinstance(value, str) or not value:
+            raise UsageError("--env: give NAME=VALUE, or NAME to pass this shell's value")
+        name, eq, text = value.partition("=")
+        if not eq:
+            if name not in os.environ:
+                raise UsageError(f"--env {name}: not set in this shell; give --env {name}=VALUE")
+            text = os.environ[name]
+        env[name] = text
+    return env
 
 
 def _read_prompt(args: argparse.Namespace) -> str | None:

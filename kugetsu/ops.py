@@ -636,7 +636,8 @@ def _public_task_type() -> type[msgspec.Struct]:
             fields.append((name, Any, msgspec.field(default_factory=list) if default == [] else default))
         if name == "state":
             fields.append(("position", Any, None))
-    fields += [("agent_pid", Any, None), ("waiting_for", Any, msgspec.UNSET)]  # UNSET: not in the object
+    fields += [("agent_pid", Any, None), ("env_names", Any, msgspec.field(default_factory=list)),
+               ("waiting_for", Any, msgspec.UNSET)]  # UNSET: not in the object
     return msgspec.defstruct("PublicTask", fields, kw_only=True, module=__name__)
 
 
@@ -659,6 +660,8 @@ def public_tasks(tasks: list[Task], positions: list[int | None] | None = None, h
             raw["agent_pid"] = runner.agent_pid(task.pid, task.pid_start)
         if waiting_for is not None:
             raw["waiting_for"] = waiting_for.get(task.id)
+        if task.env:  # the names only: a value may be a secret (`delegate --env`, a preset's API key)
+            raw["env_names"] = sorted(task.env)
     return msgspec.convert(raws, list[PublicTask])  # fills the defaults, drops what it does not name
 
 

@@ -453,7 +453,6 @@ def _check_text(req: Request) -> None:
     fields = [("the working directory", req.cwd), ("the prompt", req.prompt), ("the source", req.source),
               ("the agent preset", req.agent), ("the group", req.group)]
     fields += [(f"argument {i} of the command", a) for i, a in enumerate(req.command or [])]
-    fields += [(f"the environment variable {k!r}", v) for k, v in req.env.items()]
     for what, text in fields:
         try:
             (text or "").encode()
@@ -462,9 +461,33 @@ def _check_text(req: Request) -> None:
                              " UTF-8 (or, in a command, let the shell make the byte: printf '\\233')") from None
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_env(env: dict[str, str]) -> None:
+    """`delegate --env K=V`: a name a shell could export, none of kugetsu's own (KUGETSU_*:
+    the task's identity, token and home are set for each agent and must not be forged), a
+    value the kernel can pass (no NUL) kept as text. Errors name the variable, never its
+    value: a value may be a secret (an API key), and an error is printed and logged."""
+    for name, value in env.items():
+        if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+            raise UsageError(f"--env: invalid variable name {name!r}: letters, digits and '_', not starting with a"
+                             " digit (e.g. --env API_BASE=http://localhost:8080)")
+        if name.upper().startswith("KUGETSU_"):
+            raise UsageError(f"--env: {name} is kugetsu's own (KUGETSU_* variables are set for each agent: its task"
+                             " id, name, token and home), and cannot be set for a task")
+        if not isinstance(value, str) or "\0" in value:
+            raise UsageError(f"--env: the value of {name} has a NUL byte, which no environment variable can hold")
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise UsageError(f"--env: the value of {name} is not UTF-8 text, and a task is kept as text") from None
+
+
 def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task, list[Event]]:
     """Add a task to the queue, or refuse. Raises before changing anything."""
     check_prompt(cfg, req.prompt)
+    check_env(req.env)
     if req.name is not None and req.name.isascii() and req.name.isdigit():
         raise UsageError(
             f"invalid task name {req.name!r}: a name of digits only would be read as task #{req.name};"

@@ -99,3 +99,63 @@ def test_clean_state_drops_only_those_states(kg):
     gone = json.loads(kg.ok("clean", "--state", "failed", "--json"))
     assert [t["name"] for t in gone] == ["bad"]
     assert kg.task("ok")["state"] == "succeeded" and kg.run("status", "bad").returncode == 1
+
+
+def test_delegate_env_reaches_the_agent_and_only_its_names_are_shown(kg):
+    kg.config(max_agents=2)
+    secret = "sk-live-0123456789abcdef"
+    out = kg.rec / "env"
+    env = {**kg.env, "FROM_SHELL": "shell value"}
+    r = __import__("subprocess").run(
+        [__import__("sys").executable, "-m", "kugetsu", "delegate", "e", "--env", f"API_KEY={secret}",
+         "--env", "EMPTY=", "--env", "FROM_SHELL", "--env", "HAS_EQ=a=b", "--",
+         "sh", "-c", 'printf "%s|%s|%s|%s" "$API_KEY" "${EMPTY-unset}" "$FROM_SHELL" "$HAS_EQ" > "$0"', str(out)],
+        env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    t = kg.wait_state("e", "succeeded")
+    assert out.read_text() == f"{secret}||shell value|a=b"
+    assert t["env_names"] == ["API_KEY", "EMPTY", "FROM_SHELL", "HAS_EQ"] and "env" not in t
+    shown = kg.ok("status", "e") + kg.ok("queue", "--all", "--json") + kg.ok("logs", "e")
+    assert "API_KEY" in kg.ok("status", "e") and secret not in shown
+    assert secret not in kg.home.events.read_text()
+    # retry keeps the variables (the task keeps them; they are shown nowhere)
+    kg.ok("retry", "e")
+    wait_for(lambda: out.read_text() == f"{secret}||shell value|a=b" and kg.task("#2")["state"] == "succeeded")
+
+
+@pytest.mark.parametrize(("arg", "said"), [
+    ("1BAD=x", "invalid variable name '1BAD'"),
+    ("A-B=x", "invalid variable name 'A-B'"),
+    ("=x", "invalid variable name ''"),
+    ("KUGETSU_TASK_TOKEN=forged", "KUGETSU_TASK_TOKEN is kugetsu's own"),
+    ("kugetsu_home=x", "kugetsu_home is kugetsu's own"),
+    ("NOT_IN_THIS_SHELL_XYZ", "not set in this shell"),
+])
+def test_delegate_env_refuses_bad_names_and_writes_nothing(kg, arg, said):
+    kg.config(autostart=False)
+    r = kg.run("delegate", "x", "--env", arg, "--", "true")
+    assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not kg.home.index.exists() or kg.index()["queued"] == []
+    assert "forged" not in r.stderr  # a value is never echoed: it may be a secret
+
+
+async def test_mcp_delegate_env_and_queue_filters(kg):
+    from test_mcp import connect
+
+    kg.config(max_agents=1)
+    out = kg.rec / "mcp-env"
+    gate = kg.rec / "gate"
+    async with connect(kg) as c:
+        r = await c.call_tool("delegate", {"name": "e", "env": {"TOKEN_X": "s3cret-value"}, "command": [
+            "sh", "-c", 'printf %s "$TOKEN_X" > "$0"; while [ ! -e "$1" ]; do sleep 0.02; done', str(out), str(gate)]})
+        assert r.structured_content["task"]["env_names"] == ["TOKEN_X"] and "s3cret" not in str(r.structured_content)
+        r = await c.call_tool("delegate", {"name": "bad", "env": {"KUGETSU_HOME": "/x"}, "command": ["true"]})
+        assert r.is_error and "kugetsu's own" in r.content[0].text
+        await c.call_tool("delegate", {"name": "q", "source": "pm", "command": ["true"]})
+        r = await c.call_tool("queue", {"source": "pm"})
+        q = r.structured_content
+        assert [t["name"] for t in q["queued"]] == ["q"] and q["active"] == []
+        r = await c.call_tool("queue", {"state": ["running"]})
+        assert [t["name"] for t in r.structured_content["active"]] == ["e"] and r.structured_content["queued"] == []
+    wait_for(lambda: out.exists() and out.read_text() == "s3cret-value")
+    gate.touch()

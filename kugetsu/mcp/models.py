@@ -56,6 +56,8 @@ class TaskOut(BaseModel):
     branch: OptStr = Field(description="worktree tasks: the branch its work is on")
     worktree: OptStr
     agent_pid: OptInt = Field(description="while running: the agent's own pid")
+    env_names: list[str] = Field([], description="the names of the variables set for its agent (delegate env, the"
+                                               " preset's); their values are never shown")
     base_commit: OptStr
     worktree_state: Literal["active", "kept", "removed", "pruned"] | None
     host: OptStr = Field(description="cluster mode: the machine it runs (or ran) on")

@@ -301,6 +301,9 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
                                       " times when it fails or is lost (not when cancelled)")] = 0,
         retry_delay: Annotated[str | float | None, Field(description="wait this long before each retry (90s,"
                                                          " 15m or seconds)")] = None,
+        env: Annotated[dict[str, str] | None, Field(description="extra environment variables for the agent"
+                                                    " (NAME: value; not KUGETSU_*). Only their names are ever shown"
+                                                    " (env_names)")] = None,
     ) -> Annotated[CallToolResult, DelegateOut]:
         """Hand one piece of work (one issue) to a worker agent. kugetsu starts it at once in a
         free slot or queues it, and says which: "started NAME (#ID), slot 2/3" or "queued NAME
@@ -316,7 +319,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             cwd=os.path.abspath(cwd or os.getcwd()), name=name, command=command, prompt=prompt, agent=agent,
             source=source, priority=priority, group=group, expire_after=_duration(expire_after, "expire_after"),
             timeout=_duration(timeout, "timeout"), worktree=worktree, base=base, retries=retries,
-            retry_delay=_duration(retry_delay, "retry_delay"),
+            retry_delay=_duration(retry_delay, "retry_delay"), env=dict(env or {}),
         )
         try:
             adm = await admitter.admit(req)
@@ -342,13 +345,20 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
     @answers
     def queue(
         finished: Annotated[bool, Field(description="also the 20 latest finished tasks")] = False,
+        group: Annotated[str | None, Field(description="only the tasks of this pool")] = None,
+        state: Annotated[list[str] | None, Field(description="only tasks in these states (queued, running, a final"
+                                                 " state, or finished for any final one)")] = None,
+        source: Annotated[str | None, Field(description="only the tasks this source delegated (e.g. your"
+                                            " own)")] = None,
     ) -> Annotated[CallToolResult, QueueOut]:
         """Every running task (slot, pid, elapsed time) and every queued one in the order they
         will start: position 1 starts next, and `waiting_for` says why a task waits when it is
-        not simply behind others (a per-source or group limit, a rate limit, the resource guard)."""
+        not simply behind others (a per-source or group limit, a rate limit, the resource guard).
+        group, state and source keep only the tasks that match, at their true positions."""
         cfg, index = ops.read(home)
         control.ensure_service(home, cfg, index)
-        view = ops.listing(cfg, index, finished=finished)
+        keep = pm.task_filter(group, state, source)
+        view = ops.listing(cfg, index, finished=finished, keep=None if keep == pm.TaskFilter() else keep)
         return _text(render.queue_text(view, control.service_pid(home) is not None), ops.queue_json(view))
 
     @server.tool(annotations=read_only)
