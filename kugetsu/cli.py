@@ -73,10 +73,12 @@ def _hold_args(h: argparse.ArgumentParser) -> None:
     h.add_argument("agent", metavar="AGENT", help="the agent preset whose queued tasks wait")
     h.add_argument("--until", metavar="T", help="until a time (15:00, 3pm, ISO 8601) or for a duration (30m);"
                    " default: until `kugetsu release AGENT`")
+    h.add_argument("--json", action="store_true", help="print the preset's hold after it")
 
 
 def _release_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("agent", metavar="AGENT", help="the agent preset to release")
+    r.add_argument("--json", action="store_true", help="print the preset's hold after it")
 
 
 def _retry_args(r: argparse.ArgumentParser) -> None:
@@ -116,6 +118,8 @@ def _logs_args(lg: argparse.ArgumentParser) -> None:
     lg.add_argument("--raw", action="store_true",
                     help="the bytes exactly as the agent wrote them (by default a structured output is shown as"
                          " text, and on a terminal control characters are shown escaped, not obeyed)")
+    lg.add_argument("--json", action="store_true",
+                    help="a list of {id, name, state, text, size, truncated}: the end of each log (8 MiB at most)")
 
 
 def _wait_args(w: argparse.ArgumentParser) -> None:
@@ -671,6 +675,13 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.store import open_store
 
     store = open_store(home)
+    if args.json:  # one object a task, in a list: the end of each log (at most 8 MiB of it) as text
+        if args.follow:
+            raise UsageError("logs: --json prints the logs as they are now; it cannot --follow")
+        cfg, index = load_config(home), store.read()
+        tasks = [pm.find(index, ref) for ref in args.tasks]
+        print(to_json([ops.log_json(home, cfg, t, args.lines, logtail.WINDOW, args.raw) for t in tasks]))
+        return OK
     if len(args.tasks) > 1:
         return _logs_of_several(home, args)
     task = pm.find(store.read(), args.tasks[0])
@@ -1181,13 +1192,19 @@ def cmd_hold(home: Home, args: argparse.Namespace) -> int:
         if until is None:
             raise UsageError(f"--until {args.until!r} is neither a time (15:00, 3pm, 2026-11-23T15:00Z) nor a"
                              " duration (30m, 2h)")
-    for event in ops.hold(home, args.agent, until):
-        _say(event.reason)
-    return OK
+    return _held(home, args, ops.hold(home, args.agent, until))
 
 
 def cmd_release(home: Home, args: argparse.Namespace) -> int:
-    for event in ops.release(home, args.agent):
+    return _held(home, args, ops.release(home, args.agent))
+
+
+def _held(home: Home, args: argparse.Namespace, events: list[Any]) -> int:
+    """What `hold` and `release` say: the event's words, or (--json) the preset's hold now."""
+    if args.json:
+        print(to_json(ops.hold_json(home, args.agent, [e.reason for e in events])))
+        return OK
+    for event in events:
         _say(event.reason)
     return OK
 

@@ -351,6 +351,18 @@ def release(home: Home, agent: str) -> list[Event]:
     return events
 
 
+def hold_json(home: Home, agent: str, said: list[str | None]) -> dict[str, Any]:
+    """`hold --json`, `release --json`: the preset's hold now (held false: none), and what changed."""
+    _, index = read(home)
+    view = pm.holds_view(index, now()).get(agent)
+    out: dict[str, Any] = {"agent": agent, "held": view is not None, "until": None, "reason": None, "since": None,
+                           "queued": sum(1 for t in index.queued if t.agent == agent)}
+    if view is not None:
+        out.update(msgspec.to_builtins(view))
+    out["changed"] = [text for text in said if text]
+    return out
+
+
 def retry(home: Home, cfg: Config, ref: str) -> Admission:
     """`kugetsu retry TASK`: a finished task admitted again as a new task (`retry_of`)."""
     _, index = read(home)
@@ -713,6 +725,28 @@ def output_kind(cfg: Config, task: Task) -> str:
     """What a task's log is (its preset's `output`): how the front ends show it as text."""
     preset = cfg.agents.get(task.agent) if task.agent else None
     return preset.output if preset is not None else "text"
+
+
+def log_json(home: Home, cfg: Config, task: Task, lines: int | None, max_bytes: int, raw: bool = False) -> dict[str, Any]:
+    """The end of a task's output as JSON (`logs --json`, MCP's logs): the last `lines` lines
+    within the last `max_bytes` bytes, as UTF-8 text (a structured output as its text unless
+    `raw`), the log's whole size and whether the text is only its end."""
+    from kugetsu import logtail
+
+    path = log_path(home, cfg, task)
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        size = 0
+    end = logtail.tail(path, lines, max_bytes) if size else logtail.Tail(b"", 0, 0)
+    text = end.data.decode("utf-8", errors="replace")
+    kind = "text" if raw else output_kind(cfg, task)
+    if kind != "text":  # e.g. Claude Code's stream-json: its messages, tool calls and end, as text
+        from kugetsu.agents import render_tail
+
+        text = render_tail(kind, text, cut=end.start > 0 and lines is None)
+    return {"id": task.id, "name": task.name, "state": task.state.value, "text": text, "size": size,
+            "truncated": len(end.data) != end.size}
 
 
 def log_path(home: Home, cfg: Config, task: Task) -> Path:

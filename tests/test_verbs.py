@@ -159,3 +159,25 @@ async def test_mcp_delegate_env_and_queue_filters(kg):
         assert [t["name"] for t in r.structured_content["active"]] == ["e"] and r.structured_content["queued"] == []
     wait_for(lambda: out.exists() and out.read_text() == "s3cret-value")
     gate.touch()
+
+
+def test_json_on_logs_hold_and_release(kg):
+    kg.config(max_agents=1, agents={"x": {"command": ["sh", "-c", "echo one; echo two; echo three", "{prompt}"]}})
+    kg.ok("delegate", "l", "--agent", "x", "--prompt", "p")
+    kg.wait_state("l", "succeeded")
+    [obj] = json.loads(kg.ok("logs", "l", "--json"))
+    assert obj["name"] == "l" and obj["state"] == "succeeded" and obj["text"] == "one\ntwo\nthree\n"
+    assert obj["size"] == len(obj["text"]) and obj["truncated"] is False
+    objs = json.loads(kg.ok("logs", "l", "#1", "--lines", "1", "--json"))
+    assert [o["text"] for o in objs] == ["three\n", "three\n"] and objs[0]["truncated"] is True
+    r = kg.run("logs", "l", "--json", "--follow")
+    assert r.returncode == 2 and "--follow" in r.stderr
+    held = kg.json("hold", "x", "--until", "30m")
+    assert held["agent"] == "x" and held["held"] is True and held["until"] and held["changed"]
+    kg.ok("delegate", "w", "--agent", "x", "--prompt", "p")
+    assert kg.json("hold", "x")["queued"] == 1  # by hand now: no end
+    out = kg.json("release", "x")
+    assert out["held"] is False and out["until"] is None and out["changed"]
+    kg.wait_state("w", "succeeded")
+    r = kg.run("release", "x", "--json")
+    assert r.returncode == 1 and "not held" in r.stderr and r.stdout == ""

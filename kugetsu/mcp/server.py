@@ -31,7 +31,7 @@ from mcp.types import CallToolResult, SubscribeRequestParams, TextContent, ToolA
 from pydantic import Field, ValidationError
 
 import kugetsu
-from kugetsu import control, logtail, ops, pm, render, waiting
+from kugetsu import control, ops, pm, render, waiting
 from kugetsu.config import Config, format_duration, load_config, parse_duration
 from kugetsu.errors import KugetsuError, Nested, Rejected, UsageError
 from kugetsu.mcp.handshake import INSTRUCTIONS, NAME, TITLE, differs
@@ -455,21 +455,8 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         failed, before you retry it or fix the issue yourself. A queued task has no output yet."""
         cfg, index = ops.read(home)
         found = pm.find(index, task)
-        path = ops.log_path(home, cfg, found)
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            size = 0
-        end = logtail.tail(path, lines, max_bytes) if size else logtail.Tail(b"", 0, 0)
-        text = end.data.decode("utf-8", errors="replace")
-        kind = "text" if raw else ops.output_kind(cfg, found)
-        if kind != "text":  # e.g. Claude Code's stream-json: its messages, tool calls and end, as text
-            from kugetsu.agents import render_tail
-
-            text = render_tail(kind, text, cut=end.start > 0 and lines is None)
-        obj = {"id": found.id, "name": found.name, "state": found.state.value, "text": text, "size": size,
-               "truncated": len(end.data) != end.size}
-        shown = text if size else f"(no output yet: {found.name} is {found.state.value})"
+        obj = ops.log_json(home, cfg, found, lines, max_bytes, raw)
+        shown = obj["text"] if obj["size"] else f"(no output yet: {found.name} is {found.state.value})"
         return _text(shown, obj)
 
     @server.tool(annotations=ToolAnnotations(destructive_hint=False, idempotent_hint=True, open_world_hint=False))
