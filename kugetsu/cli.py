@@ -150,8 +150,17 @@ def _edit_args(e: argparse.ArgumentParser) -> None:
 
 
 def _pause_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("task", metavar="TASK", nargs="?",
+                   help="a running task: stop (SIGSTOP) / continue (SIGCONT) its processes; without it, the queue")
     p.add_argument("--group", metavar="NAME", help="only this pool's tasks (config `groups`)")
-    p.add_argument("--json", action="store_true", help="print the capacity after it")
+    p.add_argument("--json", action="store_true", help="print the capacity after it (with TASK: the task)")
+
+
+def _kill_args(k: argparse.ArgumentParser) -> None:
+    k.add_argument("-s", "--signal", metavar="SIGNAL", default="SIGTERM",
+                   help="a signal name (TERM, SIGUSR1, INT) or number; default SIGTERM")
+    k.add_argument("task", metavar="TASK", help="a running task: every process it runs gets the signal")
+    k.add_argument("--json", action="store_true", help="print the task object")
 
 
 def _json_only(p: argparse.ArgumentParser) -> None:
@@ -903,6 +912,18 @@ def cmd_resume(home: Home, args: argparse.Namespace) -> int:
 
 
 def _pause(home: Home, args: argparse.Namespace, on: bool) -> int:
+    if args.task is not None:  # one running task's processes; without TASK, the queue (as before)
+        if args.group is not None:
+            raise UsageError(f"{'pause' if on else 'resume'}: give TASK or --group NAME, not both")
+        task, changed = ops.pause_task(home, args.task, on)
+        if args.json:
+            print(to_json(ops.task_json(task, None)))
+        elif on:
+            _say(f"{task.name} (#{task.id}) {'paused' if changed else 'was already paused'}: its processes are"
+                 f" stopped and keep slot {task.slot}; `kugetsu resume {task.name}` lets them go on")
+        else:
+            _say(f"{task.name} (#{task.id}) {'resumed' if changed else 'was not paused'}")
+        return OK
     changed, cap = ops.pause(home, args.group, on)
     if args.json:
         print(to_json(cap))
@@ -919,6 +940,22 @@ def _pause(home: Home, args: argparse.Namespace, on: bool) -> int:
             from kugetsu import render
 
             _say(f"still{render.paused_note(cap).replace(' · ', ' ', 1)}")
+    return OK
+
+
+def cmd_kill(home: Home, args: argparse.Namespace) -> int:
+    import signal
+
+    text = args.signal.strip().upper()
+    try:
+        sig = signal.Signals(int(text)) if text.isdigit() else signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+    except (KeyError, ValueError):
+        raise UsageError(f"kill -s {args.signal!r}: no such signal; e.g. TERM, INT, HUP, USR1, KILL or a number") from None
+    task, sent = ops.signal_task(home, args.task, sig)
+    if args.json:
+        print(to_json(ops.task_json(task, None)))
+    else:
+        _say(f"sent {sig.name} to {task.name} (#{task.id})" + ("" if sent else ": no process of it was left"))
     return OK
 
 
@@ -1237,8 +1274,10 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "priority": ("change a queued task's priority", _priority_args, cmd_priority),
     "edit": ("change a queued task: prompt, priority, expiry, timeout, group", _edit_args, cmd_edit),
     "capacity": ("slots and queue: what a PM agent checks before delegating", _json_only, cmd_capacity),
-    "pause": ("start no queued task (of --group G) until resume; running ones go on", _pause_args, cmd_pause),
-    "resume": ("undo pause: queued tasks start again", _pause_args, cmd_resume),
+    "pause": ("start no queued task (of --group G) until resume; running ones go on (with TASK: stop that task's"
+              " processes)", _pause_args, cmd_pause),
+    "resume": ("undo pause: queued tasks start again (with TASK: that task's processes go on)", _pause_args, cmd_resume),
+    "kill": ("send a signal to every process of a running task (-s SIGNAL, default SIGTERM)", _kill_args, cmd_kill),
     "config": ("read and tune config.json", _config_args, cmd_config),
     "serve": ("run the service (foreground unless --detach)", _serve_args, cmd_serve),
     "shutdown": ("stop the service (agents keep running)", _no_args, cmd_shutdown),

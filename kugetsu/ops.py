@@ -249,6 +249,7 @@ def cancel(home: Home, refs: list[str], *, everything: bool = False, reason: str
     get SIGTERM to their group now, SIGKILL after kill_grace (the service sees to it)."""
     with _locked(home) as (txn, cfg):
         tasks = list(txn.index.live()) if everything else [pm.find(txn.index, ref) for ref in refs]
+        paused = [t for t in tasks if t.paused_at is not None]
         for task in tasks:
             txn.emit(pm.cancel(txn.index, task, txn.now, cfg.kill_grace_s, reason))
         settle(txn, cfg)
@@ -257,8 +258,45 @@ def cancel(home: Home, refs: list[str], *, everything: bool = False, reason: str
     for task in tasks if cfg.store is None else []:
         if task.state is TaskState.RUNNING:
             runner.kill_group(task.pid, task.pid_start, signal.SIGTERM)
+    for task in paused if cfg.store is None else []:  # a stopped process acts on its SIGTERM once it runs
+        runner.signal_tree(task.pid, task.pid_start, task.token, signal.SIGCONT)
     wake(home, cfg)
     return tasks
+
+
+# ---- control of one running task ---------------------------------------------------------
+
+
+def _signal_here(cfg: Config, task: Task) -> None:
+    """Signals go from this machine: a task another machine of a cluster runs is refused."""
+    if task.host is not None and task.host != cluster_host(cfg):
+        raise UsageError(f"task {task.name} (#{task.id}) runs on {task.host}: pause, resume and kill -s act on this"
+                         f" machine's tasks; run the command on {task.host}", code=1)
+
+
+def pause_task(home: Home, ref: str, on: bool, by: str = "cli") -> tuple[Task, bool]:
+    """`pause TASK` / `resume TASK`: recorded, then SIGSTOP / SIGCONT to its whole tree (its
+    group and every process carrying its token). Returns the task and whether it changed."""
+    with _locked(home) as (txn, cfg):
+        task = pm.find(txn.index, ref)
+        _signal_here(cfg, task)
+        events = pm.pause_task(task, txn.now, on, by)
+        txn.emit(events)
+    runner.signal_tree(task.pid, task.pid_start, task.token, signal.SIGSTOP if on else signal.SIGCONT)
+    wake(home, cfg)
+    return task, bool(events)
+
+
+def signal_task(home: Home, ref: str, sig: signal.Signals, by: str = "cli") -> tuple[Task, int]:
+    """`kill -s SIGNAL TASK`: recorded (a `signalled` event), then sent to its whole tree.
+    Returns the task and how many were signalled (the group counts as one)."""
+    with _locked(home) as (txn, cfg):
+        task = pm.find(txn.index, ref)
+        _signal_here(cfg, task)
+        txn.emit(pm.signal_task(task, txn.now, sig.name, by))
+    sent = runner.signal_tree(task.pid, task.pid_start, task.token, sig, spare_wrapper=True)
+    wake(home, cfg)
+    return task, sent
 
 
 # ---- priority ----------------------------------------------------------------------------
@@ -633,7 +671,8 @@ def queue_json(listed: Listing) -> dict[str, Any]:
 
 
 # Kept in the index, never shown: the environment, process identity, stop bookkeeping.
-_HIDDEN_FIELDS = frozenset(("env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers", "limit", "first_command"))
+_HIDDEN_FIELDS = frozenset(("env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers", "limit", "first_command",
+                            "first"))  # `next`'s ordering mark: the position says it
 
 
 def _public_task_type() -> type[msgspec.Struct]:

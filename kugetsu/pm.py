@@ -185,6 +185,53 @@ def pause(index: Index, cfg: Config, now: datetime, group: str | None, on: bool)
 
 
 
+def _controllable(task: Task, what: str) -> None:
+    """A task whose processes `pause TASK`, `resume TASK` and `kill -s` may signal: running,
+    spawned (a pid), not being stopped."""
+    if task.state is not TaskState.RUNNING:
+        hint = "; `kugetsu pause` with no task stops the queue instead" if what == "paused" else ""
+        raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}: only a running task can be {what}{hint}",
+                         code=1)
+    if task.stop is not None:
+        raise UsageError(f"task {task.name} (#{task.id}) is being stopped ({task.reason}): it cannot be {what}", code=1)
+    if task.pid is None:
+        raise UsageError(f"task {task.name} (#{task.id}) is starting (its agent has no process yet): try again in a"
+                         " moment", code=1)
+
+
+def unpause(task: Task, now: datetime) -> None:
+    """The paused time so far joins `paused_s` (its timeout moves by as much)."""
+    if task.paused_at is not None:
+        task.paused_s += max(0.0, (now - task.paused_at).total_seconds())
+        task.paused_at = None
+
+
+def pause_task(task: Task, now: datetime, on: bool, by: str = "cli") -> list[Event]:
+    """`pause TASK` (on) / `resume TASK`: its processes stop (SIGSTOP) or go on (SIGCONT): the
+    caller signals them after the commit. Its slot stays taken; its timeout's clock stops too.
+    No event when nothing changes."""
+    _controllable(task, "paused" if on else "resumed")
+    if (task.paused_at is not None) == on:
+        return []
+    if on:
+        task.paused_at = now
+    else:
+        unpause(task, now)
+    return [_event("paused" if on else "resumed", task, now, reason=f"{'paused' if on else 'resumed'} by {by}")]
+
+
+def signal_task(task: Task, now: datetime, sig: str, by: str = "cli") -> list[Event]:
+    """`kill -s SIGNAL TASK`: the caller sends `sig` to its processes after the commit; the
+    event records it. SIGSTOP and SIGCONT go through pause and resume, so that the task says
+    it is paused and its timeout waits."""
+    if sig in ("SIGSTOP", "SIGTSTP", "SIGCONT"):
+        verb = "resume" if sig == "SIGCONT" else "pause"
+        raise UsageError(f"{sig}: use `kugetsu {verb} TASK`, which also records that the task is"
+                         f" {verb}d (its state and its timeout follow)")
+    _controllable(task, "signalled")
+    return [_event("signalled", task, now, reason=f"{sig} sent by {by}")]
+
+
 def holds_view(index: Index, now: datetime | None) -> dict[str, HoldView]:
     """The holds in force at `now` (every recorded one when now is None), with their tasks."""
     if not index.holds:
@@ -807,6 +854,7 @@ def cancel(index: Index, task: Task, now: datetime, grace: float, reason: str = 
         index.queued.remove(task)
         task.reason = reason
         return [_close(index, task, TaskState.CANCELLED, now)]
+    unpause(task, now)  # the caller sends SIGCONT after the SIGTERM: a stopped process must run to end
     _request_stop(task, TaskState.CANCELLED, reason, now, grace)
     return []
 
@@ -827,14 +875,21 @@ def expire_due(index: Index, now: datetime) -> list[Event]:
     return events
 
 
+def run_deadline(task: Task) -> datetime | None:
+    """When a running task's run timeout falls due: its start, plus the timeout, plus the time
+    it spent paused (`pause TASK` stops its clock too). None while paused or without a timeout."""
+    if not task.timeout or not task.started_at or task.paused_at is not None:
+        return None
+    return task.started_at + timedelta(seconds=task.timeout + task.paused_s)
+
+
 def timeouts_due(index: Index, now: datetime, grace: float) -> list[Task]:
     """Running tasks past their run timeout are marked to stop (failed); returns them to signal."""
     due = []
     for task in index.active:
-        if task.stop is None and task.timeout and task.started_at:
-            if now >= task.started_at + timedelta(seconds=task.timeout):
-                _request_stop(task, TaskState.FAILED, f"timed out after {format_duration(task.timeout)}", now, grace)
-                due.append(task)
+        if task.stop is None and (deadline := run_deadline(task)) is not None and now >= deadline:
+            _request_stop(task, TaskState.FAILED, f"timed out after {format_duration(task.timeout or 0)}", now, grace)
+            due.append(task)
     return due
 
 
@@ -847,8 +902,8 @@ def next_deadline(index: Index) -> datetime | None:
     for task in index.active:
         if task.kill_at is not None:
             times.append(task.kill_at)
-        elif task.timeout and task.started_at and task.stop is None:
-            times.append(task.started_at + timedelta(seconds=task.timeout))
+        elif task.stop is None and (deadline := run_deadline(task)) is not None:
+            times.append(deadline)
     return min(times, default=None)
 
 
@@ -918,6 +973,8 @@ def remove(index: Index, tasks: list[Task]) -> list[Task]:
 
 
 def _close(index: Index, task: Task, state: TaskState, now: datetime, exit_code: int | None = None) -> Event:
+    unpause(task, now)
+    task.stashed_at = None
     task.state = state
     task.finished_at = now
     task.exit_code = exit_code
@@ -1301,6 +1358,8 @@ def _requeue(index: Index, task: Task, now: datetime, code: int | None, reason: 
     task.attempts.append(Attempt(started_at=task.started_at, ended_at=now, exit_code=code, reason=reason, limit=limit,
                                  usage=_run_usage(task)))
     task.attempt += 1
+    unpause(task, now)
+    task.paused_s = 0.0  # the next run's timeout counts afresh
     task.state = TaskState.QUEUED
     task.slot = task.pid = task.pid_start = task.started_at = task.ended_at = task.exit_code = None
     task.kill_at = task.stop = task.limit = task.reason = task.not_before = None

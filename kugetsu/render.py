@@ -98,6 +98,12 @@ def paused_note(cap: Capacity) -> str:
     return ""
 
 
+def run_state(task: Task) -> str:
+    """A running task's STATE column: `stopping` while its processes end, `paused` while they
+    are stopped (`pause TASK`), else `running`."""
+    return "stopping" if task.stop else "paused" if task.paused_at else "running"
+
+
 COMMAND_WIDTH = 40  # the queue's last column: enough to tell tasks apart; `status` shows it whole
 
 
@@ -107,7 +113,7 @@ def running_table(tasks: list[Task], now: datetime, here: str | None = None) -> 
     rows = [
         [str(t.slot or "-"), str(t.id), t.name, t.source, t.agent or "-", since(t.started_at, now),
          str((runner.agent_pid(t.pid, t.pid_start) if t.host in (None, here) else None) or t.pid or "starting"),
-         "stopping" if t.stop else "running", command_text(t, COMMAND_WIDTH)]
+         run_state(t), command_text(t, COMMAND_WIDTH)]
         for t in tasks
     ]
     headers = ["SLOT", "ID", "NAME", "SOURCE", "AGENT", "ELAPSED", "PID", "STATE", "COMMAND"]

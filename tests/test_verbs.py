@@ -181,3 +181,105 @@ def test_json_on_logs_hold_and_release(kg):
     kg.wait_state("w", "succeeded")
     r = kg.run("release", "x", "--json")
     assert r.returncode == 1 and "not held" in r.stderr and r.stdout == ""
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def _counter_agent(kg, name: str, extra: str = "") -> list[str]:
+    """An agent whose child, in its own session (outside the task's process group, with the
+    token), writes a tick to rec/NAME.stray every 20 ms, and which itself ticks rec/NAME."""
+    main, stray = kg.rec / name, kg.rec / f"{name}.stray"
+    script = (f'setsid sh -c \'echo $$ > "$1.pid"; while :; do echo x >> "$1"; sleep 0.02; done\' _ "{stray}" & '
+              f'{extra} while :; do echo x >> "{main}"; sleep 0.02; done')
+    return ["sh", "-c", script]
+
+
+def _ticks(path: Path) -> int:
+    try:
+        return len(path.read_text())
+    except FileNotFoundError:
+        return 0
+
+
+def test_pause_and_resume_one_task_stops_its_whole_tree_and_its_timeout(kg):
+    kg.config(max_agents=2)
+    kg.ok("delegate", "p", "--timeout", "3s", "--", *_counter_agent(kg, "p"))
+    main, stray = kg.rec / "p", kg.rec / "p.stray"
+    wait_for(lambda: _ticks(main) > 4 and _ticks(stray) > 4 and (kg.rec / "p.stray.pid").exists(), what="ticks")
+    stray_pid = int((kg.rec / "p.stray.pid").read_text())
+    out = kg.ok("pause", "p")
+    assert "p (#1) paused" in out and "kugetsu resume p" in out
+    t = kg.task("p")
+    assert t["state"] == "running" and t["paused_at"]
+    wait_for(lambda: _proc_state(stray_pid) == "T", what="the stray stopped")
+    wait_for(lambda: _proc_state(t["agent_pid"]) == "T", what="the agent stopped")
+    before = (_ticks(main), _ticks(stray))
+    time.sleep(3.5)  # longer than its timeout: a paused task does not time out
+    assert (_ticks(main), _ticks(stray)) == before
+    assert kg.task("p")["state"] == "running"
+    assert "paused" in kg.ok("queue").split("\n")[4]  # its row's STATE
+    assert "was already paused" in kg.ok("pause", "p")
+    kg.ok("resume", "p")
+    wait_for(lambda: _ticks(main) > before[0] and _ticks(stray) > before[1], what="ticking again")
+    t = kg.task("p")
+    assert t["paused_at"] is None and t["paused_s"] >= 3.4
+    assert [e["type"] for e in kg.events() if e.get("task") == 1 and e["type"] in ("paused", "resumed")] == [
+        "paused", "resumed"]
+    # the timeout counts the running time only: about 3 s more than without the pause
+    t = kg.wait_state("p", "failed", timeout=20)
+    ran = (__import__("datetime").datetime.fromisoformat(t["finished_at"])
+           - __import__("datetime").datetime.fromisoformat(t["started_at"])).total_seconds()
+    assert "timed out after 3s" in t["reason"] and ran >= 6.4, ran
+
+
+def test_pause_of_a_queued_task_is_refused_and_pause_without_task_is_the_queue(kg):
+    kg.config(max_agents=1)
+    gate = kg.rec / "gate"
+    kg.delegate("a", 0, 0, gate=gate)
+    kg.ok("delegate", "b", "--", "true")
+    r = kg.run("pause", "b")
+    assert r.returncode == 1 and "only a running task can be paused" in r.stderr and "`kugetsu pause` with no task" in r.stderr
+    r = kg.run("pause", "b", "--group", "g")
+    assert r.returncode == 2 and "not both" in r.stderr
+    assert "no queued task starts" in kg.ok("pause")  # the queue, as before
+    assert kg.json("capacity")["paused"] is True
+    kg.ok("resume")
+    gate.touch()
+
+
+def test_cancel_of_a_paused_task_ends_it_at_once(kg):
+    kg.config(max_agents=1, kill_grace="30s")
+    kg.ok("delegate", "c", "--", *_counter_agent(kg, "c"))
+    wait_for(lambda: (kg.rec / "c.stray.pid").exists() and kg.task("c").get("agent_pid"), what="started")
+    kg.ok("pause", "c")
+    t0 = time.monotonic()
+    kg.ok("cancel", "c")
+    assert time.monotonic() - t0 < 10  # SIGTERM acted on: not the 30 s grace
+    assert kg.task("c")["state"] == "cancelled"
+
+
+def test_kill_sends_a_signal_to_the_whole_tree(kg):
+    kg.config(max_agents=1)
+    trap = kg.rec / "usr1"
+    kg.ok("delegate", "k", "--", *_counter_agent(kg, "k", extra=f'trap "echo got >> {trap}" USR1;'))
+    wait_for(lambda: (kg.rec / "k.stray.pid").exists() and _ticks(kg.rec / "k") > 2, what="started")
+    stray_pid = int((kg.rec / "k.stray.pid").read_text())
+    out = kg.ok("kill", "-s", "USR1", "k")
+    assert "sent SIGUSR1 to k (#1)" in out
+    wait_for(lambda: trap.exists() and trap.read_text() == "got\n", what="the agent's trap ran once")
+    wait_for(lambda: _proc_state(stray_pid) == "gone", what="the stray ended by SIGUSR1 (no trap)")
+    assert kg.task("k")["state"] == "running"
+    assert any(e["type"] == "signalled" and e["reason"] == "SIGUSR1 sent by cli" for e in kg.events())
+    for bad, said in [("NOPE", "no such signal"), ("STOP", "kugetsu pause TASK"), ("CONT", "kugetsu resume TASK")]:
+        r = kg.run("kill", "-s", bad, "k")
+        assert r.returncode == 2 and said in r.stderr, r.stderr
+    kg.ok("kill", "k")  # SIGTERM
+    assert kg.wait_state("k", "failed", "succeeded")["state"] == "failed"
+    r = kg.run("kill", "k")
+    assert r.returncode == 1 and "only a running task can be signalled" in r.stderr
