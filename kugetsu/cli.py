@@ -156,6 +156,11 @@ def _pause_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the capacity after it (with TASK: the task)")
 
 
+def _task_json_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("task", metavar="TASK", help="a queued task (id or name)")
+    p.add_argument("--json", action="store_true", help="print the task object")
+
+
 def _kill_args(k: argparse.ArgumentParser) -> None:
     k.add_argument("-s", "--signal", metavar="SIGNAL", default="SIGTERM",
                    help="a signal name (TERM, SIGUSR1, INT) or number; default SIGTERM")
@@ -943,6 +948,29 @@ def _pause(home: Home, args: argparse.Namespace, on: bool) -> int:
     return OK
 
 
+def cmd_next(home: Home, args: argparse.Namespace) -> int:
+    return _moved(home, args, lambda index, task, now: pm.move_next(index, task, now), "moved to the front")
+
+
+def cmd_stash(home: Home, args: argparse.Namespace) -> int:
+    return _moved(home, args, lambda index, task, now: pm.stash(task, now, True), "stashed")
+
+
+def cmd_unstash(home: Home, args: argparse.Namespace) -> int:
+    return _moved(home, args, lambda index, task, now: pm.stash(task, now, False), "unstashed")
+
+
+def _moved(home: Home, args: argparse.Namespace, change: Callable[..., Any], verb: str) -> int:
+    task, position, changed = ops.queued_change(home, args.task, change)
+    if args.json:
+        print(to_json(ops.task_json(task, position)))
+        return OK
+    where = (f"position {position}" if position is not None else "started" if task.state is TaskState.RUNNING
+             else f"set aside (`kugetsu unstash {task.name}`)" if task.stashed_at else "no position")
+    _say(f"{task.name} (#{task.id}) {verb if changed else 'unchanged'}, {where}")
+    return OK
+
+
 def cmd_kill(home: Home, args: argparse.Namespace) -> int:
     import signal
 
@@ -1277,6 +1305,9 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "pause": ("start no queued task (of --group G) until resume; running ones go on (with TASK: stop that task's"
               " processes)", _pause_args, cmd_pause),
     "resume": ("undo pause: queued tasks start again (with TASK: that task's processes go on)", _pause_args, cmd_resume),
+    "next": ("start this queued task before every other (limits still apply)", _task_json_args, cmd_next),
+    "stash": ("set a queued task aside: it neither starts nor expires until unstash", _task_json_args, cmd_stash),
+    "unstash": ("put a stashed task back in its place in the queue", _task_json_args, cmd_unstash),
     "kill": ("send a signal to every process of a running task (-s SIGNAL, default SIGTERM)", _kill_args, cmd_kill),
     "config": ("read and tune config.json", _config_args, cmd_config),
     "serve": ("run the service (foreground unless --detach)", _serve_args, cmd_serve),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from itertools import repeat
@@ -311,6 +311,19 @@ def set_priority(home: Home, ref: str, level: str) -> tuple[Task, int | None]:
         position = pm.position(txn.index, cfg, txn.now, task)
     wake(home, cfg)
     return task, position
+
+
+def queued_change(home: Home, ref: str, change: Callable[[Index, Task, datetime], list[Event]]) -> tuple[Task, int | None, bool]:
+    """One change of a queued task's place (`next`, `stash`, `unstash`) in one transaction:
+    the task, its position after it (None: started, or stashed) and whether it changed."""
+    with _locked(home) as (txn, cfg):
+        task = pm.find(txn.index, ref)
+        events = change(txn.index, task, txn.now)
+        txn.emit(events)
+        settle(txn, cfg)
+        position = pm.position(txn.index, cfg, txn.now, task)
+    wake(home, cfg)
+    return task, position, bool(events)
 
 
 # ---- edit --------------------------------------------------------------------------------
@@ -658,7 +671,7 @@ def queue_json(listed: Listing) -> dict[str, Any]:
     out: dict[str, Any] = {
         "max_agents": view.capacity.max_agents,
         "active": public_tasks(active, here=listed.here),
-        "queued": public_tasks(view.queued, [view.positions[t.id] for t in view.queued], waiting_for=view.waiting_for),
+        "queued": public_tasks(view.queued, [view.positions.get(t.id) for t in view.queued], waiting_for=view.waiting_for),
         "groups": view.groups,
         "paused": view.capacity.paused,
         "paused_groups": view.capacity.paused_groups,

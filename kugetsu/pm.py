@@ -81,7 +81,7 @@ def successor(index: Index, cfg: Config) -> Successor | None:
         or any(may_requeue(cfg, t) for t in index.active)  # it would come back ahead of the successor
     ):
         return None
-    first = min(index.queued, key=lambda t: task_key(cfg, t))
+    first = min(index.queued, key=lambda t: task_key(cfg, t))  # simple_order: none is stashed
     return Successor(first, first.expires_at)
 
 
@@ -101,7 +101,7 @@ def positions(index: Index, cfg: Config, now: datetime) -> dict[int, int]:
 def position(index: Index, cfg: Config, now: datetime, task: Task) -> int | None:
     """positions(...).get(task.id), for one task: without sorting the queue when the start
     order is a plain sort (a count of the tasks that sort before it)."""
-    if task.state is not TaskState.QUEUED:
+    if task.state is not TaskState.QUEUED or task.stashed_at is not None:
         return None
     if simple_order(index, cfg):
         key = task_key(cfg, task)
@@ -111,7 +111,7 @@ def position(index: Index, cfg: Config, now: datetime, task: Task) -> int | None
 
 def waiting_for_one(index: Index, cfg: Config, now: datetime, task: Task, resources: Resources | None = None) -> str | None:
     """waiting_for(...).get(task.id), for one queued task: the reason of its lane only."""
-    if task.after:  # its dependencies, by name: the full look
+    if task.after or task.stashed_at is not None:  # its dependencies, by name, or its stash: the full look
         return waiting_for(index, cfg, now, resources).get(task.id)
     board = Board(index, cfg, now, resources, lanes=False)
     return board.pause or board.hold or board.why(*board.lane_of(task))
@@ -119,15 +119,15 @@ def waiting_for_one(index: Index, cfg: Config, now: datetime, task: Task, resour
 
 def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> dict[int, str]:
     """Task id -> why that queued task waits, when it is not simply behind others (a source
-    or group limit, a rate limit, the resource guard, a pause, its dependencies). Tasks
-    without a reason are left out."""
+    or group limit, a rate limit, the resource guard, a pause, its dependencies, a stash).
+    Tasks without a reason are left out."""
     quick = Board(index, cfg, now, resources, lanes=False)  # the counts only, no order
     if (quick.pause is None and quick.hold is None and quick.source_limit is None and quick.interval is None
             and not quick.caps and not quick.agent_caps and not quick.holds
-            and not any(t.after or t.not_before for t in index.queued)):
+            and not any(t.after or t.not_before or t.stashed_at for t in index.queued)):
         return {}  # nothing that could hold a task
     board = Board(index, cfg, now, resources)
-    out = {}
+    out = {t.id: "stashed" for t in index.queued if t.stashed_at is not None}
     for lane_id, lane in board.lanes.items():
         reason = board.pause or board.hold or board.why(*lane_id)
         if reason is not None:
@@ -189,7 +189,7 @@ def _controllable(task: Task, what: str) -> None:
     """A task whose processes `pause TASK`, `resume TASK` and `kill -s` may signal: running,
     spawned (a pid), not being stopped."""
     if task.state is not TaskState.RUNNING:
-        hint = "; `kugetsu pause` with no task stops the queue instead" if what == "paused" else ""
+        hint = " (pause without a task holds the queue's starts instead)" if what == "paused" else ""
         raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}: only a running task can be {what}{hint}",
                          code=1)
     if task.stop is not None:
@@ -226,8 +226,8 @@ def signal_task(task: Task, now: datetime, sig: str, by: str = "cli") -> list[Ev
     it is paused and its timeout waits."""
     if sig in ("SIGSTOP", "SIGTSTP", "SIGCONT"):
         verb = "resume" if sig == "SIGCONT" else "pause"
-        raise UsageError(f"{sig}: use `kugetsu {verb} TASK`, which also records that the task is"
-                         f" {verb}d (its state and its timeout follow)")
+        raise UsageError(f"{sig}: {verb} the task instead, which also records that it is {verb}d (its state and"
+                         " its timeout follow)")
     _controllable(task, "signalled")
     return [_event("signalled", task, now, reason=f"{sig} sent by {by}")]
 
@@ -255,11 +255,12 @@ class QueueView(msgspec.Struct, frozen=True, kw_only=True):
 
 def queue_view(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> QueueView:
     order = start_order(index, cfg, now)
+    stashed = [t for t in index.queued if t.stashed_at is not None] if len(order) != len(index.queued) else []
     return QueueView(
         running=sorted(index.active, key=lambda t: (t.slot or 0, t.id)),
-        queued=order,
+        queued=order + stashed,  # stashed ones last, without a position
         positions={t.id: i for i, t in enumerate(order, 1)},
-        waiting_for=waiting_for(index, cfg, now, resources) if order else {},
+        waiting_for=waiting_for(index, cfg, now, resources) if index.queued else {},
         capacity=capacity(index, cfg, now),
         groups=group_usage(index, cfg),
     )
@@ -304,8 +305,8 @@ def task_filter(group: str | None = None, states: list[str] | None = None, sourc
         wanted = frozenset(s.strip() for v in states for s in v.split(",") if s.strip())
         bad = sorted(wanted - set(STATE_NAMES))
         if bad or not wanted:
-            raise UsageError(f"--state: unknown state {', '.join(map(repr, bad)) or repr('')}; one of"
-                             f" {', '.join(STATE_NAMES)} (several: --state failed,cancelled)")
+            raise UsageError(f"unknown state {', '.join(map(repr, bad)) or repr('')}; one of"
+                             f" {', '.join(STATE_NAMES)} (several: failed,cancelled)")
     return TaskFilter(group=group, states=wanted, source=source)
 
 
@@ -518,17 +519,19 @@ def check_env(env: dict[str, str]) -> None:
     value: a value may be a secret (an API key), and an error is printed and logged."""
     for name, value in env.items():
         if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
-            raise UsageError(f"--env: invalid variable name {name!r}: letters, digits and '_', not starting with a"
-                             " digit (e.g. --env API_BASE=http://localhost:8080)")
+            raise UsageError(f"invalid environment variable name {name!r}: letters, digits and '_', not starting"
+                             " with a digit (e.g. API_BASE)")
         if name.upper().startswith("KUGETSU_"):
-            raise UsageError(f"--env: {name} is kugetsu's own (KUGETSU_* variables are set for each agent: its task"
-                             " id, name, token and home), and cannot be set for a task")
+            raise UsageError(f"environment variable {name} is kugetsu's own (KUGETSU_* variables are set for each"
+                             " agent: its task id, name, token and home), and cannot be set for a task")
         if not isinstance(value, str) or "\0" in value:
-            raise UsageError(f"--env: the value of {name} has a NUL byte, which no environment variable can hold")
+            raise UsageError(f"the value of environment variable {name} has a NUL byte, which no environment"
+                             " variable can hold")
         try:
             value.encode()
         except UnicodeEncodeError:
-            raise UsageError(f"--env: the value of {name} is not UTF-8 text, and a task is kept as text") from None
+            raise UsageError(f"the value of environment variable {name} is not UTF-8 text, and a task is kept as"
+                             " text") from None
 
 
 def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task, list[Event]]:
@@ -667,6 +670,41 @@ def set_priority(index: Index, task: Task, level: str, now: datetime) -> list[Ev
         return []
     task.priority = level  # type: ignore[assignment]
     return [_event("priority", task, now, value=level)]
+
+
+def _queued_only(task: Task, what: str) -> None:
+    if task.state is not TaskState.QUEUED:
+        raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}; only a queued task can be {what}", code=1)
+
+
+def move_next(index: Index, task: Task, now: datetime, by: str = "cli") -> list[Event]:
+    """`next TASK`: it starts before every other queued task that may start (the latest `next`
+    first), whatever the strategy; limits still apply (its group's slots, a hold, its
+    dependencies), and it never starts beyond max_agents. No event when it is first already."""
+    _queued_only(task, "moved")
+    if task.stashed_at is not None:
+        raise UsageError(f"task {task.name} (#{task.id}) is stashed: unstash it first", code=1)
+    top = max((t.first for t in index.queued), default=0)
+    if task.first and task.first == top:
+        return []
+    task.first = top + 1
+    return [_event("moved", task, now, reason=f"to the front by {by}")]
+
+
+def stash(task: Task, now: datetime, on: bool, by: str = "cli") -> list[Event]:
+    """`stash TASK` (on) / `unstash TASK`: a queued task set aside: it keeps its place in the
+    index but has no position, never starts, holds no one up and does not expire; unstashed,
+    it takes its place again and its queue deadline moves by the time it was stashed."""
+    _queued_only(task, "stashed" if on else "unstashed")
+    if (task.stashed_at is not None) == on:
+        return []
+    if on:
+        task.stashed_at = now
+    else:
+        if task.expires_at is not None and task.stashed_at is not None:
+            task.expires_at += max(timedelta(0), now - task.stashed_at)
+        task.stashed_at = None
+    return [_event("stashed" if on else "unstashed", task, now, reason=f"{'stashed' if on else 'unstashed'} by {by}")]
 
 
 class Edit(msgspec.Struct, kw_only=True):
@@ -868,7 +906,7 @@ def _request_stop(task: Task, state: TaskState, reason: str, now: datetime, grac
 def expire_due(index: Index, now: datetime) -> list[Event]:
     """Queued tasks whose expires_at has come end as expired."""
     events = []
-    for task in [t for t in index.queued if t.expires_at is not None and t.expires_at <= now]:
+    for task in [t for t in index.queued if t.expires_at is not None and t.expires_at <= now and t.stashed_at is None]:
         index.queued.remove(task)
         task.reason = f"expired after {format_duration((now - task.created_at).total_seconds())} in the queue"
         events.append(_close(index, task, TaskState.EXPIRED, now))
@@ -897,7 +935,7 @@ def next_deadline(index: Index) -> datetime | None:
     """The earliest moment something falls due: a queued task's expiry, a running task's run
     timeout, the SIGKILL that follows a stop's grace, or the end of a hold on a preset. (The service's one timer is set
     there; what is due then is decided by expire_due, timeouts_due and kills_due.)"""
-    times = [t.expires_at for t in index.queued if t.expires_at is not None]
+    times = [t.expires_at for t in index.queued if t.expires_at is not None and t.stashed_at is None]
     times += [h.until for h in index.holds.values() if h.until is not None]  # released at its end
     for task in index.active:
         if task.kill_at is not None:
@@ -947,8 +985,8 @@ def clean(index: Index, now: datetime, older_than: float | None = None, states: 
     """Drop finished tasks (finished more than `older_than` seconds ago, and in one of
     `states`, if given)."""
     if states is not None and (live := states & {"queued", "running"}):
-        raise UsageError(f"--state {', '.join(sorted(live))}: clean drops finished tasks only (a live one is"
-                         f" cancelled with `kugetsu cancel`)")
+        raise UsageError(f"state {', '.join(sorted(live))}: clean drops finished tasks only (a live one is"
+                         f" cancelled instead)")
     keep, gone = [], []
     for task in index.finished:
         old = older_than is None or (task.finished_at and (now - task.finished_at).total_seconds() >= older_than)
@@ -965,7 +1003,7 @@ def remove(index: Index, tasks: list[Task]) -> list[Task]:
     if live:
         t = live[0]
         raise NotFound(f"{t.name} (#{t.id}) is {t.state.value}: only a finished task can be removed; cancel it first"
-                       f" (`kugetsu cancel #{t.id}`), then remove it")
+                       f" (#{t.id}), then remove it")
     ids = {t.id for t in tasks}
     gone = [t for t in index.finished if t.id in ids]
     index.finished = [t for t in index.finished if t.id not in ids]

@@ -58,10 +58,19 @@ def test_wait_all_and_group_wait_for_the_live_tasks_of_now(kg):
     assert kg.task("a")["state"] == "running"
     r = kg.run("wait", "--all", "--timeout", "0.3")
     assert r.returncode == 124 and r.stdout == ""
+    import subprocess
+    import sys
+
+    waiter = subprocess.Popen([sys.executable, "-m", "kugetsu", "wait", "--all", "--json"], env=kg.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    from test_mcp import pidfds
+
+    # It is waiting on a (a pidfd open on its process) before a may end.
+    wait_for(lambda: waiter.poll() is None and pidfds(waiter.pid) > 0, 20, "the waiter to watch a")
     gate.touch()
-    r = kg.run("wait", "--all", "--json")
-    assert r.returncode == 0, r.stderr
-    assert [t["name"] for t in json.loads(r.stdout)] == ["a"]
+    out, err = waiter.communicate(timeout=30)
+    assert waiter.returncode == 0, err
+    assert [t["name"] for t in json.loads(out)] == ["a"]
     r = kg.run("wait", "--all")
     assert r.returncode == 0 and "nothing to wait for" in r.stderr
     r = kg.run("wait")
@@ -78,7 +87,7 @@ def test_remove_drops_finished_tasks_and_refuses_a_live_one(kg):
     assert log.exists()
     before = kg.home.index.read_bytes()
     r = kg.run("remove", "done", "live")
-    assert r.returncode == 1 and "live (#2) is running" in r.stderr and "kugetsu cancel #2" in r.stderr
+    assert r.returncode == 1 and "live (#2) is running" in r.stderr and "cancel it first (#2)" in r.stderr
     assert kg.home.index.read_bytes() == before  # nothing written, not even the finished one
     r = kg.run("remove", "nosuch")
     assert r.returncode == 1 and "Traceback" not in r.stderr
@@ -124,9 +133,9 @@ def test_delegate_env_reaches_the_agent_and_only_its_names_are_shown(kg):
 
 
 @pytest.mark.parametrize(("arg", "said"), [
-    ("1BAD=x", "invalid variable name '1BAD'"),
-    ("A-B=x", "invalid variable name 'A-B'"),
-    ("=x", "invalid variable name ''"),
+    ("1BAD=x", "invalid environment variable name '1BAD'"),
+    ("A-B=x", "invalid environment variable name 'A-B'"),
+    ("=x", "invalid environment variable name ''"),
     ("KUGETSU_TASK_TOKEN=forged", "KUGETSU_TASK_TOKEN is kugetsu's own"),
     ("kugetsu_home=x", "kugetsu_home is kugetsu's own"),
     ("NOT_IN_THIS_SHELL_XYZ", "not set in this shell"),
@@ -244,7 +253,7 @@ def test_pause_of_a_queued_task_is_refused_and_pause_without_task_is_the_queue(k
     kg.delegate("a", 0, 0, gate=gate)
     kg.ok("delegate", "b", "--", "true")
     r = kg.run("pause", "b")
-    assert r.returncode == 1 and "only a running task can be paused" in r.stderr and "`kugetsu pause` with no task" in r.stderr
+    assert r.returncode == 1 and "only a running task can be paused" in r.stderr and "pause without a task holds the queue" in r.stderr
     r = kg.run("pause", "b", "--group", "g")
     assert r.returncode == 2 and "not both" in r.stderr
     assert "no queued task starts" in kg.ok("pause")  # the queue, as before
@@ -276,10 +285,56 @@ def test_kill_sends_a_signal_to_the_whole_tree(kg):
     wait_for(lambda: _proc_state(stray_pid) == "gone", what="the stray ended by SIGUSR1 (no trap)")
     assert kg.task("k")["state"] == "running"
     assert any(e["type"] == "signalled" and e["reason"] == "SIGUSR1 sent by cli" for e in kg.events())
-    for bad, said in [("NOPE", "no such signal"), ("STOP", "kugetsu pause TASK"), ("CONT", "kugetsu resume TASK")]:
+    for bad, said in [("NOPE", "no such signal"), ("STOP", "pause the task instead"), ("CONT", "resume the task instead")]:
         r = kg.run("kill", "-s", bad, "k")
         assert r.returncode == 2 and said in r.stderr, r.stderr
     kg.ok("kill", "k")  # SIGTERM
     assert kg.wait_state("k", "failed", "succeeded")["state"] == "failed"
     r = kg.run("kill", "k")
     assert r.returncode == 1 and "only a running task can be signalled" in r.stderr
+
+
+@pytest.mark.parametrize("strategy", ["fifo", "priority", "fair"])
+def test_next_puts_a_queued_task_first_and_it_starts_next(kg, strategy):
+    kg.config(max_agents=1, strategy=strategy)
+    gate = kg.rec / "gate"
+    kg.delegate("run", 0, 0, gate=gate)
+    for name in ("a", "b", "c"):
+        kg.ok("delegate", name, "--source", name, "--priority", "urgent" if name == "a" else "normal",
+              "--", *kg.agent(name))
+    out = kg.ok("next", "c")
+    assert "c (#4) moved to the front, position 1" in out
+    assert [t["name"] for t in kg.json("queue")["queued"]] == ["c", "a", "b"]
+    assert "unchanged" in kg.ok("next", "c")
+    kg.ok("next", "b")  # the latest `next` first
+    assert [t["name"] for t in kg.json("queue")["queued"]] == ["b", "c", "a"]
+    gate.touch()
+    wait_for(lambda: all(kg.times(n).get("end") for n in ("a", "b", "c")), 20, "all ran")
+    assert kg.times("b")["start"] < kg.times("c")["start"] < kg.times("a")["start"]
+    r = kg.run("next", "a")
+    assert r.returncode == 1 and "only a queued task can be moved" in r.stderr
+
+
+def test_stash_sets_a_task_aside_until_unstash(kg):
+    kg.config(max_agents=1, queue_timeout="3s")
+    gate = kg.rec / "gate"
+    kg.delegate("run", 0, 0, gate=gate)
+    kg.ok("delegate", "s", "--", *kg.agent("s"))
+    kg.ok("delegate", "t", "--", *kg.agent("t"))
+    out = kg.ok("stash", "s")
+    assert "s (#2) stashed, set aside (`kugetsu unstash s`)" in out
+    q = kg.json("queue")
+    assert [(t["name"], t["position"], t["waiting_for"]) for t in q["queued"]] == [
+        ("t", 1, None), ("s", None, "stashed")]
+    assert "stashed" in kg.ok("queue")
+    gate.touch()
+    kg.wait_state("t", "succeeded")
+    time.sleep(3.5)  # past its queue deadline: a stashed task does not expire, nor start
+    s = kg.task("s")
+    assert s["state"] == "queued" and s["stashed_at"] and not kg.times("s")
+    kg.ok("unstash", "s")
+    assert kg.wait_state("s", "succeeded")["stashed_at"] is None
+    assert [e["type"] for e in kg.events() if e.get("task") == 2 and e["type"] in ("stashed", "unstashed")] == [
+        "stashed", "unstashed"]
+    r = kg.run("stash", "s")
+    assert r.returncode == 1 and "only a queued task can be stashed" in r.stderr

@@ -59,7 +59,7 @@ def running_rows(queue: pm.QueueView, now: datetime, tz: tzinfo | None) -> list[
 
 def queue_rows(queue: pm.QueueView, now: datetime) -> list[Row]:
     return [
-        Row(str(t.id), t.state.value, (str(queue.positions[t.id]), str(t.id), t.name, t.priority, t.source,
+        Row(str(t.id), t.state.value, (str(queue.positions.get(t.id, "-")), str(t.id), t.name, t.priority, t.source,
                                        since(t.created_at, now), until(t.expires_at, now)))
         for t in queue.queued
     ]
