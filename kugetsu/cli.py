@@ -145,7 +145,12 @@ def _edit_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--priority", choices=PRIORITIES)
     e.add_argument("--expire-after", metavar="DUR", type=_duration, help="expire if still queued DUR from now")
     e.add_argument("--timeout", metavar="DUR", type=_duration, help="stop the agent after running DUR")
+    g.add_argument("--prompt-editor", action="store_true",
+                   help="edit the prompt in $VISUAL or $EDITOR (default vi); an unchanged file changes nothing")
     e.add_argument("--group", metavar="NAME", help="run in this pool (config `groups`)")
+    e.add_argument("--name", metavar="NAME", help="a new name (unique among queued and running tasks)")
+    e.add_argument("--cwd", metavar="DIR", help="a new working directory")
+    e.add_argument("--agent", metavar="PRESET", help="another agent preset, run with the task's prompt")
     e.add_argument("--json", action="store_true", help="print the task object")
 
 
@@ -312,7 +317,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
-    if argv and argv[0] == "delegate" and "--" in argv:
+    if argv and argv[0] in ("delegate", "edit") and "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
     args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
@@ -503,11 +508,16 @@ def _read_prompt(args: argparse.Namespace) -> str | None:
 
 
 def cmd_edit(home: Home, args: argparse.Namespace) -> int:
-    change = pm.Edit(prompt=_read_prompt(args), priority=args.priority, expire_after=args.expire_after,
-                     timeout=args.timeout, group=args.group)
-    if all(v is None for v in (change.prompt, change.priority, change.expire_after, change.timeout, change.group)):
-        raise UsageError("nothing to change: give --prompt, --prompt-file, --priority, --expire-after, --timeout"
-                         " or --group")
+    prompt = _edit_prompt(home, args.task) if args.prompt_editor else _read_prompt(args)
+    change = pm.Edit(prompt=prompt, priority=args.priority, expire_after=args.expire_after,
+                     timeout=args.timeout, group=args.group, name=args.name, cwd=args.cwd, agent=args.agent,
+                     command=args.argv_command or None)
+    if change.empty():
+        if args.prompt_editor:
+            _say("unchanged: the prompt was saved as it was", file=sys.stderr)
+            return OK
+        raise UsageError("nothing to change: give --prompt, --prompt-file, --prompt-editor, --priority,"
+                         " --expire-after, --timeout, --group, --name, --cwd, --agent or a command after --")
     task, position, changed = ops.edit(home, args.task, change)
     if args.priority:
         _priority_ignored(load_config(home).strategy, args.priority)
@@ -517,6 +527,42 @@ def cmd_edit(home: Home, args: argparse.Namespace) -> int:
     where = f"position {position}" if position is not None else "started"
     _say(f"{'edited' if changed else 'unchanged'} {task.name} (#{task.id}), {where}")
     return OK
+
+
+def _edit_prompt(home: Home, ref: str) -> str | None:
+    """`edit --prompt-editor`: the queued task's prompt in $VISUAL or $EDITOR (vi), in a private
+    temp file; the text saved, or None when it was saved unchanged. The edit itself is checked
+    again in its transaction (the task may have started meanwhile)."""
+    import shlex
+    import subprocess
+    import tempfile
+
+    _, index = ops.read(home)
+    task = pm.find(index, ref)
+    if task.state is not TaskState.QUEUED:
+        raise UsageError(f"task {task.name} (#{task.id}) is {task.state.value}; only a queued task can be edited",
+                         code=FAILURE)
+    editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
+    fd, name = tempfile.mkstemp(prefix=f"kugetsu-{task.name}-", suffix=".md")  # 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write((task.prompt or "").encode())
+        try:
+            code = subprocess.call([*shlex.split(editor), name])
+        except (OSError, ValueError) as err:
+            raise UsageError(f"cannot run the editor {editor!r} ($VISUAL, $EDITOR): {err}") from None
+        if code != 0:
+            raise UsageError(f"the editor {editor!r} exited with status {code}: nothing was changed")
+        with open(name, "rb") as f:
+            data = f.read()
+    finally:
+        os.unlink(name)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(f"the edited prompt is not UTF-8 text ({err.reason} at byte {err.start}): nothing was"
+                         " changed") from None
+    return None if text == (task.prompt or "") else text
 
 
 def _after_refs(values: list[str]) -> list[str]:

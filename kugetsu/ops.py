@@ -336,14 +336,26 @@ def edit(home: Home, ref: str, change: pm.Edit) -> tuple[Task, int | None, bool]
     queued task has read it yet), and put back if the commit fails."""
     path: Path | None = None
     old: bytes | None = None
+    made = False
+    if change.cwd is not None:
+        change.cwd = os.path.abspath(change.cwd)
+        if not os.path.isdir(change.cwd):
+            raise UsageError(f"--cwd {change.cwd!r} is not a directory")
+    if change.command is not None:  # as delegate: refused if it could never start
+        cfg, index = read(home)
+        task = pm.find(index, ref)
+        _check_runnable(cfg, pm.Request(cwd=change.cwd or task.cwd, command=change.command, env=task.env))
     try:
         with _locked(home) as (txn, cfg):
             task = pm.find(txn.index, ref)
             path = home.prompt_file(task.id)
             change.prompt_path = str(path)
             events = pm.edit(txn.index, cfg, task, txn.now, change)
-            if change.prompt is not None and path.exists() and any(e.key and "prompt" in e.key.split(",")
-                                                                   for e in events):
+            if events and str(path) in task.command and not path.exists():  # now a {prompt_file} preset's
+                _write_prompt(path, task.prompt or "")
+                made = True
+            elif change.prompt is not None and path.exists() and any(e.key and "prompt" in e.key.split(",")
+                                                                     for e in events):
                 old = path.read_bytes()
                 _replace_prompt(path, change.prompt.encode())
             txn.emit(events)
@@ -352,6 +364,8 @@ def edit(home: Home, ref: str, change: pm.Edit) -> tuple[Task, int | None, bool]
     except BaseException:
         if old is not None and path is not None:
             _replace_prompt(path, old)
+        if made and path is not None:
+            path.unlink(missing_ok=True)
         raise
     wake(home, cfg)
     return task, position, bool(events)

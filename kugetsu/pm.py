@@ -534,21 +534,27 @@ def check_env(env: dict[str, str]) -> None:
                              " text") from None
 
 
+def _check_name(index: Index, name: str) -> None:
+    """A new task's name (delegate, edit): valid, not digits only, unique among live tasks."""
+    if name.isascii() and name.isdigit():
+        raise UsageError(
+            f"invalid task name {name!r}: a name of digits only would be read as task #{name};"
+            f" add a letter, e.g. issue-{name}"
+        )
+    if not valid_name(name):
+        raise UsageError(
+            f"invalid task name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    if any(t.name == name for t in index.live()):
+        raise UsageError(f"a task named {name!r} is already queued or running; pick another name")
+
+
 def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task, list[Event]]:
     """Add a task to the queue, or refuse. Raises before changing anything."""
     check_prompt(cfg, req.prompt)
     check_env(req.env)
-    if req.name is not None and req.name.isascii() and req.name.isdigit():
-        raise UsageError(
-            f"invalid task name {req.name!r}: a name of digits only would be read as task #{req.name};"
-            f" add a letter, e.g. issue-{req.name}"
-        )
-    if req.name is not None and not valid_name(req.name):
-        raise UsageError(
-            f"invalid task name {req.name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
-    if req.name is not None and any(t.name == req.name for t in index.live()):
-        raise UsageError(f"a task named {req.name!r} is already queued or running; pick another name")
+    if req.name is not None:
+        _check_name(index, req.name)
     if req.priority not in PRIORITIES:
         raise UsageError(f"invalid priority {req.priority!r}; choose one of {', '.join(PRIORITIES)}")
     if req.group is not None and req.group not in cfg.groups:
@@ -715,7 +721,14 @@ class Edit(msgspec.Struct, kw_only=True):
     expire_after: float | None = None  # seconds from now; 0: never expires
     timeout: float | None = None  # run timeout in seconds; 0: no limit
     group: str | None = None
+    name: str | None = None
+    cwd: str | None = None  # absolute; ops checks that it is a directory
+    agent: str | None = None  # another preset: its command is made with the task's prompt
+    command: list[str] | None = None  # an explicit argv instead (the task's agent stays its label)
     prompt_path: str | None = None  # where a {prompt_file} preset's prompt is (ops knows; pm does no I/O)
+
+    def empty(self) -> bool:
+        return all(getattr(self, f) is None for f in self.__struct_fields__ if f != "prompt_path")
 
 
 def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> list[Event]:
@@ -730,23 +743,58 @@ def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> 
     for what, value in (("expiry", change.expire_after), ("timeout", change.timeout)):
         if value is not None and value < 0:
             raise UsageError(f"a negative {what} ({value:g}s) makes no sense; 0 means none")
-    command = None
     check_prompt(cfg, change.prompt)
-    if change.prompt is not None:
-        preset = cfg.agents.get(task.agent) if task.agent else None
-        values = {"prompt": task.prompt or "", "prompt_file": change.prompt_path or "", "name": task.name,
-                  "id": str(task.id)}
-        # Only a command made from its preset's template can be made again with a new prompt:
-        # one given at delegation (`-- CMD`) or from a preset changed since cannot.
-        if preset is None or render_command(preset.command, values) != task.command:
-            raise UsageError(f"task {task.name} (#{task.id}) runs a command given at delegation, not its agent"
-                             " preset's with the prompt, so its prompt cannot change; cancel it and delegate again")
-        command = render_command(preset.command, {**values, "prompt": change.prompt})
-        _check_argv(command, task.cwd)
+    name = task.name if change.name is None else change.name
+    if name != task.name:
+        _check_name(index, name)
+        if task.repo:
+            raise UsageError(f"task {task.name} (#{task.id}) works in a worktree on branch {task.branch}, named"
+                             " after it: its name cannot change; cancel it and delegate again", code=1)
+    if change.cwd is not None and change.cwd != task.cwd and task.repo:
+        raise UsageError(f"task {task.name} (#{task.id}) works in a worktree of {task.repo}: its directory cannot"
+                         " change; cancel it and delegate again", code=1)
+    agent = task.agent if change.agent is None else change.agent
+    new_preset = cfg.agents.get(agent) if agent else None
+    if change.agent is not None and new_preset is None:
+        raise UsageError(f"unknown agent preset {agent!r}; known: {', '.join(sorted(cfg.agents))}")
+    old_preset = cfg.agents.get(task.agent) if task.agent else None
+    values = {"prompt": task.prompt or "", "prompt_file": change.prompt_path or "", "name": task.name,
+              "id": str(task.id)}
+    # Only a command made from its preset's template can be made again (a new prompt, name or
+    # preset): one given at delegation (`-- CMD`), or from a preset changed since, cannot.
+    from_preset = old_preset is not None and render_command(old_preset.command, values) == task.command
+    prompt = task.prompt if change.prompt is None else change.prompt
+    command = change.command
+    if command is None and (change.prompt is not None or change.agent is not None) and not from_preset:
+        what = "prompt" if change.prompt is not None else "agent preset"
+        raise UsageError(f"task {task.name} (#{task.id}) runs a command given at delegation, not its agent preset's"
+                         f" with the prompt, so its {what} cannot change; give the new command (or cancel it and"
+                         " delegate again)")
+    if command is None and from_preset and new_preset is not None:
+        if prompt is None and any(_NEEDS_PROMPT.search(a) for a in new_preset.command):
+            raise NeedsPrompt(agent or "")
+        command = render_command(new_preset.command, {**values, "prompt": prompt or "", "name": name})
+    env = task.env
+    if agent != task.agent and new_preset is not None:  # the task's own variables stay, the preset's change
+        own = {k: v for k, v in task.env.items() if old_preset is None or old_preset.env.get(k) != v}
+        env = {**new_preset.env, **own}
+    if command is not None:
+        _check_argv(command, change.cwd or task.cwd)
     changed: dict[str, object] = {}
-    if command is not None and change.prompt != task.prompt:
-        task.command, task.prompt = command, change.prompt
+    if change.prompt is not None and change.prompt != task.prompt:
+        task.prompt = change.prompt
         changed["prompt"] = f"{len(change.prompt or '')} characters"
+    if name != task.name:
+        task.name = changed["name"] = name
+    if agent != task.agent:
+        task.agent = changed["agent"] = agent
+        task.env = env
+    if change.cwd is not None and change.cwd != task.cwd:
+        task.cwd = changed["cwd"] = change.cwd
+    if command is not None and command != task.command:
+        task.command = command
+        if change.command is not None:  # an argv given: its words are the caller's, not a prompt
+            changed["command"] = f"{len(command)} arguments"
     if change.priority is not None and change.priority != task.priority:
         task.priority = change.priority  # type: ignore[assignment]
         changed["priority"] = change.priority

@@ -338,3 +338,90 @@ def test_stash_sets_a_task_aside_until_unstash(kg):
         "stashed", "unstashed"]
     r = kg.run("stash", "s")
     assert r.returncode == 1 and "only a queued task can be stashed" in r.stderr
+
+
+def _edit_home(kg):
+    kg.config(max_agents=1, agents={
+        "x": {"command": ["sh", "-c", 'printf "x|%s|%s|%s" "$1" "$2" "$PWD" > "$0"', str(kg.rec / "out"), "{prompt}",
+                          "{name}"]},
+        "y": {"command": ["sh", "-c", 'printf "y|%s|%s" "$(cat "$1")" "$Y_VAR" > "$0"', str(kg.rec / "out"),
+                          "{prompt_file}"], "env": {"Y_VAR": "from-y"}},
+    })
+    gate = kg.rec / "gate"
+    kg.delegate("run", 0, 0, gate=gate)
+    return gate
+
+
+def test_edit_name_cwd_and_agent_of_a_queued_task(kg, tmp_path):
+    gate = _edit_home(kg)
+    kg.ok("delegate", "t", "--agent", "x", "--prompt", "hello", "--env", "OWN=1")
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    out = kg.ok("edit", "t", "--name", "t2", "--cwd", str(other))
+    assert "edited t2 (#2), position 1" in out
+    t = kg.task("t2")
+    assert t["cwd"] == str(other) and t["command"][-1] == "t2"  # {name} made again
+    for args, said, code in [
+        (("--name", "run"), "already queued or running", 2),
+        (("--name", "12"), "digits only", 2),
+        (("--cwd", str(tmp_path / "nope")), "is not a directory", 2),
+        (("--agent", "nope"), "unknown agent preset 'nope'", 2),
+    ]:
+        r = kg.run("edit", "t2", *args)
+        assert r.returncode == code and said in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    kg.ok("edit", "t2", "--agent", "y")  # the prompt now goes as a file; the preset's env changes, its own stays
+    t = kg.task("t2")
+    assert t["agent"] == "y" and t["env_names"] == ["OWN", "Y_VAR"]
+    edited = [e for e in kg.events("edited") if e["task"] == 2]
+    assert [e["key"] for e in edited] == ["name,cwd", "agent"] and "hello" not in json.dumps(edited)
+    gate.touch()
+    kg.wait_state("t2", "succeeded")
+    assert (kg.rec / "out").read_text() == "y|hello|from-y"
+
+
+def test_edit_command_of_a_queued_task(kg):
+    gate = _edit_home(kg)
+    kg.ok("delegate", "c", "--", "sh", "-c", "echo old > \"$0\"", str(kg.rec / "cmd"))
+    r = kg.run("edit", "c", "--prompt", "new words")
+    assert r.returncode == 2 and "give the new command" in r.stderr
+    r = kg.run("edit", "c", "--", "no-such-program-xyz")
+    assert r.returncode == 2 and "no-such-program-xyz" in r.stderr
+    kg.ok("edit", "c", "--", "sh", "-c", "echo new > \"$0\"", str(kg.rec / "cmd"))
+    assert kg.task("c")["command"][2] == 'echo new > "$0"'
+    assert [e["key"] for e in kg.events("edited")] == ["command"]
+    gate.touch()
+    kg.wait_state("c", "succeeded")
+    assert (kg.rec / "cmd").read_text() == "new\n"
+
+
+def test_edit_prompt_editor_uses_editor(kg):
+    gate = _edit_home(kg)
+    kg.ok("delegate", "p", "--agent", "x", "--prompt", "first draft")
+    editor = kg.rec / "editor.sh"
+    editor.write_text('#!/bin/sh\nstat -c %a "$1" > "$0.mode"; cat "$1" > "$0.seen"; printf "second draft" > "$1"\n')
+    editor.chmod(0o755)
+    env = {**kg.env, "EDITOR": str(editor), "VISUAL": ""}
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kugetsu", "edit", "p", "--prompt-editor"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "edited p (#2)" in r.stdout, r.stderr
+    assert (kg.rec / "editor.sh.seen").read_text() == "first draft"
+    assert (kg.rec / "editor.sh.mode").read_text().strip() == "600"
+    assert kg.task("p")["prompt"] == "second draft"
+    same = kg.rec / "same.sh"
+    same.write_text("#!/bin/sh\ntrue\n")
+    same.chmod(0o755)
+    r = subprocess.run([sys.executable, "-m", "kugetsu", "edit", "p", "--prompt-editor"],
+                       env={**env, "EDITOR": str(same)}, capture_output=True, text=True)
+    assert r.returncode == 0 and "unchanged" in r.stderr
+    fails = kg.rec / "fails.sh"
+    fails.write_text("#!/bin/sh\nexit 3\n")
+    fails.chmod(0o755)
+    r = subprocess.run([sys.executable, "-m", "kugetsu", "edit", "p", "--prompt-editor"],
+                       env={**env, "EDITOR": str(fails)}, capture_output=True, text=True)
+    assert r.returncode == 2 and "exited with status 3: nothing was changed" in r.stderr
+    gate.touch()
+    kg.wait_state("p", "succeeded")
+    assert (kg.rec / "out").read_text().startswith("x|second draft|p|")
