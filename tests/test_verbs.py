@@ -394,33 +394,29 @@ def test_edit_command_of_a_queued_task(kg):
     assert (kg.rec / "cmd").read_text() == "new\n"
 
 
-def test_edit_prompt_editor_uses_editor(kg):
-    gate = _edit_home(kg)
-    kg.ok("delegate", "p", "--agent", "x", "--prompt", "first draft")
-    editor = kg.rec / "editor.sh"
-    editor.write_text('#!/bin/sh\nstat -c %a "$1" > "$0.mode"; cat "$1" > "$0.seen"; printf "second draft" > "$1"\n')
-    editor.chmod(0o755)
-    env = {**kg.env, "EDITOR": str(editor), "VISUAL": ""}
+def _with_editor(kg, name: str, body: str):
+    """`kugetsu edit p --prompt-editor` with $EDITOR a shell script of `body` ($1: the file)."""
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "kugetsu", "edit", "p", "--prompt-editor"], env=env,
-                       capture_output=True, text=True)
+    editor = kg.rec / name
+    editor.write_text("#!/bin/sh\n" + body + "\n")
+    editor.chmod(0o755)
+    return subprocess.run([sys.executable, "-m", "kugetsu", "edit", "p", "--prompt-editor"],
+                          env={**kg.env, "EDITOR": str(editor), "VISUAL": ""}, capture_output=True, text=True)
+
+
+def test_edit_prompt_editor_uses_editor(kg):
+    gate = _edit_home(kg)
+    kg.ok("delegate", "p", "--agent", "x", "--prompt", "first draft")
+    r = _with_editor(kg, "editor.sh", 'stat -c %a "$1" > "$0.mode"; cat "$1" > "$0.seen"; printf "second draft" > "$1"')
     assert r.returncode == 0 and "edited p (#2)" in r.stdout, r.stderr
     assert (kg.rec / "editor.sh.seen").read_text() == "first draft"
     assert (kg.rec / "editor.sh.mode").read_text().strip() == "600"
     assert kg.task("p")["prompt"] == "second draft"
-    same = kg.rec / "same.sh"
-    same.write_text("#!/bin/sh\ntrue\n")
-    same.chmod(0o755)
-    r = subprocess.run([sys.executable, "-m", "kugetsu", "edit", "p", "--prompt-editor"],
-                       env={**env, "EDITOR": str(same)}, capture_output=True, text=True)
+    r = _with_editor(kg, "same.sh", "true")
     assert r.returncode == 0 and "unchanged" in r.stderr
-    fails = kg.rec / "fails.sh"
-    fails.write_text("#!/bin/sh\nexit 3\n")
-    fails.chmod(0o755)
-    r = subprocess.run([sys.executable, "-m", "kugetsu", "edit", "p", "--prompt-editor"],
-                       env={**env, "EDITOR": str(fails)}, capture_output=True, text=True)
+    r = _with_editor(kg, "fails.sh", "exit 3")
     assert r.returncode == 2 and "exited with status 3: nothing was changed" in r.stderr
     gate.touch()
     kg.wait_state("p", "succeeded")
