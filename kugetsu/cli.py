@@ -166,6 +166,17 @@ def _task_json_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the task object")
 
 
+def _group_args(gr: argparse.ArgumentParser) -> None:
+    gsub = gr.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=_Parser)
+    add = gsub.add_parser("add", help="a new pool (config `groups`): tasks delegated with --group NAME need a slot in it")
+    add.add_argument("name", metavar="NAME")
+    add.add_argument("--max", metavar="N", type=_positive_int, default=1, help="its slots (default 1)")
+    rm = gsub.add_parser("remove", help="drop a pool (refused while a queued or running task is in it)")
+    rm.add_argument("name", metavar="NAME")
+    ls = gsub.add_parser("list", help="the pools: slots, running, queued, paused")
+    ls.add_argument("--json", action="store_true")
+
+
 def _kill_args(k: argparse.ArgumentParser) -> None:
     k.add_argument("-s", "--signal", metavar="SIGNAL", default="SIGTERM",
                    help="a signal name (TERM, SIGUSR1, INT) or number; default SIGTERM")
@@ -389,7 +400,7 @@ def _fix(err: KugetsuError) -> str:
     if isinstance(err, E.NoSuchTask):
         return "; `kugetsu queue --all` lists the tasks kugetsu knows"
     if isinstance(err, E.UnknownGroup):
-        return f"; define it with `kugetsu config set groups.{err.group} '{{\"max_agents\": 1}}'`"
+        return f"; define it with `kugetsu group add {err.group} --max 1`"
     if isinstance(err, E.QueueFull):
         return " (`kugetsu capacity`)"
     if isinstance(err, E.CommandNotFound) and err.elsewhere:
@@ -1017,6 +1028,31 @@ def _moved(home: Home, args: argparse.Namespace, change: Callable[..., Any], ver
     return OK
 
 
+def cmd_group(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu import render
+
+    if args.action == "add":
+        ops.group_add(home, args.name, args.max)
+        _say(f"group {args.name} added: {args.max} slot{'s' if args.max != 1 else ''}; `kugetsu delegate --group"
+             f" {args.name} ...` runs in it")
+        return OK
+    if args.action == "remove":
+        ops.group_remove(home, args.name)
+        _say(f"group {args.name} removed")
+        return OK
+    cfg, index = _read(home)
+    rows = ops.groups_json(cfg, index)
+    if args.json:
+        print(to_json(rows))
+    elif not rows:
+        _say("no groups: `kugetsu group add NAME --max N` makes one")
+    else:
+        _say(render.table(["GROUP", "SLOTS", "RUNNING", "QUEUED", "PAUSED"],
+                          [[r["name"], str(r["max_agents"]), str(r["active"]), str(r["queued"]),
+                            "yes" if r["paused"] else "-"] for r in rows], right={1, 2, 3}))
+    return OK
+
+
 def cmd_kill(home: Home, args: argparse.Namespace) -> int:
     import signal
 
@@ -1354,6 +1390,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "next": ("start this queued task before every other (limits still apply)", _task_json_args, cmd_next),
     "stash": ("set a queued task aside: it neither starts nor expires until unstash", _task_json_args, cmd_stash),
     "unstash": ("put a stashed task back in its place in the queue", _task_json_args, cmd_unstash),
+    "group": ("the pools of config `groups`: add NAME [--max N], remove NAME, list", _group_args, cmd_group),
     "kill": ("send a signal to every process of a running task (-s SIGNAL, default SIGTERM)", _kill_args, cmd_kill),
     "config": ("read and tune config.json", _config_args, cmd_config),
     "serve": ("run the service (foreground unless --detach)", _serve_args, cmd_serve),

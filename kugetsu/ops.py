@@ -437,8 +437,10 @@ def retry(home: Home, cfg: Config, ref: str) -> Admission:
 # ---- config ------------------------------------------------------------------------------
 
 
-def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Config:
-    """Validate, write atomically and apply at once (raising max_agents starts queued tasks)."""
+def set_config(home: Home, key: str, value: Any, *, remove: bool = False,
+               guard: Callable[[Index], None] | None = None) -> Config:
+    """Validate, write atomically and apply at once (raising max_agents starts queued tasks).
+    `guard`: a check of the index in the same transaction (`group remove`: no live task in it)."""
     check_wakeable(home)
     local = read_raw(home)
     if key == "store" and local.get("store"):
@@ -451,6 +453,8 @@ def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Con
         return cfg
     store = open_store(home)
     with store.transaction() as txn:  # the index lock also orders config writes
+        if guard is not None:
+            guard(txn.index)
         local = read_raw(home)
         if key == "store" and not remove and not txn.shared_config:
             _check_joinable(home, local, txn.index)
@@ -481,6 +485,29 @@ def _check_joinable(home: Home, local: dict[str, Any], index: Index) -> None:
         raise UsageError(f"this home has {what}, which a cluster would not see: `kugetsu store migrate URL`"
                          f" moves them into an empty database; to join an existing cluster, remove them from"
                          f" {home.config} (or let the tasks finish) first")
+
+
+# ---- groups ------------------------------------------------------------------------------
+
+
+def group_add(home: Home, name: str, max_agents: int) -> Config:
+    """`group add NAME [--max N]`: a new pool in config `groups` (config set groups.NAME)."""
+    cfg = load_config(home)
+    pm.check_group_name(cfg, name, new=True)
+    return set_config(home, f"groups.{name}", {"max_agents": max_agents})
+
+
+def group_remove(home: Home, name: str) -> Config:
+    """`group remove NAME`: refused while a queued or running task is in it (it would be in a
+    pool that no longer exists); in the same transaction as the config change."""
+    pm.check_group_name(load_config(home), name, new=False)
+    return set_config(home, f"groups.{name}", None, remove=True, guard=lambda index: pm.check_group_unused(index, name))
+
+
+def groups_json(cfg: Config, index: Index) -> list[dict[str, Any]]:
+    """`group list --json`: each pool, its slots, its running and queued tasks, whether paused."""
+    return [{"name": name, **usage, "paused": name in index.paused_groups}
+            for name, usage in sorted(pm.group_usage(index, cfg).items())]
 
 
 # ---- clean -------------------------------------------------------------------------------

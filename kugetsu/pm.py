@@ -331,6 +331,27 @@ def group_usage(index: Index, cfg: Config) -> dict[str, dict[str, int]]:
     return usage
 
 
+def check_group_name(cfg: Config, name: str, new: bool) -> None:
+    """A pool's name for `group add` (valid, not there yet) or `group remove` (there)."""
+    if new and not valid_host(name):
+        raise UsageError(f"invalid group name {name!r}: 1-64 letters, digits, '.', '_' or '-', starting with a letter"
+                         " or digit")
+    if new and name in cfg.groups:
+        raise UsageError(f"group {name} exists already (max_agents {cfg.groups[name].max_agents}); its slots are"
+                         f" config key groups.{name}.max_agents")
+    if not new and name not in cfg.groups:
+        raise UsageError(f"no group {name!r} to remove (groups: {', '.join(sorted(cfg.groups)) or 'none defined'})")
+
+
+def check_group_unused(index: Index, name: str) -> None:
+    """A pool can go only once no queued or running task is in it."""
+    live = [t for t in index.live() if t.group == name]
+    if live:
+        names = ", ".join(f"{t.name} (#{t.id})" for t in live[:5]) + (", ..." if len(live) > 5 else "")
+        raise UsageError(f"group {name} has {len(live)} queued or running task{'' if len(live) == 1 else 's'} ({names}):"
+                         " let them finish, cancel them, or move them to another group first", code=1)
+
+
 def lowest_free_slot(index: Index) -> int:
     used = {t.slot for t in index.active}
     return next(n for n in range(1, len(used) + 2) if n not in used)

@@ -421,3 +421,29 @@ def test_edit_prompt_editor_uses_editor(kg):
     gate.touch()
     kg.wait_state("p", "succeeded")
     assert (kg.rec / "out").read_text().startswith("x|second draft|p|")
+
+
+def test_group_add_list_and_remove(kg):
+    kg.config(max_agents=2)
+    assert "no groups" in kg.ok("group", "list")
+    r = kg.run("delegate", "x", "--group", "gpu", "--", "true")
+    assert r.returncode == 2 and "kugetsu group add gpu --max 1" in r.stderr
+    assert "group gpu added: 2 slots" in kg.ok("group", "add", "gpu", "--max", "2")
+    assert json.loads(kg.home.config.read_text())["groups"] == {"gpu": {"max_agents": 2}}
+    for args, said in [(("add", "gpu"), "exists already"), (("add", "bad name"), "invalid group name"),
+                       (("add", "z", "--max", "65"), "at most 64"), (("remove", "nope"), "no group 'nope'")]:
+        r = kg.run("group", *args)
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    gate = kg.rec / "gate"
+    kg.delegate("g1", 0, 0, "--group", "gpu", gate=gate)
+    kg.ok("pause", "--group", "gpu")
+    rows = json.loads(kg.ok("group", "list", "--json"))
+    assert rows == [{"name": "gpu", "max_agents": 2, "active": 1, "queued": 0, "paused": True}]
+    assert "gpu" in kg.ok("group", "list") and "yes" in kg.ok("group", "list")
+    before = kg.home.config.read_bytes()
+    r = kg.run("group", "remove", "gpu")
+    assert r.returncode == 1 and "g1 (#1)" in r.stderr and kg.home.config.read_bytes() == before
+    gate.touch()
+    kg.wait_state("g1", "succeeded")
+    assert "group gpu removed" in kg.ok("group", "remove", "gpu")
+    assert json.loads(kg.home.config.read_text()).get("groups", {}) == {}
