@@ -673,11 +673,13 @@ class Listing(msgspec.Struct):
         return self.view.positions
 
 
-def listing(cfg: Config, index: Index, finished: bool = False, keep: pm.TaskFilter | None = None) -> Listing:
+def listing(cfg: Config, index: Index, finished: bool = False, keep: pm.TaskFilter | None = None,
+            at: datetime | None = None) -> Listing:
     """The queue view every front end shows (the CLI's `queue`, MCP, the dashboard), with the
     resource guard's and placement's notes; `keep`: only the tasks it matches, at their true
-    positions, and (when it asks for a final state) the latest 20 finished that match."""
-    t = now()
+    positions, and (when it asks for a final state) the latest 20 finished that match. `at`:
+    the time to show it at (the dashboard's clock), default now."""
+    t = at or now()
     latest = None
     if finished or (keep is not None and keep.wants_finished):
         done = index.finished if keep is None else [x for x in index.finished if keep.matches(x)]

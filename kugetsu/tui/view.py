@@ -27,7 +27,8 @@ class Row:
 RUNNING_COLUMNS = (("id", "ID"), ("name", "NAME"), ("source", "SOURCE"), ("agent", "AGENT"),
                    ("started", "STARTED"), ("elapsed", "ELAPSED"), ("pid", "PID"), ("state", "STATE"))
 QUEUE_COLUMNS = (("pos", "POS"), ("id", "ID"), ("name", "NAME"), ("priority", "PRIORITY"),
-                 ("source", "SOURCE"), ("waiting", "WAITING"), ("expires", "EXPIRES IN"))
+                 ("source", "SOURCE"), ("group", "GROUP"), ("waiting", "WAITING"), ("expires", "EXPIRES"),
+                 ("why", "WAITING FOR"))
 FINISHED_COLUMNS = (("id", "ID"), ("name", "NAME"), ("state", "STATE"), ("exit", "EXIT"),
                     ("ended", "ENDED"), ("reason", "REASON"))
 EVENT_COLUMNS = (("time", "TIME"), ("type", "EVENT"), ("task", "TASK"), ("reason", "DETAIL"))
@@ -45,7 +46,9 @@ def clock_time(t: datetime | None, now: datetime, tz: tzinfo | None) -> str:
 
 
 def task_style(task: Task) -> str:
-    return "stopping" if task.stop is not None and not task.state.final else task.state.value
+    if task.state.final:
+        return task.state.value
+    return "stopping" if task.stop is not None else "paused" if task.paused_at is not None else task.state.value
 
 
 def running_rows(queue: pm.QueueView, now: datetime, tz: tzinfo | None) -> list[Row]:
@@ -60,7 +63,9 @@ def running_rows(queue: pm.QueueView, now: datetime, tz: tzinfo | None) -> list[
 def queue_rows(queue: pm.QueueView, now: datetime) -> list[Row]:
     return [
         Row(str(t.id), t.state.value, (str(queue.positions.get(t.id, "-")), str(t.id), t.name, t.priority, t.source,
-                                       since(t.created_at, now), until(t.expires_at, now)))
+                                       t.group or "-", since(t.created_at, now),
+                                       "-" if t.stashed_at else until(t.expires_at, now),
+                                       queue.waiting_for.get(t.id, "")))
         for t in queue.queued
     ]
 
