@@ -423,8 +423,9 @@ def _fix(err: KugetsuError) -> str:
 
 
 _STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value",
-                   "bind", "host", "url", "dir")
-_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines", "since", "retry_delay", "until")
+                   "bind", "host", "url", "dir", "signal")
+_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines", "since", "retry_delay", "until", "max")
+_LIST_OPTIONS = ("state",)  # repeatable (append): each value as above
 
 
 def _undo_dashdash(args: argparse.Namespace) -> None:
@@ -437,6 +438,9 @@ def _undo_dashdash(args: argparse.Namespace) -> None:
     for key in _OTHER_OPTIONS:
         if getattr(args, key, None) == []:
             raise UsageError(f"--{key.replace('_', '-')}: '--' is not a valid value")
+    for key in _LIST_OPTIONS:
+        if isinstance(values := getattr(args, key, None), list):
+            setattr(args, key, ["--" if v == [] else v for v in values])
 
 
 # ---- commands -----------------------------------------------------------------------------
@@ -600,7 +604,7 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
 
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
-    keep = pm.task_filter(args.group, args.state, args.source)
+    keep = _task_filter(args.group, args.state, args.source)
     view = ops.listing(cfg, index, finished=args.all, keep=None if keep == pm.TaskFilter() else keep)
     if args.json:
         _kept.append(shown := ops.queue_json(view))
@@ -1223,8 +1227,15 @@ def cmd_store(home: Home, args: argparse.Namespace) -> int:
     return OK
 
 
+def _task_filter(group: str | None = None, states: list[str] | None = None, source: str | None = None) -> pm.TaskFilter:
+    try:
+        return pm.task_filter(group, states, source)
+    except UsageError as err:
+        raise UsageError(f"--state: {err}") from None
+
+
 def cmd_clean(home: Home, args: argparse.Namespace) -> int:
-    states = pm.task_filter(states=args.state).states
+    states = _task_filter(states=args.state).states
     return _removed(ops.clean(home, args.older_than, states), args.json)
 
 

@@ -447,3 +447,18 @@ def test_group_add_list_and_remove(kg):
     kg.wait_state("g1", "succeeded")
     assert "group gpu removed" in kg.ok("group", "remove", "gpu")
     assert json.loads(kg.home.config.read_text()).get("groups", {}) == {}
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (("queue", "--state=--"), "--state: unknown state '--'"),
+    (("clean", "--state=--"), "--state: unknown state '--'"),
+    (("kill", "--signal=--", "x"), "no such signal"),
+    (("group", "add", "--max=--", "g"), "--max: '--' is not a valid value"),
+    (("delegate", "--env=--", "x", "--", "true"), "--env: give NAME=VALUE"),
+    (("kill", "-s", "0", "x"), "no such signal"),
+])
+def test_new_options_given_dashdash_or_nonsense_say_so_in_one_line(kg, args, said):
+    kg.config(autostart=False)
+    r = kg.run(*args)
+    assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
