@@ -1240,15 +1240,16 @@ def cmd_clean(home: Home, args: argparse.Namespace) -> int:
 
 
 def cmd_remove(home: Home, args: argparse.Namespace) -> int:
-    return _removed(ops.remove(home, args.tasks), args.json)
+    return _removed(ops.remove(home, args.tasks), args.json, named=True)
 
 
-def _removed(gone: list[Task], as_json: bool) -> int:
+def _removed(gone: list[Task], as_json: bool, named: bool = False) -> int:
+    """What `clean` and `remove` say (`remove` names the tasks it was given)."""
     if as_json:
         print(to_json(ops.tasks_json(gone)))
     else:
         _say(f"removed {_count(len(gone), 'finished task')} from the index"
-             + (f": {', '.join(f'{t.name} (#{t.id})' for t in gone)}" if 0 < len(gone) <= 10 else ""))
+             + (f": {', '.join(f'{t.name} (#{t.id})' for t in gone)}" if named else ""))
     return OK
 
 
