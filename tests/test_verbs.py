@@ -462,3 +462,21 @@ def test_new_options_given_dashdash_or_nonsense_say_so_in_one_line(kg, args, sai
     r = kg.run(*args)
     assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_edit_refuses_a_worktree_tasks_name_and_directory(kg, tmp_path):
+    from test_worktrees import git
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "-c", "user.name=T", "-c", "user.email=t@e", "commit", "-q", "--allow-empty", "-m", "init")
+    gate = _edit_home(kg)
+    kg.ok("delegate", "wt", "--worktree", "--cwd", str(repo), "--", "true")
+    before = kg.home.index.read_bytes()
+    r = kg.run("edit", "wt", "--name", "wt2")
+    assert r.returncode == 1 and "branch kugetsu/wt" in r.stderr and "cannot change" in r.stderr
+    r = kg.run("edit", "wt", "--cwd", str(tmp_path))
+    assert r.returncode == 1 and "worktree of" in r.stderr
+    assert kg.home.index.read_bytes() == before
+    gate.touch()
