@@ -480,3 +480,20 @@ def test_edit_refuses_a_worktree_tasks_name_and_directory(kg, tmp_path):
     assert r.returncode == 1 and "worktree of" in r.stderr
     assert kg.home.index.read_bytes() == before
     gate.touch()
+
+
+async def test_mcp_wait_for_a_group(kg):
+    from test_mcp import connect
+
+    kg.config(max_agents=2, groups={"batch": {"max_agents": 2}})
+    async with connect(kg) as c:
+        for name, code in (("b1", 0), ("b2", 3)):
+            await c.call_tool("delegate", {"name": name, "group": "batch", "command": ["sh", "-c", f"sleep 0.3; exit {code}"]})
+        await c.call_tool("delegate", {"name": "other", "command": ["sleep", "30"]})
+        r = await c.call_tool("wait", {"group": "batch", "timeout": "20s"})
+        out = r.structured_content
+        assert out["done"] and not out["all_succeeded"]
+        assert sorted((t["name"], t["state"]) for t in out["tasks"]) == [("b1", "succeeded"), ("b2", "failed")]
+        r = await c.call_tool("wait", {})
+        assert r.is_error and "or a group" in r.content[0].text
+        await c.call_tool("cancel", {"tasks": ["other"]})

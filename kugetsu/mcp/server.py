@@ -395,8 +395,10 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
     @server.tool(annotations=read_only)
     @answers
     async def wait(
-        tasks: Annotated[list[str], Field(min_length=1, description="task ids or names")],
         ctx: Context,
+        tasks: Annotated[list[str], Field(description="task ids or names")] = [],  # noqa: B006 (pydantic copies it)
+        group: Annotated[str | None, Field(description="instead of tasks: every task of this pool queued or"
+                                           " running now (e.g. a batch you delegated with group)")] = None,
         timeout: Annotated[str | float | None, Field(description="give up waiting after this long (90s, 15m,"
                                                      " 2h or seconds); null: until they are final")] = None,
     ) -> Annotated[CallToolResult, WaitOut]:
@@ -408,9 +410,11 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         a timeout below that limit (e.g. 10m). Cancelling this call only stops the waiting;
         the tasks are never touched."""
         seconds = _duration(timeout, "timeout")
+        if bool(tasks) == (group is not None):
+            raise UsageError("name the tasks to wait for (ids or names), or a group (not both)")
         cfg, index = await _in_thread(ops.read, home)
         await _in_thread(control.ensure_service, home, cfg, index)
-        ids = [pm.find(index, ref).id for ref in tasks]
+        ids = [pm.find(index, ref).id for ref in tasks] or [t.id for t in index.live() if t.group == group]
         stop = waiting.Stop()
         looks = waiting.looks(home, ids, seconds, settle=True, stop=stop)
         shown: list[tuple[Any, ...]] | None = None
