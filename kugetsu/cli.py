@@ -138,6 +138,7 @@ def _priority_args(pr: argparse.ArgumentParser) -> None:
 
 
 def _edit_args(e: argparse.ArgumentParser) -> None:
+    e.epilog = "A new command goes after --: kugetsu edit TASK -- CMD ARGS... (checked as delegate checks it)."
     e.add_argument("task", metavar="TASK")
     g = e.add_mutually_exclusive_group()
     g.add_argument("--prompt", help="a new prompt (a task of an agent preset)")
@@ -1394,7 +1395,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "logs": ("a task's output", _logs_args, cmd_logs),
     "wait": ("block until tasks are final (exit 0: all succeeded)", _wait_args, cmd_wait),
     "priority": ("change a queued task's priority", _priority_args, cmd_priority),
-    "edit": ("change a queued task: prompt, priority, expiry, timeout, group", _edit_args, cmd_edit),
+    "edit": ("change a queued task: prompt, priority, expiry, timeout, group, name, directory, preset, command",
+             _edit_args, cmd_edit),
     "capacity": ("slots and queue: what a PM agent checks before delegating", _json_only, cmd_capacity),
     "pause": ("start no queued task (of --group G) until resume; running ones go on (with TASK: stop that task's"
               " processes)", _pause_args, cmd_pause),
