@@ -35,6 +35,9 @@ def footer(app) -> list[str]:  # type: ignore[no-untyped-def]
 async def select(pilot, table_id: str, task_id: int) -> None:  # type: ignore[no-untyped-def]
     table = pilot.app.query_one(f"#{table_id}", TaskTable)
     table.focus()
+    # Focused first: a row highlighted before the focus lands selects nothing (the app takes
+    # a highlight for a selection only in the focused table).
+    await until(pilot, lambda: table.has_focus, what=f"{table_id} focused")
     table.move_cursor(row=table.get_row_index(str(task_id)))
     await until(pilot, lambda: pilot.app.selected == task_id, what=f"task {task_id} selected")
     await pilot.pause()
