@@ -137,7 +137,7 @@ def queued_table(
     rows = [
         [str(positions.get(t.id, "-")), str(t.id), t.name, t.priority, t.source]
         + ([t.group or "-"] if grouped else [])
-        + [since(t.created_at, now), until(t.expires_at, now)]
+        + [since(t.created_at, now), "-" if t.stashed_at else until(t.expires_at, now)]  # a stash does not expire
         + ([why.get(t.id, "")] if why else [])
         + [command_text(t, COMMAND_WIDTH)]
         for t in tasks
