@@ -170,3 +170,15 @@ async def test_queue_shows_group_and_waiting_for_and_the_header_wraps_at_80x24(t
         text = str(summary.render())
         assert "service not running" in text and "held:" in text
         assert summary.size.height == 2  # wrapped, not cut
+
+
+async def test_help_lists_every_key_and_fits_80x24(tmp_path):
+    app = app_for(busy_home(tmp_path / "home"))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("question_mark")
+        await pilot.pause()
+        parts = list(app.screen.query("#help Static"))
+        text = " ".join(str(p.render()) for p in parts)
+        for key in ("e / u", "p  pause", "P  pause", "h  hold", "t  retry", "Colours", "paused"):
+            assert key in text, key
+        assert all(p.region.bottom <= 23 and p.region.height for p in parts)  # inside the frame, none cut

@@ -311,7 +311,7 @@ class Dashboard(App[None]):
         self.output.poll()
 
     def action_help(self) -> None:
-        states = ("queued", "running", "stopping", "succeeded", "failed", "cancelled", "expired", "lost")
+        states = ("queued", "running", "stopping", "paused", "succeeded", "failed", "cancelled", "expired", "lost")
         self.push_screen(HelpScreen(self.running.legend(states)))
 
     def action_stats(self) -> None:

@@ -241,7 +241,7 @@ class LogScreen(Screen[None]):
 
 
 HELP = """\
-[b]kugetsu dashboard[/b]
+[b]kugetsu dashboard[/b] (the footer shows the keys of the selected task)
 
 [b]Running[/b]   tasks holding a slot: start time, elapsed, pid
 [b]Queue[/b]     waiting tasks in start order (position 1 starts next)
@@ -258,11 +258,8 @@ HELP = """\
 [b]h[/b]  hold / release the selected task's agent preset
 [b]t[/b]  retry the selected finished task (a new task)
 [b]+[/b] / [b]-[/b]  raise / lower max_agents (as `kugetsu config set` does)
-[b]l[/b]  the selected task's log, full screen
-[b]s[/b]  stats: queue depth and starts over the last hour, wait and run times
-[b]r[/b]  refresh now (it also refreshes by itself, within a second)
-[b]q[/b]  quit (tasks keep running)
-The footer shows the keys that apply to the selected task.
+[b]l[/b]  full-screen log    [b]s[/b]  stats of the last hour
+[b]r[/b]  refresh now (it refreshes by itself)    [b]q[/b]  quit (tasks keep running)
 """
 
 
