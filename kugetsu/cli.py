@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from kugetsu import control, ops, pm, runner
 from kugetsu.config import Config, cluster_host, format_duration, get_value, load_config, parse_duration, parse_size, parse_value
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
-from kugetsu.models import PRIORITIES, Index, TaskState
+from kugetsu.models import PRIORITIES, Index, Task, TaskState
 from kugetsu.paths import Home, default_home, nofollow, read_tail
 from kugetsu.render import printable, to_json
 
@@ -94,6 +94,9 @@ def _request_args(d: argparse.ArgumentParser) -> None:
                    help="memory it may use (4G, 512M): it starts when that fits max_memory; over it, it is stopped")
     d.add_argument("--max-procs", metavar="N", type=_at_least_one, help="its processes at most (a fork storm is stopped)")
     d.add_argument("--slots", metavar="N", type=_at_least_one, help="slots of max_agents (and of its group) it takes")
+    d.add_argument("--env", metavar="K=V", action="append", default=[],
+                   help="set this variable in the agent's environment (repeatable); K alone passes this shell's"
+                        " value of K (a secret stays off the command line)")
 
 
 def _start_args(p: argparse.ArgumentParser) -> None:
@@ -107,10 +110,12 @@ def _hold_args(h: argparse.ArgumentParser) -> None:
     h.add_argument("agent", metavar="AGENT", help="the agent preset whose queued tasks wait")
     h.add_argument("--until", metavar="T", help="until a time (15:00, 3pm, ISO 8601) or for a duration (30m);"
                    " default: until `kugetsu release AGENT`")
+    h.add_argument("--json", action="store_true", help="print the preset's hold after it")
 
 
 def _release_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("agent", metavar="AGENT", help="the agent preset to release")
+    r.add_argument("--json", action="store_true", help="print the preset's hold after it")
 
 
 def _retry_args(r: argparse.ArgumentParser) -> None:
@@ -120,7 +125,16 @@ def _retry_args(r: argparse.ArgumentParser) -> None:
 
 def _queue_args(q: argparse.ArgumentParser) -> None:
     q.add_argument("--all", action="store_true", help="also recent finished tasks")
+    _filter_args(q)
     q.add_argument("--json", action="store_true")
+
+
+def _filter_args(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--group", metavar="NAME", help="only the tasks of this pool (config `groups`)")
+    q.add_argument("--state", metavar="S[,S...]", action="append",
+                   help="only tasks in these states (queued, running, succeeded, failed, cancelled, expired, lost,"
+                        " or finished for any final one)")
+    q.add_argument("--source", metavar="WHO", help="only the tasks this source delegated")
 
 
 def _status_args(s: argparse.ArgumentParser) -> None:
@@ -141,11 +155,16 @@ def _logs_args(lg: argparse.ArgumentParser) -> None:
     lg.add_argument("--raw", action="store_true",
                     help="the bytes exactly as the agent wrote them (by default a structured output is shown as"
                          " text, and on a terminal control characters are shown escaped, not obeyed)")
+    lg.add_argument("--json", action="store_true",
+                    help="a list of {id, name, state, text, size, truncated}: the end of each log (8 MiB at most)")
 
 
 def _wait_args(w: argparse.ArgumentParser) -> None:
-    w.add_argument("tasks", metavar="TASK", nargs="+")
+    w.add_argument("tasks", metavar="TASK", nargs="*")
+    w.add_argument("--all", action="store_true", help="every task queued or running now")
+    w.add_argument("--group", metavar="NAME", help="every task of this pool queued or running now")
     w.add_argument("--timeout", metavar="DUR", type=_duration)
+    w.add_argument("--json", action="store_true", help="print the tasks once final (a list)")
 
 
 
@@ -156,6 +175,7 @@ def _priority_args(pr: argparse.ArgumentParser) -> None:
 
 
 def _edit_args(e: argparse.ArgumentParser) -> None:
+    e.epilog = "A new command goes after --: kugetsu edit TASK -- CMD ARGS... (checked as delegate checks it)."
     e.add_argument("task", metavar="TASK")
     g = e.add_mutually_exclusive_group()
     g.add_argument("--prompt", help="a new prompt (a task of an agent preset)")
@@ -163,14 +183,44 @@ def _edit_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--priority", choices=PRIORITIES)
     e.add_argument("--expire-after", metavar="DUR", type=_duration, help="expire if still queued DUR from now")
     e.add_argument("--timeout", metavar="DUR", type=_duration, help="stop the agent after running DUR")
+    g.add_argument("--prompt-editor", action="store_true",
+                   help="edit the prompt in $VISUAL or $EDITOR (default vi); an unchanged file changes nothing")
     e.add_argument("--group", metavar="NAME", help="run in this pool (config `groups`)")
     _start_args(e)
+    e.add_argument("--name", metavar="NAME", help="a new name (unique among queued and running tasks)")
+    e.add_argument("--cwd", metavar="DIR", help="a new working directory")
+    e.add_argument("--agent", metavar="PRESET", help="another agent preset, run with the task's prompt")
     e.add_argument("--json", action="store_true", help="print the task object")
 
 
 def _pause_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("task", metavar="TASK", nargs="?",
+                   help="a running task: stop (SIGSTOP) / continue (SIGCONT) its processes; without it, the queue")
     p.add_argument("--group", metavar="NAME", help="only this pool's tasks (config `groups`)")
-    p.add_argument("--json", action="store_true", help="print the capacity after it")
+    p.add_argument("--json", action="store_true", help="print the capacity after it (with TASK: the task)")
+
+
+def _task_json_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("task", metavar="TASK", help="a queued task (id or name)")
+    p.add_argument("--json", action="store_true", help="print the task object")
+
+
+def _group_args(gr: argparse.ArgumentParser) -> None:
+    gsub = gr.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=_Parser)
+    add = gsub.add_parser("add", help="a new pool (config `groups`): tasks delegated with --group NAME need a slot in it")
+    add.add_argument("name", metavar="NAME")
+    add.add_argument("--max", metavar="N", type=_positive_int, default=1, help="its slots (default 1)")
+    rm = gsub.add_parser("remove", help="drop a pool (refused while a queued or running task is in it)")
+    rm.add_argument("name", metavar="NAME")
+    ls = gsub.add_parser("list", help="the pools: slots, running, queued, paused")
+    ls.add_argument("--json", action="store_true")
+
+
+def _kill_args(k: argparse.ArgumentParser) -> None:
+    k.add_argument("-s", "--signal", metavar="SIGNAL", default="SIGTERM",
+                   help="a signal name (TERM, SIGUSR1, INT) or number; default SIGTERM")
+    k.add_argument("task", metavar="TASK", help="a running task: every process it runs gets the signal")
+    k.add_argument("--json", action="store_true", help="print the task object")
 
 
 def _json_only(p: argparse.ArgumentParser) -> None:
@@ -200,6 +250,14 @@ def _serve_args(sv: argparse.ArgumentParser) -> None:
 
 def _clean_args(cl: argparse.ArgumentParser) -> None:
     cl.add_argument("--older-than", metavar="DUR", type=_duration)
+    cl.add_argument("--state", metavar="S[,S...]", action="append",
+                    help="only finished tasks in these states (succeeded, failed, cancelled, expired, lost)")
+    cl.add_argument("--json", action="store_true", help="print the tasks removed")
+
+
+def _remove_args(rm: argparse.ArgumentParser) -> None:
+    rm.add_argument("tasks", metavar="TASK", nargs="+", help="finished tasks (ids or names)")
+    rm.add_argument("--json", action="store_true", help="print the tasks removed")
 
 
 def _worktrees_args(wts: argparse.ArgumentParser) -> None:
@@ -363,7 +421,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
-    if argv and argv[0] in ("delegate", "schedule") and "--" in argv:
+    if argv and argv[0] in ("delegate", "schedule", "edit") and "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
     args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
@@ -435,7 +493,7 @@ def _fix(err: KugetsuError) -> str:
     if isinstance(err, E.NoSuchTask):
         return "; `kugetsu queue --all` lists the tasks kugetsu knows"
     if isinstance(err, E.UnknownGroup):
-        return f"; define it with `kugetsu config set groups.{err.group} '{{\"max_agents\": 1}}'`"
+        return f"; define it with `kugetsu group add {err.group} --max 1`"
     if isinstance(err, E.QueueFull):
         return " (`kugetsu capacity`)"
     if isinstance(err, E.CommandNotFound) and err.elsewhere:
@@ -458,8 +516,10 @@ def _fix(err: KugetsuError) -> str:
 
 
 _STRING_OPTIONS = ("name", "prompt", "prompt_file", "agent", "cwd", "source", "group", "base", "task", "key", "value",
-                   "bind", "host", "url", "dir", "cron", "tz")
-_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines", "since", "retry_delay", "until", "at", "delay", "every")
+                   "bind", "host", "url", "dir", "cron", "tz", "signal")
+_OTHER_OPTIONS = ("expire_after", "timeout", "older_than", "lines", "since", "retry_delay", "until", "at", "delay", "every",
+                  "max")
+_LIST_OPTIONS = ("state",)  # repeatable (append): each value as above
 
 
 def _undo_dashdash(args: argparse.Namespace) -> None:
@@ -472,6 +532,9 @@ def _undo_dashdash(args: argparse.Namespace) -> None:
     for key in _OTHER_OPTIONS:
         if getattr(args, key, None) == []:
             raise UsageError(f"--{key.replace('_', '-')}: '--' is not a valid value")
+    for key in _LIST_OPTIONS:
+        if isinstance(values := getattr(args, key, None), list):
+            setattr(args, key, ["--" if v == [] else v for v in values])
 
 
 # ---- commands -----------------------------------------------------------------------------
@@ -529,7 +592,23 @@ def _request(args: argparse.Namespace) -> pm.Request:
         memory=args.memory,
         max_procs=args.max_procs,
         slots=args.slots,
+        env=_env_pairs(args.env),
     )
+
+
+def _env_pairs(values: list[str]) -> dict[str, str]:
+    """--env K=V --env K2: the variables, in order (K alone: this shell's value of K)."""
+    env: dict[str, str] = {}
+    for value in values:
+        if not isinstance(value, str) or not value:
+            raise UsageError("--env: give NAME=VALUE, or NAME to pass this shell's value")
+        name, eq, text = value.partition("=")
+        if not eq:
+            if name not in os.environ:
+                raise UsageError(f"--env {name}: not set in this shell; give --env {name}=VALUE")
+            text = os.environ[name]
+        env[name] = text
+    return env
 
 
 def _read_prompt(args: argparse.Namespace) -> str | None:
@@ -555,12 +634,17 @@ def _read_prompt(args: argparse.Namespace) -> str | None:
 
 
 def cmd_edit(home: Home, args: argparse.Namespace) -> int:
-    change = pm.Edit(prompt=_read_prompt(args), priority=args.priority, expire_after=args.expire_after,
-                     timeout=args.timeout, group=args.group, start_at=ops.start_time(args.at, args.delay))
-    if all(v is None for v in (change.prompt, change.priority, change.expire_after, change.timeout, change.group,
-                               change.start_at)):
-        raise UsageError("nothing to change: give --prompt, --prompt-file, --priority, --expire-after, --timeout,"
-                         " --group, --at or --delay")
+    prompt = _edit_prompt(home, args.task) if args.prompt_editor else _read_prompt(args)
+    change = pm.Edit(prompt=prompt, priority=args.priority, expire_after=args.expire_after,
+                     timeout=args.timeout, group=args.group, name=args.name, cwd=args.cwd, agent=args.agent,
+                     command=args.argv_command or None, start_at=ops.start_time(args.at, args.delay))
+    if change.empty():
+        if args.prompt_editor:
+            _say("unchanged: the prompt was saved as it was", file=sys.stderr)
+            return OK
+        raise UsageError("nothing to change: give --prompt, --prompt-file, --prompt-editor, --priority,"
+                         " --expire-after, --timeout, --group, --name, --cwd, --agent, --at, --delay or a command"
+                         " after --")
     task, position, changed = ops.edit(home, args.task, change)
     if args.priority:
         _priority_ignored(load_config(home).strategy, args.priority)
@@ -570,6 +654,42 @@ def cmd_edit(home: Home, args: argparse.Namespace) -> int:
     where = f"position {position}" if position is not None else "started"
     _say(f"{'edited' if changed else 'unchanged'} {task.name} (#{task.id}), {where}")
     return OK
+
+
+def _edit_prompt(home: Home, ref: str) -> str | None:
+    """`edit --prompt-editor`: the queued task's prompt in $VISUAL or $EDITOR (vi), in a private
+    temp file; the text saved, or None when it was saved unchanged. The edit itself is checked
+    again in its transaction (the task may have started meanwhile)."""
+    import shlex
+    import subprocess
+    import tempfile
+
+    _, index = ops.read(home)
+    task = pm.find(index, ref)
+    if task.state is not TaskState.QUEUED:
+        raise UsageError(f"task {task.name} (#{task.id}) is {task.state.value}; only a queued task can be edited",
+                         code=FAILURE)
+    editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
+    fd, name = tempfile.mkstemp(prefix=f"kugetsu-{task.name}-", suffix=".md")  # 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write((task.prompt or "").encode())
+        try:
+            code = subprocess.call([*shlex.split(editor), name])
+        except (OSError, ValueError) as err:
+            raise UsageError(f"cannot run the editor {editor!r} ($VISUAL, $EDITOR): {err}") from None
+        if code != 0:
+            raise UsageError(f"the editor {editor!r} exited with status {code}: nothing was changed")
+        with open(name, "rb") as f:
+            data = f.read()
+    finally:
+        os.unlink(name)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(f"the edited prompt is not UTF-8 text ({err.reason} at byte {err.start}): nothing was"
+                         " changed") from None
+    return None if text == (task.prompt or "") else text
 
 
 def _after_refs(values: list[str]) -> list[str]:
@@ -596,7 +716,8 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
 
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
-    view = ops.listing(cfg, index, finished=args.all, home=home)
+    keep = _task_filter(args.group, args.state, args.source)
+    view = ops.listing(cfg, index, finished=args.all, home=home, keep=None if keep == pm.TaskFilter() else keep)
     if args.json:
         _kept.append(shown := ops.queue_json(view, home))
         _print_json(shown)
@@ -741,6 +862,13 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.store import open_store
 
     store = open_store(home)
+    if args.json:  # one object a task, in a list: the end of each log (at most 8 MiB of it) as text
+        if args.follow:
+            raise UsageError("logs: --json prints the logs as they are now; it cannot --follow")
+        cfg, index = load_config(home), store.read()
+        tasks = [pm.find(index, ref) for ref in args.tasks]
+        print(to_json([ops.log_json(home, cfg, t, args.lines, logtail.WINDOW, args.raw) for t in tasks]))
+        return OK
     if len(args.tasks) > 1:
         return _logs_of_several(home, args)
     task = pm.find(store.read(), args.tasks[0])
@@ -897,15 +1025,23 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
 
 
 def cmd_wait(home: Home, args: argparse.Namespace) -> int:
+    if bool(args.tasks) + args.all + (args.group is not None) != 1:
+        raise UsageError("wait: give TASK..., --all or --group NAME (one of them)")
     cfg, index = ops.read(home)
     control.ensure_service(home, cfg, index)
+    if not args.tasks:  # the live tasks now: one that is admitted later is not waited for
+        tasks = [t for t in index.live() if args.all or t.group == args.group]
+        if not tasks:
+            _say("kugetsu: nothing to wait for: no task" + (f" of group {args.group}" if args.group else "")
+                 + " is queued or running", file=sys.stderr)
+        return _wait_for(home, [t.id for t in tasks], args.timeout, args.json)
     # A name only one task ever bore is that task, finished or not (`delegate x; wait x`): no
     # note; a name several finished tasks bore is refused by find_to_wait (which one?).
     tasks = [pm.find_to_wait(index, ref) for ref in args.tasks]
-    return _wait_for(home, [t.id for t in tasks], args.timeout)
+    return _wait_for(home, [t.id for t in tasks], args.timeout, args.json)
 
 
-def _wait_for(home: Home, ids: list[int], timeout: float | None) -> int:
+def _wait_for(home: Home, ids: list[int], timeout: float | None, as_json: bool = False) -> int:
     """Block until the tasks are final: 0 all succeeded, 1 otherwise (each failure on
     stderr), 124 on timeout. `wait` and `delegate --wait`."""
     from kugetsu import waiting
@@ -916,6 +1052,8 @@ def _wait_for(home: Home, ids: list[int], timeout: float | None) -> int:
         _say(f"kugetsu: timed out after {format_duration(timeout or 0)}", file=sys.stderr)
         return TIMED_OUT
     tasks = {t.id: t for t in open_store(home).read().all_tasks()}
+    if as_json:  # only once every task is final: a timeout prints nothing on stdout
+        print(to_json(ops.tasks_json([tasks[i] for i in ids])))
     bad = [tasks[i] for i in ids if tasks[i].state is not TaskState.SUCCEEDED]
     for t in bad:
         _say(f"{t.name} (#{t.id}) {t.state.value}" + (f": {t.reason}" if t.reason else ""), file=sys.stderr)
@@ -950,6 +1088,18 @@ def cmd_resume(home: Home, args: argparse.Namespace) -> int:
 
 
 def _pause(home: Home, args: argparse.Namespace, on: bool) -> int:
+    if args.task is not None:  # one running task's processes; without TASK, the queue (as before)
+        if args.group is not None:
+            raise UsageError(f"{'pause' if on else 'resume'}: give TASK or --group NAME, not both")
+        task, changed = ops.pause_task(home, args.task, on)
+        if args.json:
+            print(to_json(ops.task_json(task, None)))
+        elif on:
+            _say(f"{task.name} (#{task.id}) {'paused' if changed else 'was already paused'}: its processes are"
+                 f" stopped and keep slot {task.slot}; `kugetsu resume {task.name}` lets them go on")
+        else:
+            _say(f"{task.name} (#{task.id}) {'resumed' if changed else 'was not paused'}")
+        return OK
     changed, cap = ops.pause(home, args.group, on)
     if args.json:
         print(to_json(cap))
@@ -966,6 +1116,70 @@ def _pause(home: Home, args: argparse.Namespace, on: bool) -> int:
             from kugetsu import render
 
             _say(f"still{render.paused_note(cap).replace(' · ', ' ', 1)}")
+    return OK
+
+
+def cmd_next(home: Home, args: argparse.Namespace) -> int:
+    return _moved(home, args, lambda index, task, now: pm.move_next(index, task, now), "moved to the front")
+
+
+def cmd_stash(home: Home, args: argparse.Namespace) -> int:
+    return _moved(home, args, lambda index, task, now: pm.stash(task, now, True), "stashed")
+
+
+def cmd_unstash(home: Home, args: argparse.Namespace) -> int:
+    return _moved(home, args, lambda index, task, now: pm.stash(task, now, False), "unstashed")
+
+
+def _moved(home: Home, args: argparse.Namespace, change: Callable[..., Any], verb: str) -> int:
+    task, position, changed = ops.queued_change(home, args.task, change)
+    if args.json:
+        print(to_json(ops.task_json(task, position)))
+        return OK
+    where = (f"position {position}" if position is not None else "started" if task.state is TaskState.RUNNING
+             else f"set aside (`kugetsu unstash {task.name}`)" if task.stashed_at else "no position")
+    _say(f"{task.name} (#{task.id}) {verb if changed else 'unchanged'}, {where}")
+    return OK
+
+
+def cmd_group(home: Home, args: argparse.Namespace) -> int:
+    from kugetsu import render
+
+    if args.action == "add":
+        ops.group_add(home, args.name, args.max)
+        _say(f"group {args.name} added: {args.max} slot{'s' if args.max != 1 else ''}; `kugetsu delegate --group"
+             f" {args.name} ...` runs in it")
+        return OK
+    if args.action == "remove":
+        ops.group_remove(home, args.name)
+        _say(f"group {args.name} removed")
+        return OK
+    cfg, index = _read(home)
+    rows = ops.groups_json(cfg, index)
+    if args.json:
+        print(to_json(rows))
+    elif not rows:
+        _say("no groups: `kugetsu group add NAME --max N` makes one")
+    else:
+        _say(render.table(["GROUP", "SLOTS", "RUNNING", "QUEUED", "PAUSED"],
+                          [[r["name"], str(r["max_agents"]), str(r["active"]), str(r["queued"]),
+                            "yes" if r["paused"] else "-"] for r in rows], right={1, 2, 3}))
+    return OK
+
+
+def cmd_kill(home: Home, args: argparse.Namespace) -> int:
+    import signal
+
+    text = args.signal.strip().upper()
+    try:
+        sig = signal.Signals(int(text)) if text.isdigit() else signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+    except (KeyError, ValueError):
+        raise UsageError(f"kill -s {args.signal!r}: no such signal; e.g. TERM, INT, HUP, USR1, KILL or a number") from None
+    task, sent = ops.signal_task(home, args.task, sig)
+    if args.json:
+        print(to_json(ops.task_json(task, None)))
+    else:
+        _say(f"sent {sig.name} to {task.name} (#{task.id})" + ("" if sent else ": no process of it was left"))
     return OK
 
 
@@ -1134,9 +1348,29 @@ def cmd_store(home: Home, args: argparse.Namespace) -> int:
     return OK
 
 
+def _task_filter(group: str | None = None, states: list[str] | None = None, source: str | None = None) -> pm.TaskFilter:
+    try:
+        return pm.task_filter(group, states, source)
+    except UsageError as err:
+        raise UsageError(f"--state: {err}") from None
+
+
 def cmd_clean(home: Home, args: argparse.Namespace) -> int:
-    gone = ops.clean(home, args.older_than)
-    _say(f"removed {len(gone)} finished task{'s' if len(gone) != 1 else ''} from the index")
+    states = _task_filter(states=args.state).states
+    return _removed(ops.clean(home, args.older_than, states), args.json)
+
+
+def cmd_remove(home: Home, args: argparse.Namespace) -> int:
+    return _removed(ops.remove(home, args.tasks), args.json, named=True)
+
+
+def _removed(gone: list[Task], as_json: bool, named: bool = False) -> int:
+    """What `clean` and `remove` say (`remove` names the tasks it was given)."""
+    if as_json:
+        print(to_json(ops.tasks_json(gone)))
+    else:
+        _say(f"removed {_count(len(gone), 'finished task')} from the index"
+             + (f": {', '.join(f'{t.name} (#{t.id})' for t in gone)}" if named else ""))
     return OK
 
 
@@ -1270,13 +1504,19 @@ def cmd_hold(home: Home, args: argparse.Namespace) -> int:
         if until is None:
             raise UsageError(f"--until {args.until!r} is neither a time (15:00, 3pm, 2026-11-23T15:00Z) nor a"
                              " duration (30m, 2h)")
-    for event in ops.hold(home, args.agent, until):
-        _say(event.reason)
-    return OK
+    return _held(home, args, ops.hold(home, args.agent, until))
 
 
 def cmd_release(home: Home, args: argparse.Namespace) -> int:
-    for event in ops.release(home, args.agent):
+    return _held(home, args, ops.release(home, args.agent))
+
+
+def _held(home: Home, args: argparse.Namespace, events: list[Any]) -> int:
+    """What `hold` and `release` say: the event's words, or (--json) the preset's hold now."""
+    if args.json:
+        print(to_json(ops.hold_json(home, args.agent, [e.reason for e in events])))
+        return OK
+    for event in events:
         _say(event.reason)
     return OK
 
@@ -1307,14 +1547,22 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
     "logs": ("a task's output", _logs_args, cmd_logs),
     "wait": ("block until tasks are final (exit 0: all succeeded)", _wait_args, cmd_wait),
     "priority": ("change a queued task's priority", _priority_args, cmd_priority),
-    "edit": ("change a queued task: prompt, priority, expiry, timeout, group", _edit_args, cmd_edit),
+    "edit": ("change a queued task: prompt, priority, expiry, timeout, group, name, directory, preset, command",
+             _edit_args, cmd_edit),
     "capacity": ("slots and queue: what a PM agent checks before delegating", _json_only, cmd_capacity),
-    "pause": ("start no queued task (of --group G) until resume; running ones go on", _pause_args, cmd_pause),
-    "resume": ("undo pause: queued tasks start again", _pause_args, cmd_resume),
+    "pause": ("start no queued task (of --group G) until resume; running ones go on (with TASK: stop that task's"
+              " processes)", _pause_args, cmd_pause),
+    "resume": ("undo pause: queued tasks start again (with TASK: that task's processes go on)", _pause_args, cmd_resume),
+    "next": ("start this queued task before every other (limits still apply)", _task_json_args, cmd_next),
+    "stash": ("set a queued task aside: it neither starts nor expires until unstash", _task_json_args, cmd_stash),
+    "unstash": ("put a stashed task back in its place in the queue", _task_json_args, cmd_unstash),
+    "group": ("the pools of config `groups`: add NAME [--max N], remove NAME, list", _group_args, cmd_group),
+    "kill": ("send a signal to every process of a running task (-s SIGNAL, default SIGTERM)", _kill_args, cmd_kill),
     "config": ("read and tune config.json", _config_args, cmd_config),
     "serve": ("run the service (foreground unless --detach)", _serve_args, cmd_serve),
     "shutdown": ("stop the service (agents keep running)", _no_args, cmd_shutdown),
     "clean": ("drop finished tasks (and their logs) from the index", _clean_args, cmd_clean),
+    "remove": ("drop these finished tasks (and their logs) from the index", _remove_args, cmd_remove),
     "worktrees": ("kugetsu's git worktrees: list, prune", _worktrees_args, cmd_worktrees),
     "dashboard": ("the live Textual dashboard: queue, output, events, actions (--web: in a browser)", _dashboard_args,
                   cmd_dashboard),

@@ -161,6 +161,16 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     slots: int = 1
     peak_memory: int | None = None
     cpu_seconds: float | None = None
+    # `kugetsu pause TASK`: its processes are stopped (SIGSTOP) since then; `paused_s`: the
+    # seconds of its earlier pauses this run. Paused time does not count toward its timeout.
+    paused_at: Time | None = None
+    paused_s: float = 0.0
+    # `kugetsu stash TASK`: a queued task set aside since then: never started, no position,
+    # no expiry, until `unstash`.
+    stashed_at: Time | None = None
+    # `kugetsu next TASK`: it starts before every other task that may start (the latest
+    # `next` first); 0: its place is its priority and id.
+    first: int = 0
 
 
 class Attempt(msgspec.Struct, kw_only=True, omit_defaults=True):

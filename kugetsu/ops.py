@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from itertools import repeat
@@ -262,6 +262,7 @@ def cancel(home: Home, refs: list[str], *, everything: bool = False, reason: str
     get SIGTERM to their group now, SIGKILL after kill_grace (the service sees to it)."""
     with _locked(home) as (txn, cfg):
         tasks = list(txn.index.live()) if everything else [pm.find(txn.index, ref) for ref in refs]
+        paused = [t for t in tasks if t.paused_at is not None]
         for task in tasks:
             txn.emit(pm.cancel(txn.index, task, txn.now, cfg.kill_grace_s, reason))
         settle(txn, cfg)
@@ -270,8 +271,45 @@ def cancel(home: Home, refs: list[str], *, everything: bool = False, reason: str
     for task in tasks if cfg.store is None else []:
         if task.state is TaskState.RUNNING:
             runner.kill_group(task.pid, task.pid_start, signal.SIGTERM)
+    for task in paused if cfg.store is None else []:  # a stopped process acts on its SIGTERM once it runs
+        runner.signal_tree(task.pid, task.pid_start, task.token, signal.SIGCONT)
     wake(home, cfg, txn.index)
     return tasks
+
+
+# ---- control of one running task ---------------------------------------------------------
+
+
+def _signal_here(cfg: Config, task: Task) -> None:
+    """Signals go from this machine: a task another machine of a cluster runs is refused."""
+    if task.host is not None and task.host != cluster_host(cfg):
+        raise UsageError(f"task {task.name} (#{task.id}) runs on {task.host}: pause, resume and kill -s act on this"
+                         f" machine's tasks; run the command on {task.host}", code=1)
+
+
+def pause_task(home: Home, ref: str, on: bool, by: str = "cli") -> tuple[Task, bool]:
+    """`pause TASK` / `resume TASK`: recorded, then SIGSTOP / SIGCONT to its whole tree (its
+    group and every process carrying its token). Returns the task and whether it changed."""
+    with _locked(home) as (txn, cfg):
+        task = pm.find(txn.index, ref)
+        _signal_here(cfg, task)
+        events = pm.pause_task(task, txn.now, on, by)
+        txn.emit(events)
+    runner.signal_tree(task.pid, task.pid_start, task.token, signal.SIGSTOP if on else signal.SIGCONT)
+    wake(home, cfg)
+    return task, bool(events)
+
+
+def signal_task(home: Home, ref: str, sig: signal.Signals, by: str = "cli") -> tuple[Task, int]:
+    """`kill -s SIGNAL TASK`: recorded (a `signalled` event), then sent to its whole tree.
+    Returns the task and how many were signalled (the group counts as one)."""
+    with _locked(home) as (txn, cfg):
+        task = pm.find(txn.index, ref)
+        _signal_here(cfg, task)
+        txn.emit(pm.signal_task(task, txn.now, sig.name, by))
+    sent = runner.signal_tree(task.pid, task.pid_start, task.token, sig, spare_wrapper=True)
+    wake(home, cfg)
+    return task, sent
 
 
 # ---- priority ----------------------------------------------------------------------------
@@ -288,6 +326,19 @@ def set_priority(home: Home, ref: str, level: str) -> tuple[Task, int | None]:
     return task, position
 
 
+def queued_change(home: Home, ref: str, change: Callable[[Index, Task, datetime], list[Event]]) -> tuple[Task, int | None, bool]:
+    """One change of a queued task's place (`next`, `stash`, `unstash`) in one transaction:
+    the task, its position after it (None: started, or stashed) and whether it changed."""
+    with _locked(home) as (txn, cfg):
+        task = pm.find(txn.index, ref)
+        events = change(txn.index, task, txn.now)
+        txn.emit(events)
+        settle(txn, cfg)
+        position = pm.position(txn.index, cfg, txn.now, task)
+    wake(home, cfg)
+    return task, position, bool(events)
+
+
 # ---- edit --------------------------------------------------------------------------------
 
 
@@ -295,6 +346,14 @@ def edit(home: Home, ref: str, change: pm.Edit) -> tuple[Task, int | None, bool]
     """Change a queued task (pm.edit) in one transaction; returns it, its position (None:
     it started as part of the change) and whether anything changed. A new prompt is stored
     with the commit (no agent of a queued task has read it yet)."""
+    if change.cwd is not None:
+        change.cwd = os.path.abspath(change.cwd)
+        if not os.path.isdir(change.cwd):
+            raise UsageError(f"--cwd {change.cwd!r} is not a directory")
+    if change.command is not None:  # as delegate: refused if it could never start
+        cfg, index = read(home)
+        task = pm.find(index, ref)
+        _check_runnable(cfg, pm.Request(cwd=change.cwd or task.cwd, command=change.command, env=task.env))
     store = open_store(home)
     with _locked(home) as (txn, cfg):
         task = pm.find(txn.index, ref)
@@ -349,6 +408,18 @@ def release(home: Home, agent: str) -> list[Event]:
     return events
 
 
+def hold_json(home: Home, agent: str, said: list[str | None]) -> dict[str, Any]:
+    """`hold --json`, `release --json`: the preset's hold now (held false: none), and what changed."""
+    _, index = read(home)
+    view = pm.holds_view(index, now()).get(agent)
+    out: dict[str, Any] = {"agent": agent, "held": view is not None, "until": None, "reason": None, "since": None,
+                           "queued": sum(1 for t in index.queued if t.agent == agent)}
+    if view is not None:
+        out.update(msgspec.to_builtins(view))
+    out["changed"] = [text for text in said if text]
+    return out
+
+
 def retry(home: Home, cfg: Config, ref: str) -> Admission:
     """`kugetsu retry TASK`: a finished task admitted again as a new task (`retry_of`)."""
     _, index = read(home)
@@ -359,8 +430,10 @@ def retry(home: Home, cfg: Config, ref: str) -> Admission:
 # ---- config ------------------------------------------------------------------------------
 
 
-def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Config:
-    """Validate, write atomically and apply at once (raising max_agents starts queued tasks)."""
+def set_config(home: Home, key: str, value: Any, *, remove: bool = False,
+               guard: Callable[[Index], None] | None = None) -> Config:
+    """Validate, write atomically and apply at once (raising max_agents starts queued tasks).
+    `guard`: a check of the index in the same transaction (`group remove`: no live task in it)."""
     check_wakeable(home)
     local = read_raw(home)
     if key == "store" and local.get("store"):
@@ -373,6 +446,8 @@ def set_config(home: Home, key: str, value: Any, *, remove: bool = False) -> Con
         return cfg
     store = open_store(home)
     with store.transaction() as txn:  # the index lock also orders config writes
+        if guard is not None:
+            guard(txn.index)
         local = read_raw(home)
         if key == "store" and not remove and not txn.shared_config:
             _check_joinable(home, local, txn.index)
@@ -415,17 +490,52 @@ def _check_joinable(home: Home, local: dict[str, Any], index: Index) -> None:
                          f" {home.config} (or let the tasks finish) first")
 
 
+# ---- groups ------------------------------------------------------------------------------
+
+
+def group_add(home: Home, name: str, max_agents: int) -> Config:
+    """`group add NAME [--max N]`: a new pool in config `groups` (config set groups.NAME)."""
+    cfg = load_config(home)
+    pm.check_group_name(cfg, name, new=True)
+    return set_config(home, f"groups.{name}", {"max_agents": max_agents})
+
+
+def group_remove(home: Home, name: str) -> Config:
+    """`group remove NAME`: refused while a queued or running task is in it (it would be in a
+    pool that no longer exists); in the same transaction as the config change."""
+    pm.check_group_name(load_config(home), name, new=False)
+    return set_config(home, f"groups.{name}", None, remove=True, guard=lambda index: pm.check_group_unused(index, name))
+
+
+def groups_json(cfg: Config, index: Index) -> list[dict[str, Any]]:
+    """`group list --json`: each pool, its slots, its running and queued tasks, whether paused."""
+    return [{"name": name, **usage, "paused": name in index.paused_groups}
+            for name, usage in sorted(pm.group_usage(index, cfg).items())]
+
+
 # ---- clean -------------------------------------------------------------------------------
 
 
-def clean(home: Home, older_than: float | None) -> list[Task]:
+def clean(home: Home, older_than: float | None, states: frozenset[str] | None = None) -> list[Task]:
     """Drop finished tasks from the index, with their log files. Ids are never reused."""
     with open_store(home).transaction() as txn:
-        gone = pm.clean(txn.index, txn.now, older_than)
+        gone = pm.clean(txn.index, txn.now, older_than, states)
+    _drop_files(home, gone)
+    return gone
+
+
+def remove(home: Home, refs: list[str]) -> list[Task]:
+    """`kugetsu remove TASK...`: these finished tasks leave the index, with their log files."""
+    with open_store(home).transaction() as txn:
+        gone = pm.remove(txn.index, [pm.find(txn.index, ref) for ref in refs])
+    _drop_files(home, gone)
+    return gone
+
+
+def _drop_files(home: Home, gone: list[Task]) -> None:
     for task in gone:
         for path in (home.log(task.id), home.exit_file(task.id), home.prompt_file(task.id)):
             path.unlink(missing_ok=True)
-    return gone
 
 
 # ---- worktrees ---------------------------------------------------------------------------
@@ -567,13 +677,24 @@ class Listing(msgspec.Struct):
         return self.view.positions
 
 
-def listing(cfg: Config, index: Index, finished: bool = False, home: Home | None = None) -> Listing:
-    t = now()
-    latest = list(reversed(index.finished[-20:])) if finished else None
+def listing(cfg: Config, index: Index, finished: bool = False, home: Home | None = None,
+            keep: pm.TaskFilter | None = None, at: datetime | None = None) -> Listing:
+    """The queue view every front end shows (the CLI's `queue`, MCP, the dashboard), with the
+    resource guard's and placement's notes and (with `home`) the running tasks' measured use;
+    `keep`: only the tasks it matches, at their true positions, and (when it asks for a final
+    state) the latest 20 finished that match. `at`: the time to show it at (the dashboard's
+    clock), default now."""
+    t = at or now()
+    latest = None
+    if finished or (keep is not None and keep.wants_finished):
+        done = index.finished if keep is None else [x for x in index.finished if keep.matches(x)]
+        latest = list(reversed(done[-20:]))
     here = cluster_host(cfg)
     view = pm.queue_view(index, cfg, t, measure(cfg))
     if cfg.store is not None and any(x.pinned_host for x in view.queued):
         view = pm.with_placement(view, hosts_up(cfg))
+    if keep is not None:
+        view = pm.filter_view(view, keep)
     return Listing(view, index, t, latest, here, measured(home, cfg, index))
 
 
@@ -605,13 +726,17 @@ def queue_json(listed: Listing, home: Home | None = None) -> dict[str, Any]:
     the cheap way for a long queue); msgspec.to_builtins makes plain JSON values of it.
     With `home`, each task's stored prompt is in its object (one read for those shown)."""
     view = listed.view
-    shown = [*listed.index.active, *view.queued, *(listed.finished or [])]
+    active = listed.index.active  # in start order, as ever; a filtered view's only
+    if len(view.running) != len(active):
+        shown_ids = {t.id for t in view.running}
+        active = [t for t in active if t.id in shown_ids]
+    shown = [*active, *view.queued, *(listed.finished or [])]
     texts = prompts(home, shown) if home is not None else None
     out: dict[str, Any] = {
         "max_agents": view.capacity.max_agents,
-        "active": public_tasks(listed.index.active, here=listed.here, measured=listed.measured, prompts=texts),
-        "queued": public_tasks(view.queued, [view.positions[t.id] for t in view.queued], waiting_for=view.waiting_for,
-                               prompts=texts),
+        "active": public_tasks(active, here=listed.here, measured=listed.measured, prompts=texts),
+        "queued": public_tasks(view.queued, [view.positions.get(t.id) for t in view.queued],
+                               waiting_for=view.waiting_for, prompts=texts),
         "groups": view.groups,
         "paused": view.capacity.paused,
         "paused_groups": view.capacity.paused_groups,
@@ -624,7 +749,7 @@ def queue_json(listed: Listing, home: Home | None = None) -> dict[str, Any]:
 
 # Kept in the index, never shown: the environment, process identity, stop bookkeeping.
 _HIDDEN_FIELDS = frozenset(("env", "pid_start", "stop", "kill_at", "token", "ended_at", "leftovers", "limit", "first_command",
-                            "prompted"))
+                            "prompted", "first"))  # `first`: `next`'s ordering mark: the position says it
 
 
 def _public_task_type() -> type[msgspec.Struct]:
@@ -639,7 +764,8 @@ def _public_task_type() -> type[msgspec.Struct]:
             fields.append((name, Any, msgspec.field(default_factory=list) if default == [] else default))
         if name == "state":
             fields.append(("position", Any, None))
-    fields += [("agent_pid", Any, None), ("waiting_for", Any, msgspec.UNSET)]  # UNSET: not in the object
+    fields += [("agent_pid", Any, None), ("env_names", Any, msgspec.field(default_factory=list)),
+               ("waiting_for", Any, msgspec.UNSET)]  # UNSET: not in the object
     # A running task's use now, as the service last measured it (README, "Resources").
     fields += [("rss", Any, None), ("procs", Any, None)]
     return msgspec.defstruct("PublicTask", fields, kw_only=True, module=__name__)
@@ -678,6 +804,8 @@ def public_tasks(tasks: list[Task], positions: list[int | None] | None = None, h
             raw["rss"], raw["procs"] = m.memory, m.procs
             raw["peak_memory"] = max(task.peak_memory or 0, m.peak) or None
             raw["cpu_seconds"] = max(task.cpu_seconds or 0.0, m.cpu) or None
+        if task.env:  # the names only: a value may be a secret (`delegate --env`, a preset's API key)
+            raw["env_names"] = sorted(task.env)
     return msgspec.convert(raws, list[PublicTask])  # fills the defaults, drops what it does not name
 
 
@@ -744,6 +872,28 @@ def output_kind(cfg: Config, task: Task) -> str:
     """What a task's log is (its preset's `output`): how the front ends show it as text."""
     preset = cfg.agents.get(task.agent) if task.agent else None
     return preset.output if preset is not None else "text"
+
+
+def log_json(home: Home, cfg: Config, task: Task, lines: int | None, max_bytes: int, raw: bool = False) -> dict[str, Any]:
+    """The end of a task's output as JSON (`logs --json`, MCP's logs): the last `lines` lines
+    within the last `max_bytes` bytes, as UTF-8 text (a structured output as its text unless
+    `raw`), the log's whole size and whether the text is only its end."""
+    from kugetsu import logtail
+
+    path = log_path(home, cfg, task)
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        size = 0
+    end = logtail.tail(path, lines, max_bytes) if size else logtail.Tail(b"", 0, 0)
+    text = end.data.decode("utf-8", errors="replace")
+    kind = "text" if raw else output_kind(cfg, task)
+    if kind != "text":  # e.g. Claude Code's stream-json: its messages, tool calls and end, as text
+        from kugetsu.agents import render_tail
+
+        text = render_tail(kind, text, cut=end.start > 0 and lines is None)
+    return {"id": task.id, "name": task.name, "state": task.state.value, "text": text, "size": size,
+            "truncated": len(end.data) != end.size}
 
 
 def log_path(home: Home, cfg: Config, task: Task) -> Path:

@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 
 from kugetsu import budgets, limits, placement
 from kugetsu.config import MAX_DURATION, Config, cluster_host, format_duration, format_size, parse_duration, parse_size
-from kugetsu.errors import (AmbiguousName, EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered,
+from kugetsu.errors import (AmbiguousName, EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered, NotFound,
                             QueueFull, Rejected, UnknownDependency, UnknownGroup, UsageError)
 from kugetsu.agents.report import Usage
 from kugetsu.models import (PRIORITIES, Attempt, ClockError, Event, Hold, Index, LimitHit, SourceMark, Task, TaskState,
@@ -117,7 +117,7 @@ def successor(index: Index, cfg: Config) -> Successor | None:
         or any(t.route for t in index.queued)  # it may start on another preset than its command's
     ):
         return None
-    due = [t for t in index.queued if t.not_before is None]
+    due = [t for t in index.queued if t.not_before is None]  # simple_order: none is stashed
     if not due:
         return None
     first = min(due, key=lambda t: task_key(cfg, t))
@@ -144,7 +144,7 @@ def positions(index: Index, cfg: Config, now: datetime) -> dict[int, int]:
 def position(index: Index, cfg: Config, now: datetime, task: Task) -> int | None:
     """positions(...).get(task.id), for one task: without sorting the queue when the start
     order is a plain sort (a count of the tasks that sort before it)."""
-    if task.state is not TaskState.QUEUED:
+    if task.state is not TaskState.QUEUED or task.stashed_at is not None:
         return None
     if simple_order(index, cfg):
         key = task_key(cfg, task)
@@ -154,7 +154,8 @@ def position(index: Index, cfg: Config, now: datetime, task: Task) -> int | None
 
 def waiting_for_one(index: Index, cfg: Config, now: datetime, task: Task, resources: Resources | None = None) -> str | None:
     """waiting_for(...).get(task.id), for one queued task: the reason of its lane only."""
-    if task.after or accounts(index, cfg):  # its dependencies, by name; what fits: the full look
+    # its dependencies, by name; what fits (slots, memory); its stash: the full look
+    if task.after or task.stashed_at is not None or accounts(index, cfg):
         return waiting_for(index, cfg, now, resources).get(task.id)
     board = Board(index, cfg, now, resources, lanes=False)
     return board.pause or board.hold or board.why(*board.lane_of(task))
@@ -162,16 +163,16 @@ def waiting_for_one(index: Index, cfg: Config, now: datetime, task: Task, resour
 
 def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> dict[int, str]:
     """Task id -> why that queued task waits, when it is not simply behind others (a source
-    or group limit, a rate limit, the resource guard, a pause, its dependencies). Tasks
-    without a reason are left out."""
+    or group limit, a rate limit, the resource guard, a pause, its dependencies, a stash).
+    Tasks without a reason are left out."""
     quick = Board(index, cfg, now, resources, lanes=False)  # the counts only, no order
     if (quick.pause is None and quick.hold is None and quick.source_limit is None and quick.interval is None
             and not quick.caps and not quick.agent_caps and not quick.holds and quick.spend is None
             and not quick.window_presets and quick.budget is None
-            and not any(t.after or t.not_before or t.slots != 1 for t in index.queued)):
+            and not any(t.after or t.not_before or t.slots != 1 or t.stashed_at for t in index.queued)):
         return {}  # nothing that could hold a task
     board = Board(index, cfg, now, resources)
-    out = {}
+    out = {t.id: "stashed" for t in index.queued if t.stashed_at is not None}
     for lane_id, lane in board.lanes.items():
         head = lane[0][1]
         reason = board.pause or board.hold or board.why(*lane_id, head.slots) or board.never(head)
@@ -274,6 +275,53 @@ def pause(index: Index, cfg: Config, now: datetime, group: str | None, on: bool)
 
 
 
+def _controllable(task: Task, what: str) -> None:
+    """A task whose processes `pause TASK`, `resume TASK` and `kill -s` may signal: running,
+    spawned (a pid), not being stopped."""
+    if task.state is not TaskState.RUNNING:
+        hint = " (pause without a task holds the queue's starts instead)" if what == "paused" else ""
+        raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}: only a running task can be {what}{hint}",
+                         code=1)
+    if task.stop is not None:
+        raise UsageError(f"task {task.name} (#{task.id}) is being stopped ({task.reason}): it cannot be {what}", code=1)
+    if task.pid is None:
+        raise UsageError(f"task {task.name} (#{task.id}) is starting (its agent has no process yet): try again in a"
+                         " moment", code=1)
+
+
+def unpause(task: Task, now: datetime) -> None:
+    """The paused time so far joins `paused_s` (its timeout moves by as much)."""
+    if task.paused_at is not None:
+        task.paused_s += max(0.0, (now - task.paused_at).total_seconds())
+        task.paused_at = None
+
+
+def pause_task(task: Task, now: datetime, on: bool, by: str = "cli") -> list[Event]:
+    """`pause TASK` (on) / `resume TASK`: its processes stop (SIGSTOP) or go on (SIGCONT): the
+    caller signals them after the commit. Its slot stays taken; its timeout's clock stops too.
+    No event when nothing changes."""
+    _controllable(task, "paused" if on else "resumed")
+    if (task.paused_at is not None) == on:
+        return []
+    if on:
+        task.paused_at = now
+    else:
+        unpause(task, now)
+    return [_event("paused" if on else "resumed", task, now, reason=f"{'paused' if on else 'resumed'} by {by}")]
+
+
+def signal_task(task: Task, now: datetime, sig: str, by: str = "cli") -> list[Event]:
+    """`kill -s SIGNAL TASK`: the caller sends `sig` to its processes after the commit; the
+    event records it. SIGSTOP and SIGCONT go through pause and resume, so that the task says
+    it is paused and its timeout waits."""
+    if sig in ("SIGSTOP", "SIGTSTP", "SIGCONT"):
+        verb = "resume" if sig == "SIGCONT" else "pause"
+        raise UsageError(f"{sig}: {verb} the task instead, which also records that it is {verb}d (its state and"
+                         " its timeout follow)")
+    _controllable(task, "signalled")
+    return [_event("signalled", task, now, reason=f"{sig} sent by {by}")]
+
+
 def holds_view(index: Index, now: datetime | None) -> dict[str, HoldView]:
     """The holds in force at `now` (every recorded one when now is None), with their tasks."""
     if not index.holds:
@@ -297,11 +345,12 @@ class QueueView(msgspec.Struct, frozen=True, kw_only=True):
 
 def queue_view(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> QueueView:
     order = start_order(index, cfg, now)
+    stashed = [t for t in index.queued if t.stashed_at is not None] if len(order) != len(index.queued) else []
     return QueueView(
         running=sorted(index.active, key=lambda t: (t.slot or 0, t.id)),
-        queued=order,
+        queued=order + stashed,  # stashed ones last, without a position
         positions={t.id: i for i, t in enumerate(order, 1)},
-        waiting_for=waiting_for(index, cfg, now, resources) if order else {},
+        waiting_for=waiting_for(index, cfg, now, resources) if index.queued else {},
         capacity=capacity(index, cfg, now),
         groups=group_usage(index, cfg),
     )
@@ -314,6 +363,47 @@ def with_placement(view: QueueView, up: set[str]) -> QueueView:
     if not notes:
         return view
     return msgspec.structs.replace(view, waiting_for={**view.waiting_for, **notes})
+
+
+class TaskFilter(msgspec.Struct, frozen=True, kw_only=True):
+    """`queue --group G --state S --source WHO` (and `wait --group G`): which tasks a listing
+    keeps. Positions stay the true ones: a filter hides rows, it never reorders the queue."""
+
+    group: str | None = None
+    states: frozenset[str] | None = None  # TaskState values; "finished" stands for every final one
+    source: str | None = None
+
+    def matches(self, task: Task) -> bool:
+        return ((self.group is None or task.group == self.group)
+                and (self.source is None or task.source == self.source)
+                and (self.states is None or task.state.value in self.states
+                     or ("finished" in self.states and task.state.final)))
+
+    @property
+    def wants_finished(self) -> bool:
+        """A final state was asked for: the listing shows finished tasks without `--all`."""
+        return self.states is not None and any(s not in ("queued", "running") for s in self.states)
+
+
+STATE_NAMES = tuple(s.value for s in TaskState) + ("finished",)
+
+
+def task_filter(group: str | None = None, states: list[str] | None = None, source: str | None = None) -> TaskFilter:
+    """A TaskFilter from what a user typed (`--state failed,cancelled`); an unknown state is refused."""
+    wanted = None
+    if states:
+        wanted = frozenset(s.strip() for v in states for s in v.split(",") if s.strip())
+        bad = sorted(wanted - set(STATE_NAMES))
+        if bad or not wanted:
+            raise UsageError(f"unknown state {', '.join(map(repr, bad)) or repr('')}; one of"
+                             f" {', '.join(STATE_NAMES)} (several: failed,cancelled)")
+    return TaskFilter(group=group, states=wanted, source=source)
+
+
+def filter_view(view: QueueView, keep: TaskFilter) -> QueueView:
+    """The view with only the tasks `keep` matches, each at its true position."""
+    return msgspec.structs.replace(view, running=[t for t in view.running if keep.matches(t)],
+                                   queued=[t for t in view.queued if keep.matches(t)])
 
 
 def next_release(index: Index, cfg: Config, now: datetime) -> datetime | None:
@@ -329,6 +419,27 @@ def group_usage(index: Index, cfg: Config) -> dict[str, dict[str, int]]:
             if t.group in usage:
                 usage[t.group][where] += 1
     return usage
+
+
+def check_group_name(cfg: Config, name: str, new: bool) -> None:
+    """A pool's name for `group add` (valid, not there yet) or `group remove` (there)."""
+    if new and not valid_host(name):
+        raise UsageError(f"invalid group name {name!r}: 1-64 letters, digits, '.', '_' or '-', starting with a letter"
+                         " or digit")
+    if new and name in cfg.groups:
+        raise UsageError(f"group {name} exists already (max_agents {cfg.groups[name].max_agents}); its slots are"
+                         f" config key groups.{name}.max_agents")
+    if not new and name not in cfg.groups:
+        raise UsageError(f"no group {name!r} to remove (groups: {', '.join(sorted(cfg.groups)) or 'none defined'})")
+
+
+def check_group_unused(index: Index, name: str) -> None:
+    """A pool can go only once no queued or running task is in it."""
+    live = [t for t in index.live() if t.group == name]
+    if live:
+        names = ", ".join(f"{t.name} (#{t.id})" for t in live[:5]) + (", ..." if len(live) > 5 else "")
+        raise UsageError(f"group {name} has {len(live)} queued or running task{'' if len(live) == 1 else 's'} ({names}):"
+                         " let them finish, cancel them, or move them to another group first", code=1)
 
 
 def lowest_free_slot(index: Index) -> int:
@@ -608,7 +719,6 @@ def _check_text(req: Request) -> None:
     fields = [("the working directory", req.cwd), ("the prompt", req.prompt), ("the source", req.source),
               ("the agent preset", req.agent), ("the group", req.group)]
     fields += [(f"argument {i} of the command", a) for i, a in enumerate(req.command or [])]
-    fields += [(f"the environment variable {k!r}", v) for k, v in req.env.items()]
     for what, text in fields:
         try:
             (text or "").encode()
@@ -617,20 +727,52 @@ def _check_text(req: Request) -> None:
                              " UTF-8 (or, in a command, let the shell make the byte: printf '\\233')") from None
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_env(env: dict[str, str]) -> None:
+    """`delegate --env K=V`: a name a shell could export, none of kugetsu's own (KUGETSU_*:
+    the task's identity, token and home are set for each agent and must not be forged), a
+    value the kernel can pass (no NUL) kept as text. Errors name the variable, never its
+    value: a value may be a secret (an API key), and an error is printed and logged."""
+    for name, value in env.items():
+        if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+            raise UsageError(f"invalid environment variable name {name!r}: letters, digits and '_', not starting"
+                             " with a digit (e.g. API_BASE)")
+        if name.upper().startswith("KUGETSU_"):
+            raise UsageError(f"environment variable {name} is kugetsu's own (KUGETSU_* variables are set for each"
+                             " agent: its task id, name, token and home), and cannot be set for a task")
+        if not isinstance(value, str) or "\0" in value:
+            raise UsageError(f"the value of environment variable {name} has a NUL byte, which no environment"
+                             " variable can hold")
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise UsageError(f"the value of environment variable {name} is not UTF-8 text, and a task is kept as"
+                             " text") from None
+
+
+def _check_name(index: Index, name: str) -> None:
+    """A new task's name (delegate, edit): valid, not digits only, unique among live tasks."""
+    if name.isascii() and name.isdigit():
+        raise UsageError(
+            f"invalid task name {name!r}: a name of digits only would be read as task #{name};"
+            f" add a letter, e.g. issue-{name}"
+        )
+    if not valid_name(name):
+        raise UsageError(
+            f"invalid task name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    if any(t.name == name for t in index.live()):
+        raise UsageError(f"a task named {name!r} is already queued or running; pick another name")
+
+
 def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task, list[Event]]:
     """Add a task to the queue, or refuse. Raises before changing anything."""
     check_prompt(cfg, req.prompt)
-    if req.name is not None and req.name.isascii() and req.name.isdigit():
-        raise UsageError(
-            f"invalid task name {req.name!r}: a name of digits only would be read as task #{req.name};"
-            f" add a letter, e.g. issue-{req.name}"
-        )
-    if req.name is not None and not valid_name(req.name):
-        raise UsageError(
-            f"invalid task name {req.name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
-    if req.name is not None and any(t.name == req.name for t in index.live()):
-        raise UsageError(f"a task named {req.name!r} is already queued or running; pick another name")
+    check_env(req.env)
+    if req.name is not None:
+        _check_name(index, req.name)
     if req.priority not in PRIORITIES:
         raise UsageError(f"invalid priority {req.priority!r}; choose one of {', '.join(PRIORITIES)}")
     if req.group is not None and req.group not in cfg.groups:
@@ -814,6 +956,41 @@ def set_priority(index: Index, task: Task, level: str, now: datetime) -> list[Ev
     return [_event("priority", task, now, value=level)]
 
 
+def _queued_only(task: Task, what: str) -> None:
+    if task.state is not TaskState.QUEUED:
+        raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}; only a queued task can be {what}", code=1)
+
+
+def move_next(index: Index, task: Task, now: datetime, by: str = "cli") -> list[Event]:
+    """`next TASK`: it starts before every other queued task that may start (the latest `next`
+    first), whatever the strategy; limits still apply (its group's slots, a hold, its
+    dependencies), and it never starts beyond max_agents. No event when it is first already."""
+    _queued_only(task, "moved")
+    if task.stashed_at is not None:
+        raise UsageError(f"task {task.name} (#{task.id}) is stashed: unstash it first", code=1)
+    top = max((t.first for t in index.queued), default=0)
+    if task.first and task.first == top:
+        return []
+    task.first = top + 1
+    return [_event("moved", task, now, reason=f"to the front by {by}")]
+
+
+def stash(task: Task, now: datetime, on: bool, by: str = "cli") -> list[Event]:
+    """`stash TASK` (on) / `unstash TASK`: a queued task set aside: it keeps its place in the
+    index but has no position, never starts, holds no one up and does not expire; unstashed,
+    it takes its place again and its queue deadline moves by the time it was stashed."""
+    _queued_only(task, "stashed" if on else "unstashed")
+    if (task.stashed_at is not None) == on:
+        return []
+    if on:
+        task.stashed_at = now
+    else:
+        if task.expires_at is not None and task.stashed_at is not None:
+            task.expires_at += max(timedelta(0), now - task.stashed_at)
+        task.stashed_at = None
+    return [_event("stashed" if on else "unstashed", task, now, reason=f"{'stashed' if on else 'unstashed'} by {by}")]
+
+
 class Edit(msgspec.Struct, kw_only=True):
     """What `kugetsu edit` changes of a queued task; None leaves a field as it is."""
 
@@ -822,8 +999,15 @@ class Edit(msgspec.Struct, kw_only=True):
     expire_after: float | None = None  # seconds from now; 0: never expires
     timeout: float | None = None  # run timeout in seconds; 0: no limit
     group: str | None = None
+    name: str | None = None
+    cwd: str | None = None  # absolute; ops checks that it is a directory
+    agent: str | None = None  # another preset: its command is made with the task's prompt
+    command: list[str] | None = None  # an explicit argv instead (the task's agent stays its label)
     prompt_path: str | None = None  # where a {prompt_file} preset's prompt is (ops knows; pm does no I/O)
     start_at: datetime | None = None  # `edit --at/--delay`: when it may start (now or past: at once)
+
+    def empty(self) -> bool:
+        return all(getattr(self, f) is None for f in self.__struct_fields__ if f != "prompt_path")
 
 
 def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> list[Event]:
@@ -841,26 +1025,73 @@ def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> 
     for what, value in (("expiry", change.expire_after), ("timeout", change.timeout)):
         if value is not None and value < 0:
             raise UsageError(f"a negative {what} ({value:g}s) makes no sense; 0 means none")
-    command = None
     check_prompt(cfg, change.prompt)
-    if change.prompt is not None:
-        preset = cfg.agents.get(task.agent) if task.agent else None
-        values = {"prompt": task.prompt or "", "prompt_file": change.prompt_path or "", "name": task.name,
-                  "id": str(task.id)}
-        # Only a command made from its preset's template can be made again with a new prompt:
-        # one given at delegation (`-- CMD`) or from a preset changed since cannot. (A task
-        # from an older index has its prompt inside its command: rendered whole to compare.)
-        kept = render_template if task.prompted else render_command
-        if preset is None or kept(preset.command, values) != task.command:
-            raise UsageError(f"task {task.name} (#{task.id}) runs a command given at delegation, not its agent"
-                             " preset's with the prompt, so its prompt cannot change; cancel it and delegate again")
-        command = render_template(preset.command, values)
-        _check_argv(render_command(preset.command, {**values, "prompt": change.prompt}), task.cwd)
+    name = task.name if change.name is None else change.name
+    if name != task.name:
+        _check_name(index, name)
+        if task.repo:
+            raise UsageError(f"task {task.name} (#{task.id}) works in a worktree on branch {task.branch}, named"
+                             " after it: its name cannot change; cancel it and delegate again", code=1)
+    if change.cwd is not None and change.cwd != task.cwd and task.repo:
+        raise UsageError(f"task {task.name} (#{task.id}) works in a worktree of {task.repo}: its directory cannot"
+                         " change; cancel it and delegate again", code=1)
+    agent = task.agent if change.agent is None else change.agent
+    new_preset = cfg.agents.get(agent) if agent else None
+    if change.agent is not None and new_preset is None:
+        raise UsageError(f"unknown agent preset {agent!r}; known: {', '.join(sorted(cfg.agents))}")
+    old_preset = cfg.agents.get(task.agent) if task.agent else None
+    values = {"prompt": task.prompt or "", "prompt_file": change.prompt_path or "", "name": task.name,
+              "id": str(task.id)}
+    # Only a command made from its preset's template can be made again (a new prompt, name or
+    # preset): one given at delegation (`-- CMD`), or from a preset changed since, cannot. A
+    # task keeps `{prompt}` in its command (the text is the store's); one from an older index
+    # has its prompt inside its command, so it is rendered whole to compare.
+    kept = render_template if task.prompted else render_command
+    from_preset = old_preset is not None and kept(old_preset.command, values) == task.command
+    # Does the task have a prompt? Its text is the store's (ops passes a new one in `change`).
+    has_prompt = change.prompt is not None or task.prompted or task.prompt is not None
+    command = change.command
+    if command is None and (change.prompt is not None or change.agent is not None) and not from_preset:
+        what = "prompt" if change.prompt is not None else "agent preset"
+        raise UsageError(f"task {task.name} (#{task.id}) runs a command given at delegation, not its agent preset's"
+                         f" with the prompt, so its {what} cannot change; give the new command (or cancel it and"
+                         " delegate again)")
+    prompted = task.prompted if change.command is None else False
+    if command is None and from_preset and new_preset is not None:
+        if not has_prompt and any(_NEEDS_PROMPT.search(a) for a in new_preset.command):
+            raise NeedsPrompt(agent or "")
+        if task.prompt is not None and not task.prompted and change.prompt is None:
+            # An older index's task keeps its prompt where it was (inside its command).
+            command = render_command(new_preset.command, {**values, "prompt": task.prompt, "name": name})
+        else:
+            command = render_template(new_preset.command, {**values, "name": name})
+            prompted = any(_NEEDS_PROMPT.search(a) for a in new_preset.command)
+            _check_argv(render_command(new_preset.command, {**values, "prompt": change.prompt or "", "name": name}),
+                        change.cwd or task.cwd)
+    env = task.env
+    if agent != task.agent and new_preset is not None:  # the task's own variables stay, the preset's change
+        own = {k: v for k, v in task.env.items() if old_preset is None or old_preset.env.get(k) != v}
+        env = {**new_preset.env, **own}
+    if command is not None:
+        _check_argv(command, change.cwd or task.cwd)
     changed: dict[str, object] = {}
-    if command is not None and (change.prompt != task.prompt or task.prompted):
-        # The caller stores the new text (ops.edit: txn.prompts); the index keeps the template.
-        task.command, task.prompt, task.prompted = command, None, True
+    if change.prompt is not None:
+        # The caller stores the new text (ops.edit: txn.prompts, only when the text differs);
+        # the index keeps the template.
+        task.prompt = None
         changed["prompt"] = f"{len(change.prompt or '')} characters"
+    if name != task.name:
+        task.name = changed["name"] = name
+    if agent != task.agent:
+        task.agent = changed["agent"] = agent
+        task.env = env
+    if change.cwd is not None and change.cwd != task.cwd:
+        task.cwd = changed["cwd"] = change.cwd
+    if command is not None and command != task.command:
+        task.command = command
+        if change.command is not None:  # an argv given: its words are the caller's, not a prompt
+            changed["command"] = f"{len(command)} arguments"
+    task.prompted = prompted
     if change.priority is not None and change.priority != task.priority:
         task.priority = change.priority  # type: ignore[assignment]
         changed["priority"] = change.priority
@@ -1058,6 +1289,7 @@ def cancel(index: Index, task: Task, now: datetime, grace: float, reason: str = 
         index.queued.remove(task)
         task.reason = reason
         return [_close(index, task, TaskState.CANCELLED, now)]
+    unpause(task, now)  # the caller sends SIGCONT after the SIGTERM: a stopped process must run to end
     _request_stop(task, TaskState.CANCELLED, reason, now, grace)
     return []
 
@@ -1071,21 +1303,28 @@ def _request_stop(task: Task, state: TaskState, reason: str, now: datetime, grac
 def expire_due(index: Index, now: datetime) -> list[Event]:
     """Queued tasks whose expires_at has come end as expired."""
     events = []
-    for task in [t for t in index.queued if t.expires_at is not None and t.expires_at <= now]:
+    for task in [t for t in index.queued if t.expires_at is not None and t.expires_at <= now and t.stashed_at is None]:
         index.queued.remove(task)
         task.reason = f"expired after {format_duration((now - task.created_at).total_seconds())} in the queue"
         events.append(_close(index, task, TaskState.EXPIRED, now))
     return events
 
 
+def run_deadline(task: Task) -> datetime | None:
+    """When a running task's run timeout falls due: its start, plus the timeout, plus the time
+    it spent paused (`pause TASK` stops its clock too). None while paused or without a timeout."""
+    if not task.timeout or not task.started_at or task.paused_at is not None:
+        return None
+    return task.started_at + timedelta(seconds=task.timeout + task.paused_s)
+
+
 def timeouts_due(index: Index, now: datetime, grace: float) -> list[Task]:
     """Running tasks past their run timeout are marked to stop (failed); returns them to signal."""
     due = []
     for task in index.active:
-        if task.stop is None and task.timeout and task.started_at:
-            if now >= task.started_at + timedelta(seconds=task.timeout):
-                _request_stop(task, TaskState.FAILED, f"timed out after {format_duration(task.timeout)}", now, grace)
-                due.append(task)
+        if task.stop is None and (deadline := run_deadline(task)) is not None and now >= deadline:
+            _request_stop(task, TaskState.FAILED, f"timed out after {format_duration(task.timeout or 0)}", now, grace)
+            due.append(task)
     return due
 
 
@@ -1093,13 +1332,13 @@ def next_deadline(index: Index) -> datetime | None:
     """The earliest moment something falls due: a queued task's expiry, a running task's run
     timeout, the SIGKILL that follows a stop's grace, or the end of a hold on a preset. (The service's one timer is set
     there; what is due then is decided by expire_due, timeouts_due and kills_due.)"""
-    times = [t.expires_at for t in index.queued if t.expires_at is not None]
+    times = [t.expires_at for t in index.queued if t.expires_at is not None and t.stashed_at is None]
     times += [h.until for h in index.holds.values() if h.until is not None]  # released at its end
     for task in index.active:
         if task.kill_at is not None:
             times.append(task.kill_at)
-        elif task.timeout and task.started_at and task.stop is None:
-            times.append(task.started_at + timedelta(seconds=task.timeout))
+        elif task.stop is None and (deadline := run_deadline(task)) is not None:
+            times.append(deadline)
     return min(times, default=None)
 
 
@@ -1139,17 +1378,38 @@ def trim_history(index: Index, limit: int) -> list[Task]:
     return gone
 
 
-def clean(index: Index, now: datetime, older_than: float | None = None) -> list[Task]:
-    """Drop finished tasks (finished more than `older_than` seconds ago, if given)."""
+def clean(index: Index, now: datetime, older_than: float | None = None, states: frozenset[str] | None = None) -> list[Task]:
+    """Drop finished tasks (finished more than `older_than` seconds ago, and in one of
+    `states`, if given)."""
+    if states is not None and (live := states & {"queued", "running"}):
+        raise UsageError(f"state {', '.join(sorted(live))}: clean drops finished tasks only (a live one is"
+                         f" cancelled instead)")
     keep, gone = [], []
     for task in index.finished:
         old = older_than is None or (task.finished_at and (now - task.finished_at).total_seconds() >= older_than)
-        (gone if old else keep).append(task)
+        chosen = states is None or task.state.value in states or "finished" in states
+        (gone if old and chosen else keep).append(task)
     index.finished = keep
     return gone
 
 
+def remove(index: Index, tasks: list[Task]) -> list[Task]:
+    """`kugetsu remove TASK...`: finished tasks leave the index (their logs with them, ops).
+    A live one is refused, and then none is removed: it would vanish while its agent runs."""
+    live = [t for t in tasks if not t.state.final]
+    if live:
+        t = live[0]
+        raise NotFound(f"{t.name} (#{t.id}) is {t.state.value}: only a finished task can be removed; cancel it first"
+                       f" (#{t.id}), then remove it")
+    ids = {t.id for t in tasks}
+    gone = [t for t in index.finished if t.id in ids]
+    index.finished = [t for t in index.finished if t.id not in ids]
+    return gone
+
+
 def _close(index: Index, task: Task, state: TaskState, now: datetime, exit_code: int | None = None) -> Event:
+    unpause(task, now)
+    task.stashed_at = None
     task.state = state
     task.finished_at = now
     task.exit_code = exit_code
@@ -1634,6 +1894,8 @@ def _requeue(index: Index, task: Task, now: datetime, code: int | None, reason: 
     task.attempts.append(Attempt(started_at=task.started_at, ended_at=now, exit_code=code, reason=reason, limit=limit,
                                  usage=_run_usage(task)))
     task.attempt += 1
+    unpause(task, now)
+    task.paused_s = 0.0  # the next run's timeout counts afresh
     task.state = TaskState.QUEUED
     task.slot = task.pid = task.pid_start = task.started_at = task.ended_at = task.exit_code = None
     task.kill_at = task.stop = task.limit = task.reason = task.not_before = None

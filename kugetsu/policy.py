@@ -76,10 +76,11 @@ def short_size(size: float) -> str:
     return f"{int(size)}B"
 
 
-def task_key(cfg: Config, task: Task) -> tuple[int, int]:
-    """Order within a lane. Ids are the admission sequence: they never repeat or go back,
-    where timestamps can tie."""
-    return (0 if cfg.strategy == "fifo" else RANK[task.priority], task.id)
+def task_key(cfg: Config, task: Task) -> tuple[int, int, int]:
+    """Order within a lane. `next TASK` puts a task before all (the latest first); then
+    priority (not under fifo); then ids, the admission sequence: they never repeat or go
+    back, where timestamps can tie."""
+    return (-task.first, 0 if cfg.strategy == "fifo" else RANK[task.priority], task.id)
 
 
 def simple_order(index: Index, cfg: Config, waits: bool = True) -> bool:
@@ -96,7 +97,7 @@ def simple_order(index: Index, cfg: Config, waits: bool = True) -> bool:
         and not any(p.max_agents is not None or p.limit.window is not None for p in cfg.agents.values())
         # one pass over the queue (delegate asks this of a long queue on every call)
         and not any(t.after or (waits and t.not_before is not None) or (t.group is not None and t.group in cfg.groups)
-                    for t in index.queued)
+                    or t.stashed_at is not None for t in index.queued)
     )
 
 
@@ -185,6 +186,8 @@ class Board:
         live = {t.id for t in index.live()} if lanes and any(t.after for t in index.queued) else set()
         queued: dict[Lane, list[tuple[tuple[int, int], Task]]] = {}
         for t in index.queued if lanes else ():
+            if t.stashed_at is not None:  # `stash`: set aside, out of every lane until unstashed
+                continue
             if t.after and (waits := {d for d in t.after if d in live}):
                 self.parked[t.id] = (t, waits)
                 continue
@@ -351,8 +354,8 @@ class Board:
             source = lane_id[0]
             key: tuple = lane[0][0]
             task = lane[0][1]
-            if fair:
-                key = (mark.get(source, NEVER), key)
+            if fair:  # `next TASK` comes before every source's turn
+                key = (NEVER - 1 if key[0] else mark.get(source, NEVER), key)
             if best is not None and key >= best_key:
                 continue
             if self.free(*lane_id, task.slots) and self.never(task) is None:

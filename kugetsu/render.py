@@ -128,6 +128,15 @@ def memory_cell(task: Task, m: Measured | None) -> str:
     return f"{short_size(m.memory)} (peak {short_size(max(m.peak, task.peak_memory or 0))}){limit}"
 
 
+def run_state(task: Task) -> str:
+    """A running task's STATE column: `stopping` while its processes end, `paused` while they
+    are stopped (`pause TASK`), else `running`."""
+    return "stopping" if task.stop else "paused" if task.paused_at else "running"
+
+
+COMMAND_WIDTH = 40  # the queue's last column: enough to tell tasks apart; `status` shows it whole
+
+
 def running_table(tasks: list[Task], now: datetime, here: str | None = None,
                   measured: dict[int, Measured] | None = None) -> str:
     """`here`: this machine, in a cluster: another machine's agents are shown by their
@@ -136,22 +145,22 @@ def running_table(tasks: list[Task], now: datetime, here: str | None = None,
     rows = [
         [str(t.slot or "-"), str(t.id), t.name, t.source, agent_text(t.agent, t.fallback_from), since(t.started_at, now),
          str((runner.agent_pid(t.pid, t.pid_start) if t.host in (None, here) else None) or t.pid or "starting"),
-         "stopping" if t.stop else "running"]
+         run_state(t), command_text(t, COMMAND_WIDTH)]
         for t in tasks
     ]
-    headers = ["SLOT", "ID", "NAME", "SOURCE", "AGENT", "ELAPSED", "PID", "STATE"]
+    headers = ["SLOT", "ID", "NAME", "SOURCE", "AGENT", "ELAPSED", "PID", "STATE", "COMMAND"]
     if any(t.host for t in tasks):  # a cluster: which machine runs it
         headers.insert(1, "HOST")
         for row, t in zip(rows, tasks):
             row.insert(1, t.host or "-")
     if any(t.branch for t in tasks):  # worktree tasks: where their work goes
-        headers.insert(-1, "BRANCH")
+        headers.insert(-2, "BRANCH")
         for row, t in zip(rows, tasks):
-            row.insert(-1, t.branch or "-")
+            row.insert(-2, t.branch or "-")
     if measured or any(t.memory for t in tasks):
-        headers.insert(-1, "MEM")
+        headers.insert(-2, "MEM")
         for row, t in zip(rows, tasks):
-            row.insert(-1, memory_cell(t, (measured or {}).get(t.id)))
+            row.insert(-2, memory_cell(t, (measured or {}).get(t.id)))
     return table(headers, rows, right={0, 1})
 
 
@@ -164,12 +173,13 @@ def queued_table(
     rows = [
         [str(positions.get(t.id, "-")), str(t.id), t.name, t.priority, t.source]
         + ([t.group or "-"] if grouped else [])
-        + [since(t.created_at, now), until(t.expires_at, now)]
+        + [since(t.created_at, now), "-" if t.stashed_at else until(t.expires_at, now)]  # a stash does not expire
         + ([why.get(t.id, "")] if why else [])
+        + [command_text(t, COMMAND_WIDTH)]
         for t in tasks
     ]
     headers = ["POS", "ID", "NAME", "PRIORITY", "SOURCE"] + (["GROUP"] if grouped else [])
-    headers += ["WAITING", "EXPIRES IN"] + (["WAITING FOR"] if why else [])
+    headers += ["WAITING", "EXPIRES IN"] + (["WAITING FOR"] if why else []) + ["COMMAND"]
     return table(headers, rows, right={0, 1})
 
 
@@ -276,6 +286,13 @@ def task_lines(task: dict[str, Any]) -> str:
         text = str(value).replace("\n", "\n" + " " * (width + 2))
         out.append(f"{key.ljust(width)}  {text}")
     return "\n".join(out)
+
+
+def command_text(task: Task, width: int | None = None) -> str:
+    """A task's command as a shell would read it, its prompt shown as `{prompt}` (the queue's
+    COMMAND column, `status`); cut to `width` with "…" when given."""
+    text = " ".join("{prompt}" if task.prompt and v == task.prompt else _quote(v) for v in task.command)
+    return text if width is None else cut(text, width)
 
 
 def _quote(arg: str) -> str:

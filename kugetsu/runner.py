@@ -368,6 +368,46 @@ def kill_group(pid: int | None, start: int | None, sig: signal.Signals) -> bool:
         return False
 
 
+def signal_tree(pid: int | None, start: int | None, token: str | None, sig: signal.Signals,
+                spare_wrapper: bool = False) -> int:
+    """Signal everything a task runs, once each: its process group (if its leader is still
+    the process started) and every process of this user that carries its token but left the
+    group (a daemonised helper, a `setsid` child). `spare_wrapper`: every one but the wrapper
+    (the group's leader), which records the agent's exit status and traps only TERM, INT and
+    HUP: `kill -s USR1` is for the agent, and must not end the wrapper. Returns how many got
+    it. A /proc scan: for a command, never the service's loop."""
+    if not alive(pid, start):
+        pid = None
+    if pid is not None and not spare_wrapper:
+        sent = int(kill_group(pid, start, sig))
+        members = {p: st for p, st in scan_token(token).items() if _pgid(p) != pid} if token else {}
+    else:
+        sent = 0
+        members = tree(pid, token)
+        members.pop(pid or 0, None)
+    return sent + sum(signal_pid(p, st, sig) for p, st in members.items())
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def tree(pid: int | None, token: str | None) -> dict[int, int]:
+    """pid -> start of every process of a task: those of its process group `pid` and those
+    carrying its token (one pass over /proc)."""
+    found = scan_token(token) if token else {}
+    if pid is not None:
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit() and int(entry.name) not in found and _pgid(int(entry.name)) == pid:
+                start = process_start(int(entry.name))
+                if start is not None:
+                    found[int(entry.name)] = start
+    return found
+
+
 def group_alive(pgid: int) -> bool:
     """Is any process left in the process group? (The group's leader must be reaped first:
     a zombie still counts.) A group id is not reused while the group has a member."""

@@ -11,7 +11,6 @@ else here is a function of an Index, a Config and a clock.
 
 from __future__ import annotations
 
-import re
 from datetime import datetime, timedelta, tzinfo
 from typing import Any
 

@@ -319,6 +319,8 @@ class Service:
                     continue  # a stop asked for elsewhere is signalled once, not at every tick
                 self._termed.add(task.id)
             runner.kill_group(task.pid, task.pid_start, signal.Signals(sig))
+            if sig == signal.SIGTERM:  # a task paused (pause TASK, SIGSTOP) acts on it once it runs again
+                runner.kill_group(task.pid, task.pid_start, signal.SIGCONT)
         if self._termed:
             self._termed &= {t.id for t in self.index.active}
         for stray in plan.strays:

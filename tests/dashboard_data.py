@@ -11,7 +11,7 @@ import msgspec
 
 from kugetsu.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home, atomic_write
-from kugetsu.store import encode_index
+from kugetsu.store import Store, encode_index
 
 NOW = datetime(2025, 3, 14, 12, 0, 0, tzinfo=timezone.utc)
 UTC = timezone.utc
@@ -109,6 +109,24 @@ LOGS = {
     4: "reading issue 16\nplan: 3 steps\nstep 1/3: write the failing test\nstep 2/3: fix the parser\n",
     5: "reading issue 17\n",
 }
+
+
+def held_home(root: Path) -> Home:
+    """The busy home with the queue paused, a preset held by hand and a task in a group: the
+    header's longest line, and the reasons the WAITING FOR column gives."""
+    from kugetsu.models import Hold
+
+    home = busy_home(root, groups={"gpu": {"max_agents": 1}})
+    index = Store(home).read()
+    index.paused = True
+    index.holds = {"claude": Hold(reason="held by hand", since=ago(minutes=5))}
+    for t in index.queued:
+        if t.name == "issue-20":
+            t.group = "gpu"
+        if t.name == "bot-docs":
+            t.agent = "claude"
+    atomic_write(home.index, encode_index(index))
+    return home
 
 
 def busy_home(root: Path, now: datetime = NOW, **config: object) -> Home:

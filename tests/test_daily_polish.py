@@ -85,7 +85,7 @@ def test_a_stopping_task_says_so_inside_a_column_of_queue(kg):
     try:
         wait_for(lambda: "stopping" in kg.ok("queue"), 10, "stubborn to be stopping")
         header, rows = _columns(kg.ok("queue"), "SLOT")
-        assert header.split()[-1] == "STATE"
+        assert header.split()[-2:] == ["STATE", "COMMAND"]
         state_at = header.index("STATE")
         for row in rows:  # the word sits under its header, not past the last column
             assert row[state_at:].split()[0] in ("running", "stopping"), (header, row)

@@ -25,14 +25,20 @@ def test_busy_at_80x24(snap_compare, tmp_path):
     assert snap_compare(app_for(busy_home(tmp_path / "home")), terminal_size=(80, 24))
 
 
-def test_failed_task_selected(snap_compare, tmp_path):
-    async def select_failed(pilot):  # type: ignore[no-untyped-def]
-        table = pilot.app.query_one("#finished", TaskTable)
+def selecting(table_id: str, key: str):  # type: ignore[no-untyped-def]
+    """A run_before that selects task `key` in a table."""
+    async def select(pilot):  # type: ignore[no-untyped-def]
+        table = pilot.app.query_one(f"#{table_id}", TaskTable)
         table.focus()
-        table.move_cursor(row=table.get_row_index("2"))
+        table.move_cursor(row=table.get_row_index(key))
         await pilot.pause()
 
-    assert snap_compare(app_for(busy_home(tmp_path / "home")), terminal_size=(110, 36), run_before=select_failed)
+    return select
+
+
+def test_failed_task_selected(snap_compare, tmp_path):
+    assert snap_compare(app_for(busy_home(tmp_path / "home")), terminal_size=(110, 36),
+                        run_before=selecting("finished", "2"))
 
 
 def test_cancel_dialog(snap_compare, tmp_path):
@@ -42,3 +48,13 @@ def test_cancel_dialog(snap_compare, tmp_path):
         await pilot.press("c")
 
     assert snap_compare(app_for(busy_home(tmp_path / "home")), terminal_size=(80, 24), run_before=ask_to_cancel)
+
+
+def test_paused_and_held_at_80x24(snap_compare, tmp_path):
+    """The header's longest line wraps rather than losing `service ...` and `held: ...`; the
+    queue says why each task waits (WAITING FOR) and in which GROUP; the footer offers
+    `h release` and `P resume all` for the selected task and the queue."""
+    from dashboard_data import held_home
+
+    assert snap_compare(app_for(held_home(tmp_path / "home")), terminal_size=(80, 24),
+                        run_before=selecting("queue", "11"))

@@ -56,6 +56,12 @@ class TaskOut(BaseModel):
     branch: OptStr = Field(description="worktree tasks: the branch its work is on")
     worktree: OptStr
     agent_pid: OptInt = Field(description="while running: the agent's own pid")
+    paused_at: OptStr = Field(None, description="while its processes are stopped (pause TASK): since when")
+    paused_s: float = Field(0.0, description="seconds this run spent paused (not counted toward its timeout)")
+    stashed_at: OptStr = Field(None, description="a queued task set aside (stash): it neither starts nor expires"
+                                                 " until unstashed")
+    env_names: list[str] = Field([], description="the names of the variables set for its agent (delegate env, the"
+                                               " preset's); their values are never shown")
     base_commit: OptStr
     worktree_state: Literal["active", "kept", "removed", "pruned"] | None
     host: OptStr = Field(description="cluster mode: the machine it runs (or ran) on")

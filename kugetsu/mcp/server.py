@@ -31,7 +31,7 @@ from mcp.types import CallToolResult, SubscribeRequestParams, TextContent, ToolA
 from pydantic import Field, ValidationError
 
 import kugetsu
-from kugetsu import control, logtail, ops, pm, render, waiting
+from kugetsu import control, ops, pm, render, waiting
 from kugetsu.config import Config, format_duration, load_config, parse_duration, parse_size
 from kugetsu.errors import KugetsuError, Nested, Rejected, UsageError
 from kugetsu.mcp.handshake import INSTRUCTIONS, NAME, TITLE, differs
@@ -335,6 +335,9 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
                                         " next one to come); it waits in the queue until then")] = None,
         delay: Annotated[str | float | None, Field(description="start no earlier than this long from now (30m, 2h"
                                                    " or seconds)")] = None,
+        env: Annotated[dict[str, str] | None, Field(description="extra environment variables for the agent"
+                                                    " (NAME: value; not KUGETSU_*). Only their names are ever shown"
+                                                    " (env_names)")] = None,
     ) -> Annotated[CallToolResult, DelegateOut]:
         """Hand one piece of work (one issue) to a worker agent. kugetsu starts it at once in a
         free slot or queues it, and says which: "started NAME (#ID), slot 2/3" or "queued NAME
@@ -352,7 +355,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             timeout=_duration(timeout, "timeout"), worktree=worktree, base=base, retries=retries,
             retry_delay=_duration(retry_delay, "retry_delay"), fallback=fallback, fallback_fresh=fallback_fresh,
             budget_usd=budget_usd, max_tokens=max_tokens, memory=_size(memory), max_procs=max_procs, slots=slots,
-            start_at=ops.start_time(at, _duration(delay, "delay"), "at"),
+            start_at=ops.start_time(at, _duration(delay, "delay"), "at"), env=dict(env or {}),
         )
         try:
             adm = await admitter.admit(req)
@@ -378,13 +381,20 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
     @answers
     def queue(
         finished: Annotated[bool, Field(description="also the 20 latest finished tasks")] = False,
+        group: Annotated[str | None, Field(description="only the tasks of this pool")] = None,
+        state: Annotated[list[str] | None, Field(description="only tasks in these states (queued, running, a final"
+                                                 " state, or finished for any final one)")] = None,
+        source: Annotated[str | None, Field(description="only the tasks this source delegated (e.g. your"
+                                            " own)")] = None,
     ) -> Annotated[CallToolResult, QueueOut]:
         """Every running task (slot, pid, elapsed time) and every queued one in the order they
         will start: position 1 starts next, and `waiting_for` says why a task waits when it is
-        not simply behind others (a per-source or group limit, a rate limit, the resource guard)."""
+        not simply behind others (a per-source or group limit, a rate limit, the resource guard).
+        group, state and source keep only the tasks that match, at their true positions."""
         cfg, index = ops.read(home)
         control.ensure_service(home, cfg, index)
-        view = ops.listing(cfg, index, finished=finished)
+        keep = pm.task_filter(group, state, source)
+        view = ops.listing(cfg, index, finished=finished, home=home, keep=None if keep == pm.TaskFilter() else keep)
         return _text(render.queue_text(view, control.service_pid(home) is not None), ops.queue_json(view, home))
 
     @server.tool(annotations=read_only)
@@ -421,8 +431,10 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
     @server.tool(annotations=read_only)
     @answers
     async def wait(
-        tasks: Annotated[list[str], Field(min_length=1, description="task ids or names")],
         ctx: Context,
+        tasks: Annotated[list[str], Field(description="task ids or names")] = [],  # noqa: B006 (pydantic copies it)
+        group: Annotated[str | None, Field(description="instead of tasks: every task of this pool queued or"
+                                           " running now (e.g. a batch you delegated with group)")] = None,
         timeout: Annotated[str | float | None, Field(description="give up waiting after this long (90s, 15m,"
                                                      " 2h or seconds); null: until they are final")] = None,
     ) -> Annotated[CallToolResult, WaitOut]:
@@ -434,9 +446,11 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         a timeout below that limit (e.g. 10m). Cancelling this call only stops the waiting;
         the tasks are never touched."""
         seconds = _duration(timeout, "timeout")
+        if bool(tasks) == (group is not None):
+            raise UsageError("name the tasks to wait for (ids or names), or a group (not both)")
         cfg, index = await _in_thread(ops.read, home)
         await _in_thread(control.ensure_service, home, cfg, index)
-        ids = [pm.find(index, ref).id for ref in tasks]
+        ids = [pm.find(index, ref).id for ref in tasks] or [t.id for t in index.live() if t.group == group]
         stop = waiting.Stop()
         looks = waiting.looks(home, ids, seconds, settle=True, stop=stop)
         shown: list[tuple[Any, ...]] | None = None
@@ -481,21 +495,8 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         failed, before you retry it or fix the issue yourself. A queued task has no output yet."""
         cfg, index = ops.read(home)
         found = pm.find(index, task)
-        path = ops.log_path(home, cfg, found)
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            size = 0
-        end = logtail.tail(path, lines, max_bytes) if size else logtail.Tail(b"", 0, 0)
-        text = end.data.decode("utf-8", errors="replace")
-        kind = "text" if raw else ops.output_kind(cfg, found)
-        if kind != "text":  # e.g. Claude Code's stream-json: its messages, tool calls and end, as text
-            from kugetsu.agents import render_tail
-
-            text = render_tail(kind, text, cut=end.start > 0 and lines is None)
-        obj = {"id": found.id, "name": found.name, "state": found.state.value, "text": text, "size": size,
-               "truncated": len(end.data) != end.size}
-        shown = text if size else f"(no output yet: {found.name} is {found.state.value})"
+        obj = ops.log_json(home, cfg, found, lines, max_bytes, raw)
+        shown = obj["text"] if obj["size"] else f"(no output yet: {found.name} is {found.state.value})"
         return _text(shown, obj)
 
     @server.tool(annotations=ToolAnnotations(destructive_hint=False, idempotent_hint=True, open_world_hint=False))

@@ -133,7 +133,7 @@ async def cmd_help(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
 def _queue_view(home: Home) -> tuple[str, InlineKeyboardMarkup | None]:
     cfg, index = ops.read(home)
     now = ops.now()
-    view = pm.queue_view(index, cfg, now, ops.measure(cfg))
+    view = ops.listing(cfg, index, at=now).view  # the CLI's own view, with its notes on why tasks wait
     body = text.queue(view, now)
     live = [t for t in view.running if t.stop is None] + view.queued
     buttons = [
@@ -216,16 +216,60 @@ async def on_button(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
         log.info("could not refresh the queue message: %s", err)
 
 
+def _pause(home: Home, ref: str | None, on: bool, chat_id: int) -> str:
+    """/pause, /resume: the queue's starts, or (with TASK) a running task's processes."""
+    if ref is None:
+        changed, cap = ops.pause(home, None, on)
+        if on:
+            return "paused: no queued task starts, running ones go on" if changed else "already paused"
+        return (f"resumed: {cap.active}/{cap.max_agents} running, {cap.queued} queued" if changed
+                else "was not paused")
+    task, changed = ops.pause_task(home, ref, on, by=f"telegram:{chat_id}")
+    verb = "paused" if on else "resumed"
+    return f"{verb} {text.task_ref(task)}" if changed else f"{text.task_ref(task)} was {'already' if on else 'not'} paused"
+
+
+async def cmd_pause(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
+    await _pause_or_resume(update, context, True)
+
+
+async def cmd_resume(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
+    await _pause_or_resume(update, context, False)
+
+
+async def _pause_or_resume(update: Update, context: ContextTypes.DEFAULT_TYPE, on: bool) -> None:
+    ref = context.args[0] if context.args else None
+    chat_id = update.effective_chat.id  # type: ignore[union-attr]
+    await _reply(update, await asyncio.to_thread(_pause, _env(context).home, ref, on, chat_id))
+
+
+def _retry(home: Home, ref: str) -> str:
+    cfg = load_config(home)
+    if not cfg.telegram.allow_delegate:  # it starts an agent, as /delegate does
+        return "Retrying from Telegram is off with delegating (config telegram.allow_delegate)."
+    return _admitted(ops.retry(home, cfg, ref))
+
+
+async def cmd_retry(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
+    if not context.args:
+        await _reply(update, "usage: /retry TASK (a finished task: it runs again as a new task)")
+        return
+    await _reply(update, await asyncio.to_thread(_retry, _env(context).home, context.args[0]))
+
+
+def _admitted(adm: ops.Admission) -> str:
+    if adm.position is None:
+        return f"started {text.task_ref(adm.task)}, slot {adm.task.slot}/{adm.max_agents}"
+    return f"queued {text.task_ref(adm.task)}, position {adm.position} of {adm.queued}"
+
+
 def _delegate(home: Home, name: str, prompt: str, chat_id: int) -> str:
     cfg = load_config(home)  # fresh: allow_delegate may have just been switched
     if not cfg.telegram.allow_delegate:
         return "Delegating from Telegram is off (config telegram.allow_delegate)."
     cwd = os.path.expanduser(cfg.telegram.delegate_cwd or "~")
     req = pm.Request(cwd=cwd, name=name, prompt=prompt, source=f"telegram:{chat_id}")
-    adm = ops.delegate(home, cfg, req)
-    if adm.position is None:
-        return f"started {text.task_ref(adm.task)}, slot {adm.task.slot}/{adm.max_agents}"
-    return f"queued {text.task_ref(adm.task)}, position {adm.position} of {adm.queued}"
+    return _admitted(ops.delegate(home, cfg, req))
 
 
 async def cmd_delegate(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
@@ -269,6 +313,7 @@ def build(token: str, home: Home, get_cfg: Callable[[], Config]) -> Application:
     for name, handler in (
         ("start", cmd_help), ("help", cmd_help), ("queue", cmd_queue), ("status", cmd_status),
         ("capacity", cmd_capacity), ("cancel", cmd_cancel), ("delegate", cmd_delegate), ("schedules", cmd_schedules),
+        ("pause", cmd_pause), ("resume", cmd_resume), ("retry", cmd_retry),
     ):
         app.add_handler(CommandHandler(name, handler))
     app.add_handler(CallbackQueryHandler(on_button))
@@ -282,7 +327,7 @@ async def set_commands(app: Application, env: Env) -> None:
     allow = env.get_cfg().telegram.allow_delegate
     env.menu_has_delegate = allow
     try:
-        await app.bot.set_my_commands([BotCommand(n, d) for n, d in text.COMMANDS if allow or n != "delegate"])
+        await app.bot.set_my_commands([BotCommand(n, d) for n, d in text.COMMANDS if allow or n not in ("delegate", "retry")])
     except TelegramError as err:  # only the client's menu suffers; the next message retries
         env.menu_has_delegate = not allow
         log.warning("setMyCommands failed (%s); the commands still work", err)

@@ -199,9 +199,12 @@ def help_text(allow_delegate: bool) -> str:
         "/capacity: slots and queue in one line",
         "/cancel TASK...: cancel queued or running tasks",
         "/schedules: the recurring schedules, their next firing and last task",
+        "/pause, /resume: stop starting queued tasks, and start again",
+        "/pause TASK, /resume TASK: stop a running task's processes, and let them go on",
     ]
     if allow_delegate:
         lines.append("/delegate NAME PROMPT: run the default agent on PROMPT")
+        lines.append("/retry TASK: run a finished task again, as a new task")
     lines.append("/help: this text")
     return "\n".join(lines)
 
@@ -211,8 +214,11 @@ COMMANDS = [
     ("status", "one task in full: /status TASK"),
     ("capacity", "slots and queue"),
     ("cancel", "cancel tasks: /cancel TASK"),
+    ("pause", "pause the queue, or a task: /pause [TASK]"),
+    ("resume", "resume the queue, or a task: /resume [TASK]"),
     ("delegate", "start an agent: /delegate NAME PROMPT"),
     ("schedules", "recurring schedules"),
+    ("retry", "run a finished task again: /retry TASK"),
     ("help", "what this bot does"),
 ]
 

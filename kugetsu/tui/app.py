@@ -24,11 +24,12 @@ from textual.widgets import DataTable, Footer, Static
 from kugetsu import control, ops, pm
 from kugetsu.config import Config, host_name, load_config
 from kugetsu.errors import KugetsuError
-from kugetsu.models import Event, Index, Task
+from kugetsu.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home
 from kugetsu.store import open_store
 from kugetsu.tui import view
-from kugetsu.tui.screens import SOURCE, ConfirmCancel, DelegateForm, HelpScreen, LogScreen, SchedulesScreen, describe_error
+from kugetsu.tui.screens import (SOURCE, ConfirmCancel, DelegateForm, EditForm, HelpScreen, LogScreen, SchedulesScreen,
+                                 describe_error)
 from kugetsu.render import printable
 from kugetsu.tui.widgets import LogView, StateTable, TaskTable, plain
 
@@ -52,18 +53,30 @@ class Dashboard(App[None]):
     # Below 100 columns the Events pane takes more of the bottom row (app.tcss): its four
     # columns do not fit in half of 80.
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    # The footer must fit 80 columns: it shows the keys that apply to the selected task
+    # (check_action hides the others), and one entry for each pair of a key's two meanings
+    # (p pauses a running task, or resumes a paused one: two bindings, one shown at a time).
     BINDINGS = [
         Binding("c", "cancel", "cancel"),
         Binding("d", "delegate", "delegate"),
-        # One footer entry for the pair: the footer must fit 80 columns.
-        Binding("plus,equals_sign", "max_agents(1)", "max agents", key_display="+/-"),
-        Binding("minus", "max_agents(-1)", "fewer agents", show=False),
+        Binding("e", "edit('name')", "edit"),
+        Binding("u", "edit('priority')", "priority"),
+        Binding("p", "pause_task(True)", "pause"),
+        Binding("p", "pause_task(False)", "resume"),
+        Binding("t", "retry", "retry"),
+        Binding("h", "hold(True)", "hold"),
+        Binding("h", "hold(False)", "release"),
+        Binding("P", "pause_queue(True)", "pause all", key_display="P"),
+        Binding("P", "pause_queue(False)", "resume all", key_display="P"),
         Binding("l", "log", "log"),
-        Binding("s", "stats", "stats"),
         Binding("w", "schedules", "schedules", show=False),  # the footer must fit 80 columns: in `?`
-        Binding("r", "refresh", "refresh"),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
+        # Last: what 80 columns cut first when a queued task's keys take the room (`?` lists all).
+        Binding("s", "stats", "stats"),
+        Binding("plus,equals_sign", "max_agents(1)", "agents", key_display="+/-"),  # one entry for the pair
+        Binding("minus", "max_agents(-1)", "fewer agents", show=False),
+        Binding("r", "refresh", "refresh", show=False),  # it refreshes by itself
     ]
 
     selected: reactive[int | None] = reactive(None, init=False)
@@ -87,6 +100,7 @@ class Dashboard(App[None]):
         self._stamps: dict[str, Stamp] = {}
         self._selected_table: TaskTable | None = None
         self._config_lock = threading.Lock()  # +/- read-modify-write: two quick presses make +2
+        self._keys: object = None  # what the footer's keys were chosen by (see _show)
 
     # ---- layout --------------------------------------------------------------------
 
@@ -94,12 +108,12 @@ class Dashboard(App[None]):
         yield Static("", id="summary")
         with Vertical(id="tables"):
             yield TaskTable(view.RUNNING_COLUMNS, key_column="id", id="running")
-            yield TaskTable(view.QUEUE_COLUMNS, key_column="id", id="queue")
+            yield TaskTable(view.QUEUE_COLUMNS, key_column="id", fill_column="why", squeeze_column="source", id="queue")
             yield TaskTable(view.FINISHED_COLUMNS, key_column="id", fill_column="reason", id="finished")
         with Horizontal(id="bottom"):
             yield LogView(poll=self.poll, id="output")
             yield StateTable(view.EVENT_COLUMNS, fill_column="reason", squeeze_column="task", id="events", show_cursor=False)
-        yield Footer()
+        yield Footer(compact=True)  # every key of a selected task in 80 columns
 
     def on_mount(self) -> None:
         if self.web_tab:
@@ -184,7 +198,9 @@ class Dashboard(App[None]):
     def _show(self) -> None:
         now = self.clock()
         summary = self.summary
-        queue = pm.queue_view(self.index, self.cfg, now)  # once per refresh, for every pane
+        # Once per refresh, for every pane: the CLI's own view, with the resource guard's and
+        # placement's notes (why a task waits), and the running tasks' measured use.
+        queue = ops.listing(self.cfg, self.index, at=now).view
         text = view.summary(queue.capacity, self.service_pid, self.measured)
         summary.update(plain(text + (" · files unreadable: see notification" if self.error else "")))
         summary.set_class(self.service_pid is None, "-down")
@@ -204,6 +220,11 @@ class Dashboard(App[None]):
             y = events.scroll_y
             self.call_after_refresh(lambda: events.scroll_y == y and events.scroll_end(animate=False, immediate=True))
         self._follow_selection()
+        task = self.selected_task()
+        keys = (task and (task.state, task.stop, task.paused_at, task.agent in self.index.holds), self.index.paused)
+        if keys != self._keys:  # a state change of the selected task changes its keys (the footer)
+            self._keys = keys
+            self.refresh_bindings()
         self.output.border_title = plain(view.task_title(self.selected_task(), self.measured))
         self.call_after_refresh(self._count_hidden)
 
@@ -264,6 +285,7 @@ class Dashboard(App[None]):
                 now.focus(scroll_visible=False)
 
     def watch_selected(self, selected: int | None) -> None:
+        self.refresh_bindings()  # the footer's keys follow the selected task's state
         output = self.output
         task = self.selected_task()
         path = None if selected is None else self.home.log(selected) if task is None else ops.log_path(self.home, self.cfg, task)
@@ -273,12 +295,28 @@ class Dashboard(App[None]):
 
     # ---- actions ---------------------------------------------------------------------
 
-    MAIN_ONLY = {"cancel", "delegate", "max_agents", "log", "stats", "refresh", "help"}
+    MAIN_ONLY = {"cancel", "delegate", "max_agents", "log", "stats", "refresh", "help", "edit", "pause_task", "retry",
+                 "hold", "pause_queue"}
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # App bindings stay live under a dialog: `d` or `+` must not act behind a question.
         if action in self.MAIN_ONLY and self.screen is not self.screen_stack[0]:
             return False
+        task = self.selected_task()
+        # The keys of the selected task's state only (False hides them from the footer). `c`
+        # and `l` stay: pressing them says why they do nothing (no task, already final).
+        if action == "edit":
+            return task is not None and task.state is TaskState.QUEUED
+        if action == "pause_task":
+            return (task is not None and task.state is TaskState.RUNNING and task.stop is None
+                    and (task.paused_at is None) == parameters[0])
+        if action == "retry":
+            return task is not None and task.state.final
+        if action == "hold":
+            return (task is not None and task.agent is not None and not task.state.final
+                    and (task.agent in self.index.holds) != parameters[0])
+        if action == "pause_queue":
+            return self.index.paused != parameters[0]
         return True
 
     def action_refresh(self) -> None:
@@ -286,7 +324,7 @@ class Dashboard(App[None]):
         self.output.poll()
 
     def action_help(self) -> None:
-        states = ("queued", "running", "stopping", "succeeded", "failed", "cancelled", "expired", "lost")
+        states = ("queued", "running", "stopping", "paused", "succeeded", "failed", "cancelled", "expired", "lost")
         self.push_screen(HelpScreen(self.running.legend(states)))
 
     def action_stats(self) -> None:
@@ -325,6 +363,53 @@ class Dashboard(App[None]):
             return
         verb = "cancelled" if task.state.final else "stopping"
         self._done(f"{verb} {task.name} (#{task.id})")
+
+    def action_edit(self, field: str) -> None:
+        task = self.selected_task()
+        if task is not None:
+            self.push_screen(EditForm(self.home, task, field), callback=lambda saved: saved and self._edited(task))
+
+    def _edited(self, task: Task) -> None:
+        self.notify(f"edited {task.name} (#{task.id})")
+        self.refresh_view(force=True)
+
+    def action_pause_task(self, on: bool) -> None:
+        task = self.selected_task()
+        if task is not None:
+            self._act(lambda: ops.pause_task(self.home, str(task.id), on, by=SOURCE),
+                      f"{'paused' if on else 'resumed'} {task.name} (#{task.id})")
+
+    def action_pause_queue(self, on: bool) -> None:
+        self._act(lambda: ops.pause(self.home, None, on),
+                  "paused: no queued task starts" if on else "resumed: queued tasks start again")
+
+    def action_hold(self, on: bool) -> None:
+        task = self.selected_task()
+        if task is not None and task.agent is not None:
+            agent = task.agent
+            self._act(lambda: ops.hold(self.home, agent, None) if on else ops.release(self.home, agent),
+                      f"{'held' if on else 'released'} {agent}" + (" until released (h)" if on else ""))
+
+    def action_retry(self) -> None:
+        task = self.selected_task()
+        if task is not None:
+            def retry() -> None:
+                adm = ops.retry(self.home, load_config(self.home), str(task.id))
+                self.call_from_thread(self._delegated, adm)
+
+            self._act(retry, None)
+
+    @work(thread=True, group="actions")
+    def _act(self, act: Callable[[], object], said: str | None) -> None:
+        """An action through ops in a thread (the transaction locks and fsyncs); its error is
+        a notification."""
+        try:
+            act()
+        except Exception as err:
+            self._done(describe_error(err), error=True)
+            return
+        if said is not None:
+            self._done(said)
 
     def action_delegate(self) -> None:
         form = DelegateForm(self.home, sorted(self.cfg.agents), self.cfg.default_agent, self.cwd)

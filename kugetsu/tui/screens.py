@@ -17,7 +17,7 @@ from textual.widgets import Button, Footer, Input, Label, Select, Static
 from kugetsu import ops, pm
 from kugetsu.config import format_duration, load_config
 from kugetsu.errors import KugetsuError
-from kugetsu.models import Task, TaskState
+from kugetsu.models import PRIORITIES, Task, TaskState
 from kugetsu.paths import Home
 from kugetsu.tui.view import task_title
 from kugetsu.tui.widgets import LogView, plain
@@ -62,6 +62,7 @@ class ConfirmCancel(ModalScreen[bool]):
             with Horizontal(id="buttons"):
                 yield Button("Yes, cancel (y)", variant="error", id="yes")
                 yield Button("No (n)", variant="primary", id="no")
+        yield Footer()  # its own keys (y, n), not the dashboard's behind it
 
     def action_answer(self, answer: bool) -> None:
         self.dismiss(answer)
@@ -75,7 +76,11 @@ class DelegateForm(ModalScreen["ops.Admission | None"]):
     """Name, prompt, agent preset (and working directory). Submits through ops.delegate, the
     CLI's own admission; its errors (bad name, unknown command, queue full) stay in the form."""
 
-    BINDINGS = [Binding("escape", "dismiss_form", "close")]
+    BINDINGS = [Binding("escape", "dismiss_form", "close"), Binding("enter", "submit", "delegate", show=True,
+                                                                   key_display="enter")]
+
+    def action_submit(self) -> None:
+        self._submit()
 
     def __init__(self, home: Home, agents: list[str], default_agent: str, cwd: str):
         super().__init__()
@@ -104,6 +109,7 @@ class DelegateForm(ModalScreen["ops.Admission | None"]):
             with Horizontal(id="form-buttons"):
                 yield Button("Delegate", variant="primary", id="submit")
                 yield Button("Close", id="close")
+        yield Footer()
 
     def on_mount(self) -> None:
         self.query_one("#name", Input).focus()
@@ -140,6 +146,81 @@ class DelegateForm(ModalScreen["ops.Admission | None"]):
         self.query_one("#error", Static).update(plain(message))
 
 
+class EditForm(ModalScreen[bool]):
+    """A queued task's name, prompt and priority (`e`, or `u` to start at the priority):
+    submits what changed through ops.edit, the CLI's own transaction; its errors stay here."""
+
+    BINDINGS = [Binding("escape", "close", "close"), Binding("enter", "submit", "save", key_display="enter")]
+
+    def __init__(self, home: Home, task: Task, focus: str = "name"):
+        super().__init__()
+        self.home = home
+        self.target = task
+        self.start = focus
+
+    def compose(self) -> ComposeResult:
+        t = self.target
+        with Vertical(id="form"):
+            yield Label(plain(f"Edit {t.name} (#{t.id})"), id="form-title")
+            with Horizontal(classes="field"):
+                yield Label("Name")
+                yield Input(value=t.name, id="name", compact=True)
+            with Horizontal(classes="field"):
+                yield Label("Prompt")
+                # A command given at delegation has no prompt to change (pm.edit says so).
+                yield Input(value=t.prompt or "", id="prompt", compact=True, disabled=t.prompt is None)
+            with Horizontal(classes="field"):
+                yield Label("Priority")
+                yield Select([(p, p) for p in PRIORITIES], value=t.priority, allow_blank=False, id="priority",
+                             compact=True)
+            yield Static("", id="error")
+            with Horizontal(id="form-buttons"):
+                yield Button("Save", variant="primary", id="submit")
+                yield Button("Close", id="close")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one(f"#{self.start}").focus()
+
+    def action_close(self) -> None:
+        self.dismiss(False)
+
+    @on(Button.Pressed, "#close")
+    def _close(self) -> None:
+        self.dismiss(False)
+
+    def action_submit(self) -> None:
+        self._submit()
+
+    @on(Button.Pressed, "#submit")
+    @on(Input.Submitted)
+    def _submit(self) -> None:
+        t = self.target
+        name = self.query_one("#name", Input).value.strip()
+        prompt = self.query_one("#prompt", Input).value
+        priority = str(self.query_one("#priority", Select).value)
+        change = pm.Edit(name=name if name != t.name else None,
+                         prompt=prompt if t.prompt is not None and prompt != t.prompt else None,
+                         priority=priority if priority != t.priority else None)
+        if change.empty():
+            self.dismiss(False)
+            return
+        self.query_one("#error", Static).update("saving…")
+        self._edit(change)
+
+    @work(thread=True, exclusive=True, group="edit")
+    def _edit(self, change: pm.Edit) -> None:
+        try:
+            ops.edit(self.home, str(self.target.id), change)
+        except Exception as err:  # shown in the form, never a crash
+            self.app.call_from_thread(self._show_error, describe_error(err))
+        else:
+            self.app.call_from_thread(self.dismiss, True)
+
+    def _show_error(self, message: str) -> None:
+        self.query_one("#error", Static).update(plain(message))
+
+
 class LogScreen(Screen[None]):
     """One task's output, full screen, following while it runs."""
 
@@ -162,7 +243,7 @@ class LogScreen(Screen[None]):
 
 
 HELP = """\
-[b]kugetsu dashboard[/b]
+[b]kugetsu dashboard[/b] (the footer shows the keys of the selected task)
 
 [b]Running[/b]   tasks holding a slot: start time, elapsed, pid
 [b]Queue[/b]     waiting tasks in start order (position 1 starts next)
@@ -173,12 +254,15 @@ HELP = """\
 [b]tab[/b] / [b]shift+tab[/b]  move between tables    [b]↑ ↓[/b]  select a task
 [b]c[/b]  cancel the selected task (asks first; [b]y[/b] confirms)
 [b]d[/b]  delegate a new task (name, prompt, agent preset)
+[b]e[/b] / [b]u[/b]  edit the selected queued task: name, prompt, priority
+[b]p[/b]  pause / resume the selected running task (its processes)
+[b]P[/b]  pause / resume the queue (no queued task starts)
+[b]h[/b]  hold / release the selected task's agent preset
+[b]t[/b]  retry the selected finished task (a new task)
 [b]+[/b] / [b]-[/b]  raise / lower max_agents (as `kugetsu config set` does)
-[b]l[/b]  the selected task's log, full screen
-[b]s[/b]  stats: queue depth and starts over the last hour, wait and run times
+[b]l[/b]  full-screen log    [b]s[/b]  stats of the last hour
 [b]w[/b]  the recurring schedules: next firing, last task and how it ended
-[b]r[/b]  refresh now (it also refreshes by itself, within a second)
-[b]q[/b]  quit (tasks keep running)
+[b]r[/b]  refresh now (it refreshes by itself)    [b]q[/b]  quit (tasks keep running)
 """
 
 

@@ -27,7 +27,8 @@ class Row:
 RUNNING_COLUMNS = (("id", "ID"), ("name", "NAME"), ("source", "SOURCE"), ("agent", "AGENT"),
                    ("started", "STARTED"), ("elapsed", "ELAPSED"), ("pid", "PID"), ("state", "STATE"))
 QUEUE_COLUMNS = (("pos", "POS"), ("id", "ID"), ("name", "NAME"), ("priority", "PRIORITY"),
-                 ("source", "SOURCE"), ("waiting", "WAITING"), ("expires", "EXPIRES IN"))
+                 ("source", "SOURCE"), ("group", "GROUP"), ("waiting", "WAITING"), ("expires", "EXPIRES"),
+                 ("why", "WAITING FOR"))
 FINISHED_COLUMNS = (("id", "ID"), ("name", "NAME"), ("state", "STATE"), ("exit", "EXIT"),
                     ("ended", "ENDED"), ("reason", "REASON"))
 EVENT_COLUMNS = (("time", "TIME"), ("type", "EVENT"), ("task", "TASK"), ("reason", "DETAIL"))
@@ -45,7 +46,9 @@ def clock_time(t: datetime | None, now: datetime, tz: tzinfo | None) -> str:
 
 
 def task_style(task: Task) -> str:
-    return "stopping" if task.stop is not None and not task.state.final else task.state.value
+    if task.state.final:
+        return task.state.value
+    return "stopping" if task.stop is not None else "paused" if task.paused_at is not None else task.state.value
 
 
 def running_rows(queue: pm.QueueView, now: datetime, tz: tzinfo | None) -> list[Row]:
@@ -58,13 +61,13 @@ def running_rows(queue: pm.QueueView, now: datetime, tz: tzinfo | None) -> list[
 
 
 def queue_rows(queue: pm.QueueView, now: datetime) -> list[Row]:
-    """WAITING: how long it has waited, and why when it is not simply behind others (`starts
-    at 02:00`, its dependencies, a group full), as `queue`'s WAITING FOR says."""
-    why = queue.waiting_for
+    """WAITING: how long it has waited; WAITING FOR: why, when it is not simply behind others
+    (`starts at 02:00`, its dependencies, a group full), as `queue`'s WAITING FOR says."""
     return [
-        Row(str(t.id), t.state.value, (str(queue.positions[t.id]), str(t.id), t.name, t.priority, t.source,
-                                       since(t.created_at, now) + (f" · {why[t.id]}" if t.id in why else ""),
-                                       until(t.expires_at, now)))
+        Row(str(t.id), t.state.value, (str(queue.positions.get(t.id, "-")), str(t.id), t.name, t.priority, t.source,
+                                       t.group or "-", since(t.created_at, now),
+                                       "-" if t.stashed_at else until(t.expires_at, now),
+                                       queue.waiting_for.get(t.id, "")))
         for t in queue.queued
     ]
 

@@ -24,7 +24,7 @@ def plain(text: str, lines: bool = True, **style: object) -> Text:
     widget that shows such text takes it from here; markup is for the app's own words only."""
     return Text(printable(text, lines), **style)  # type: ignore[arg-type]
 
-STATES = ("queued", "running", "stopping", "succeeded", "failed", "cancelled", "expired", "lost",
+STATES = ("queued", "running", "stopping", "paused", "succeeded", "failed", "cancelled", "expired", "lost",
           "started", "config")
 
 
