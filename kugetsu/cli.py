@@ -669,11 +669,12 @@ def _edit_prompt(home: Home, ref: str) -> str | None:
     if task.state is not TaskState.QUEUED:
         raise UsageError(f"task {task.name} (#{task.id}) is {task.state.value}; only a queued task can be edited",
                          code=FAILURE)
+    before = ops.prompts(home, [task]).get(task.id, task.prompt) or ""  # kept beside the index
     editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
     fd, name = tempfile.mkstemp(prefix=f"kugetsu-{task.name}-", suffix=".md")  # 0600
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write((task.prompt or "").encode())
+            f.write(before.encode())
         try:
             code = subprocess.call([*shlex.split(editor), name])
         except (OSError, ValueError) as err:
@@ -689,7 +690,7 @@ def _edit_prompt(home: Home, ref: str) -> str | None:
     except UnicodeDecodeError as err:
         raise UsageError(f"the edited prompt is not UTF-8 text ({err.reason} at byte {err.start}): nothing was"
                          " changed") from None
-    return None if text == (task.prompt or "") else text
+    return None if text == before else text
 
 
 def _after_refs(values: list[str]) -> list[str]:

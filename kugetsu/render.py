@@ -291,7 +291,8 @@ def task_lines(task: dict[str, Any]) -> str:
 def command_text(task: Task, width: int | None = None) -> str:
     """A task's command as a shell would read it, its prompt shown as `{prompt}` (the queue's
     COMMAND column, `status`); cut to `width` with "…" when given."""
-    text = " ".join("{prompt}" if task.prompt and v == task.prompt else _quote(v) for v in task.command)
+    text = " ".join("{prompt}" if v == "{prompt}" or (task.prompt and v == task.prompt) else _quote(v)
+                    for v in task.command)
     return text if width is None else cut(text, width)
 
 

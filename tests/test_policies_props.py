@@ -283,8 +283,11 @@ def build_heavy(raw: dict, first: list, later: list, gap: int) -> tuple[Config, 
     for batch in (first, later):
         for source, priority, group, agent, mem, slots in batch:
             try:
-                pm.admit(index, cfg, now, pm.Request(cwd="/", command=["true"], source=source, priority=priority,
-                                                     group=group, agent=agent, memory=mem and mem * G, slots=slots))
+                routed = agent is not None and "," in agent  # a failover order runs presets, with a prompt
+                pm.admit(index, cfg, now, pm.Request(cwd="/", command=None if routed else ["true"], source=source,
+                                                     priority=priority, group=group, agent=agent,
+                                                     prompt="x" if routed else None, memory=mem and mem * G,
+                                                     slots=slots))
             except pm.UsageError:
                 assert slots > cfg.max_agents or (group and slots > cfg.groups[group].max_agents) \
                     or (mem or 0) * G > cfg.memory_budget

@@ -30,8 +30,10 @@ def build(raw: dict, first: list, later: list, gap: int) -> tuple[Config, Index,
     for batch in (first, later):
         for (source, priority, group, agent), at in batch:
             start = now + timedelta(seconds=at) if at is not None else None
-            pm.admit(index, cfg, now, pm.Request(cwd="/", command=["true"], source=source, priority=priority,
-                                                 group=group, agent=agent, start_at=start))
+            routed = agent is not None and "," in agent  # a failover order runs presets, with a prompt
+            pm.admit(index, cfg, now, pm.Request(cwd="/", command=None if routed else ["true"], source=source,
+                                                 priority=priority, group=group, agent=agent, start_at=start,
+                                                 prompt="x" if routed else None))
         pm.settle(index, cfg, now)
         now = T0 + timedelta(seconds=gap)
     return cfg, index, now

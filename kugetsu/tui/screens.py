@@ -157,6 +157,8 @@ class EditForm(ModalScreen[bool]):
         self.home = home
         self.target = task
         self.start = focus
+        # Its prompt, kept beside the index (None: a command given at delegation has none).
+        self.prompt = ops.prompts(home, [task]).get(task.id, task.prompt)
 
     def compose(self) -> ComposeResult:
         t = self.target
@@ -168,7 +170,7 @@ class EditForm(ModalScreen[bool]):
             with Horizontal(classes="field"):
                 yield Label("Prompt")
                 # A command given at delegation has no prompt to change (pm.edit says so).
-                yield Input(value=t.prompt or "", id="prompt", compact=True, disabled=t.prompt is None)
+                yield Input(value=self.prompt or "", id="prompt", compact=True, disabled=self.prompt is None)
             with Horizontal(classes="field"):
                 yield Label("Priority")
                 yield Select([(p, p) for p in PRIORITIES], value=t.priority, allow_blank=False, id="priority",
@@ -200,7 +202,7 @@ class EditForm(ModalScreen[bool]):
         prompt = self.query_one("#prompt", Input).value
         priority = str(self.query_one("#priority", Select).value)
         change = pm.Edit(name=name if name != t.name else None,
-                         prompt=prompt if t.prompt is not None and prompt != t.prompt else None,
+                         prompt=prompt if self.prompt is not None and prompt != self.prompt else None,
                          priority=priority if priority != t.priority else None)
         if change.empty():
             self.dismiss(False)
