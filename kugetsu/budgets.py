@@ -58,15 +58,14 @@ def daily_over(what: str, budget: Budget | None, used: Usage | None, now: dateti
     """`budget pm 20.00/20.00 USD, resets 00:00` when `used` has reached the budget, else None."""
     if budget is None or used is None:
         return None
-    from kugetsu.policy import clock
-
     if budget.usd is not None and used.cost_usd is not None and used.cost_usd >= budget.usd:
         figure = f"{used.cost_usd:.2f}/{budget.usd:.2f} USD"
     elif budget.tokens is not None and counted_tokens(used) >= budget.tokens:
         figure = f"{counted_tokens(used):,}/{budget.tokens:,} tokens"
     else:
         return None
-    return f"budget {what} {figure}, resets {clock(midnight_after(now), now)}"
+    # The coming midnight (local): always the next day's 00:00, which needs no date to be read right.
+    return f"budget {what} {figure}, resets 00:00"
 
 
 def task_used(task: Task) -> Usage | None:

@@ -984,36 +984,30 @@ def fire_schedule(home: Home, name: str, at: datetime | None = None) -> Firing |
     except KugetsuError as err:
         problem = err
     req.token = runner.new_token()
-    written: list[Path] = []
-    try:
-        with _locked(home) as (txn, cfg):
-            settle(txn, cfg)
-            sched = txn.index.schedules.get(name)
-            if sched is None:
-                if by_hand:
-                    raise schedules.NoSuchSchedule(name)
-                return None
-            why = schedules.should_fire(txn.index, sched, fire_at, by_hand)
-            if why in ("already fired", "paused"):
-                return None
-            out = Firing(note=why or "")
-            if why is None and problem is not None:
-                out.note = schedules.refused(problem)
-            elif why is None:
-                req.name = schedules.free_name(txn.index, req.name or "")
-                try:
-                    adm = _admit(home, txn, cfg, req, written)
-                except KugetsuError as err:
-                    out.note = schedules.refused(err)
-                else:
-                    out = Firing(note=f"delegated {adm.task.name} (#{adm.task.id})", task=adm.task, admission=adm)
-            txn.emit(schedules.record(txn.index, sched, fire_at, txn.now, by_hand,
-                                      out.task.id if out.task else None, out.note))
-    except BaseException:
-        for path in written:
-            path.unlink(missing_ok=True)
-        raise
-    wake(home, cfg)
+    with _locked(home) as (txn, cfg):
+        settle(txn, cfg)
+        sched = txn.index.schedules.get(name)
+        if sched is None:
+            if by_hand:
+                raise schedules.NoSuchSchedule(name)
+            return None
+        why = schedules.should_fire(txn.index, sched, fire_at, by_hand)
+        if why in ("already fired", "paused"):
+            return None
+        out = Firing(note=why or "")
+        if why is None and problem is not None:
+            out.note = schedules.refused(problem)
+        elif why is None:
+            req.name = schedules.free_name(txn.index, req.name or "")
+            try:
+                adm = _admit(home, txn, cfg, req)  # its prompt is kept with this commit (txn.prompts)
+            except KugetsuError as err:
+                out.note = schedules.refused(err)
+            else:
+                out = Firing(note=f"delegated {adm.task.name} (#{adm.task.id})", task=adm.task, admission=adm)
+        txn.emit(schedules.record(txn.index, sched, fire_at, txn.now, by_hand,
+                                  out.task.id if out.task else None, out.note))
+    wake(home, cfg, txn.index)
     return out
 
 

@@ -262,8 +262,7 @@ HELP = """\
 [b]h[/b]  hold / release the selected task's agent preset
 [b]t[/b]  retry the selected finished task (a new task)
 [b]+[/b] / [b]-[/b]  raise / lower max_agents (as `kugetsu config set` does)
-[b]l[/b]  full-screen log    [b]s[/b]  stats of the last hour
-[b]w[/b]  the recurring schedules: next firing, last task and how it ended
+[b]l[/b]  full-screen log    [b]s[/b]  stats of the last hour    [b]w[/b]  schedules
 [b]r[/b]  refresh now (it refreshes by itself)    [b]q[/b]  quit (tasks keep running)
 """
 
