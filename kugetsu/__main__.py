@@ -1,3 +1,3 @@
-from kugetsu.cli import run
+from kugetsu.frontends.cli.main import run
 
 run()

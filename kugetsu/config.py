@@ -12,7 +12,7 @@ import msgspec
 import msgspec.inspect
 
 from kugetsu.errors import FileError, UsageError, redact_url
-from kugetsu.models import valid_host
+from kugetsu.core.models import valid_host
 from kugetsu.paths import DISK_FULL, Home, atomic_write, disk_full, read_file
 
 # ---- durations ------------------------------------------------------------------------
@@ -68,7 +68,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
 # The smallest log_max_size: a capped log keeps a quarter of it from its beginning and a
-# quarter from its end (kugetsu/logtail.py).
+# quarter from its end (kugetsu/store/logtail.py).
 LOG_MIN = 4 * 1024 * 1024
 
 
@@ -438,7 +438,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     history_limit: Annotated[int, msgspec.Meta(ge=0)] = 500
     events_max_size: str | int = "16MiB"
     # Each task's log on disk: beyond it the service keeps its beginning and its end and drops
-    # the middle (kugetsu/logtail.py); null: no cap.
+    # the middle (kugetsu/store/logtail.py); null: no cap.
     log_max_size: str | int | None = "64MiB"
     # A task's prompt at most: it lives in the index. 128 KiB is also the most Linux passes as
     # one argv element (MAX_ARG_STRLEN), so any prompt taken fits a {prompt} preset.
@@ -854,7 +854,7 @@ def load_config(home: Home) -> Config:
         cfg = validate(raw, home.config)
         _last_loaded = (key, cfg)
         return cfg
-    from kugetsu.cluster.store import store_for  # cluster mode only: psycopg is not light
+    from kugetsu.store.postgres import store_for  # cluster mode only: psycopg is not light
 
     return cluster_config(home, raw, store_for(url).read_config())
 

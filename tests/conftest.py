@@ -59,7 +59,7 @@ async def service_in_process(home: Home) -> AsyncIterator[None]:
     """The real service, run on the test's own event loop (so that a test can patch what it
     calls), stopped at the end. Tests look at what it does (wrappers, the index, events,
     the agents' own times), not at its fields."""
-    from kugetsu.service import Service
+    from kugetsu.service.daemon import Service
 
     svc = Service(home)
     serving = asyncio.create_task(svc.main())
@@ -151,7 +151,7 @@ class Kugetsu:
     def wrappers(self) -> dict[int, tuple[int, int]]:
         """task id -> (pid, start) of this home's living wrappers that are truly its tasks'
         (runner.find_wrappers, with the tokens from the index)."""
-        from kugetsu import runner
+        from kugetsu.service import runner
 
         try:
             index = self.index()

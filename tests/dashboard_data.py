@@ -9,9 +9,9 @@ from pathlib import Path
 
 import msgspec
 
-from kugetsu.models import Event, Index, Task, TaskState
+from kugetsu.core.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home, atomic_write
-from kugetsu.store import Store, encode_index
+from kugetsu.store.files import Store, encode_index
 
 NOW = datetime(2025, 3, 14, 12, 0, 0, tzinfo=timezone.utc)
 UTC = timezone.utc
@@ -114,7 +114,7 @@ LOGS = {
 def held_home(root: Path) -> Home:
     """The busy home with the queue paused, a preset held by hand and a task in a group: the
     header's longest line, and the reasons the WAITING FOR column gives."""
-    from kugetsu.models import Hold
+    from kugetsu.core.models import Hold
 
     home = busy_home(root, groups={"gpu": {"max_agents": 1}})
     index = Store(home).read()

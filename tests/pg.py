@@ -51,7 +51,7 @@ def pg_url() -> Iterator[str]:
     try:
         yield database_url(name)
     finally:
-        from kugetsu.cluster import store as cluster_store
+        from kugetsu.store import postgres as cluster_store
 
         for s in list(cluster_store._stores.values()):  # this process's connections to it
             if name in s.url:

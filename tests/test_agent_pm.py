@@ -32,7 +32,7 @@ pytestmark = pytest.mark.agent_cli
 
 RUN = 180  # seconds for a PM run of several turns, each an MCP call, on a loaded 2-core machine
 
-# kugetsu's own words (kugetsu/mcp/server.py), as the model must be shown them.
+# kugetsu's own words (kugetsu/frontends/mcp/server.py), as the model must be shown them.
 BACK_OFF = "Nothing was queued. Back off: try again in about 60s (or after one of your tasks ends); do not retry at once."
 
 

@@ -64,7 +64,7 @@ NASTY = [
 def test_hostile_values_are_read_as_nothing_said():
     import msgspec
 
-    from kugetsu.models import Task
+    from kugetsu.core.models import Task
 
     tail = "\n".join(json.dumps(o) for o in NASTY) + '\n{"type":"result","usage":{"input_t'
     for module in MODULES:

@@ -79,8 +79,8 @@ def test_a_single_100mb_line_is_shown_cut_with_a_marker(kg):
 
 
 async def test_the_dashboard_answers_while_its_selected_task_floods_its_log(kg):
-    from kugetsu.tui.app import make_app
-    from kugetsu.tui.screens import HelpScreen
+    from kugetsu.frontends.tui.app import make_app
+    from kugetsu.frontends.tui.screens import HelpScreen
 
     kg.config(max_agents=1)
     gate = kg.rec / "gate"

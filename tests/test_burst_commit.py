@@ -12,8 +12,8 @@ import sys
 
 from conftest import service_in_process, wait_for, wait_for_async
 
-from kugetsu import service
-from kugetsu.store import Store
+from kugetsu.service import daemon as service
+from kugetsu.store.files import Store
 
 CODES = [0, 1, 2, 0, 3, 0, 1, 0]  # each task's own exit status
 

@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import agent_wrappers, wait_for
 
-from kugetsu import control
+from kugetsu.app import control
 
 
 def overlap(kg, names):
@@ -157,7 +157,7 @@ def test_twenty_concurrent_delegators(kg):
     # transaction, wake): the real CLI code, without 200 interpreter start-ups on 2 cores.
     script = (
         "import sys\n"
-        "from kugetsu.cli import main\n"
+        "from kugetsu.frontends.cli.main import main\n"
         "for i in range(10):\n"
         "    assert main(['delegate', '--source', sys.argv[1], '--', 'true']) == 0\n"
     )
@@ -513,9 +513,10 @@ def test_brief_commands_exit_fast_with_all_their_output_written(kg):
     """delegate, queue, status and capacity leave without the interpreter's teardown
     (cli.run): what they printed to a pipe must all be there, and a reader that stops early
     gets no complaint."""
-    from kugetsu import ops, pm
+    from kugetsu.app import ops
+    from kugetsu.core import pm
     from kugetsu.config import load_config
-    from kugetsu.store import Store
+    from kugetsu.store.files import Store
 
     kg.config(max_agents=1, max_queue=5000)
     kg.ok("pause")

@@ -96,9 +96,9 @@ def test_correct_clock_moves_only_what_is_beyond_the_tolerance():
     stays; a hold begun a year ahead keeps its length; a retry due a year ahead is due after its
     delay; a hold made since the service's last transaction but stamped 2 days before it
     counts from now."""
-    from kugetsu import pm
+    from kugetsu.core import pm
     from kugetsu.config import Config
-    from kugetsu.models import Attempt, ClockMark, Hold, Index, SourceMark, Task
+    from kugetsu.core.models import Attempt, ClockMark, Hold, Index, SourceMark, Task
 
     now = datetime(2026, 11, 24, 12, tzinfo=timezone.utc)
     year = timedelta(days=365)

@@ -252,7 +252,7 @@ async def test_the_dashboard_on_one_machine_shows_the_cluster_and_another_machin
 
     from dashboard_data import until
 
-    from kugetsu.tui.app import make_app
+    from kugetsu.frontends.tui.app import make_app
 
     watcher, worker = machines("m1", serve=False), machines("m2")
     go = worker.rec / "go"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Kugetsu, agent_wrappers, wait_for
-from kugetsu.models import task_record
+from kugetsu.core.models import task_record
 from tcpproxy import Proxy
 from test_cluster import Machine, machines, overlap  # noqa: F401  (machines is a fixture)
 
@@ -59,7 +59,7 @@ def _final(k: Kugetsu, names: set[str], timeout: float) -> dict[str, dict]:
 
     import msgspec
 
-    from kugetsu.cluster.store import PgStore
+    from kugetsu.store.postgres import PgStore
 
     store = PgStore(json.loads(k.home.config.read_text())["store"])
 
@@ -254,7 +254,7 @@ def test_a_machine_cut_off_from_the_database_starts_nothing_and_is_fenced_when_i
 
 def test_a_statement_whose_answer_never_comes_is_interrupted(pg_url: str):
     """The service's watchdog (cluster.member) ends such a wait with PgStore.interrupt."""
-    from kugetsu.cluster.store import PgStore
+    from kugetsu.store.postgres import PgStore
     from kugetsu.errors import Unreachable
 
     proxy = Proxy(("127.0.0.1", 5432))

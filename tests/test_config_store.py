@@ -9,12 +9,14 @@ import stat
 import msgspec
 import pytest
 
-from kugetsu import ops, pm
+from kugetsu.app import ops
+
+from kugetsu.core import pm
 from kugetsu.config import Config, format_duration, load_config, parse_duration, validate
 from kugetsu.errors import FileError, UsageError
-from kugetsu.models import Event, Index
+from kugetsu.core.models import Event, Index
 from kugetsu.paths import Home
-from kugetsu.store import Store, encode_index
+from kugetsu.store.files import Store, encode_index
 
 REPO_EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "config.example.json")
 
@@ -253,7 +255,7 @@ def test_open_store_is_one_store_per_home_in_the_main_thread(tmp_path):
     being taken for a nested one."""
     import threading
 
-    from kugetsu.store import open_store
+    from kugetsu.store.files import open_store
 
     home = Home(tmp_path / "h")
     store = open_store(home)
@@ -286,7 +288,7 @@ def test_a_long_lived_store_makes_its_home_again_when_it_was_removed(tmp_path):
     made again by the next transaction, as a new Store would."""
     import shutil
 
-    from kugetsu.store import open_store
+    from kugetsu.store.files import open_store
 
     home = Home(tmp_path / "h")
     _admit(open_store(home), "a")

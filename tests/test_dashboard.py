@@ -7,12 +7,12 @@ import json
 import pytest
 from dashboard_data import UTC, busy_home, empty_home, notes, settled, until
 
-from kugetsu import ops
-from kugetsu.models import TaskState
-from kugetsu.store import Store
-from kugetsu.tui.app import make_app
-from kugetsu.tui.screens import ConfirmCancel, DelegateForm, LogScreen
-from kugetsu.tui.widgets import LogView, TaskTable
+from kugetsu.app import ops
+from kugetsu.core.models import TaskState
+from kugetsu.store.files import Store
+from kugetsu.frontends.tui.app import make_app
+from kugetsu.frontends.tui.screens import ConfirmCancel, DelegateForm, LogScreen
+from kugetsu.frontends.tui.widgets import LogView, TaskTable
 
 
 def live_home(tmp_path):  # type: ignore[no-untyped-def]
@@ -210,7 +210,7 @@ async def test_corrupt_index_is_a_notification_not_a_crash(tmp_path):
 
 
 async def test_help_keys_are_inert_under_a_dialog_and_q_quits(tmp_path):
-    from kugetsu.tui.screens import HelpScreen
+    from kugetsu.frontends.tui.screens import HelpScreen
 
     home = live_home(tmp_path)
     before = home.config.read_bytes()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import msgspec
 from dashboard_data import UTC, busy_home, clock, until
 
-from kugetsu.models import Event
-from kugetsu.tui.app import make_app
-from kugetsu.tui.widgets import StateTable, TaskTable
+from kugetsu.core.models import Event
+from kugetsu.frontends.tui.app import make_app
+from kugetsu.frontends.tui.widgets import StateTable, TaskTable
 
 
 def app_for(home):  # type: ignore[no-untyped-def]
@@ -69,9 +69,9 @@ async def test_80x24_shows_every_running_task_and_counts_what_does_not_fit(tmp_p
 async def test_a_stopping_task_is_named_stopping_in_the_running_pane(tmp_path):
 
 
-    from kugetsu.models import TaskState
+    from kugetsu.core.models import TaskState
     from kugetsu.paths import atomic_write
-    from kugetsu.store import Store, encode_index
+    from kugetsu.store.files import Store, encode_index
 
     home = busy_home(tmp_path / "home")
     index = Store(home).read()
@@ -87,7 +87,7 @@ async def test_a_stopping_task_is_named_stopping_in_the_running_pane(tmp_path):
 async def test_delegate_form_errors_speak_the_forms_terms_not_the_clis(tmp_path):
     from dashboard_data import settled
 
-    from kugetsu.tui.screens import DelegateForm
+    from kugetsu.frontends.tui.screens import DelegateForm
 
     home = busy_home(tmp_path / "home", agents={"sim": {"command": ["sh", "-c", "echo {prompt}"]},
                                                 "gone": {"command": ["no-such-agent-kg", "{prompt}"]}})

@@ -6,7 +6,7 @@ import asyncio
 
 from dashboard_data import until
 
-from kugetsu.tui.app import make_app
+from kugetsu.frontends.tui.app import make_app
 
 
 async def test_a_task_delegated_from_the_cli_appears_and_finishes_in_the_dashboard(kg):
@@ -45,6 +45,6 @@ def test_other_commands_never_import_textual(kg):
                        env=kg.env, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     assert "textual" not in r.stderr
-    from kugetsu.cli import COMMANDS, build_parser
+    from kugetsu.frontends.cli.main import COMMANDS, build_parser
 
     assert build_parser().parse_args(["dashboard"]).command == "dashboard" and "dashboard" in COMMANDS

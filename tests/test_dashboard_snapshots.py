@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dashboard_data import UTC, busy_home, clock, empty_home
 
-from kugetsu.tui.app import make_app
-from kugetsu.tui.widgets import TaskTable
+from kugetsu.frontends.tui.app import make_app
+from kugetsu.frontends.tui.widgets import TaskTable
 
 
 def app_for(home):  # type: ignore[no-untyped-def]

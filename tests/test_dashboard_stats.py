@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dashboard_data import NOW, UTC, busy_home, clock, settled
 
-from kugetsu import stats
+from kugetsu.app import stats
 from kugetsu.config import load_config
-from kugetsu.store import Store
-from kugetsu.tui.app import make_app
-from kugetsu.tui.stats import StatsScreen, figures
+from kugetsu.store.files import Store
+from kugetsu.frontends.tui.app import make_app
+from kugetsu.frontends.tui.stats import StatsScreen, figures
 
 
 def app_for(home):  # type: ignore[no-untyped-def]
@@ -54,9 +54,9 @@ async def test_the_screen_shows_tokens_cost_and_fallbacks_of_the_hour(tmp_path):
     import msgspec
 
     from kugetsu.agents.report import Usage
-    from kugetsu.models import Index
+    from kugetsu.core.models import Index
     from kugetsu.paths import atomic_write
-    from kugetsu.store import encode_index
+    from kugetsu.store.files import encode_index
 
     home = busy_home(tmp_path / "home")
     index = msgspec.json.decode(home.index.read_bytes(), type=Index)
@@ -77,11 +77,11 @@ async def test_the_screen_shows_tokens_cost_and_fallbacks_of_the_hour(tmp_path):
 async def test_the_summary_says_when_a_daily_budget_is_spent(tmp_path):
     import msgspec
 
-    from kugetsu import budgets
+    from kugetsu.core import budgets
     from kugetsu.agents.report import Usage
-    from kugetsu.models import DaySpend, Index
+    from kugetsu.core.models import DaySpend, Index
     from kugetsu.paths import atomic_write
-    from kugetsu.store import encode_index
+    from kugetsu.store.files import encode_index
 
     home = busy_home(tmp_path / "home", budgets={"sources": {"pm": {"usd": 20}}})
     index = msgspec.json.decode(home.index.read_bytes(), type=Index)

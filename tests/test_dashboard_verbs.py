@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dashboard_data import UTC, busy_home, held_home, notes, settled, until
 
-from kugetsu import ops
-from kugetsu.models import TaskState
-from kugetsu.store import Store
-from kugetsu.tui.app import make_app
-from kugetsu.tui.screens import ConfirmCancel, EditForm
-from kugetsu.tui.widgets import TaskTable
+from kugetsu.app import ops
+from kugetsu.core.models import TaskState
+from kugetsu.store.files import Store
+from kugetsu.frontends.tui.app import make_app
+from kugetsu.frontends.tui.screens import ConfirmCancel, EditForm
+from kugetsu.frontends.tui.widgets import TaskTable
 
 
 def live_home(tmp_path):  # type: ignore[no-untyped-def]
@@ -114,7 +114,7 @@ async def test_h_holds_and_releases_the_selected_tasks_preset(tmp_path):
 
 async def test_t_retries_the_selected_finished_task(tmp_path):
     from kugetsu.paths import atomic_write
-    from kugetsu.store import encode_index
+    from kugetsu.store.files import encode_index
 
     home = live_home(tmp_path)
     index = Store(home).read()

@@ -25,7 +25,7 @@ import rawclient
 from conftest import wait_for
 from rawclient import upgrade
 
-from kugetsu import guard, web
+from kugetsu.frontends import guard, web
 from kugetsu.errors import UsageError
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -91,7 +91,7 @@ async def test_a_deadline_its_own_tick_sets_already_due_still_fires():
     import time
     from datetime import timedelta, timezone
 
-    from kugetsu.deadlines import DeadlineTimer, new_scheduler
+    from kugetsu.service.deadlines import DeadlineTimer, new_scheduler
 
     scheduler = new_scheduler()
     scheduler.start()

@@ -71,9 +71,9 @@ def test_everyday_commands_do_not_import_heavy_modules(kg, command):
                                                          # shutil (with bz2, lzma): runner.which instead, 3 ms
                                                          "shutil", "bz2", "lzma")}
     # kugetsu's own modules that only their commands need (stats reads history, doctor probes)
-    heavy |= imported & {"kugetsu.stats", "kugetsu.metrics", "kugetsu.doctor", "kugetsu.web", "kugetsu.schedules",
-                          "kugetsu.deadlines"}
-    heavy |= {m for m in imported if m.startswith("kugetsu.mcp")}  # the MCP server: only `kugetsu mcp` loads it
+    heavy |= imported & {"kugetsu.app.stats", "kugetsu.frontends.metrics", "kugetsu.frontends.doctor", "kugetsu.frontends.web", "kugetsu.core.schedules",
+                          "kugetsu.service.deadlines"}
+    heavy |= {m for m in imported if m.startswith("kugetsu.frontends.mcp")}  # the MCP server: only `kugetsu mcp` loads it
     assert heavy == set()
 
 
@@ -94,7 +94,7 @@ def test_runner_which_finds_what_shutil_which_finds(tmp_path):
     """runner.which stands in for shutil.which on the delegate path (no shutil import)."""
     import shutil
 
-    from kugetsu import runner
+    from kugetsu.service import runner
 
     exe = tmp_path / "bin" / "agent"
     exe.parent.mkdir()

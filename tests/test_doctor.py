@@ -15,8 +15,10 @@ from fakebot import TOKEN
 from test_edges import at, no_traceback, small_tmpfs  # noqa: F401  (small_tmpfs is a fixture)
 from test_telegram_bot import api, setup  # noqa: F401  (api is a fixture)
 
-from kugetsu import control, doctor
-from kugetsu.models import Event
+from kugetsu.app import control
+
+from kugetsu.frontends import doctor
+from kugetsu.core.models import Event
 
 SIM = {"default_agent": "sim", "agents": {"sim": {"command": ["sh", "-c", "echo {prompt}"]}}}
 

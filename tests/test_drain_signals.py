@@ -12,7 +12,9 @@ import os
 
 from conftest import service_in_process, wait_for_async
 
-from kugetsu import ops, pm
+from kugetsu.app import ops
+
+from kugetsu.core import pm
 from kugetsu.config import load_config
 
 TASKS = 200

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import Kugetsu, wait_for
 
-from kugetsu import runner
+from kugetsu.service import runner
 
 IS_ROOT = os.geteuid() == 0
 
@@ -82,11 +82,11 @@ def test_what_an_agent_leaves_running_is_ended_and_said(kg):
 _ORPHANS = """
 import json, subprocess, sys
 from datetime import datetime, timezone
-from kugetsu.exits import Exits
-from kugetsu.models import Task
+from kugetsu.service.exits import Exits
+from kugetsu.core.models import Task
 from kugetsu.paths import Home
-from kugetsu.processes import Processes
-from kugetsu.runner import TOKEN_VAR
+from kugetsu.service.processes import Processes
+from kugetsu.service.runner import TOKEN_VAR
 
 exits = Exits(Processes(Home(sys.argv[1]), lambda ids: {}), lambda: None, lambda: None)
 task = Task(id=1, name="t", command=["true"], cwd="/", created_at=datetime.now(timezone.utc), token="tok-1")

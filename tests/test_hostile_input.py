@@ -2,7 +2,7 @@
 never stop the service or give a traceback. Reading the outside world is total: what cannot be
 read is "no limit", and one task whose end cannot be handled is set aside, not the machine.
 
-The pure readers (kugetsu.limits) are property-tested over arbitrary text; the rest runs the
+The pure readers (kugetsu.core.limits) are property-tested over arbitrary text; the rest runs the
 real CLI, the real service and real agents that print the hostile lines."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import wait_for
-from kugetsu import limits
+from kugetsu.core import limits
 
 NOW = datetime(2026, 11, 23, 14, 0, 0, tzinfo=timezone.utc)
 ZONES = [timezone.utc, ZoneInfo("Europe/Berlin"), ZoneInfo("Pacific/Kiritimati"), ZoneInfo("America/Adak"),
@@ -157,7 +157,7 @@ async def test_a_task_whose_end_cannot_be_handled_is_set_aside_and_the_others_go
     import asyncio
 
     from conftest import service_in_process, wait_for_async
-    from kugetsu import pm
+    from kugetsu.core import pm
 
     kg.config(max_agents=1, autostart=False, agents={"fake": {"command": ["sh", "-c", "echo boom; exit 1"],
                                                               "limit": {"patterns": ["boom"]}}})
@@ -187,7 +187,7 @@ async def test_a_first_tick_that_fails_leaves_the_service_up_and_retrying(kg, mo
     import asyncio
 
     from conftest import service_in_process, wait_for_async
-    from kugetsu import pm
+    from kugetsu.core import pm
 
     kg.config(max_agents=1, autostart=False)
     await asyncio.to_thread(kg.ok, "delegate", "a", "--", "true")

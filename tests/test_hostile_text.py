@@ -17,13 +17,13 @@ from pathlib import Path
 import msgspec
 from dashboard_data import UTC, ago, settled, until, write_config
 
-from kugetsu import ops
-from kugetsu.models import Event, Index, Task, TaskState
+from kugetsu.app import ops
+from kugetsu.core.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home, atomic_write
-from kugetsu.store import encode_index
-from kugetsu.tui.app import make_app
-from kugetsu.tui.screens import DelegateForm, LogScreen
-from kugetsu.tui.widgets import TaskTable
+from kugetsu.store.files import encode_index
+from kugetsu.frontends.tui.app import make_app
+from kugetsu.frontends.tui.screens import DelegateForm, LogScreen
+from kugetsu.frontends.tui.widgets import TaskTable
 
 QUIT = "[@click=app.quit]quit[/]"  # markup with an action: if parsed, a click quits the app
 PRESET = "[/]x"  # `kugetsu hold '[/]x'` crashed every dashboard start while the hold lasted

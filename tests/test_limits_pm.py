@@ -8,10 +8,10 @@ from datetime import datetime, timedelta, timezone
 import msgspec
 import pytest
 
-from kugetsu import limits, pm
+from kugetsu.core import limits, pm
 from kugetsu.config import Config, validate
 from kugetsu.errors import UsageError
-from kugetsu.models import Index, TaskState
+from kugetsu.core.models import Index, TaskState
 
 NOW = datetime(2026, 11, 23, 14, 0, 0, tzinfo=timezone.utc)
 UTC = timezone.utc
@@ -254,9 +254,9 @@ def test_retry_request_links_a_finished_task():
 
 
 def test_every_front_end_shows_the_hold():
-    from kugetsu import render
-    from kugetsu.telegram import text
-    from kugetsu.tui import view as tui
+    from kugetsu.frontends import render
+    from kugetsu.frontends.telegram import text
+    from kugetsu.frontends.tui import view as tui
 
     cfg, index = setup()
     admit(index, cfg, "a")
@@ -325,7 +325,7 @@ def test_a_hold_more_than_a_day_away_shows_its_date():
     far = NOW + timedelta(days=3, hours=1)
     assert pm.clock(far, NOW) == far.astimezone().strftime("%b %-d %H:%M")
     assert pm.clock(NOW + timedelta(hours=2), NOW) == (NOW + timedelta(hours=2)).astimezone().strftime("%H:%M")
-    from kugetsu import render
+    from kugetsu.frontends import render
 
     cfg, index = setup()
     admit(index, cfg, "a")

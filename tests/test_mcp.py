@@ -582,7 +582,7 @@ def test_http_refuses_a_weak_token(kg, where, weak, message):
 def test_http_drops_requests_whose_headers_never_end(kg):
     """An idle connection, and a request whose headers come a byte at a time (slowloris),
     are closed once the header time is up; a real client is served meanwhile."""
-    from kugetsu import guard
+    from kugetsu.frontends import guard
 
     kg.config(autostart=False)
     token = os.urandom(16).hex()
@@ -612,7 +612,7 @@ def test_http_drops_requests_whose_headers_never_end(kg):
 
 
 def test_without_the_sdk_it_says_how_to_install(kg):
-    hide = "import sys; sys.modules['mcp'] = None; from kugetsu.cli import main; sys.exit(main(['mcp']))"
+    hide = "import sys; sys.modules['mcp'] = None; from kugetsu.frontends.cli.main import main; sys.exit(main(['mcp']))"
     r = subprocess.run([sys.executable, "-c", hide], env=kg.env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "kugetsu mcp needs the MCP Python SDK (mcp>=2.3,<3)" in r.stderr and "pip install" in r.stderr

@@ -18,7 +18,7 @@ from test_telegram_bot import ME, api, setup  # noqa: F401  (api is a fixture)
 pytest.importorskip("prometheus_client", reason="the `metrics` extra (prometheus-client) is not installed")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from kugetsu import metrics  # noqa: E402
+from kugetsu.frontends import metrics  # noqa: E402
 
 
 def endpoint(kg) -> str:

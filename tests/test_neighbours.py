@@ -193,8 +193,8 @@ async def test_the_dashboard_masks_a_url_password_in_an_event_an_older_kugetsu_r
     from dashboard_data import busy_home, clock, until
     from test_dashboard_layout import app_for
 
-    from kugetsu.models import Event
-    from kugetsu.tui.widgets import StateTable
+    from kugetsu.core.models import Event
+    from kugetsu.frontends.tui.widgets import StateTable
 
     home = busy_home(tmp_path / "home")
     url = f"postgresql://kugetsu:{PASSWORD}@db/kugetsu"

@@ -1,13 +1,13 @@
-"""Cluster placement (kugetsu/placement.py and pm's use of it): pure rules, in microseconds."""
+"""Cluster placement (kugetsu/core/placement.py and pm's use of it): pure rules, in microseconds."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from kugetsu import pm
+from kugetsu.core import pm
 from kugetsu.config import Config
-from kugetsu.models import Index, TaskState
-from kugetsu.placement import Here, HostSeen, gone_hosts
+from kugetsu.core.models import Index, TaskState
+from kugetsu.core.placement import Here, HostSeen, gone_hosts
 
 from test_pm import T0
 

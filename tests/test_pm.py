@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from conftest import T0
 
-from kugetsu import pm
+from kugetsu.core import pm
 from kugetsu.config import Config
 from kugetsu.errors import NotFound, Rejected, UsageError
-from kugetsu.models import Index, Task, TaskState, check_index
+from kugetsu.core.models import Index, Task, TaskState, check_index
 
 
 def req(name=None, **kw):
@@ -275,7 +275,7 @@ def test_prompt_file_placeholder_gets_the_path_the_caller_gives():
 
 def test_queue_view_is_the_one_view_every_front_end_renders():
     """Order, positions and reasons come from the scheduler's own order; running by slot."""
-    from kugetsu.models import Index
+    from kugetsu.core.models import Index
 
     cfg = Config(max_agents=2, max_active_per_source=1)
     ix = Index()

@@ -8,10 +8,10 @@ import msgspec
 import pytest
 
 from conftest import T0
-from kugetsu import pm
+from kugetsu.core import pm
 from kugetsu.config import Config
 from kugetsu.errors import AmbiguousName
-from kugetsu.models import Index, TaskState
+from kugetsu.core.models import Index, TaskState
 
 
 def req(name=None, **kw):
@@ -95,9 +95,9 @@ def test_a_paused_group_lets_the_others_pass_and_comes_last():
 
 
 def test_every_front_ends_summary_says_paused():
-    from kugetsu import render
-    from kugetsu.telegram import text
-    from kugetsu.tui import view
+    from kugetsu.frontends import render
+    from kugetsu.frontends.telegram import text
+    from kugetsu.frontends.tui import view
 
     index, cfg = Index(paused=True), Config()
     cap = pm.capacity(index, cfg)
@@ -214,8 +214,8 @@ def test_positions_with_dependencies_predict_the_real_start_order(deps, max_agen
 
 
 def test_the_dashboards_events_pane_says_what_pause_and_edit_did():
-    from kugetsu.models import Event
-    from kugetsu.tui import view
+    from kugetsu.core.models import Event
+    from kugetsu.frontends.tui import view
 
     index, cfg = Index(), Config()
     task = admit(index, cfg, "a")

@@ -8,7 +8,7 @@ from datetime import datetime
 
 from conftest import wait_for
 
-from kugetsu import pm
+from kugetsu.core import pm
 
 
 def queued(kg) -> list[dict]:

@@ -9,10 +9,10 @@ import pytest
 
 from conftest import T0
 
-from kugetsu import pm
+from kugetsu.core import pm
 from kugetsu.config import Config, parse_size
 from kugetsu.errors import Rejected, UsageError
-from kugetsu.models import Index, TaskState
+from kugetsu.core.models import Index, TaskState
 
 
 def cfg(**kw: object) -> Config:

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from conftest import T0
 
-from kugetsu import budgets, pm
+from kugetsu.core import budgets, pm
 from kugetsu.agents.report import Usage
 from kugetsu.config import Config
-from kugetsu.models import PRIORITIES, DaySpend, Index
-from kugetsu.policy import Board, simple_order, task_key
+from kugetsu.core.models import PRIORITIES, DaySpend, Index
+from kugetsu.core.policy import Board, simple_order, task_key
 
 task_st = st.tuples(st.sampled_from("abcd"), st.sampled_from(PRIORITIES), st.sampled_from([None, None, "g1", "g2"]),
                     st.sampled_from([None, "p1", "p2", "p2", "p2,p1", "p1,p2"]))

@@ -9,11 +9,11 @@ import msgspec
 
 from conftest import T0
 
-from kugetsu import budgets, pm
+from kugetsu.core import budgets, pm
 from kugetsu.agents.report import Usage
 from kugetsu.config import Config
-from kugetsu.models import Index, LimitHit, TaskState
-from kugetsu.policy import route_of
+from kugetsu.core.models import Index, LimitHit, TaskState
+from kugetsu.core.policy import route_of
 
 CFG = msgspec.convert({"max_agents": 2, "agents": {
     "a": {"command": ["run-a", "{prompt}"], "env": {"A": "1", "SHARED": "a"}, "fallback": ["b"]},

@@ -167,7 +167,7 @@ async def test_the_dashboard_screen_in_the_docs_is_the_real_one(tmp_path):
     80x24, character for character (trailing blanks aside)."""
     from dashboard_data import UTC, busy_home, clock, until
 
-    from kugetsu.tui.app import make_app
+    from kugetsu.frontends.tui.app import make_app
 
     blocks = []
     for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import wait_for
 
-from kugetsu import runner, usage
+from kugetsu.service import runner, usage
 from kugetsu.paths import Home
 
 M = 1024**2
@@ -185,7 +185,7 @@ def _fork_storm_is_bounded(kg, mode: str) -> None:
     t = kg.wait_state("storm", "failed", timeout=20)
     assert t["reason"].startswith("process limit 20 exceeded"), t["reason"]
     token = kg.index()["finished"][0]["token"]
-    from kugetsu import runner
+    from kugetsu.service import runner
 
     wait_for(lambda: not runner.scan_token(token), 10, "every process of the storm to be gone")
 
@@ -260,7 +260,7 @@ async def test_the_dashboard_shows_declared_and_measured_memory(kg):
 
     from dashboard_data import until
 
-    from kugetsu.tui.app import make_app
+    from kugetsu.frontends.tui.app import make_app
 
     kg.config(max_memory="1G", resources={"mode": "sampling", "interval": "0.1s"})
     app = make_app(kg.home, cwd=str(kg.home.root.parent))
@@ -292,9 +292,9 @@ def test_cgroup_mode_counts_a_process_that_dropped_the_tasks_token(kg):
 
 def test_over_limits_stops_with_the_reason_and_never_a_retry_for_its_last_runs_figures():
     from conftest import T0
-    from kugetsu import pm
+    from kugetsu.core import pm
     from kugetsu.config import Config
-    from kugetsu.models import Index
+    from kugetsu.core.models import Index
 
     cfg = Config(kill_grace="5s")
     index = Index()
@@ -319,9 +319,9 @@ def test_pressure_is_part_of_the_same_check():
     """The resource guard's readings fold into Board.fits: the guard holds every start, and a
     task that declares more memory than is available waits for it, by name."""
     from conftest import T0
-    from kugetsu import pm
+    from kugetsu.core import pm
     from kugetsu.config import Config
-    from kugetsu.models import Index
+    from kugetsu.core.models import Index
 
     G = 1024 * M
     import msgspec
@@ -348,7 +348,7 @@ def test_cgroup_v2_delegated_subtree_is_found_and_written_as_v2_wants(tmp_path):
     own.mkdir(parents=True)
     (root / "cgroup.controllers").write_text("cpu io memory pids\n")
     (own / "cgroup.subtree_control").write_text("memory pids\n")
-    base = usage.cgroup_base(home, root, own="0::/system.slice/kugetsu.service\n")
+    base = usage.cgroup_base(home, root, own="0::/system.slice/kugetsu.service.daemon\n")
     assert base is not None and base.v2 and base.memory == base.pids == own / f"kugetsu-{home.key}"
     base.memory.mkdir()
     (base.memory / "cgroup.subtree_control").write_text("")
@@ -368,7 +368,7 @@ def test_cgroup_v2_delegated_subtree_is_found_and_written_as_v2_wants(tmp_path):
     assert usage.remove_finished(base, {}, 8) == 0 and not groups.memory.exists()
     # Not delegated (memory and pids not enabled for its children): no cgroup mode.
     (own / "cgroup.subtree_control").write_text("cpu\n")
-    assert usage.cgroup_base(home, root, own="0::/system.slice/kugetsu.service\n") is None
+    assert usage.cgroup_base(home, root, own="0::/system.slice/kugetsu.service.daemon\n") is None
     # A hybrid machine: v1 controllers first, v2 under `unified` otherwise.
     hybrid = tmp_path / "hybrid"
     (hybrid / "unified" / "me").mkdir(parents=True)

@@ -211,8 +211,8 @@ def test_the_bot_lists_schedules_and_shows_a_start_time(kg):
 async def test_the_dashboard_shows_the_schedules(kg):
     from dashboard_data import until
 
-    from kugetsu.tui.app import make_app
-    from kugetsu.tui.screens import SchedulesScreen
+    from kugetsu.frontends.tui.app import make_app
+    from kugetsu.frontends.tui.screens import SchedulesScreen
 
     kg.config(autostart=False)
     kg.ok("schedule", "add", "nightly", "--cron", "0 2 * * 1-5", "--", "true")
@@ -235,8 +235,8 @@ async def test_the_dashboard_shows_the_schedules(kg):
 async def test_the_dashboard_shows_a_start_time(kg):
     from dashboard_data import until
 
-    from kugetsu.tui.app import make_app
-    from kugetsu.tui.widgets import TaskTable
+    from kugetsu.frontends.tui.app import make_app
+    from kugetsu.frontends.tui.widgets import TaskTable
 
     kg.config(autostart=False, max_agents=1)
     kg.ok("delegate", "busy", "--", "sleep", "30")
@@ -280,8 +280,8 @@ def test_schedule_events_can_be_notified():
     from datetime import timezone
 
     from kugetsu.config import Config
-    from kugetsu.models import Event
-    from kugetsu.telegram.text import notification, wanted
+    from kugetsu.core.models import Event
+    from kugetsu.frontends.telegram.text import notification, wanted
 
     e = Event(type="schedule", at=datetime.now(timezone.utc), name="nightly", task=12,
               reason="not delegated: queue full: 50/50 waiting")

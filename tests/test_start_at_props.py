@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from conftest import T0
 from test_policies_props import config_st, drain, task_st
 
-from kugetsu import pm
+from kugetsu.core import pm
 from kugetsu.config import Config
-from kugetsu.models import Index
+from kugetsu.core.models import Index
 
 # A task and the seconds after its admission it asks to start at (None: at once).
 asked_st = st.tuples(task_st, st.none() | st.integers(0, 12))
@@ -92,8 +92,8 @@ def test_cron_fires_each_wall_clock_time_once_across_dst_and_never_loops():
     from datetime import timezone
     from zoneinfo import ZoneInfo
 
-    from kugetsu import schedules
-    from kugetsu.models import Schedule
+    from kugetsu.core import schedules
+    from kugetsu.core.models import Schedule
 
     for tz in ("Europe/Paris", "America/New_York", "Australia/Lord_Howe", "UTC"):
         for line in ("30 2 * * *", "0 * * * *", "*/20 * * * *", "15,45 0-3 * * 1-5"):

@@ -1,4 +1,4 @@
-"""The store protocol's contract (kugetsu.store.StoreProtocol, docs/architecture.md §9): what every
+"""The store protocol's contract (kugetsu.store.files.StoreProtocol, docs/architecture.md §9): what every
 store must do, whatever it keeps its state in. Each test takes a `make_store` factory: the
 file store today; the cluster's PostgreSQL store is added to STORES and runs the same tests."""
 
@@ -16,9 +16,9 @@ import pytest
 
 from conftest import REPO, T0
 
-from kugetsu.models import Event, Task, TaskState
+from kugetsu.core.models import Event, Task, TaskState
 from kugetsu.paths import Home
-from kugetsu.store import Store, StoreProtocol
+from kugetsu.store.files import Store, StoreProtocol
 
 
 def file_store(tmp: Path, request: pytest.FixtureRequest) -> StoreProtocol:
@@ -26,7 +26,7 @@ def file_store(tmp: Path, request: pytest.FixtureRequest) -> StoreProtocol:
 
 
 def postgresql_store(tmp: Path, request: pytest.FixtureRequest) -> StoreProtocol:
-    from kugetsu.cluster.store import PgStore
+    from kugetsu.store.postgres import PgStore
 
     store = PgStore(request.getfixturevalue("pg_url"))
     request.addfinalizer(store.close)
@@ -107,7 +107,7 @@ def test_prompts_are_kept_beside_the_state_with_their_commit_only(make_store):
 
 
 def msgspec_json(index: object) -> bytes:
-    from kugetsu.store import encode_index
+    from kugetsu.store.files import encode_index
 
     return encode_index(index)  # type: ignore[arg-type]
 
@@ -148,7 +148,7 @@ def test_writers_in_other_processes_serialize_and_lose_no_update(make_store, sto
     make_store()  # the state exists
     code = (
         "import sys; sys.path.insert(0, %r)\n"
-        "from kugetsu.models import Task\nfrom kugetsu.paths import default_home\nfrom kugetsu.store import open_store\n"
+        "from kugetsu.core.models import Task\nfrom kugetsu.paths import default_home\nfrom kugetsu.store.files import open_store\n"
         "from datetime import datetime, timezone\n"
         "s = open_store(default_home())\n"
         "for _ in range(25):\n"
@@ -226,7 +226,7 @@ def test_clients_that_take_turns_see_the_same_lists_in_the_same_order(make_store
     in the lists' own order, as a fresh client does."""
     import random
 
-    from kugetsu.models import TaskState
+    from kugetsu.core.models import TaskState
 
     rng = random.Random(7)
     clients = [make_store(), make_store()]
@@ -271,9 +271,9 @@ def test_clients_that_take_turns_see_the_same_lists_in_the_same_order(make_store
 def test_a_queue_document_of_schema_3_becomes_rows_at_the_first_commit(request, pg_url):
     """A database an older kugetsu left (every task inside the state row's document) is read
     as it is, and its first commit moves the tasks into rows."""
-    from kugetsu.cluster.store import PgStore
-    from kugetsu.models import Index
-    from kugetsu.store import encode_index
+    from kugetsu.store.postgres import PgStore
+    from kugetsu.core.models import Index
+    from kugetsu.store.files import encode_index
 
     old = Index(next_id=4, queued=[_task(1), _task(3)], finished=[_task(2)])
     old.finished[0].state = TaskState.SUCCEEDED

@@ -11,15 +11,15 @@ from conftest import wait_for
 from fakebot import TOKEN
 from test_telegram_bot import ME, api, setup  # noqa: F401  (api is a fixture)
 
-from kugetsu import pm
+from kugetsu.core import pm
 from kugetsu.config import Config, TelegramConfig
 from kugetsu.errors import KugetsuError, UsageError
-from kugetsu.models import Index, Task, TaskState
+from kugetsu.core.models import Index, Task, TaskState
 from kugetsu.paths import Home
-from kugetsu.telegram import redact, text
-from kugetsu.telegram.bot import allowed
-from kugetsu.telegram.check import check
-from kugetsu.telegram.notify import EventTail
+from kugetsu.frontends.telegram import redact, text
+from kugetsu.frontends.telegram.bot import allowed
+from kugetsu.frontends.telegram.check import check
+from kugetsu.frontends.telegram.notify import EventTail
 
 SECRET = TOKEN.split(":")[1]
 

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import wait_for
 from kugetsu.config import parse_duration
-from kugetsu.models import valid_name
+from kugetsu.core.models import valid_name
 from torture import LONG, record, size
 
 pytestmark = pytest.mark.torture
@@ -49,7 +49,7 @@ def stop_service(kg, woke: bool) -> None:
     if woke and load_config(kg.home).autostart:
         wait_for(lambda: kg.service_pid(), 15, "the autostarted service to come up")
     kg.run("shutdown")
-    from kugetsu import control
+    from kugetsu.app import control
 
     wait_for(lambda: not control.service_holds_lock(kg.home), 15, "the service to stop")
 
@@ -387,10 +387,10 @@ async def test_hostile_agent_output_is_read_everywhere_without_error(fz, tmp_pat
         assert r.returncode == 0 and b"Traceback" not in r.stderr, (args, r.stderr[-2000:])
 
     # The bot's texts: each event's notification with its log's tail, each task's /status.
-    from kugetsu import ops
+    from kugetsu.app import ops
     from kugetsu.config import load_config
-    from kugetsu.models import Event
-    from kugetsu.telegram import notify, text
+    from kugetsu.core.models import Event
+    from kugetsu.frontends.telegram import notify, text
 
     cfg = load_config(fz.home)
     tasks = {t.id: t for t in ops.read(fz.home)[1].all_tasks()}
@@ -416,9 +416,9 @@ async def test_hostile_agent_output_is_read_everywhere_without_error(fz, tmp_pat
     # The dashboard: each task selected, its output shown; the giant ones full screen too.
     from dashboard_data import UTC, until
 
-    from kugetsu.tui.app import make_app
-    from kugetsu.tui.screens import LogScreen
-    from kugetsu.tui.widgets import LogView, TaskTable
+    from kugetsu.frontends.tui.app import make_app
+    from kugetsu.frontends.tui.screens import LogScreen
+    from kugetsu.frontends.tui.widgets import LogView, TaskTable
 
     app = make_app(fz.home, tz=UTC, cwd="/")
     async with app.run_test() as pilot:

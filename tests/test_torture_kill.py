@@ -19,7 +19,7 @@ import pytest
 
 from conftest import agent_wrappers, wait_for
 from torture import check_events, check_home, check_replay, record, size
-from kugetsu.models import task_record
+from kugetsu.core.models import task_record
 
 pytestmark = pytest.mark.torture
 

@@ -21,11 +21,12 @@ from hypothesis.stateful import (
 )
 
 from conftest import REPO, agent_wrappers, wait_for
-from kugetsu import control, ops, pm
+from kugetsu.app import control, ops
+from kugetsu.core import pm
 from kugetsu.config import load_config
 from kugetsu.errors import KugetsuError
 from kugetsu.paths import Home
-from kugetsu.store import Store
+from kugetsu.store.files import Store
 from torture import check_events, check_home, record, size
 
 pytestmark = pytest.mark.torture
@@ -227,7 +228,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    from kugetsu.runner import process_start
+    from kugetsu.service.runner import process_start
 
     return process_start(pid) is not None
 

@@ -10,7 +10,9 @@ import signal
 
 from conftest import agent_wrappers, service_in_process, wait_for, wait_for_async  # noqa: F401
 
-from kugetsu import pm, processes, runner
+from kugetsu.core import pm
+
+from kugetsu.service import processes, runner
 
 
 def _warm_for(kg, task_id):

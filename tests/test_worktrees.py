@@ -260,7 +260,7 @@ def test_a_worktree_created_before_a_crash_is_reused_not_recreated(kg, repo):
     assert r.returncode == 0, r.stderr
     task = kg.index()["active"][0]
     assert task["pid"] is None and task["worktree"] is None
-    from kugetsu.worktree import group_dir
+    from kugetsu.service.worktree import group_dir
 
     path = group_dir(kg.home, str(repo)) / "orphaned"
     git(repo, "worktree", "add", "-q", "-b", "kugetsu/orphaned", str(path), task["base"])

@@ -7,9 +7,9 @@ import json
 import os
 from pathlib import Path
 
-from kugetsu.models import TaskState, check_index, task_record
+from kugetsu.core.models import TaskState, check_index, task_record
 from kugetsu.paths import Home
-from kugetsu.store import Store
+from kugetsu.store.files import Store
 
 LONG = os.environ.get("KUGETSU_TORTURE", "").lower() == "long"
 FIGURES = Path(__file__).resolve().parent.parent / ".torture-figures.json"
@@ -60,9 +60,9 @@ def check_home(home: Home, max_agents: int | None = None) -> dict:
     assert len(slots) == len(set(slots)), f"two running tasks share a slot: {slots}"
     # (A slot number may exceed a lowered max_agents: lowering never kills the task in it.)
     assert all(s is not None and 1 <= s <= 64 for s in slots), slots
-    from kugetsu import pm
+    from kugetsu.core import pm
     from kugetsu.config import load_config
-    from kugetsu.ops import now
+    from kugetsu.app.ops import now
 
     pos = pm.positions(index, load_config(home), now())
     assert sorted(pos.values()) == list(range(1, len(index.queued) + 1))

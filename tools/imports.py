@@ -52,7 +52,7 @@ def edges(mod: str, path: Path, known: set[str]) -> dict[str, bool]:
         sibling = f"{mod.rpartition('.')[0]}.{target}"
         if mod.startswith("tools.") and target.partition(".")[0] not in known and sibling in known:
             target = sibling
-        # The longest known prefix: `import kugetsu.cluster.store` names the module itself.
+        # The longest known prefix: `import kugetsu.store.postgres` names the module itself.
         while target and target not in known:
             target = target.rpartition(".")[0]
         if target and target != mod:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import threading
 
-from kugetsu.cluster.store import PgStore
-from kugetsu.models import Event
+from kugetsu.store.postgres import PgStore
+from kugetsu.core.models import Event
 
 
 class DbCursors:

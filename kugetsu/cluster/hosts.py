@@ -18,7 +18,7 @@ import psycopg
 
 from kugetsu.errors import KugetsuError
 from kugetsu.paths import Home, read_file, write_new
-from kugetsu.placement import HostSeen, host_state
+from kugetsu.core.placement import HostSeen, host_state
 
 
 class HostRow(msgspec.Struct, frozen=True, kw_only=True):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psycopg
 
-from kugetsu import logtail
+from kugetsu.store import logtail
 from kugetsu.paths import open_file
 
 CHUNK = 64 * 1024  # bytes per row: a burst of output is a few rows, not one huge one

@@ -24,10 +24,10 @@ import psycopg
 
 from kugetsu.cluster import hosts, logs
 from kugetsu.cluster.db import LOCK_WAIT_MS, NOTIFY_CHANNEL, connect, process_tag
-from kugetsu.cluster.store import PgStore
+from kugetsu.store.postgres import PgStore
 from kugetsu.errors import KugetsuError  # Unreachable, and a role refused its privileges (db.errors)
 from kugetsu.paths import Home
-from kugetsu.placement import Here, HostSeen
+from kugetsu.core.placement import Here, HostSeen
 
 log = logging.getLogger("kugetsu.cluster")
 

@@ -15,13 +15,13 @@ from datetime import datetime
 import msgspec
 
 from kugetsu.cluster.db import connect, redact
-from kugetsu.cluster.store import INSERT_EVENTS, INSERT_HISTORY, UPSERT_PROMPT, PgStore, _task_decoder, event_rows
+from kugetsu.store.postgres import INSERT_EVENTS, INSERT_HISTORY, UPSERT_PROMPT, PgStore, _task_decoder, event_rows
 from kugetsu.config import LOCAL_KEYS, read_raw, save_raw, validate
-from kugetsu.control import service_holds_lock
+from kugetsu.app.control import service_holds_lock
 from kugetsu.errors import KugetsuError, UsageError
-from kugetsu.models import Index
+from kugetsu.core.models import Index
 from kugetsu.paths import Home, atomic_write
-from kugetsu.store import Store, _encoder, encode_index
+from kugetsu.store.files import Store, _encoder, encode_index
 
 
 class Busy(KugetsuError):

@@ -176,10 +176,10 @@ def measure(admin: str, quick: bool) -> dict:
 SCALE_WORKER = r"""
 import json, statistics, sys, time
 from datetime import datetime, timezone
-from kugetsu import pm
-from kugetsu.cluster.store import PgStore
+from kugetsu.core import pm
+from kugetsu.store.postgres import PgStore
 from kugetsu.config import Config
-from kugetsu.models import Task, TaskState
+from kugetsu.core.models import Task, TaskState
 
 url, n = sys.argv[1], int(sys.argv[2])
 now = datetime.now(timezone.utc)

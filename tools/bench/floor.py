@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run  # noqa: E402  (the same task script, stamps and tsp side as the main benchmark)
 
-from kugetsu import runner  # noqa: E402
+from kugetsu.service import runner  # noqa: E402
 from kugetsu.paths import Home, atomic_write  # noqa: E402
 
 N = 100

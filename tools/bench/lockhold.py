@@ -32,7 +32,7 @@ ENV = "KUGETSU_BENCH_LOCKHOLD"  # where the hooked service appends its holds (se
 
 def install() -> None:
     """In the service's process: record every hold of the index lock."""
-    from kugetsu.store import Store
+    from kugetsu.store.files import Store
 
     if not (hasattr(Store, "_lock") and hasattr(Store, "_unlock")):
         raise SystemExit("tools/bench/lockhold.py: Store has no _lock/_unlock any more; update the hook")
@@ -54,7 +54,7 @@ def install() -> None:
 
 
 BOOT = f"import sys; sys.path.insert(0, {str(HERE)!r}); import lockhold; lockhold.install(); " \
-       "from kugetsu.cli import main; sys.exit(main(sys.argv[1:]))"
+       "from kugetsu.frontends.cli.main import main; sys.exit(main(sys.argv[1:]))"
 
 
 def git(repo: Path, *args: str) -> None:

@@ -54,9 +54,9 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from kugetsu.models import Index, Task, TaskState, task_record  # noqa: E402
+from kugetsu.core.models import Index, Task, TaskState, task_record  # noqa: E402
 from kugetsu.paths import Home  # noqa: E402
-from kugetsu.store import encode_index  # noqa: E402
+from kugetsu.store.files import encode_index  # noqa: E402
 
 PY = sys.executable
 # One line per event, appended by the task itself: "<s|e> <tag> <epoch seconds>".

@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
 
     applied = None
     if args.apply:
-        from kugetsu import ops
+        from kugetsu.app import ops
         from kugetsu.errors import KugetsuError
         from kugetsu.paths import default_home
 

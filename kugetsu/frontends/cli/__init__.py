@@ -1,0 +1,1 @@
+"""The `kugetsu` command line (entry point: main.run)."""

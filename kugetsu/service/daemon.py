@@ -1,0 +1,913 @@
+"""The service (`kugetsu serve`): the one long-running process of a KUGETSU_HOME.
+
+This module holds its lifecycle and its executor: each tick gathers what happened
+(observations), asks pm.tick what to do, carries out the plan and commits, in one store
+transaction. It spawns agents as slots free and learns of their exit at once, records the
+result and promotes the next task in the same transaction. One APScheduler job wakes it at the
+earliest of everything that happens at a time (queue expiry, run timeouts, SIGKILL after
+the grace, policy wake-ups), others fire the recurring schedules, a loop timer runs a
+periodic reconcile; the CLI wakes it through a
+Unix datagram socket after each transaction. What to do is always decided by pm.
+
+Its parts: processes.py (spawned, warm and adopted wrappers), exits.py (exit watching and
+leftovers), worktree_worker.py (git in a worker thread), deadlines.py (APScheduler: deadlines, schedules),
+wakeup.py (the socket), control.py (the single-instance lock, start/stop from outside).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import signal
+from collections.abc import Callable
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from kugetsu import agents
+
+from kugetsu.app import control, ops
+
+from kugetsu.core import limits, placement, pm
+
+from kugetsu.service import runner, usage
+
+from kugetsu.store import logtail
+from kugetsu.config import Config, format_size, host_name, load_config
+from kugetsu.service.deadlines import DeadlineTimer, ScheduleJobs, new_scheduler
+from kugetsu.errors import DiskFull, KugetsuError, Unreachable
+from kugetsu.service.exits import Ending, Exits
+from kugetsu.agents.report import Usage
+from kugetsu.core.models import Event, Index, Task, TaskState
+from kugetsu.core.pm import GUARD_RECHECK
+from kugetsu.paths import Home, atomic_write, read_head
+from kugetsu.service.processes import WARM_AHEAD, LetGo, Processes
+from kugetsu.store.files import Txn, open_store
+from kugetsu.service.wakeup import WakeSocket
+from kugetsu.service.worktree_worker import WorktreeWorker, workplace
+
+if TYPE_CHECKING:  # imported only where used: psycopg in cluster mode, the others when configured
+    from kugetsu.cluster.member import Member
+    from kugetsu.frontends.metrics import Metrics
+    from kugetsu.frontends.telegram.bot import TelegramBot
+
+__all__ = ["COMMIT_DELAY", "GUARD_RECHECK", "RECONCILE_EVERY", "WARM_AHEAD", "Ending", "LetGo", "Service", "serve"]
+
+log = logging.getLogger("kugetsu.service")
+
+_FINAL_STATES = frozenset(s.value for s in TaskState if s.final)
+
+RECONCILE_EVERY = 5.0  # seconds: a safety net; exits and deadlines do not wait for it
+LOG_CHECK_EVERY = 2.0  # seconds between looks at the running agents' log sizes (log_max_size)
+USAGE_CHECK_EVERY = 1.0  # seconds between reads of the usage streaming agents report mid-run (budgets)
+COMMIT_DELAY = 0.02  # seconds an exit's transaction stays open for the exits that follow (_hold)
+RETRY_FIRST, RETRY_MAX = 0.1, 5.0  # seconds: backoff while transactions fail (a full disk)
+
+
+class Service:
+    def __init__(self, home: Home):
+        self.home = home
+        self.store = open_store(home)
+        self.cfg: Config = Config()
+        self.procs = Processes(home, lambda ids: self.store.prompts(ids))
+        self.exits = Exits(self.procs, lambda: self._safe_tick(hold=True), self.request_tick)
+        self.worktrees = WorktreeWorker(home, self.request_tick)
+        self.failing: str | None = None  # why the last transaction failed, while it does
+        self._retry: asyncio.TimerHandle | None = None
+        self._retry_delay = RETRY_FIRST
+        self.successor: pm.Successor | None = None  # pm's pick for the next slot to free
+        self._released: int | None = None  # the successor, let go at an exit, until pm records it
+        self.jobs: dict[str, datetime] = {}  # the policies' wake-ups (rate limit, guard re-check)
+        self._reconcile_handle: asyncio.TimerHandle | None = None
+        self.listeners: list[Callable[[list[Event]], None]] = []  # told of each transaction's events
+        self.telegram: TelegramBot | None = None
+        self.metrics: Metrics | None = None  # the OpenMetrics endpoint, when config metrics.listen is set
+        self.index = Index()
+        self._last_now: datetime | None = None  # the clock of the last transaction committed (correct_clock)
+        self._tick_pending = False
+        self._first_tick = True
+        self.held: Txn | None = None  # a transaction kept open for a burst of exits (_hold)
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._config_stamp: object = ...  # what config.json looked like when last read (... = never)
+        self._stopping: asyncio.Event | None = None
+        self._disk_check = True  # worktrees.max_disk: look at start, then whenever one is kept
+        self.member: Member | None = None  # cluster mode: this machine's lease, wake-ups, shipped output
+        self._termed: set[int] = set()  # cluster mode: tasks whose stop this service has signalled
+        self._watched_logs: dict[int, str] = {}  # this machine's agents' logs, for log_max_size
+        # Budgets: each running run's usage so far, read from its stream, for the next tick.
+        self._progress: dict[int, Usage] = {}
+        self._usage_check: asyncio.TimerHandle | None = None
+        self._usage_sizes: dict[int, int] = {}  # each budgeted log's size at its last read
+        self._log_check: asyncio.TimerHandle | None = None
+        self._compacting: set[int] = set()  # logs being compacted in a worker thread
+        self._cap_failed: set[int] = set()  # logs that could not be compacted (said once)
+        # Resources (usage.py): the mode in force, where tasks' cgroups go, the last measurement.
+        self.resource_mode = "sampling"
+        self.cgroup_base: usage.Base | None = None
+        self.sampler = usage.Sampler(home, "sampling")
+        self.measured: dict[int, pm.Measured] = {}
+        self._measure_handle: asyncio.TimerHandle | None = None
+        self._measuring = False
+        self._cgroups_left = False  # cgroup mode: runs over whose cgroups could not be removed yet
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def run(self) -> int:
+        return asyncio.run(self.main())
+
+    async def main(self) -> int:
+        self.home.ensure()
+        lock_fd = control.take_service_lock(self.home)
+        if not runner.become_subreaper():
+            log.warning("cannot become the child subreaper: processes that agents leave behind are found by a /proc scan only")
+        self.loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        wakeup = WakeSocket(self.home, self.loop, self.request_tick, self.stop)
+        wakeup.open()
+        self.scheduler = new_scheduler()
+        self.scheduler.start()
+        self.timer = DeadlineTimer(self.scheduler, self._on_deadline)
+        self.schedule_jobs = ScheduleJobs(self.scheduler, self._fire_schedule)
+        self._reconcile_handle = self.loop.call_later(RECONCILE_EVERY, self._reconcile)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self._stopping.set)
+        try:
+            # A damaged index stops the service here, before its pid file says it is up;
+            # the pid file comes before the first tick, which may already start agents.
+            self.store.read()
+            self._join_cluster()
+            self._resources_mode()
+            atomic_write(self.home.service_pid, f"{os.getpid()}\n".encode())
+            # A first tick that fails (a full disk, a record no rule foresaw) is said and retried
+            # with backoff, as every later one: the service stays up for the tasks it can serve.
+            self._safe_tick()
+            log.info("kugetsu service up (pid %d, home %s, max_agents %d)", os.getpid(), self.home.root, self.cfg.max_agents)
+            await self._start_extensions()
+            await self._stopping.wait()
+            log.info("kugetsu service stopping; running agents keep running")
+        finally:
+            self._flush()
+            await self._stop_extensions()
+            if self.member is not None:
+                await asyncio.to_thread(self.member.stop)
+            self._reconcile_handle.cancel()
+            for handle in (self._log_check, self._usage_check, self._measure_handle):
+                if handle is not None:
+                    handle.cancel()
+            self.home.usage.unlink(missing_ok=True)  # no service, no measurement to show
+            if self.cgroup_base is not None:
+                usage.remove_base(self.cgroup_base)
+            self.timer.cancel()
+            self.scheduler.shutdown(wait=False)
+            self.worktrees.shutdown()
+            self.procs.close()
+            self.exits.close()
+            wakeup.close()
+            self.home.service_pid.unlink(missing_ok=True)
+            os.close(lock_fd)
+        return 0
+
+    def stop(self) -> None:
+        if self._stopping is not None:
+            self._stopping.set()
+
+    # ---- the tick: one transaction that brings the world in line ---------------------
+
+    def request_tick(self) -> None:
+        """Coalesce wake-ups that arrive together into one transaction."""
+        if not self._tick_pending:
+            self._tick_pending = True
+            self.loop.call_soon(self._requested_tick)
+
+    def _requested_tick(self) -> None:
+        if self._tick_pending:  # else a tick ran meanwhile (an exit ticks at once) and did it
+            self._safe_tick()
+
+    def _on_deadline(self) -> None:
+        self._safe_tick()
+
+    def _reconcile(self) -> None:
+        """The safety net: a tick every RECONCILE_EVERY seconds, whatever happens."""
+        self._reconcile_handle = self.loop.call_later(RECONCILE_EVERY, self._reconcile)
+        self.exits.orphan_tokens()  # reaps orphans that exited, also when no agent ends for a while
+        self._safe_tick()
+
+    def _safe_tick(self, hold: bool = False) -> None:
+        try:
+            self.tick(hold)
+        except Exception as err:
+            self._failed(err)
+
+    def _failed(self, err: Exception) -> None:
+        """A transaction failed (a full disk, a damaged index.json, EIO): nothing it decided
+        is on disk, what it let go is in `let_go`. Say so once, not on every retry, and try
+        again with backoff; running agents are not affected."""
+        what = str(err) if isinstance(err, KugetsuError) else f"{type(err).__name__}: {err}"
+        if isinstance(err, Unreachable) and self.failing is not None and self.failing.startswith("database unreachable"):
+            what = self.failing  # one outage, however each attempt words its failure
+        if what != self.failing:
+            if isinstance(err, KugetsuError):  # e.g. index.json damaged by hand: say what, no traceback
+                log.error("%s\nRetrying with backoff; running agents are not affected.", err)
+            else:
+                log.exception("tick failed; retrying with backoff; running agents are not affected")
+        self.failing = what
+        if self._retry is None:
+            self._retry = self.loop.call_later(self._retry_delay, self._retry_tick)
+            self._retry_delay = min(self._retry_delay * 2, RETRY_MAX)
+
+    def _retry_tick(self) -> None:
+        self._retry = None
+        self._safe_tick()
+
+    def _commit_succeeded(self) -> None:
+        """The index on disk now records everything let go and every exit reaped so far."""
+        self.procs.committed()
+        if self.failing is not None:
+            log.info("the index is written again (after: %s)", self.failing)
+            self.failing = None
+            self._retry_delay = RETRY_FIRST
+            self.request_tick()  # start what waited for a commit that works
+
+    def tick(self, hold: bool = False) -> None:
+        """One transaction that brings the world in line: gather what happened (exits,
+        leftovers found, starts that no committed index records), let pm.tick decide, carry
+        out its plan (spawn, signal), commit. `hold` (after an agent's exit): keep the
+        transaction open, lock and all, for COMMIT_DELAY, so that the exits that follow in a
+        burst share its commit (`_hold`)."""
+        self._tick_pending = False
+        hold = hold and self.member is None  # a cluster's row lock is every machine's: never held
+        # A held transaction already records every agent let go since the last commit (it let
+        # them go): only a transaction read afresh, after a commit that failed, lacks them.
+        resumed = self.held is not None
+        txn = self._begin()
+        deferred = False
+        try:
+            # Under the index lock, which `config set` holds while it writes config.json:
+            # read before it, a lowering of max_agents committed meanwhile was overshot.
+            config_changed = self._reload_config(txn)
+            cfg, index = self.cfg, txn.index
+            # Times a command wrote from a wrong clock, before anything is decided from them;
+            # against this service's previous transaction only while it has been up. Only an
+            # index another process wrote: what this service wrote is by its own clock.
+            wrong = None if txn.unchanged else pm.correct_clock(
+                index, cfg, txn.now, None if self._first_tick else self.index, self._last_now)
+            if wrong is not None:
+                index.clock_error = wrong
+                log.warning("clock error: %s", pm.describe_clock_error(wrong))
+            obs = pm.Observations(resources=ops.measure(cfg), measured=list(self.measured.values()))
+            committed_running = {t.id for t in index.active}
+            if self.member is not None:
+                self._observe_cluster(txn, obs)
+            here = self.member.name if self.member is not None else None
+            if not resumed:
+                # Only after a failed commit. Read into the held transaction, they came back as
+                # 'strays' once their task had ended in it: a SIGKILL per exit per tick for
+                # groups that were gone (21,120 for 200 tasks at 4 slots).
+                obs.adopted += self.procs.let_go_seen()
+            if self.exits.exited and txn.unchanged and not config_changed and self.failing is None:
+                self._release_successor(txn)
+            obs.exits = [self._with_output(self.exits.seen(t, self._first_tick), t) for t in list(index.active)
+                         if t.ended_at is None and t.pid is not None and placement.ours(t, here)
+                         and (t.id in self.exits.exited or not runner.alive(t.pid, t.pid_start))]
+            if self.cgroup_base is not None and obs.exits:
+                obs.measured += self._kernel_said(index, obs.exits)
+            if self.exits.endings or any(t.ended_at is not None for t in index.active):
+                obs.found = self.exits.look_for_leftovers(txn)
+            if self._first_tick:
+                obs.adopted += self.procs.recovered(txn)
+            if self.worktrees.closing and self.worktrees.record_closes(txn):
+                self._disk_check = True
+            obs.progress, self._progress = self._progress, {}
+            plan = pm.tick(index, cfg, txn.now, obs)
+            for task, err in plan.set_aside:  # once: a task set aside is final
+                log.error("%s (#%d) set aside as failed: handling its end raised %s: %s; the other tasks go on",
+                          task.name, task.id, type(err).__name__, err, exc_info=err)
+            self._take(txn, plan)
+            if plan.gone:
+                self._declare_gone(txn, plan.gone)
+            if self.member is None:
+                # While commits fail, nothing new is let go: what starts is committed first.
+                while self.failing is None and self._spawn(txn, plan.start):
+                    plan.start = self._take(txn, pm.settle(index, cfg, txn.now, obs.resources)).start
+            else:
+                # A cluster: only a start already committed as this machine's is spawned. Were
+                # it spawned before its commit, a commit lost with the connection would leave it
+                # queued in the database, for another machine to start a second time.
+                ready = [t for t in plan.start if t.id in committed_running]
+                deferred = len(ready) < len(plan.start)
+                if self.failing is None and self._spawn(txn, ready):
+                    self._take(txn, pm.settle(index, cfg, txn.now, obs.resources, obs.here))
+                    deferred = True
+            if self._released is not None:
+                self._record_released(txn)
+            if hold:
+                self._hold(txn)
+            else:
+                self._cancel_flush()
+                self.store.commit(txn)
+                self._commit_succeeded()
+        except BaseException:
+            self.store.abort()
+            raise
+        self.index = txn.index
+        self._last_now = txn.now
+        self._released = None
+        self.successor = pm.successor(self.index, self.cfg)
+        self.exits.ticked()
+        self.procs.forget_dropped()
+        if self.worktrees.preparing:
+            self.worktrees.drop_unwanted(self.index)
+        self._first_tick = False
+        for task, sig in plan.signal_groups:
+            if sig == signal.SIGTERM and self.member is not None:
+                if task.id in self._termed:
+                    continue  # a stop asked for elsewhere is signalled once, not at every tick
+                self._termed.add(task.id)
+            runner.kill_group(task.pid, task.pid_start, signal.Signals(sig))
+            if sig == signal.SIGTERM:  # a task paused (pause TASK, SIGSTOP) acts on it once it runs again
+                runner.kill_group(task.pid, task.pid_start, signal.SIGCONT)
+        if self._termed:
+            self._termed &= {t.id for t in self.index.active}
+        for stray in plan.strays:
+            # Let go before a commit that failed, for a task final by now: it must not run on.
+            log.warning("task #%d was let go but is no longer queued or running; stopping it", stray.task)
+            runner.kill_group(stray.pid, stray.pid_start, signal.SIGKILL)
+        self.exits.signal_leftovers(plan, self.index)
+        self.exits.sync_watches(self.index)
+        if self.exits.unlooked(self.index):
+            # An agent this tick booked as ended with leftovers possible (an adopted one,
+            # whose orphans went to another service): its look starts now, not at the next
+            # wake-up (the reconcile, up to 5 s on), so its end and the next start wait for
+            # nothing.
+            self.request_tick()
+        self._sync_jobs()
+        if self.member is None:  # in a cluster the next task may start on another machine
+            self.procs.sync_warm(self.index, self.cfg)
+        else:
+            self.member.shipping({t.id: self.home.log(t.id) for t in self.index.active if t.host == self.member.name})
+        self._watch_logs(here)
+        self._watch_usage(here)
+        self._watch_resources(here)
+        if self.cgroup_base is not None and any(e.task is not None and e.state in _FINAL_STATES for e in plan.events):
+            self._sweep()
+        if not hold:
+            self._committed(txn.events)
+        if deferred:
+            self.request_tick()  # the starts this tick committed: spawned by the next one
+
+    # ---- resources: measured use, limits (usage.py) ---------------------------------------
+
+    def _resources_mode(self) -> None:
+        """Decide once, at start, how use is measured and limits enforced: cgroups where this
+        service may make them (config resources.mode auto or cgroup), else sampling."""
+        cfg = load_config(self.home)
+        why = "resources.mode is sampling"
+        if cfg.resources.mode != "sampling":
+            mode, why = usage.probe(self.home)
+            if mode == "cgroup":
+                self.cgroup_base = usage.cgroup_base(self.home)
+            elif cfg.resources.mode == "cgroup":
+                log.error("resources.mode is cgroup, but %s: measuring by sampling instead", why)
+            self.resource_mode = mode
+        self.sampler.mode = self.resource_mode
+        self.procs.confine = self._confine if self.cgroup_base is not None else None
+        # Runs that ended while the service was down leave their cgroups: the first look removes them.
+        self._cgroups_left = self.cgroup_base is not None
+        log.info("resources: %s mode (%s)", self.resource_mode, why)
+
+    def _confine(self, task: Task) -> dict[str, str] | None:
+        """cgroup mode: the cgroups a task with limits starts in (its wrapper joins them before
+        its agent runs), as the wrapper's environment says it; None: no limit, none needed."""
+        memory, procs = pm.memory_of(self.cfg, task), pm.max_procs_of(self.cfg, task)
+        if self.cgroup_base is None or not (memory or procs):
+            return None
+        try:
+            groups = usage.make_groups(self.cgroup_base, task.id, task.attempt, memory, procs)
+        except OSError as err:
+            log.warning("cannot create the cgroups of %s (#%d): %s; its limits are enforced by sampling",
+                        task.name, task.id, err)
+            return None
+        self._cgroups_left = True  # to be removed once the run is over
+        return {runner.CGROUP_VAR: groups.procs_files()}
+
+    def _kernel_said(self, index: Index, exits: list[pm.Exit]) -> list[pm.Measured]:
+        """cgroup mode: what the kernel did to the tasks that just ended (an OOM kill, a fork
+        refused), read at once (a few bytes of /sys): their end is booked as over a limit."""
+        out = []
+        attempts = {t.id: t.attempt for t in index.active}
+        for e in exits:
+            groups = usage.groups_of(self.cgroup_base, e.task, attempts.get(e.task, 0))
+            if groups is None:
+                continue
+            oom, refused, peak = groups.read()
+            if oom or refused:
+                seen = self.measured.get(e.task)
+                out.append(pm.Measured(task=e.task, memory=0, peak=max(peak, seen.peak if seen else 0),
+                                       cpu=seen.cpu if seen else 0.0, procs=0, oom_kills=oom, forks_refused=refused,
+                                       attempt=attempts.get(e.task, 0)))
+        return out
+
+    def _watch_resources(self, here: str | None) -> None:
+        """After each tick: while this machine runs agents, measure them every
+        resources.interval (usage.Sampler, in a worker thread)."""
+        if self._measure_handle is None and (self._cgroups_left or any(t.pid and placement.ours(t, here)
+                                                                        for t in self.index.active)):
+            self._measure_handle = self.loop.call_later(self.cfg.resources.interval_s, self._measure)
+
+    def _sweep(self, tries: int = 30) -> None:
+        """cgroup mode: remove the cgroups of runs that are over, off the loop; while some are
+        not empty yet (their last processes being killed), again a second later."""
+        live = {t.id: t.attempt for t in self.index.live()}
+        job = self.loop.run_in_executor(None, usage.remove_finished, self.cgroup_base, live, self.index.next_id)
+        job.add_done_callback(lambda done: done.exception() is None and done.result() and tries > 1
+                              and self.loop.call_later(1.0, self._sweep, tries - 1))
+
+    def _measure(self) -> None:
+        self._measure_handle = None
+        here = self.member.name if self.member is not None else None
+        tasks = {t.id: t.token for t in self.index.active if t.pid and t.token and placement.ours(t, here)}
+        if self._measuring:
+            return  # the last look has not finished (a loaded machine): the next one waits for it
+        if not tasks and not self.measured and not self._cgroups_left:
+            return
+        self._cgroups_left = False
+        self._measuring = True
+        groups = {}
+        if self.cgroup_base is not None:
+            groups = {t.id: usage.groups_of(self.cgroup_base, t.id, t.attempt)
+                      for t in self.index.active if t.id in tasks}
+        live = {t.id: t.attempt for t in self.index.live()}
+        job = self.loop.run_in_executor(None, self._measure_job, tasks, groups, live, self.index.next_id)
+        job.add_done_callback(self._measured)
+
+    def _measure_job(self, tokens: dict[int, str], groups: dict[int, usage.TaskGroups | None], live: dict[int, int],
+                     next_id: int) -> dict[int, pm.Measured]:
+        measured = self.sampler.measure(tokens, groups, live)
+        self.sampler.publish(measured, ops.now())
+        if self.cgroup_base is not None and usage.remove_finished(self.cgroup_base, live, next_id):
+            self._cgroups_left = True  # a look once more, until they are gone
+        return measured
+
+    def _measured(self, done: asyncio.Future[dict[int, pm.Measured]]) -> None:
+        self._measuring = False
+        err = done.exception()
+        if err is not None:
+            log.warning("measuring the running tasks failed: %s", err)
+            measured = self.measured
+        else:
+            measured = self.measured = done.result()
+        tasks = {t.id: t for t in self.index.active}
+        if any(pm.limit_exceeded(self.cfg, t, m) for m in measured.values() if (t := tasks.get(m.task)) is not None):
+            self.request_tick()  # pm decides: over a limit, stopped
+        if self._measure_handle is None and (tasks or measured or self._cgroups_left):
+            self._measure_handle = self.loop.call_later(self.cfg.resources.interval_s, self._measure)
+
+    # ---- log_max_size: each log capped on disk -------------------------------------------
+
+    def _watch_logs(self, here: str | None) -> None:
+        """After each tick: the logs of this machine's running agents are looked at every
+        LOG_CHECK_EVERY seconds while there are any (none: no timer). A task that ended is
+        looked at once more (its last burst)."""
+        if self.cfg.log_max_bytes is None:
+            self._watched_logs.clear()
+            return
+        for t in self.index.active:
+            if t.log and placement.ours(t, here):
+                self._watched_logs[t.id] = t.log
+        if self._watched_logs and self._log_check is None:
+            self._log_check = self.loop.call_later(LOG_CHECK_EVERY, self._check_logs)
+
+    def _check_logs(self) -> None:
+        """One stat per watched log; a log over log_max_size is compacted in a worker thread
+        (a copy of a quarter of the cap: never on the loop)."""
+        self._log_check = None
+        cap = self.cfg.log_max_bytes
+        running = {t.id for t in self.index.active}
+        for task_id, path in list(self._watched_logs.items()):
+            if task_id not in running:
+                del self._watched_logs[task_id]  # this look is its last
+            if cap is None or task_id in self._compacting:
+                continue
+            try:
+                size = os.stat(path).st_size
+            except OSError:
+                continue
+            if size > cap:
+                self._compacting.add(task_id)
+                job = self.loop.run_in_executor(None, logtail.compact, path, cap)
+                job.add_done_callback(lambda done, task_id=task_id, size=size: self._compacted(task_id, size, done))
+        if self._watched_logs:
+            self._log_check = self.loop.call_later(LOG_CHECK_EVERY, self._check_logs)
+
+    def _budgeted(self, here: str | None) -> list[Task]:
+        """This machine's running tasks whose agent reports usage mid-run, while a budget
+        could stop them (their own, or a daily one), or while they probe a quota's new window
+        (its first turn ends the probe)."""
+        daily = self.cfg.budgets.enabled
+        probes = {w.probe for w in self.index.windows.values() if w.probe is not None}
+        return [t for t in self.index.active if t.log and t.ended_at is None and t.stop is None
+                and placement.ours(t, here)
+                and (daily or t.budget_usd is not None or t.max_tokens is not None or t.id in probes)
+                and ops.output_kind(self.cfg, t) == "claude"]
+
+    def _watch_usage(self, here: str | None) -> None:
+        """After each tick: while a budgeted task's agent streams its usage, its log's end is
+        read every USAGE_CHECK_EVERY seconds (a timer only then)."""
+        if self._usage_check is None and self._budgeted(here):
+            self._usage_check = self.loop.call_later(USAGE_CHECK_EVERY, self._check_usage, here)
+
+    def _check_usage(self, here: str | None) -> None:
+        """What each budgeted run has used so far; a change is booked by a tick (pm.progress),
+        which stops a task past its budget."""
+        self._usage_check = None
+        sizes = {}
+        for task in self._budgeted(here):
+            try:
+                sizes[task.id] = size = os.stat(task.log).st_size  # type: ignore[arg-type]
+                if self._usage_sizes.get(task.id) == size:
+                    continue  # nothing new since the last read
+                tail = logtail.tail(task.log, max_bytes=agents.TAIL_BYTES).data.decode(errors="replace")
+            except OSError:
+                continue
+            run = agents.progress("claude", tail)
+            if run is not None and run != task.run_usage:
+                self._progress[task.id] = run
+        self._usage_sizes = sizes
+        if self._progress:
+            self.request_tick()
+        else:
+            self._watch_usage(here)
+
+    def _compacted(self, task_id: int, size: int, done: asyncio.Future[int]) -> None:
+        self._compacting.discard(task_id)
+        err = done.exception()
+        if err is not None:  # e.g. a link planted in its place: said once, the next look retries
+            if task_id not in self._cap_failed:
+                self._cap_failed.add(task_id)
+                log.warning("could not cap task #%d's log (%s); retrying", task_id, err)
+        elif done.result():
+            log.debug("task #%d's log was %d bytes: %d dropped (log_max_size)", task_id, size, done.result())
+
+    def _with_output(self, seen: pm.Exit, task: Task) -> pm.Exit:
+        """What pm reads in the end of an agent's output (a provider's limit, the session id)."""
+        if not task.log or not pm.reads_output(self.cfg, task):
+            return seen
+        kind = ops.output_kind(self.cfg, task)
+        size = agents.TAIL_BYTES if kind != "text" else limits.TAIL_BYTES
+        tail = logtail.tail(task.log, max_bytes=size).data
+        if kind == "codex":
+            # Codex names its thread in a run's first line alone (after a few lines of
+            # stderr): a log longer than the tail keeps its first lines with it, or a long run
+            # cut short by a limit could not be resumed.
+            tail = read_head(task.log, size, 4096) + tail
+        return msgspec.structs.replace(seen, tail=tail.decode(errors="replace"))
+
+    def _take(self, txn: Txn, plan: pm.Plan) -> pm.Plan:
+        """Put a plan's events and archive into the transaction."""
+        txn.emit(plan.events)
+        txn.archive.extend(plan.archive)
+        if any(e.worktree for e in plan.events):  # a worktree task ended: close it after the commit
+            self.worktrees.close_due = True
+        return plan
+
+    # ---- held transactions: one commit for a burst of exits ---------------------------
+
+    def _begin(self) -> Txn:
+        """The held transaction, if there is one, else a new one."""
+        txn, self.held = self.held, None
+        if txn is None:
+            return self.store.begin()
+        txn.now = ops.now()  # the same transaction, a moment later
+        return txn
+
+    def _hold(self, txn: Txn) -> None:
+        """Keep `txn` open until COMMIT_DELAY after the exit that opened it. Promotions do not
+        wait for it (the next agent is let go before any bookkeeping); what waits is the
+        commit, which is most of the service's work per task: with agents that end every few
+        ms, one commit per burst instead of one per exit. Meanwhile the lock is held (a CLI
+        command waits at most COMMIT_DELAY), so the index stays this service's own."""
+        txn.unchanged = True
+        self.held = txn
+        if self._flush_handle is None:
+            self._flush_handle = self.loop.call_later(COMMIT_DELAY, self._flush)
+
+    def _flush(self) -> None:
+        """Commit the held transaction."""
+        self._cancel_flush()
+        txn, self.held = self.held, None
+        if txn is None:
+            return
+        try:
+            self.store.commit(txn)
+        except Exception as err:
+            self._failed(err)  # what it let go is in let_go; exits are seen again
+            return
+        self._commit_succeeded()
+        self._committed(txn.events)
+
+    def _cancel_flush(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+
+    def _committed(self, events: list[Event]) -> None:
+        """After a commit: what reads the index from disk, and the listeners, see it now."""
+        if self._disk_check and self.cfg.worktrees.max_disk is not None:
+            self._disk_check = False
+            # Off the loop: measuring worktrees walks their files.
+            self.loop.run_in_executor(None, self._enforce_max_disk, self.cfg)
+        if self.worktrees.close_due:
+            self.worktrees.start_closes(self.index, self.cfg.worktrees.keep)
+        if self.metrics is not None:  # every commit, the CLI's too: gauges must follow queued tasks
+            self.metrics.observe(self.index, self.cfg)
+        if events:
+            for listener in self.listeners:
+                listener(events)
+            self._rotate_events()
+
+    def _rotate_events(self) -> None:
+        """Keep events.jsonl bounded: only the service rotates it, after a tick that grew it
+        (one stat when there is nothing to do, and after the release of the next agent)."""
+        size = self.store.rotate_events(self.cfg.events_max_bytes)
+        if size is not None:
+            log.info("events.jsonl reached %s: it is events.jsonl.1 now, and a new one begins", format_size(size))
+
+    def _reload_config(self, txn: Txn | None = None) -> bool:
+        """Re-read config.json when it changed (it is replaced by rename: a new inode), and in
+        a cluster the shared config when the transaction brought a new one. Returns whether
+        it changed."""
+        try:
+            st = os.stat(self.home.config)
+            stamp: object = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            stamp = None
+        if txn is not None and txn.shared_config:
+            stamp = (stamp, txn.shared_config)
+        if stamp == self._config_stamp:
+            return False
+        try:
+            self.cfg = ops.config_in(self.home, txn) if txn is not None else load_config(self.home)
+            self._config_stamp = stamp
+        except KugetsuError as err:
+            log.error("%s\nKeeping the last valid config.", err)
+        return True
+
+    def _release_successor(self, txn: Txn) -> None:
+        """An agent has exited and nothing changed since this service's last transaction: let
+        the task pm named for the next free slot (pm.successor) run its agent now, before the
+        bookkeeping of this transaction, which then records that very start. The write to
+        the warm wrapper's pipe comes first; reaping, the exit status and the new plan (about
+        0.2 ms of Python) after it. Still under the index lock, and only while the index is
+        the one this service committed: a cancel or a config change cannot slip in between."""
+        succ = self.successor
+        if succ is None or (succ.until is not None and txn.now >= succ.until):
+            return  # about to expire, or no answer that holds whichever task ended
+        warm = self.procs.warm.get(succ.task.id)
+        if warm is None or warm.gate is None:
+            return
+        # Only a slot that is truly free: each task that ended left nothing running (else it
+        # keeps its slot while that is ended, and the tick decides).
+        ended = [t for t in txn.index.active if t.id in self.exits.exited]
+        if not ended:
+            # A pidfd that fired late, for an agent a tick already booked (it saw the process
+            # gone before the callback ran): no slot is free, and the successor must wait.
+            return
+        for task in ended:
+            if task.pid not in self.procs.children or task.ended_at is not None:
+                return
+            self.procs.reap(task)
+            if self.exits.leftovers_possible(task):
+                return
+            self.exits.clean.add(task.id)
+        at = ops.now()  # before the agent can run (see _spawn)
+        try:
+            runner.release(warm)
+        except OSError:  # the wrapper is gone: the tick starts the task afresh
+            return
+        self._released = succ.task.id
+        self.procs.let_go[succ.task.id] = LetGo(warm.pid, warm.start, at)
+
+    def _record_released(self, txn: Txn) -> None:
+        """pm.successor promises that the transaction starts the task let go early. Should
+        that promise ever break, its agent runs all the same: record it as running rather
+        than start it a second time later."""
+        task = next((t for t in txn.index.queued if t.id == self._released), None)
+        warm = self.procs.warm.pop(self._released, None) if task is not None else None
+        if task is None or warm is None:
+            return
+        log.error("%s (#%d) was let go early but not picked to start; recording it as running", task.name, task.id)
+        at = self.procs.let_go[task.id].at
+        self._take(txn, pm.adopt(txn.index, txn.now, [pm.Adopted(task.id, warm.pid, warm.start, at, str(self.home.log(task.id)))]))
+        self.procs.children[warm.pid] = warm.popen
+
+    def _spawn(self, txn: Txn, tasks: list[Task]) -> bool:
+        """Spawn the processes of running tasks that have none (pm's plan.start). Returns
+        whether a task could not start (its slot is free again: pm settles once more)."""
+        freed = False
+        for task in tasks:
+            try:
+                if not self.worktrees.ready(task):
+                    continue  # being created off the lock; the tick after it is done starts the agent
+            except Exception as err:  # WorktreeError, or whatever git or the disk raised
+                self._take(txn, pm.Plan(events=pm.start_failed(txn.index, task, txn.now, 1, f"could not create its worktree: {err}")))
+                freed = True
+                continue
+            cwd, env = workplace(task)
+            if task.token is None:  # admitted by a kugetsu from before tokens
+                task.token = runner.new_token()
+            # Read before the agent is let go, never after: it may run (and stamp its own start)
+            # before spawn returns, and a recorded run must hold all of the agent's.
+            at = self.procs.let_go[task.id].at if task.id == self._released else ops.now()
+            try:
+                spawned = self.procs.start(task, cwd, env, released=task.id == self._released)
+            except OSError as err:
+                if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                    # Its exit file cannot be allocated: it must not start. The whole
+                    # transaction fails, and is retried with backoff.
+                    raise DiskFull(f"disk full: cannot start {task.name} (#{task.id}): {err.strerror}") from None
+                self._take(txn, pm.Plan(events=pm.start_failed(txn.index, task, txn.now, 127, f"could not start: {err}")))
+                freed = True
+                continue
+            except ValueError as err:  # an argv exec cannot take (NUL byte)
+                self._take(txn, pm.Plan(events=pm.start_failed(txn.index, task, txn.now, 127, f"could not start: {err}")))
+                freed = True
+                continue
+            self.procs.let_go[task.id] = LetGo(spawned.pid, spawned.start, at)
+            self.procs.children[spawned.pid] = spawned.popen
+            task.pid, task.pid_start, task.log = spawned.pid, spawned.start, str(self.home.log(task.id))
+            pm.record_spawn(txn.index, task, at)
+            if spawned.start is None:  # it exited before we could look at it
+                self.exits.exited.add(task.id)
+        return freed
+
+    # ---- cluster mode (docs/architecture.md §10) ------------------------------------------------
+
+    def _join_cluster(self) -> None:
+        cfg = load_config(self.home)
+        if cfg.store is None:
+            return
+        from kugetsu.cluster.member import Member  # psycopg: cluster mode only
+
+        slots = cfg.host_max_agents if cfg.host_max_agents is not None else cfg.max_agents
+        loop = self.loop
+        self.member = Member(cfg.store, host_name(cfg), slots, cfg.cluster.lease_s, self.home,
+                             cfg.cluster.log_max_bytes, lambda: loop.call_soon_threadsafe(self.request_tick))
+        self.member.start()
+        self.member.watch(self.store)  # type: ignore[arg-type]  (a PgStore in cluster mode)
+        self.procs.host = self.exits.host = self.member.name
+        from kugetsu.cluster.member import SCHEDULER_LEASE
+
+        # The schedules fire on one machine, the lease's holder (their tasks run anywhere).
+        # One that takes the lease over registers them afresh: what fell due while no one
+        # held it is found missed, and coalesced as after a restart.
+        self.member.want(SCHEDULER_LEASE, lambda held: loop.call_soon_threadsafe(self._scheduler_lease, held),
+                         "the schedules' lease")
+
+    def _scheduler_lease(self, held: bool) -> None:
+        if held:
+            self.schedule_jobs.restart()
+            self.request_tick()
+
+    def _fires_here(self) -> bool:
+        if self.member is None:
+            return True
+        from kugetsu.cluster.member import SCHEDULER_LEASE
+
+        return self.member.holds(SCHEDULER_LEASE)
+
+    def _observe_cluster(self, txn: Txn, obs: pm.Observations) -> None:
+        """Every machine's lease, and the directories queued tasks need that this machine
+        lacks; first of all, if this machine was declared gone while it was away, fence."""
+        member = self.member
+        assert member is not None
+        with self.store.guarded() as conn:  # type: ignore[attr-defined]  (a PgStore: the transaction's connection)
+            obs.hosts = member.observe(conn)
+            if member.fenced:
+                self._fence(txn)
+                try:
+                    member.rejoin(conn)
+                except KugetsuError as err:  # hosts.NameTaken: another home has this name now
+                    log.error("%s. This service stops.", err)
+                    self.stop()
+                    raise
+                obs.hosts = member.observe(conn)
+        needed = {placement.needs_dir(t) for t in txn.index.queued}
+        # Its own memory budget (max_memory is a machine's own key): what its tasks may declare here.
+        obs.here = msgspec.structs.replace(member.here(frozenset(d for d in needed if not os.path.isdir(d))),
+                                           max_memory=self.cfg.memory_budget)
+
+    def _fence(self, txn: Txn) -> None:
+        """This machine was declared gone: the tasks it ran were ended as lost and their slots
+        given away. Whatever of them still runs here is killed now, before anything starts."""
+        assert self.member is not None
+        mine = {t.id for t in txn.index.active if t.host == self.member.name}
+        stale = [t for t in self.index.active if t.host == self.member.name and t.id not in mine and t.pid]
+        for task in stale:
+            log.warning("%s (#%d) was ended as lost while this machine was away: killing it", task.name, task.id)
+            runner.kill_group(task.pid, task.pid_start, signal.SIGKILL)
+            if task.token:
+                for pid, start in runner.scan_token(task.token).items():
+                    runner.signal_pid(pid, start, signal.SIGKILL)
+
+    def _declare_gone(self, txn: Txn, names: list[str]) -> None:
+        from kugetsu.cluster import hosts
+
+        log.warning("machine(s) %s stopped answering (lease expired): their running tasks are lost", ", ".join(names))
+        with self.store.guarded() as conn:  # type: ignore[attr-defined]
+            hosts.mark_gone(conn, names)
+
+    def _enforce_max_disk(self, cfg: Config) -> None:
+        try:
+            for done in ops.enforce_max_disk(self.home, cfg):
+                log.info("worktree %s: %s", done.entry.path, done.note)
+        except Exception:
+            log.exception("worktrees.max_disk check failed")
+
+    # ---- watching processes and deadlines --------------------------------------------
+
+    def _sync_jobs(self) -> None:
+        """Set the deadline job (deadlines.py) at the earliest moment anything falls due:
+        pm's deadlines (expiry, run timeouts, SIGKILL after the grace) and the policies'."""
+        now = ops.now()
+        self.jobs = pm.policy_wakeups(self.index, self.cfg, now, ops.measure(self.cfg), self.jobs)
+        due = min(filter(None, [pm.next_deadline(self.index), *self.jobs.values()]), default=None)
+        self.timer.set(due, now)
+        if self.index.schedules or self.schedule_jobs.rules:
+            self.schedule_jobs.sync(self.index.schedules, now, self.cfg.schedule_missed)
+        else:
+            self.schedule_jobs.catch_up = False  # none yet: one added later starts at its next firing
+
+    async def _fire_schedule(self, name: str, at: datetime) -> None:
+        """A schedule's firing (deadlines.ScheduleJobs): delegated in a worker thread (its
+        checks look at the file system and may run git), recorded on the schedule. In a
+        cluster every service has the job and the lease's holder fires it; should two fire
+        at once (the lease changing hands), the firing's transaction lets the first one
+        through and the other finds it done (schedules.should_fire)."""
+        if not self._fires_here():
+            return  # a cluster: the machine holding the schedules' lease fires them
+        try:
+            firing = await asyncio.to_thread(ops.fire_schedule, self.home, name, at)
+        except Exception as err:
+            log.error("schedule %s: firing at %s failed: %s", name, at.isoformat(), err)
+            return
+        if firing is not None:
+            log.info("schedule %s: %s", name, firing.note)
+
+    # ---- extensions (the Telegram bot) -----------------------------------------------
+
+    async def _start_extensions(self) -> None:
+        if self.cfg.metrics.listen is not None:
+            from kugetsu.frontends import metrics  # prometheus-client is imported only when metrics are on
+
+            self.metrics = metrics.start(self)
+        from kugetsu.frontends.telegram import resolve_token  # light: no python-telegram-bot yet
+
+        token = resolve_token(self.cfg)
+        if not token:
+            log.info("telegram bot off: no token (config telegram.token or env KUGETSU_TELEGRAM_TOKEN)")
+            return
+        if self.member is not None:  # a cluster: only the machine holding the bot's lease runs it
+            loop = self.loop
+            self.member.want_bot(lambda held: loop.call_soon_threadsafe(
+                lambda: asyncio.ensure_future(self._bot_lease_changed(held, token))))
+            return
+        self._start_bot(token)
+
+    async def _bot_lease_changed(self, held: bool, token: str) -> None:
+        if held and self.telegram is None:
+            self._start_bot(token)
+        elif not held and self.telegram is not None:
+            bot, self.telegram = self.telegram, None
+            self.listeners.remove(bot.on_events)
+            await bot.stop()
+
+    def _start_bot(self, token: str) -> None:
+        try:
+            from kugetsu.frontends.telegram.bot import TelegramBot  # the heavy import, only with a token
+
+            self.telegram = TelegramBot(self.home, token, lambda: self.cfg)
+            self.telegram.start()  # runs in its own task: Telegram being down never blocks us
+            self.listeners.append(self.telegram.on_events)
+        except Exception:
+            log.exception("telegram bot failed to start; the service runs without it")
+            self.telegram = None
+
+    async def _stop_extensions(self) -> None:
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.stop)  # waits for its thread's poll (0.5 s): off the loop
+        if self.telegram is not None:
+            await self.telegram.stop()
+
+
+def serve(home: Home) -> int:
+    import faulthandler
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # `kill -USR1 <service pid>` writes every thread's stack to the log: what a service that
+    # seems stuck is doing, without stopping it.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    return Service(home).run()

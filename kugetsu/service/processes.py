@@ -1,0 +1,249 @@
+"""The agents' processes as the service holds them: the wrappers it spawned (reaped to learn
+how they ended), the warm wrappers started ahead of their turn, the starts no committed index
+records yet, and the agents adopted at start-up after a crash. How a wrapper is started,
+identified and signalled is in runner.py; when to start what is decided by pm.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from kugetsu.app import ops
+
+from kugetsu.core import pm
+
+from kugetsu.frontends import render
+
+from kugetsu.service import runner, worktree
+from kugetsu.config import Config
+from kugetsu.core.models import Index, Task, TaskState
+from kugetsu.paths import Home, atomic_write, nofollow
+from kugetsu.core.placement import ours
+from kugetsu.store.files import Txn
+
+if TYPE_CHECKING:  # only for the types: runner imports it when it first spawns
+    import subprocess
+
+log = logging.getLogger("kugetsu.service")
+
+WARM_AHEAD = 100  # queued tasks whose wrapper waits, started ahead (sync_warm)
+
+_FINAL = frozenset(s.value for s in TaskState if s.final)
+
+
+def limited(cfg: Config, task: Task) -> bool:
+    """Has the task a memory or process limit (in cgroup mode: cgroups of its own)?"""
+    return bool(pm.memory_of(cfg, task) or pm.max_procs_of(cfg, task))
+
+
+class LetGo(msgspec.Struct):
+    """An agent this service let go, not yet in a committed index."""
+
+    pid: int
+    start: int | None
+    at: datetime  # when it was let go: its started_at
+
+
+class Processes:
+    def __init__(self, home: Home, prompts: Callable[[list[int]], dict[int, str]]):
+        self.home = home
+        self.prompts = prompts  # the store's: a task's prompt is put into its argv as it starts (pm.argv)
+        self.children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> Popen of the wrappers this service spawned
+        # Agents let go (spawned, or a warm wrapper released) that no committed index records
+        # yet: should the commit fail (a full disk), the next transaction records them from
+        # here, and never starts them a second time. Cleared by every commit that succeeds.
+        self.let_go: dict[int, LetGo] = {}
+        self.returncodes: dict[int, int] = {}  # pid -> how a reaped wrapper ended, until committed
+        self.warm: dict[int, runner.Spawned] = {}  # task id -> its wrapper, started ahead, waiting
+        self.dropped: list[subprocess.Popen[bytes]] = []  # warm wrappers let go, to reap once they exit
+        self.host: str | None = None  # in a cluster, this machine: other machines' tasks are theirs
+        # cgroup mode (service._confine): the cgroups a task with limits starts in, as its
+        # wrapper's environment; such a task gets no warm wrapper (its cgroups are its run's).
+        self.confine: Callable[[Task], dict[str, str] | None] | None = None
+
+    def committed(self) -> None:
+        """The index on disk now records everything let go and every exit reaped so far."""
+        self.let_go.clear()
+        self.returncodes.clear()
+
+    def close(self) -> None:
+        """The service stops: warm wrappers exit without running anything."""
+        for warm in self.warm.values():
+            runner.drop(warm)
+
+    def ours(self) -> set[int]:
+        """The pids of the wrappers this service started (its children that are no orphans)."""
+        return set(self.children) | {w.pid for w in self.warm.values()} | {p.pid for p in self.dropped}
+
+    # ---- starting ----------------------------------------------------------------------
+
+    def start(self, task: Task, cwd: str, env: dict[str, str], released: bool) -> runner.Spawned:
+        """The task's warm wrapper if it has one (a promotion is then one write to a pipe),
+        else a new process. `released`: its warm wrapper was let go already."""
+        warm = self.warm.pop(task.id, None)
+        if warm is not None and released:
+            return warm
+        argv = self._argv(task, self._prompts([task]))
+        confine = self.confine(task) if self.confine is not None else None
+        if warm is not None and confine is not None:
+            self.drop(warm)  # started before its limits were known to need cgroups
+            warm = None
+        if warm is not None:
+            if warm.gate is not None and warm.argv == argv and warm.env == env and runner.alive(warm.pid, warm.start):
+                runner.release(warm)
+                return warm
+            self.drop(warm)
+        return runner.spawn(self.home, task.id, task.name, argv, cwd, env, token=task.token, depth=task.depth,
+                            confine=confine, header=render.attempt_header(task))
+
+    def _argv(self, task: Task, stored: dict[int, str]) -> list[str]:
+        """pm.argv of the task; a {prompt_file} preset's file is made here first, on the
+        machine that runs the agent (the file store's own copy is that file already; in a
+        cluster the prompt is a row of the database). ValueError: its prompt is missing."""
+        prompt = pm.prompt_of(task, stored)
+        path = self.home.prompt_file(task.id)
+        if prompt is not None and pm.wants_file(task):
+            data = prompt.encode()
+            try:
+                with open(path, "rb", opener=nofollow) as f:
+                    same = f.read(len(data) + 1) == data
+            except FileNotFoundError:
+                same = False
+            if not same:
+                atomic_write(path, data)
+        return pm.argv(task, prompt, str(path))
+
+    def _prompts(self, tasks: list[Task]) -> dict[int, str]:
+        """The stored prompts of those tasks whose argv takes one (one read for the lot)."""
+        prompted = [t.id for t in tasks if t.prompted]
+        return self.prompts(prompted) if prompted else {}
+
+    def sync_warm(self, index: Index, cfg: Config) -> None:
+        """Keep the wrappers of the first WARM_AHEAD queued tasks in start order started and
+        waiting, while every slot is busy (with a free slot, tasks start at once anyway): a
+        promotion is then one write to a pipe, and no process is started while agents end
+        in quick succession (task-spooler's waiting clients do the same). Who starts is still
+        decided by pm in the tick; this only prepares the likely ones. Worktree tasks are not
+        warmed: their working directory only exists once they start."""
+        want: list[Task] = []
+        if index.queued and pm.free_slots(index, cfg) == 0:
+            order = pm.start_order(index, cfg, ops.now())[:WARM_AHEAD]
+            want = [t for t in order if not t.repo and t.token and not (self.confine and limited(cfg, t))]
+        wanted = {t.id for t in want}
+        for task_id in [i for i in self.warm if i not in wanted]:
+            self.drop(self.warm.pop(task_id))
+        if not want:
+            return
+        try:
+            stored = self._prompts(want)
+        except Exception:  # the store did not answer: normal starts, and their errors, in their turn
+            stored = {}
+        for task in want:
+            try:
+                argv: list[str] | None = self._argv(task, stored)
+            except (OSError, ValueError):
+                argv = None
+            if task.id in self.warm:
+                if self.warm[task.id].argv == argv and self.warm[task.id].env == task.env:
+                    continue
+                self.drop(self.warm.pop(task.id))  # its prompt was edited, its preset changed: stale
+            if argv is None:
+                continue
+            try:
+                self.warm[task.id] = runner.spawn(
+                    self.home, task.id, task.name, argv, task.cwd, task.env, warm=True, token=task.token,
+                    depth=task.depth, header=render.attempt_header(task),
+                )
+            except (OSError, ValueError):
+                pass  # it gets a normal start, and its error, when its turn comes
+
+    def drop(self, spawned: runner.Spawned) -> None:
+        runner.drop(spawned)
+        self.dropped.append(spawned.popen)
+
+    def forget_dropped(self) -> None:
+        """Dropped warm wrappers that have exited (poll reaps them) need no more looking at."""
+        self.dropped = [p for p in self.dropped if p.poll() is None]
+
+    # ---- how a wrapper ended -------------------------------------------------------------
+
+    def reap(self, task: Task) -> None:
+        """Reap the task's wrapper, if this service spawned it; how it ended is kept until the
+        index records the task's end (should that commit fail, the next one needs it)."""
+        popen = self.children.pop(task.pid, None)  # type: ignore[arg-type]
+        if popen is None:
+            return
+        try:
+            # It has exited: this only reaps it (poll: wait(timeout) costs a sleep loop).
+            returncode = popen.poll()
+            if returncode is None:
+                returncode = popen.wait(timeout=5)
+            self.returncodes[popen.pid] = returncode
+        except Exception:
+            log.warning("wrapper of %s (#%d) did not reap; continuing", task.name, task.id)
+
+    def exit_status(self, task: Task) -> tuple[int | None, str | None]:
+        self.reap(task)
+        code = runner.read_exit(self.home, task.id)
+        if code is not None:
+            return code, None
+        returncode = self.returncodes.get(task.pid)  # type: ignore[arg-type]
+        if returncode is not None and returncode < 0:
+            name = signal.Signals(-returncode).name
+            return 128 - returncode, f"killed by {name}"
+        return None, None
+
+    # ---- starts no committed index records -------------------------------------------------
+
+    def let_go_seen(self) -> list[pm.Adopted]:
+        """What this service let go since its last successful commit: a task it started runs,
+        whether or not the commit that said so reached the disk, and pm records it (never
+        starting it a second time)."""
+        return [pm.Adopted(task_id, go.pid, go.start, go.at, str(self.home.log(task_id)))
+                for task_id, go in self.let_go.items()]
+
+    def recovered(self, txn: Txn) -> list[pm.Adopted]:
+        """At start-up, after a crash between starting a task's wrapper and committing it: a
+        wrapper of ours (same user, the task's token) that runs its agent (a warm one that
+        was never released has no child, and exits when it sees its pipe closed), or the
+        exit status it recorded, for a queued task or a running one without a pid."""
+        candidates = {t.id: t.token for t in txn.index.queued if self.home.log(t.id).exists()}
+        # A task back in the queue (a retry, a provider's limit) has the exit file of its last
+        # run until it starts again: that end is booked already.
+        booked = {t.id: t.attempts[-1].ended_at for t in txn.index.queued if t.attempts}
+        unrecorded = [t for t in txn.index.active if t.pid is None and t.stop is None and ours(t, self.host)]
+        candidates.update((t.id, t.token) for t in unrecorded)
+        if not candidates:
+            return []
+        for task in unrecorded:
+            worktree.recover(self.home, task)  # a worktree created just before the crash
+        wrappers = runner.find_wrappers(self.home, candidates)  # one look at /proc for the lot
+        # Its start is unknown: at the latest exit recorded here (the slot it took), if that
+        # was before its own end.
+        ends = [t for e in txn.events if e.task is not None and e.state in _FINAL
+                if (t := runner.exit_time(self.home, e.task)) is not None]
+        out = []
+        for task_id in candidates:
+            found = wrappers.get(task_id)
+            running = found is not None and runner.has_children(found[0])
+            code = runner.read_exit(self.home, task_id) if not running else None
+            if not running and code is None:
+                continue
+            end = runner.exit_time(self.home, task_id) if code is not None else None
+            if end is not None and task_id in booked and end <= booked[task_id]:
+                continue
+            before = [t for t in ends if end is None or t <= end]
+            at = max(before) if before else (end or txn.now)
+            pid, start = found if running else (None, None)
+            out.append(pm.Adopted(task_id, pid, start, at, str(self.home.log(task_id)), code))
+            if running:
+                log.info("re-adopted task #%d, pid %d, started before a crash", task_id, pid)
+            else:  # it left no process to record: the task ends with no pid
+                log.info("task #%d started before a crash and ended with exit status %d: booked", task_id, code)
+        return out

@@ -1,0 +1,567 @@
+"""Store: locked, atomic transactions on index.json, and the events.jsonl feed.
+
+Every change of the index is one transaction: an exclusive kernel lock on index.lock
+(released by the kernel if the holder dies), read, change, write by temp file + fsync +
+rename + directory fsync. Readers need no lock: the rename is atomic.
+
+Events are committed inside the index (its `outbox`) and appended to events.jsonl after
+the rename; a process that dies in between leaves them in the outbox, and the next
+transaction appends them. So events.jsonl needs no fsync of its own and loses nothing.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from contextlib import AbstractContextManager, contextmanager
+from datetime import datetime, timezone
+from typing import Protocol
+
+import msgspec
+
+from kugetsu.config import describe_decode_error, store_url
+from kugetsu.errors import DiskFull, FileError
+from kugetsu.core.models import INDEX_VERSION, ClockMark, Event, Index, Task, check_index
+from kugetsu.paths import Home, atomic_write, nofollow, open_file, read_tail
+
+
+class _IndexFile(Index, forbid_unknown_fields=True):
+    """index.json as it must be on disk: a JSON object that merely decodes (`{"max_agents": 2}`,
+    a config file put in the wrong place) is not an index, and is refused rather than taken
+    for an empty queue."""
+
+    version: int
+    next_id: int
+
+
+_index_decoder = msgspec.json.Decoder(_IndexFile)
+_event_decoder = msgspec.json.Decoder(Event)
+_encoder = msgspec.json.Encoder()
+_held = threading.local()
+_stores: dict[str, Store] = {}  # open_store's file Stores of the main thread, by home
+
+
+def encode_index(index: Index) -> bytes:
+    return msgspec.json.format(_encoder.encode(index), indent=2) + b"\n"
+
+
+_writer: list[str] = []
+
+
+def writer() -> str:
+    """This process, as a clock error names it: `kugetsu delegate (pid 4242)`."""
+    if not _writer:
+        import sys
+
+        command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+        name = f"kugetsu {command}" if command else os.path.basename(sys.argv[0] or "python")
+        _writer.append(f"{name[:60]} (pid {os.getpid()})")
+    return _writer[0]
+
+
+def mark_writer(txn: Txn) -> None:
+    """A transaction that records events signs the index with its clock (Index.clock): a time
+    from a wrong clock can then be traced to the command that wrote it (pm.correct_clock).
+    Only then: a transaction that changes nothing else must not rewrite the index."""
+    if txn.events:
+        txn.index.clock = ClockMark(at=txn.now, by=writer())
+
+
+class Txn:
+    """What a transaction sees and collects: the index, and the events and archived tasks to write."""
+
+    def __init__(self, index: Index, now: datetime, unchanged: bool = False, before: bytes = b""):
+        self.index = index
+        self.now = now
+        self.unchanged = unchanged  # the index is the one this Store last committed, untouched since
+        self.before = before  # the index's bytes as loaded: an unchanged index is not rewritten
+        self.events: list[Event] = []
+        self.archive: list[Task] = []
+        # Prompts to keep (task id -> text): written with the index, never inside it.
+        self.prompts: dict[int, str] = {}
+        # Cluster mode: the shared config as the transaction found it, and its new text to
+        # commit with the queue (`config set`); the file store keeps config.json apart.
+        self.shared_config: bytes = b""
+        self.new_config: bytes | None = None
+
+    def emit(self, events: list[Event]) -> None:
+        self.events.extend(events)
+
+
+class StoreProtocol(Protocol):
+    """What pm's callers need of a store (docs/architecture.md §9): serialized transactions, lock-free
+    reads of the committed index, and the event feed after a cursor. `Store` (the file store of
+    docs/architecture.md §3) is the one implementation so far; tests/test_store_contract.py is the
+    contract any other (the cluster's PostgreSQL store) must pass."""
+
+    def begin(self, now: datetime | None = None) -> Txn:
+        """Serialize with every other writer and load the index; `now` is read after that."""
+        ...
+
+    def commit(self, txn: Txn) -> None:
+        """Make the transaction's index and events durable at once, or raise and change nothing."""
+        ...
+
+    def abort(self) -> None:
+        """End the transaction, changing nothing."""
+        ...
+
+    def transaction(self, now: datetime | None = None) -> AbstractContextManager[Txn]:
+        """begin, then commit on success or abort on an exception."""
+        ...
+
+    def read(self) -> Index:
+        """The last committed index, without waiting for a writer."""
+        ...
+
+    def read_events(self, after: int = 0) -> list[Event]:
+        """Committed events with seq > after, oldest first."""
+        ...
+
+    def tail_events(self, count: int) -> list[Event]:
+        """The last `count` committed events, cheaply."""
+        ...
+
+    def rotate_events(self, limit: int) -> int | None:
+        """Keep the event feed bounded (the file store); returns the size rotated, or None."""
+        ...
+
+    def prompts(self, ids: Iterable[int]) -> dict[int, str]:
+        """The stored prompts of these tasks (a task without one is left out). Kept beside the
+        index, not in it: the index's size (what every command reads) does not grow with them."""
+        ...
+
+    def stamp(self) -> object:
+        """A cheap look (no decoding) that differs after any process commits a change: what a
+        view that refreshes itself compares."""
+        ...
+
+    def watch(self) -> Watch | None:
+        """A file descriptor to select on that becomes readable as soon as any process
+        commits, for a waiter; None when the store has none (then it looks at `stamp`)."""
+        ...
+
+
+class Watch(Protocol):
+    def fileno(self) -> int:
+        ...
+
+    def clear(self) -> None:
+        """Take what made it readable (after select said so)."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class Transactions:
+    """`transaction`, for a store that has begin, commit and abort (both stores)."""
+
+    def begin(self, now: datetime | None = None) -> Txn:
+        raise NotImplementedError
+
+    def commit(self, txn: Txn) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    @contextmanager
+    def transaction(self, now: datetime | None = None) -> Iterator[Txn]:
+        """Begin, let the caller change `txn.index`, commit. An exception commits nothing."""
+        txn = self.begin(now)
+        try:
+            yield txn
+        except BaseException:
+            self.abort()
+            raise
+        self.commit(txn)
+
+
+def open_store(home: Home) -> StoreProtocol:
+    """The store of this home: the cluster's database when config `store` (or KUGETSU_STORE)
+    names one, else the file store."""
+    url = store_url(home)
+    if url is None:
+        # The main thread keeps one Store per home: a brief CLI command keeps what it
+        # committed to its fast exit instead of freeing it task by task, and a process that
+        # commits again skips decoding its own last write. Other threads (a server's worker
+        # pool) get a fresh one each time: a Store keeps its last committed index, and one
+        # per pool thread would keep as many copies of a long queue.
+        if threading.current_thread() is not threading.main_thread():
+            return Store(home)
+        store = _stores.get(str(home.root))
+        if store is None:
+            store = _stores[str(home.root)] = Store(home)
+        return store
+    from kugetsu.store.postgres import store_for  # cluster mode only: psycopg is not light
+
+    return store_for(url)
+
+
+class Store(Transactions):
+    """The file store: index.json under a kernel lock, events.jsonl (docs/architecture.md §3)."""
+
+    def __init__(self, home: Home):
+        self.home = home
+        self._ensured = False
+        self._appended = 0  # the last event seq this Store appended itself (no need to re-check it)
+        # The index this Store last committed, with its bytes: a long-lived writer (the
+        # service) skips decoding a file that is byte for byte what it wrote.
+        self._committed: tuple[bytes, Index] | None = None
+        self._lock_fd: int | None = None  # index.lock, open and locked while a transaction runs
+
+    # ---- reading (no lock) ---------------------------------------------------------
+
+    def _load(self, reuse: tuple[bytes, Index] | None = None) -> tuple[Index, bytes]:
+        try:
+            fd = open_file(self.home.index, os.O_RDONLY)
+        except FileNotFoundError:
+            return Index(), b""
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
+        if reuse is not None and reuse[0] == data:
+            return reuse[1], data
+        try:
+            index = _index_decoder.decode(data)
+        # RecursionError: absurdly deep nesting; UnicodeDecodeError: non-UTF-8 bytes in a string
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
+            raise FileError(_describe_index_error(self.home, data, err) + _FIX) from None
+        problem = check_index(index) if index.version == INDEX_VERSION else f"unknown version {index.version}"
+        if problem:
+            raise FileError(f"{self.home.index}: {problem}{_FIX}")
+        return index, data
+
+    def read(self) -> Index:
+        """The committed index, as a reader sees it (no lock; never half-written)."""
+        return self._load()[0]
+
+    def stamp(self) -> tuple[int, int, int]:
+        """index.json's inode, mtime and size: every commit renames a new file in (the size
+        tells two files apart should the second reuse the first's inode within one tick)."""
+        try:
+            st = os.stat(self.home.index)
+        except FileNotFoundError:
+            return 0, 0, 0
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def watch(self) -> None:
+        """None: no descriptor tells of a rename (inotify is not in the standard library);
+        a waiter watches the agents' pidfds and looks at the stamp."""
+        return None
+
+    def read_events(self, after: int = 0) -> list[Event]:
+        """Events with seq > after, oldest first (events.jsonl.1, then events.jsonl)."""
+        parts = []
+        for path in (self.home.events_old, self.home.events):
+            try:
+                parts.append(path.read_bytes())
+            except FileNotFoundError:
+                pass
+        return [e for e in decode_events(b"\n".join(parts)) if e.seq > after]  # "\n": a torn last line stays apart
+
+    def tail_events(self, count: int) -> list[Event]:
+        """The last `count` events, cheaply: reads only the end of the file (and of the
+        rotated one, when the current file is still short)."""
+        if not count:
+            return []
+        size = max(4096, count * 400)
+        events = decode_events(read_tail(self.home.events, size))
+        if len(events) < count:
+            first = events[0].seq if events else None
+            events = [e for e in decode_events(read_tail(self.home.events_old, size)) if first is None or e.seq < first] + events
+        return events[-count:]
+
+    # ---- writing -------------------------------------------------------------------
+
+    def begin(self, now: datetime | None = None) -> Txn:
+        """Lock and load: a transaction that `commit` or `abort` ends. Between the two the lock
+        is held, so a long-lived writer may make several changes in one transaction (the
+        service does, for exits that come in a burst).
+
+        `now` is read here, after the lock is taken: read before, a writer that waited for
+        the lock would stamp its events earlier than those of the writer before it."""
+        self._lock()
+        try:
+            # Taken out while the transaction runs: a failed one may leave the object half
+            # changed, and it must never be reused.
+            reuse, self._committed = self._committed, None
+            index, before = self._load(reuse)
+            unchanged = reuse is not None and index is reuse[1]
+            if not unchanged:
+                _keep_counters_ahead(self.home, index, before)
+            self._recover_outbox(index)
+        except BaseException:
+            self._unlock()
+            raise
+        return Txn(index, now or datetime.now(timezone.utc), unchanged=unchanged, before=before)
+
+    def commit(self, txn: Txn) -> None:
+        """Write what the transaction changed, and let go of the lock. A disk that is full
+        raises DiskFull, and the index on disk is the one before the transaction."""
+        try:
+            self._committed = (self._commit(txn), txn.index)
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                what = Path(err.filename).name if isinstance(err.filename, str) else self.home.index.name
+                raise DiskFull(
+                    f"disk full: could not write {what}; nothing was written."
+                    f" Free some space in {self.home.root} and try again."
+                ) from None
+            raise
+        finally:
+            self._unlock()
+
+    def abort(self) -> None:
+        """Let go of the lock, writing nothing."""
+        self._unlock()
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        self._lock()
+        try:
+            yield
+        finally:
+            self._unlock()
+
+    def _lock(self) -> None:
+        """The exclusive kernel lock on index.lock (released by the kernel if we die)."""
+        if getattr(_held, "depth", 0) or self._lock_fd is not None:  # this thread, or this Store (one writer)
+            raise RuntimeError("nested kugetsu transaction (it would deadlock on index.lock)")
+        if not self._ensured:
+            self.home.ensure()
+            self._ensured = True
+        try:
+            fd = open_file(self.home.lock, os.O_RDWR | os.O_CREAT)
+        except FileNotFoundError:  # the home was removed under a long-lived Store (open_store's)
+            self.home.ensure()
+            fd = open_file(self.home.lock, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+        _held.depth = 1
+
+    def _unlock(self) -> None:
+        _held.depth = 0
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+    def prompts(self, ids: Iterable[int]) -> dict[int, str]:
+        """Each prompt is logs/<id>.prompt (0600), the file a {prompt_file} preset's agent reads."""
+        out = {}
+        for task_id in ids:
+            try:
+                out[task_id] = _read(self.home.prompt_file(task_id)).decode("utf-8", "replace")
+            except FileNotFoundError:
+                pass
+        return out
+
+    def _write_prompts(self, prompts: dict[int, str]) -> dict[Path, bytes | None]:
+        """Write the transaction's prompts, each whole or not at all (a new 0600 file renamed
+        over the old). Returns what each file held before, for _restore_prompts."""
+        before: dict[Path, bytes | None] = {}
+        try:
+            for task_id, text in prompts.items():
+                path = self.home.prompt_file(task_id)
+                try:
+                    before[path] = _read(path)
+                except FileNotFoundError:
+                    before[path] = None
+                atomic_write(path, text.encode())
+        except BaseException:
+            _restore_prompts(before)
+            raise
+        return before
+
+    def _commit(self, txn: Txn) -> bytes:
+        """Write what the transaction changed; returns the index's bytes as now on disk."""
+        # Prompts first: the committed index must find its tasks' prompts after a crash.
+        # Should the index write fail, each is put back as it was.
+        written = self._write_prompts(txn.prompts) if txn.prompts else {}
+        try:
+            return self._commit_index(txn)
+        except BaseException:
+            _restore_prompts(written)
+            raise
+
+    def _commit_index(self, txn: Txn) -> bytes:
+        index = txn.index
+        mark_writer(txn)
+        for event in txn.events:
+            event.seq = index.next_seq
+            index.next_seq += 1
+        if txn.events:
+            index.outbox = txn.events
+        if txn.archive:
+            # Before the index write: a crash in between repeats lines (readers keep the
+            # last line of an id), it never loses one.
+            _append(self.home.history, b"".join(_encoder.encode(t) + b"\n" for t in txn.archive), sync=True)
+        data = encode_index(index)
+        if data != txn.before:
+            atomic_write(self.home.index, data)
+        if txn.events:
+            try:
+                _append_events(self.home.events, txn.events)
+                self._appended = txn.events[-1].seq
+            except OSError:
+                pass  # committed all the same: the outbox holds them, the next transaction appends them
+        return data
+
+    def rotate_events(self, limit: int) -> int | None:
+        """Once events.jsonl is past `limit` bytes, it becomes events.jsonl.1 (replacing the
+        older one) and the next event starts a new file: disk use stays under about twice
+        the limit. Under the index lock, which every append holds, so no line is cut in two.
+        Returns the size of the file rotated, or None."""
+        try:
+            if os.stat(self.home.events).st_size <= limit:
+                return None  # the common case, without the lock
+        except FileNotFoundError:
+            return None
+        with self._locked():
+            size = os.stat(self.home.events).st_size
+            if size <= limit:
+                return None
+            os.replace(self.home.events, self.home.events_old)
+        return size
+
+    def _recover_outbox(self, index: Index) -> None:
+        if not index.outbox or index.outbox[-1].seq <= self._appended:
+            return  # nothing, or this very Store appended it (the service's hot path)
+        last = _last_seq(self.home)
+        missing = [e for e in index.outbox if e.seq > last]
+        if missing:
+            _append_events(self.home.events, missing)
+
+
+_FIX = (
+    "\nNothing was changed. Repair the file by hand, or move it away to start with an empty"
+    " queue (running agents are not affected)."
+)
+
+
+def _describe_index_error(home: Home, data: bytes, err: Exception) -> str:
+    text = str(err)
+    if re.match(r"Object (contains unknown|missing required) field `[^`]*`$", text):  # top level only
+        return f"{home.index}: not a kugetsu index ({text[0].lower()}{text[1:]})"
+    return describe_decode_error(home.index, data, err)
+
+
+def _keep_counters_ahead(home: Home, index: Index, data: bytes) -> None:
+    """Ids and event seqs never go back, even when index.json was moved away, replaced by an
+    older copy or restored from a backup: a new task must never take an old task's id, and
+    with it its log and exit file (it would be "finished" before it ran). Cheap checks on
+    every index a writer loads afresh; the full look through logs/, events and history only
+    when one of them shows the index is behind."""
+    behind = not data or _last_seq(home) >= index.next_seq
+    if not behind:
+        behind = any(
+            os.path.lexists(p) for p in (home.log(index.next_id), home.exit_file(index.next_id))
+        )
+    if not behind:
+        return
+    top_id, top_seq = _high_water(home)
+    index.next_id = max(index.next_id, top_id + 1)
+    index.next_seq = max(index.next_seq, top_seq + 1)
+
+
+def _read(path: Path) -> bytes:
+    with open(path, "rb", opener=nofollow) as f:
+        return f.read()
+
+
+def _restore_prompts(before: dict[Path, bytes | None]) -> None:
+    """Prompt files as they were before a transaction that did not commit."""
+    for path, data in before.items():
+        try:
+            if data is None:
+                path.unlink(missing_ok=True)
+            else:
+                atomic_write(path, data)
+        except OSError:
+            pass  # a full disk: the index that refers to the file was not written either
+
+
+_LOG_NAME = re.compile(r"^(\d+)\.[a-z]+$")
+
+
+def _high_water(home: Home) -> tuple[int, int]:
+    """The highest task id and event seq anything in the home still shows."""
+    top_id = top_seq = 0
+    try:
+        names = os.listdir(home.logs)
+    except OSError:
+        names = []
+    for name in names:
+        m = _LOG_NAME.match(name)
+        if m:
+            top_id = max(top_id, int(m.group(1)))
+    for path in (home.events_old, home.events):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        for event in decode_events(data):
+            top_seq = max(top_seq, event.seq)
+            if event.task is not None:
+                top_id = max(top_id, event.task)
+    try:
+        with open(home.history, "rb") as f:
+            for line in f:
+                m = re.match(rb'\{"id":(\d+)', line)
+                if m:
+                    top_id = max(top_id, int(m.group(1)))
+    except OSError:
+        pass
+    return top_id, top_seq
+
+
+def _append(path: os.PathLike[str], data: bytes, sync: bool = False) -> None:
+    fd = open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, data)
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _append_events(path: os.PathLike[str], events: list[Event]) -> None:
+    data = b"".join(_encoder.encode(e) + b"\n" for e in events)
+    fd = open_file(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data  # end a line torn by a crash, so this one stays readable
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def decode_events(data: bytes) -> list[Event]:
+    """The events of events.jsonl lines; a line torn by a crash is skipped."""
+    events = []
+    for line in data.splitlines():
+        try:
+            events.append(_event_decoder.decode(line))
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+            continue  # a line torn by a crash mid-append; its event is still in the outbox
+    return events
+
+
+def _last_seq(home: Home) -> int:
+    """The seq of the last appended event; in events.jsonl.1 when a rotation has just
+    started a new, still empty events.jsonl."""
+    for path in (home.events, home.events_old):
+        events = decode_events(read_tail(path, 4096))
+        if events:
+            return events[-1].seq
+    return 0

@@ -1,0 +1,481 @@
+"""PgStore: the store protocol (kugetsu.store.files.StoreProtocol) on PostgreSQL.
+
+The queue is one small locked row (`kugetsu.state`: counters, pauses, holds, the shared
+config) and one row per task (`kugetsu.tasks`: its list, its place in it, typed columns
+for SQL, the body as index.json has it). pm reads and changes the same Index as with
+index.json, so every rule (positions, policies, admission) is the same code in a cluster.
+A transaction takes the state row's lock (SELECT ... FOR UPDATE), which serializes all
+writers of every machine: a global limit cannot be exceeded even for an instant, because
+the writer that counts is the only one that can add (per-node limits over SKIP LOCKED rows
+are how pgqueuer #761 and Hatchet #4778 overshot). `begin` loads only the task rows changed
+since this store last looked (`rev`), `commit` writes only the rows that changed: a commit no
+longer rewrites the whole queue, nor does every machine re-read it after each change. Readers
+take no lock (one REPEATABLE READ snapshot). Events are rows committed in the same
+transaction, and the commit NOTIFYs every service (LISTEN), so a change on one machine wakes
+the others at once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import msgspec
+import psycopg
+
+from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, errors, process_tag, redact
+from kugetsu.errors import FileError
+from kugetsu.core.models import INDEX_VERSION, Event, Index, Task, check_index
+from kugetsu.store.files import Transactions, Txn, _encoder, _held, _index_decoder, mark_writer
+
+_event_decoder = msgspec.json.Decoder(Event)
+_task_decoder = msgspec.json.Decoder(Task)
+INSERT_EVENTS = "INSERT INTO kugetsu.events (seq, task, at, body) VALUES (%s, %s, %s, %s)"
+INSERT_HISTORY = "INSERT INTO kugetsu.history (id, finished_at, body) VALUES (%s, %s, %s)"
+_SELECT_STATE = "SELECT doc, rev, next_ord, clock_timestamp(), config FROM kugetsu.state WHERE id = 1"
+_SELECT_ROWS = "SELECT id, list, ord, body FROM kugetsu.tasks"
+UPSERT_TASK = ("INSERT INTO kugetsu.tasks (id, list, ord, rev, state, name, host, body) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
+               " ON CONFLICT (id) DO UPDATE SET list = excluded.list, ord = excluded.ord, rev = excluded.rev,"
+               " state = excluded.state, name = excluded.name, host = excluded.host, body = excluded.body")
+UPSERT_PROMPT = "INSERT INTO kugetsu.prompts (id, body) VALUES (%s, %s) ON CONFLICT (id) DO UPDATE SET body = excluded.body"
+
+
+def event_rows(events: list[Event]) -> list[tuple[Any, ...]]:
+    return [(e.seq, e.task, e.at, _encoder.encode(e)) for e in events]
+
+
+_FIX = "\nNothing was changed. Restore the database from a backup, or ask for help with the row."
+
+
+class PgStore(Transactions):
+    """One client of the cluster's queue: one connection, one transaction at a time."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self._conn: psycopg.Connection | None = None
+        self._open = False  # a transaction is open on the connection
+        # The state as this store last loaded or committed it: a long-lived store (a service)
+        # then reads only the task rows changed since, and writes only those it changed.
+        self._seen: _Seen | None = None
+        self._busy: float | None = None  # time.monotonic() when the statement under way was sent
+        self._began: _Seen | None = None  # the state the open transaction loaded
+
+    @property
+    def conn(self) -> psycopg.Connection:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect(self.url)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    @contextmanager
+    def guarded(self) -> Iterator[psycopg.Connection]:
+        """The connection, for every statement (the store's own, and the cluster's other
+        tables: hosts, leases, log chunks): a lost connection is `Unreachable` and is made
+        afresh by the next call (the database may be back), and the watchdog can see how
+        long the statement under way has waited (`waiting_for`)."""
+        self._busy = time.monotonic()
+        try:
+            with errors(self.url):
+                yield self.conn
+        except Unreachable:
+            self.close()
+            raise
+        finally:
+            self._busy = None
+
+    def _execute(self, sql: str, params: tuple[Any, ...] = ()) -> psycopg.Cursor[Any]:
+        with self.guarded() as conn:
+            return conn.execute(sql, params)
+
+    def _executemany(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        with self.guarded() as conn:
+            conn.cursor().executemany(sql, rows)
+
+    def waiting_for(self) -> float:
+        """Seconds the statement under way has waited for its answer (0: none under way)."""
+        busy = self._busy
+        return 0.0 if busy is None else time.monotonic() - busy
+
+    def interrupt(self) -> None:
+        """From another thread: end the wait of a statement whose answer is not coming (a
+        connection black-holed on the way, a server that hangs): its socket is shut down, the
+        statement fails as `Unreachable`, and the next one connects afresh."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            return
+        try:
+            sock = socket.socket(fileno=os.dup(conn.fileno()))
+        except OSError:
+            return
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    # ---- reading (no lock) -------------------------------------------------------------
+
+    def _decode(self, data: bytes) -> Index:
+        """The state row's document: the Index without its tasks (or, written by a kugetsu
+        of schema 3 or before, with them: they become rows at the next commit)."""
+        if not data:
+            return Index()
+        try:
+            return _index_decoder.decode(data)
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
+            raise FileError(f"{redact(self.url)}: the queue document does not decode: {err}{_FIX}") from None
+
+    def _load(self, row: tuple[Any, ...]) -> _Seen:
+        """The whole state as of the state row `row` (doc, rev, next_ord), read in the same
+        snapshot or under its lock: what this store saw last, plus the task rows changed
+        since (all of them the first time, or when rows went that it cannot account for)."""
+        header, rev, next_ord = bytes(row[0]), row[1], row[2]
+        seen = self._seen
+        if seen is not None and seen.rev == rev and seen.header == header:
+            return seen
+        index = self._decode(header)
+        if index.active or index.queued or index.finished:  # a document of schema 3: its tasks are in it
+            seen = _seen(header, rev, next_ord, index, {})
+            return self._checked(seen)
+        rows: dict[int, _Row] = {}
+        tasks: dict[int, Task] = {}
+        if seen is not None and rev > seen.rev and seen.order is not None:
+            changed = self._execute(_SELECT_ROWS + " WHERE rev > %s", (seen.rev,)).fetchall()
+            count = self._execute("SELECT count(*) FROM kugetsu.tasks").fetchone()
+            fresh: dict[int, _Row] = {}
+            fresh_tasks: dict[int, Task] = {}
+            _take(changed, fresh, fresh_tasks, self.url)
+            if count is not None and count[0] == len(seen.rows) and all(
+                    seen.rows.get(i, (-1, -1))[:2] == row[:2] for i, row in fresh.items()):
+                # Only bodies changed (none came, went or moved): swapped in, in place.
+                lists = [list(seen.index.active), list(seen.index.queued), list(seen.index.finished)]
+                where = {i: n for order in seen.order for n, i in enumerate(order)} if len(fresh) > 8 else None
+                for task_id, row in fresh.items():
+                    at = where[task_id] if where is not None else seen.order[row[0]].index(task_id)
+                    lists[row[0]][at] = fresh_tasks[task_id]
+                index.active, index.queued, index.finished = lists
+                return self._checked(_Seen(header, rev, next_ord, index, {**seen.rows, **fresh}, seen.order))
+            rows, tasks = {**seen.rows, **fresh}, {t.id: t for t in seen.index.all_tasks()}
+            tasks.update(fresh_tasks)
+            if count is None or count[0] != len(rows):  # some went: look at them all
+                rows, tasks = {}, {}
+        if not rows:
+            _take(self._execute(_SELECT_ROWS).fetchall(), rows, tasks, self.url)
+        order = sorted(rows, key=lambda i: rows[i][:2])
+        lists: tuple[list[Task], ...] = ([], [], [])
+        for task_id in order:
+            lists[rows[task_id][0]].append(tasks[task_id])
+        index.active, index.queued, index.finished = lists
+        return self._checked(_seen(header, rev, next_ord, index, rows))
+
+    def _checked(self, seen: _Seen) -> _Seen:
+        index = seen.index
+        problem = check_index(index) if index.version == INDEX_VERSION else f"unknown version {index.version}"
+        if problem:
+            raise FileError(f"{redact(self.url)}: {problem}{_FIX}")
+        return seen
+
+    def read(self) -> Index:
+        """The last committed state, in one snapshot (the state row and the task rows of one
+        commit), without waiting for a writer."""
+        row = self._execute(_SELECT_STATE).fetchone()
+        if row is None:
+            return Index()
+        seen = self._seen
+        if self._open or (seen is not None and seen.rev == row[1] and seen.header == bytes(row[0])):
+            # Inside this store's own transaction (its lock makes it one moment), or nothing
+            # changed since this store last looked: no task row to read.
+            return self._load(row).index
+        with self.guarded() as conn, conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            row = conn.execute(_SELECT_STATE).fetchone()
+            if row is None:
+                return Index()
+            self._seen = self._load(row)
+        return self._seen.index
+
+    def read_config(self) -> dict[str, Any]:
+        """The cluster's shared config (everything but a machine's own keys)."""
+        row = self._execute("SELECT config FROM kugetsu.state WHERE id = 1").fetchone()
+        return msgspec.json.decode(bytes(row[0])) if row and row[0] else {}
+
+    def stamp(self) -> str:
+        """Changes whenever a transaction commits a change (the queue row's version): a cheap
+        look for a view that refreshes itself."""
+        row = self._execute("SELECT xmin::text FROM kugetsu.state WHERE id = 1").fetchone()
+        return row[0] if row else ""
+
+    def watch(self) -> PgWatch:
+        return PgWatch(self.url)
+
+    def read_events(self, after: int = 0) -> list[Event]:
+        rows = self._execute("SELECT body FROM kugetsu.events WHERE seq > %s ORDER BY seq", (after,)).fetchall()
+        return [_event_decoder.decode(bytes(r[0])) for r in rows]
+
+    def tail_events(self, count: int) -> list[Event]:
+        if not count:
+            return []
+        rows = self._execute("SELECT body FROM kugetsu.events ORDER BY seq DESC LIMIT %s", (count,)).fetchall()
+        return [_event_decoder.decode(bytes(r[0])) for r in reversed(rows)]
+
+    def rotate_events(self, limit: int) -> int | None:
+        """The file store bounds events.jsonl by size; here old events are kept (they are
+        rows, and `stats` reads them): nothing to rotate."""
+        return None
+
+    # ---- writing -------------------------------------------------------------------------
+
+    def begin(self, now: datetime | None = None) -> Txn:
+        """Take the state row's lock and load the state; `now` is the database's clock, read
+        after the lock: one clock for every machine, so events' times never go back."""
+        if self._open:
+            raise RuntimeError("nested kugetsu transaction (this store already holds one)")
+        if getattr(_held, "depth", 0):  # this thread holds a transaction of any store already
+            raise RuntimeError("nested kugetsu transaction (it would deadlock on the queue row)")
+        self._execute("BEGIN")
+        self._open = True
+        _held.depth = 1
+        try:
+            row = self._execute(_SELECT_STATE + " FOR UPDATE").fetchone()
+            assert row is not None, "kugetsu.state has its row from ensure_schema"
+            unchanged = self._seen is not None and self._seen.rev == row[1] and self._seen.header == bytes(row[0])
+            # Taken out while the transaction runs: a failed one may leave the objects half
+            # changed, and they must never be reused.
+            seen = self._load(row)
+            self._seen = None
+            if not unchanged:
+                self._keep_counters_ahead(seen.index)
+            txn = Txn(seen.index, now or row[3], unchanged=unchanged, before=seen.header)
+            txn.shared_config = bytes(row[4])
+            self._began = seen
+            return txn
+        except BaseException:
+            self.abort()
+            raise
+
+    def _keep_counters_ahead(self, index: Index) -> None:
+        """Ids and event seqs never go back, even when the state row was emptied or restored
+        from an older backup (as the file store's _keep_counters_ahead): one index lookup
+        when all is well, the full look only when the row is behind its events."""
+        row = self._execute("SELECT max(seq) FROM kugetsu.events").fetchone()
+        if row is None or row[0] is None or row[0] < index.next_seq:
+            return
+        top = self._execute(
+            "SELECT greatest((SELECT max(task) FROM kugetsu.events), (SELECT max(id) FROM kugetsu.history),"
+            " (SELECT max(task) FROM kugetsu.log_chunks), (SELECT max(id) FROM kugetsu.tasks))").fetchone()
+        index.next_seq = row[0] + 1
+        index.next_id = max(index.next_id, (top[0] or 0) + 1 if top else 1)
+
+    def commit(self, txn: Txn) -> None:
+        """Write the task rows that changed, the state row, the events and archived tasks,
+        NOTIFY, COMMIT: all or nothing."""
+        began, self._began = self._began, None
+        try:
+            index = txn.index
+            mark_writer(txn)
+            for event in txn.events:
+                event.seq = index.next_seq
+                index.next_seq += 1
+            index.outbox = []  # events are rows committed with the state: nothing to recover
+            assert began is not None
+            rev = began.rev + 1
+            rows, upserts, next_ord = _rows_of(index, began, rev)
+            gone = [i for i in began.rows if i not in rows]
+            header = _encoder.encode(msgspec.structs.replace(index, active=[], queued=[], finished=[]))
+            changed = bool(upserts or gone) or header != began.header
+            if changed:
+                self._executemany(UPSERT_TASK, upserts)
+                if gone:
+                    self._execute("DELETE FROM kugetsu.tasks WHERE id = ANY(%s)", (gone,))
+                self._execute("UPDATE kugetsu.state SET doc = %s, rev = %s, next_ord = %s WHERE id = 1",
+                              (header, rev, next_ord))
+            else:
+                rev, next_ord = began.rev, began.next_ord
+            if txn.new_config is not None:
+                self._execute("UPDATE kugetsu.state SET config = %s WHERE id = 1", (txn.new_config,))
+            if txn.prompts:
+                self._executemany(UPSERT_PROMPT, [(i, text.encode()) for i, text in txn.prompts.items()])
+            if txn.events:
+                self._executemany(INSERT_EVENTS, event_rows(txn.events))
+            if txn.archive:
+                self._executemany(INSERT_HISTORY, [(t.id, t.finished_at, _encoder.encode(t)) for t in txn.archive])
+            if changed or txn.events or txn.new_config is not None:
+                self._execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, process_tag()))
+            done = self._execute("COMMIT")
+            if done.statusmessage != "COMMIT":  # the server rolled back (a statement failed in it)
+                raise RuntimeError(f"the transaction was rolled back by the database ({done.statusmessage})")
+            self._seen = _seen(header, rev, next_ord, index, rows)
+        except BaseException:
+            self._rollback()
+            raise
+        finally:
+            self._open = False
+            _held.depth = 0
+
+    def abort(self) -> None:
+        self._began = None
+        try:
+            self._rollback()
+        finally:
+            self._open = False
+            _held.depth = 0
+
+    def _rollback(self) -> None:
+        if self._conn is None or self._conn.closed:
+            return
+        try:
+            self._conn.execute("ROLLBACK")
+        except psycopg.Error:
+            self.close()  # a broken connection: the server rolls back when it goes
+
+    def prompts(self, ids: Iterable[int]) -> dict[int, str]:
+        """Prompts are rows of kugetsu.prompts, written in the transaction of their task."""
+        wanted = list(ids)
+        if not wanted:
+            return {}
+        with self.guarded() as conn:
+            rows = conn.execute("SELECT id, body FROM kugetsu.prompts WHERE id = ANY(%s)", (wanted,)).fetchall()
+        return {int(i): bytes(body).decode("utf-8", "replace") for i, body in rows}
+
+    # ---- history (tasks moved out of the document) ----------------------------------------
+
+    def events_since(self, start: datetime) -> list[Event]:
+        """Events at or after `start`, oldest first (`kugetsu stats`)."""
+        rows = self._execute("SELECT body FROM kugetsu.events WHERE at >= %s ORDER BY seq", (start,)).fetchall()
+        return [_event_decoder.decode(bytes(r[0])) for r in rows]
+
+    def history_since(self, start: datetime) -> list[Task]:
+        """Archived tasks that finished at or after `start` (`kugetsu stats`)."""
+        rows = self._execute("SELECT body FROM kugetsu.history WHERE finished_at >= %s ORDER BY id",
+                             (start,)).fetchall()
+        return list({t.id: t for t in (_task_decoder.decode(bytes(r[0])) for r in rows)}.values())
+
+    def history(self) -> list[bytes]:
+        rows = self._execute("SELECT body FROM kugetsu.history ORDER BY id").fetchall()
+        return [bytes(r[0]) for r in rows]
+
+
+_stores: dict[tuple[str, int], PgStore] = {}
+
+# A task row as this store saw it: its list (0 active, 1 queued, 2 finished), its place in
+# that list, its body.
+_Row = tuple[int, int, bytes]
+
+
+class _Seen(msgspec.Struct):
+    """The state as one store loaded or committed it."""
+
+    header: bytes  # the state row's document (the Index without its tasks)
+    rev: int  # the state row's revision: every commit that changes something adds one
+    next_ord: int  # the next place in a list
+    index: Index
+    rows: dict[int, _Row]  # task id -> its row as loaded or written
+    # The ids of each list (active, queued, finished) as loaded or written (the index itself
+    # changes under a transaction); None when its tasks have no rows yet (a schema-3 document).
+    order: tuple[list[int], ...] | None = None
+
+
+def _seen(header: bytes, rev: int, next_ord: int, index: Index, rows: dict[int, _Row]) -> _Seen:
+    order = tuple([t.id for t in tasks] for tasks in (index.active, index.queued, index.finished)) if rows or not (
+        index.active or index.queued or index.finished) else None
+    return _Seen(header, rev, next_ord, index, rows, order)
+
+
+def _take(rows: list[tuple[Any, ...]], into: dict[int, _Row], tasks: dict[int, Task], url: str) -> None:
+    for task_id, lst, ord_, body in rows:
+        data = bytes(body)
+        try:
+            tasks[task_id] = _task_decoder.decode(data)
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
+            raise FileError(f"{redact(url)}: task row {task_id} does not decode: {err}{_FIX}") from None
+        into[task_id] = (lst, ord_, data)
+
+
+def _rows_of(index: Index, began: _Seen, rev: int) -> tuple[dict[int, _Row], list[tuple[Any, ...]], int]:
+    """Every task's row after the transaction, the rows to write (new or changed), and the
+    next free place. A task keeps its place while its list's order allows it; one that moved
+    (to another list, or to the end of its own) takes the next place, so the rows sorted by
+    place are the lists in their order. A list whose tasks are those it had, in that order,
+    is compared body by body (each encoded in one C call for the lot): the common commit, one
+    task changed in a long queue, writes one row without a Python step per task."""
+    old_rows = began.rows
+    rows: dict[int, _Row] = dict(old_rows)  # what stays as it was is not touched again
+    upserts: list[tuple[Any, ...]] = []
+    next_ord = began.next_ord
+    now: set[int] = set()
+    for lst, tasks in enumerate((index.active, index.queued, index.finished)):
+        bodies = _encoder.encode_lines(tasks).split(b"\n")
+        ids = [t.id for t in tasks]
+        now.update(ids)
+        if began.order is not None and ids == began.order[lst]:  # the same tasks in the same order: places stay
+            for i in [i for i, (task_id, body) in enumerate(zip(ids, bodies)) if old_rows[task_id][2] != body]:
+                task = tasks[i]
+                rows[task.id] = (lst, old_rows[task.id][1], bodies[i])
+                upserts.append((task.id, lst, old_rows[task.id][1], rev, task.state.value, task.name, task.host, bodies[i]))
+            continue
+        last = -1
+        for task, body in zip(tasks, bodies):
+            old = old_rows.get(task.id)
+            if old is not None and old[0] == lst and old[1] > last:
+                place = old[1]
+            else:
+                place, next_ord = next_ord, next_ord + 1
+            last = place
+            row = rows[task.id] = (lst, place, body)
+            if row != old:
+                upserts.append((task.id, lst, place, rev, task.state.value, task.name, task.host, body))
+    for task_id in old_rows.keys() - now:  # archived or cleaned: no row any more
+        del rows[task_id]
+    return rows, upserts, next_ord
+
+
+class PgWatch:
+    """LISTEN on the channel every commit NOTIFYs (PgStore.commit): the connection's socket is
+    readable as soon as any process of any machine commits."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.conn = self._listen()
+
+    def _listen(self) -> psycopg.Connection:
+        conn = connect(self.url)
+        with errors(self.url):
+            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        return conn
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def clear(self) -> None:
+        try:
+            for _ in self.conn.notifies(timeout=0):
+                pass
+        except psycopg.Error:
+            # The connection was lost (its socket stays readable: a waiter would spin). A new
+            # one; what was committed meanwhile the waiter reads next, as it looks now.
+            self.conn.close()
+            self.conn = self._listen()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def store_for(url: str) -> PgStore:
+    """This thread's store for `url`: a command that opens the store in several places uses one
+    connection."""
+    key = (url, threading.get_ident())
+    store = _stores.get(key)
+    if store is None:
+        store = _stores[key] = PgStore(url)
+    return store
