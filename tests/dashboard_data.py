@@ -11,7 +11,8 @@ import msgspec
 
 from kugetsu.core.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home, atomic_write
-from kugetsu.store.files import Store, encode_index
+from kugetsu.store.files import Store
+from kugetsu.store.protocol import encode_index
 
 NOW = datetime(2025, 3, 14, 12, 0, 0, tzinfo=timezone.utc)
 UTC = timezone.utc

@@ -16,7 +16,8 @@ from kugetsu.config import Config, format_duration, load_config, parse_duration,
 from kugetsu.errors import FileError, UsageError
 from kugetsu.core.models import Event, Index
 from kugetsu.paths import Home
-from kugetsu.store.files import Store, encode_index
+from kugetsu.store.files import Store
+from kugetsu.store.protocol import encode_index
 
 REPO_EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "config.example.json")
 

@@ -117,7 +117,7 @@ def test_status_prints_a_multiline_prompt_once_indented_and_no_queue_deadline_on
 def test_queue_all_cuts_a_long_reason_with_an_ellipsis(kg):
     from kugetsu.core.models import Index, Task, TaskState
     from kugetsu.paths import atomic_write
-    from kugetsu.store.files import encode_index
+    from kugetsu.store.protocol import encode_index
 
     from datetime import datetime, timezone
 

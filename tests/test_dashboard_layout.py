@@ -71,7 +71,8 @@ async def test_a_stopping_task_is_named_stopping_in_the_running_pane(tmp_path):
 
     from kugetsu.core.models import TaskState
     from kugetsu.paths import atomic_write
-    from kugetsu.store.files import Store, encode_index
+    from kugetsu.store.files import Store
+    from kugetsu.store.protocol import encode_index
 
     home = busy_home(tmp_path / "home")
     index = Store(home).read()

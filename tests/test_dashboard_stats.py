@@ -56,7 +56,7 @@ async def test_the_screen_shows_tokens_cost_and_fallbacks_of_the_hour(tmp_path):
     from kugetsu.agents.report import Usage
     from kugetsu.core.models import Index
     from kugetsu.paths import atomic_write
-    from kugetsu.store.files import encode_index
+    from kugetsu.store.protocol import encode_index
 
     home = busy_home(tmp_path / "home")
     index = msgspec.json.decode(home.index.read_bytes(), type=Index)
@@ -81,7 +81,7 @@ async def test_the_summary_says_when_a_daily_budget_is_spent(tmp_path):
     from kugetsu.agents.report import Usage
     from kugetsu.core.models import DaySpend, Index
     from kugetsu.paths import atomic_write
-    from kugetsu.store.files import encode_index
+    from kugetsu.store.protocol import encode_index
 
     home = busy_home(tmp_path / "home", budgets={"sources": {"pm": {"usd": 20}}})
     index = msgspec.json.decode(home.index.read_bytes(), type=Index)

@@ -114,7 +114,7 @@ async def test_h_holds_and_releases_the_selected_tasks_preset(tmp_path):
 
 async def test_t_retries_the_selected_finished_task(tmp_path):
     from kugetsu.paths import atomic_write
-    from kugetsu.store.files import encode_index
+    from kugetsu.store.protocol import encode_index
 
     home = live_home(tmp_path)
     index = Store(home).read()

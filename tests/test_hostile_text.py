@@ -20,7 +20,7 @@ from dashboard_data import UTC, ago, settled, until, write_config
 from kugetsu.app import ops
 from kugetsu.core.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home, atomic_write
-from kugetsu.store.files import encode_index
+from kugetsu.store.protocol import encode_index
 from kugetsu.frontends.tui.app import make_app
 from kugetsu.frontends.tui.screens import DelegateForm, LogScreen
 from kugetsu.frontends.tui.widgets import TaskTable

@@ -15,7 +15,7 @@ from kugetsu.app import stats
 from kugetsu.config import Config
 from kugetsu.core.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home, atomic_write
-from kugetsu.store.files import encode_index
+from kugetsu.store.protocol import encode_index
 
 UTC = timezone.utc
 NOW = datetime(2025, 3, 14, 12, 0, tzinfo=UTC)

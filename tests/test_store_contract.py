@@ -18,7 +18,8 @@ from conftest import REPO, T0
 
 from kugetsu.core.models import Event, Task, TaskState
 from kugetsu.paths import Home
-from kugetsu.store.files import Store, StoreProtocol
+from kugetsu.store.files import Store
+from kugetsu.store.protocol import StoreProtocol
 
 
 def file_store(tmp: Path, request: pytest.FixtureRequest) -> StoreProtocol:
@@ -107,7 +108,7 @@ def test_prompts_are_kept_beside_the_state_with_their_commit_only(make_store):
 
 
 def msgspec_json(index: object) -> bytes:
-    from kugetsu.store.files import encode_index
+    from kugetsu.store.protocol import encode_index
 
     return encode_index(index)  # type: ignore[arg-type]
 
@@ -273,7 +274,7 @@ def test_a_queue_document_of_schema_3_becomes_rows_at_the_first_commit(request, 
     as it is, and its first commit moves the tasks into rows."""
     from kugetsu.store.postgres import PgStore
     from kugetsu.core.models import Index
-    from kugetsu.store.files import encode_index
+    from kugetsu.store.protocol import encode_index
 
     old = Index(next_id=4, queued=[_task(1), _task(3)], finished=[_task(2)])
     old.finished[0].state = TaskState.SUCCEEDED

@@ -25,7 +25,8 @@ from kugetsu.config import LOCAL_KEYS, Config, cluster_config, cluster_host, for
 from kugetsu.errors import KugetsuError, NotClustered, UsageError
 from kugetsu.core.models import TASK_DEFAULTS, Event, Index, Schedule, Task, TaskState
 from kugetsu.paths import Home
-from kugetsu.store.files import open_store, Txn
+from kugetsu.store.files import open_store
+from kugetsu.store.protocol import Txn
 
 if TYPE_CHECKING:  # git's module is imported by the worktree commands only
     from kugetsu.service.worktree import Entry

@@ -23,9 +23,10 @@ from kugetsu.config import cluster_host, load_config
 from kugetsu.errors import Unreachable
 from kugetsu.core.models import Index, Task, TaskState
 from kugetsu.paths import Home
-from kugetsu.store.files import StoreProtocol, Watch, open_store
+from kugetsu.store.files import open_store
 
 # Seconds between two looks that commits bring (in a cluster every commit of every machine
+from kugetsu.store.protocol import StoreProtocol, Watch
 # wakes a wait): a burst of them costs a waiter 20 reads a second at most, not one per commit.
 MIN_LOOK = 0.05
 

@@ -21,7 +21,8 @@ from kugetsu.app.control import service_holds_lock
 from kugetsu.errors import KugetsuError, UsageError
 from kugetsu.core.models import Index
 from kugetsu.paths import Home, atomic_write
-from kugetsu.store.files import Store, _encoder, encode_index
+from kugetsu.store.files import Store
+from kugetsu.store.protocol import encode_index, encoder
 
 
 class Busy(KugetsuError):
@@ -119,7 +120,7 @@ def export(url: str, target: Home) -> str:
         atomic_write(target.prompt_file(task_id), text.encode())
     index.outbox = []
     atomic_write(target.index, encode_index(index))
-    atomic_write(target.events, b"".join(_encoder.encode(e) + b"\n" for e in events))
+    atomic_write(target.events, b"".join(encoder.encode(e) + b"\n" for e in events))
     atomic_write(target.history, b"".join(h + b"\n" for h in history))
     save_raw(target, shared)
     return (f"exported {len(index.all_tasks())} task(s), {len(history)} archived and {len(events)} event(s)"

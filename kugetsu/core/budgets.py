@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 from kugetsu.agents.report import Usage
 from kugetsu.config import Budget, Config
 from kugetsu.core.models import DaySpend, Index, QuotaWindow, Task
+from kugetsu.core.times import clock
 
 
 def day_of(now: datetime) -> str:
@@ -124,8 +125,6 @@ def window_why(cfg: Config, agent: str, window: QuotaWindow | None, now: datetim
     used = window_used_up(cfg, agent, window)
     if used is None:
         return None
-    from kugetsu.core.policy import clock
-
     return f"{agent} window quota {used}, resets {clock(end, now)}"
 
 

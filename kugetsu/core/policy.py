@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 import msgspec
 
 from kugetsu.core import budgets
+from kugetsu.core.times import clock
 from kugetsu.config import Config, format_duration, format_size
 from kugetsu.core.models import PRIORITIES, Index, Task
 
@@ -110,21 +111,6 @@ def route_of(task: Task) -> tuple[str, ...]:
     if not task.route or (task.first_command is not None and not task.fallback_fresh):
         return (task.agent,)
     return tuple(task.route)
-
-
-def clock(at: datetime, now: datetime) -> str:
-    """A moment as people read it on this machine: 15:00, or 15:00:12 within the minute; one
-    on another day than `now` with its date: Nov 27 15:00 (a hold until 10:00 set at 14:38
-    ends tomorrow, and a weekly limit's reset must not read as today's)."""
-    try:
-        local = at.astimezone()
-        today = now.astimezone().date()
-    except (OverflowError, ValueError):  # a recorded time at the end of what this zone can hold
-        return at.isoformat()
-    text = local.strftime("%H:%M:%S" if local.second else "%H:%M")
-    if local.date() != today:
-        text = f"{local.strftime('%b')} {local.day} {text}"
-    return text
 
 
 class Board:

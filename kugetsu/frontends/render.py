@@ -95,7 +95,7 @@ def budgets_line(cap: Capacity) -> str:
 def holds_line(cap: Capacity) -> str:
     """Presets held now: `held: claude usage limit until 15:00, 4 tasks waiting` (a hold's
     reason names its preset)."""
-    from kugetsu.core.policy import clock
+    from kugetsu.core.times import clock
 
     # A hold's end is shown with its date when it is more than a day after the hold began
     # (so more than a day from now, too).
@@ -346,7 +346,7 @@ def when(iso: str | None, now: datetime | None = None) -> str:
     """A JSON time (`schedule list --json`) as people read it here: 02:00, Nov 27 02:00."""
     if iso is None:
         return "-"
-    from kugetsu.core.policy import clock
+    from kugetsu.core.times import clock
 
     at = datetime.fromisoformat(iso.replace("Z", "+00:00"))
     return clock(at, now or at)

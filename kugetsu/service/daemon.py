@@ -45,7 +45,8 @@ from kugetsu.core.models import Event, Index, Task, TaskState
 from kugetsu.core.pm import GUARD_RECHECK
 from kugetsu.paths import Home, atomic_write, read_head
 from kugetsu.service.processes import WARM_AHEAD, LetGo, Processes
-from kugetsu.store.files import Txn, open_store
+from kugetsu.store.files import open_store
+from kugetsu.store.protocol import Txn
 from kugetsu.service.wakeup import WakeSocket
 from kugetsu.service.worktree_worker import WorktreeWorker, workplace
 

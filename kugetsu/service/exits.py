@@ -24,7 +24,7 @@ from kugetsu.service import runner
 from kugetsu.core.models import Index, Task
 from kugetsu.core.placement import ours
 from kugetsu.service.processes import Processes
-from kugetsu.store.files import Txn
+from kugetsu.store.protocol import Txn
 
 log = logging.getLogger("kugetsu.service")
 

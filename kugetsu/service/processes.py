@@ -25,7 +25,7 @@ from kugetsu.config import Config
 from kugetsu.core.models import Index, Task, TaskState
 from kugetsu.paths import Home, atomic_write, nofollow
 from kugetsu.core.placement import ours
-from kugetsu.store.files import Txn
+from kugetsu.store.protocol import Txn
 
 if TYPE_CHECKING:  # only for the types: runner imports it when it first spawns
     import subprocess

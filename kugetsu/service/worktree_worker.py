@@ -18,7 +18,7 @@ import msgspec
 from kugetsu.service import worktree
 from kugetsu.core.models import Event, Index, Task
 from kugetsu.paths import Home
-from kugetsu.store.files import Txn
+from kugetsu.store.protocol import Txn
 
 if TYPE_CHECKING:  # only for the types: the worker imports it when it first needs it
     from concurrent.futures import ThreadPoolExecutor

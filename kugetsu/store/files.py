@@ -18,169 +18,21 @@ import re
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from datetime import datetime, timezone
-from typing import Protocol
 
 import msgspec
 
 from kugetsu.config import describe_decode_error, store_url
 from kugetsu.errors import DiskFull, FileError
-from kugetsu.core.models import INDEX_VERSION, ClockMark, Event, Index, Task, check_index
+from kugetsu.core.models import INDEX_VERSION, Event, Index, check_index
+from kugetsu.store.protocol import (StoreProtocol, Transactions, Txn, encode_index, encoder, held,
+                                    index_decoder, mark_writer)
 from kugetsu.paths import Home, atomic_write, nofollow, open_file, read_tail
 
 
-class _IndexFile(Index, forbid_unknown_fields=True):
-    """index.json as it must be on disk: a JSON object that merely decodes (`{"max_agents": 2}`,
-    a config file put in the wrong place) is not an index, and is refused rather than taken
-    for an empty queue."""
-
-    version: int
-    next_id: int
-
-
-_index_decoder = msgspec.json.Decoder(_IndexFile)
 _event_decoder = msgspec.json.Decoder(Event)
-_encoder = msgspec.json.Encoder()
-_held = threading.local()
 _stores: dict[str, Store] = {}  # open_store's file Stores of the main thread, by home
-
-
-def encode_index(index: Index) -> bytes:
-    return msgspec.json.format(_encoder.encode(index), indent=2) + b"\n"
-
-
-_writer: list[str] = []
-
-
-def writer() -> str:
-    """This process, as a clock error names it: `kugetsu delegate (pid 4242)`."""
-    if not _writer:
-        import sys
-
-        command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
-        name = f"kugetsu {command}" if command else os.path.basename(sys.argv[0] or "python")
-        _writer.append(f"{name[:60]} (pid {os.getpid()})")
-    return _writer[0]
-
-
-def mark_writer(txn: Txn) -> None:
-    """A transaction that records events signs the index with its clock (Index.clock): a time
-    from a wrong clock can then be traced to the command that wrote it (pm.correct_clock).
-    Only then: a transaction that changes nothing else must not rewrite the index."""
-    if txn.events:
-        txn.index.clock = ClockMark(at=txn.now, by=writer())
-
-
-class Txn:
-    """What a transaction sees and collects: the index, and the events and archived tasks to write."""
-
-    def __init__(self, index: Index, now: datetime, unchanged: bool = False, before: bytes = b""):
-        self.index = index
-        self.now = now
-        self.unchanged = unchanged  # the index is the one this Store last committed, untouched since
-        self.before = before  # the index's bytes as loaded: an unchanged index is not rewritten
-        self.events: list[Event] = []
-        self.archive: list[Task] = []
-        # Prompts to keep (task id -> text): written with the index, never inside it.
-        self.prompts: dict[int, str] = {}
-        # Cluster mode: the shared config as the transaction found it, and its new text to
-        # commit with the queue (`config set`); the file store keeps config.json apart.
-        self.shared_config: bytes = b""
-        self.new_config: bytes | None = None
-
-    def emit(self, events: list[Event]) -> None:
-        self.events.extend(events)
-
-
-class StoreProtocol(Protocol):
-    """What pm's callers need of a store (docs/architecture.md §9): serialized transactions, lock-free
-    reads of the committed index, and the event feed after a cursor. `Store` (the file store of
-    docs/architecture.md §3) is the one implementation so far; tests/test_store_contract.py is the
-    contract any other (the cluster's PostgreSQL store) must pass."""
-
-    def begin(self, now: datetime | None = None) -> Txn:
-        """Serialize with every other writer and load the index; `now` is read after that."""
-        ...
-
-    def commit(self, txn: Txn) -> None:
-        """Make the transaction's index and events durable at once, or raise and change nothing."""
-        ...
-
-    def abort(self) -> None:
-        """End the transaction, changing nothing."""
-        ...
-
-    def transaction(self, now: datetime | None = None) -> AbstractContextManager[Txn]:
-        """begin, then commit on success or abort on an exception."""
-        ...
-
-    def read(self) -> Index:
-        """The last committed index, without waiting for a writer."""
-        ...
-
-    def read_events(self, after: int = 0) -> list[Event]:
-        """Committed events with seq > after, oldest first."""
-        ...
-
-    def tail_events(self, count: int) -> list[Event]:
-        """The last `count` committed events, cheaply."""
-        ...
-
-    def rotate_events(self, limit: int) -> int | None:
-        """Keep the event feed bounded (the file store); returns the size rotated, or None."""
-        ...
-
-    def prompts(self, ids: Iterable[int]) -> dict[int, str]:
-        """The stored prompts of these tasks (a task without one is left out). Kept beside the
-        index, not in it: the index's size (what every command reads) does not grow with them."""
-        ...
-
-    def stamp(self) -> object:
-        """A cheap look (no decoding) that differs after any process commits a change: what a
-        view that refreshes itself compares."""
-        ...
-
-    def watch(self) -> Watch | None:
-        """A file descriptor to select on that becomes readable as soon as any process
-        commits, for a waiter; None when the store has none (then it looks at `stamp`)."""
-        ...
-
-
-class Watch(Protocol):
-    def fileno(self) -> int:
-        ...
-
-    def clear(self) -> None:
-        """Take what made it readable (after select said so)."""
-        ...
-
-    def close(self) -> None:
-        ...
-
-
-class Transactions:
-    """`transaction`, for a store that has begin, commit and abort (both stores)."""
-
-    def begin(self, now: datetime | None = None) -> Txn:
-        raise NotImplementedError
-
-    def commit(self, txn: Txn) -> None:
-        raise NotImplementedError
-
-    def abort(self) -> None:
-        raise NotImplementedError
-
-    @contextmanager
-    def transaction(self, now: datetime | None = None) -> Iterator[Txn]:
-        """Begin, let the caller change `txn.index`, commit. An exception commits nothing."""
-        txn = self.begin(now)
-        try:
-            yield txn
-        except BaseException:
-            self.abort()
-            raise
-        self.commit(txn)
 
 
 def open_store(home: Home) -> StoreProtocol:
@@ -228,7 +80,7 @@ class Store(Transactions):
         if reuse is not None and reuse[0] == data:
             return reuse[1], data
         try:
-            index = _index_decoder.decode(data)
+            index = index_decoder.decode(data)
         # RecursionError: absurdly deep nesting; UnicodeDecodeError: non-UTF-8 bytes in a string
         except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
             raise FileError(_describe_index_error(self.home, data, err) + _FIX) from None
@@ -331,7 +183,7 @@ class Store(Transactions):
 
     def _lock(self) -> None:
         """The exclusive kernel lock on index.lock (released by the kernel if we die)."""
-        if getattr(_held, "depth", 0) or self._lock_fd is not None:  # this thread, or this Store (one writer)
+        if getattr(held, "depth", 0) or self._lock_fd is not None:  # this thread, or this Store (one writer)
             raise RuntimeError("nested kugetsu transaction (it would deadlock on index.lock)")
         if not self._ensured:
             self.home.ensure()
@@ -347,10 +199,10 @@ class Store(Transactions):
             os.close(fd)
             raise
         self._lock_fd = fd
-        _held.depth = 1
+        held.depth = 1
 
     def _unlock(self) -> None:
-        _held.depth = 0
+        held.depth = 0
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)  # releases the lock
@@ -404,7 +256,7 @@ class Store(Transactions):
         if txn.archive:
             # Before the index write: a crash in between repeats lines (readers keep the
             # last line of an id), it never loses one.
-            _append(self.home.history, b"".join(_encoder.encode(t) + b"\n" for t in txn.archive), sync=True)
+            _append(self.home.history, b"".join(encoder.encode(t) + b"\n" for t in txn.archive), sync=True)
         data = encode_index(index)
         if data != txn.before:
             atomic_write(self.home.index, data)
@@ -535,7 +387,7 @@ def _append(path: os.PathLike[str], data: bytes, sync: bool = False) -> None:
 
 
 def _append_events(path: os.PathLike[str], events: list[Event]) -> None:
-    data = b"".join(_encoder.encode(e) + b"\n" for e in events)
+    data = b"".join(encoder.encode(e) + b"\n" for e in events)
     fd = open_file(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
     try:
         size = os.fstat(fd).st_size

@@ -32,7 +32,7 @@ import psycopg
 from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, errors, process_tag, redact
 from kugetsu.errors import FileError
 from kugetsu.core.models import INDEX_VERSION, Event, Index, Task, check_index
-from kugetsu.store.files import Transactions, Txn, _encoder, _held, _index_decoder, mark_writer
+from kugetsu.store.protocol import Transactions, Txn, encoder, held, index_decoder, mark_writer
 
 _event_decoder = msgspec.json.Decoder(Event)
 _task_decoder = msgspec.json.Decoder(Task)
@@ -47,7 +47,7 @@ UPSERT_PROMPT = "INSERT INTO kugetsu.prompts (id, body) VALUES (%s, %s) ON CONFL
 
 
 def event_rows(events: list[Event]) -> list[tuple[Any, ...]]:
-    return [(e.seq, e.task, e.at, _encoder.encode(e)) for e in events]
+    return [(e.seq, e.task, e.at, encoder.encode(e)) for e in events]
 
 
 _FIX = "\nNothing was changed. Restore the database from a backup, or ask for help with the row."
@@ -132,7 +132,7 @@ class PgStore(Transactions):
         if not data:
             return Index()
         try:
-            return _index_decoder.decode(data)
+            return index_decoder.decode(data)
         except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
             raise FileError(f"{redact(self.url)}: the queue document does not decode: {err}{_FIX}") from None
 
@@ -241,11 +241,11 @@ class PgStore(Transactions):
         after the lock: one clock for every machine, so events' times never go back."""
         if self._open:
             raise RuntimeError("nested kugetsu transaction (this store already holds one)")
-        if getattr(_held, "depth", 0):  # this thread holds a transaction of any store already
+        if getattr(held, "depth", 0):  # this thread holds a transaction of any store already
             raise RuntimeError("nested kugetsu transaction (it would deadlock on the queue row)")
         self._execute("BEGIN")
         self._open = True
-        _held.depth = 1
+        held.depth = 1
         try:
             row = self._execute(_SELECT_STATE + " FOR UPDATE").fetchone()
             assert row is not None, "kugetsu.state has its row from ensure_schema"
@@ -292,7 +292,7 @@ class PgStore(Transactions):
             rev = began.rev + 1
             rows, upserts, next_ord = _rows_of(index, began, rev)
             gone = [i for i in began.rows if i not in rows]
-            header = _encoder.encode(msgspec.structs.replace(index, active=[], queued=[], finished=[]))
+            header = encoder.encode(msgspec.structs.replace(index, active=[], queued=[], finished=[]))
             changed = bool(upserts or gone) or header != began.header
             if changed:
                 self._executemany(UPSERT_TASK, upserts)
@@ -309,7 +309,7 @@ class PgStore(Transactions):
             if txn.events:
                 self._executemany(INSERT_EVENTS, event_rows(txn.events))
             if txn.archive:
-                self._executemany(INSERT_HISTORY, [(t.id, t.finished_at, _encoder.encode(t)) for t in txn.archive])
+                self._executemany(INSERT_HISTORY, [(t.id, t.finished_at, encoder.encode(t)) for t in txn.archive])
             if changed or txn.events or txn.new_config is not None:
                 self._execute("SELECT pg_notify(%s, %s)", (NOTIFY_CHANNEL, process_tag()))
             done = self._execute("COMMIT")
@@ -321,7 +321,7 @@ class PgStore(Transactions):
             raise
         finally:
             self._open = False
-            _held.depth = 0
+            held.depth = 0
 
     def abort(self) -> None:
         self._began = None
@@ -329,7 +329,7 @@ class PgStore(Transactions):
             self._rollback()
         finally:
             self._open = False
-            _held.depth = 0
+            held.depth = 0
 
     def _rollback(self) -> None:
         if self._conn is None or self._conn.closed:
@@ -415,7 +415,7 @@ def _rows_of(index: Index, began: _Seen, rev: int) -> tuple[dict[int, _Row], lis
     next_ord = began.next_ord
     now: set[int] = set()
     for lst, tasks in enumerate((index.active, index.queued, index.finished)):
-        bodies = _encoder.encode_lines(tasks).split(b"\n")
+        bodies = encoder.encode_lines(tasks).split(b"\n")
         ids = [t.id for t in tasks]
         now.update(ids)
         if began.order is not None and ids == began.order[lst]:  # the same tasks in the same order: places stay

@@ -45,7 +45,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import PY, TASK_SCRIPT, Kg, pct, read_stamps, wait_until  # noqa: E402
+from common import PY, TASK_SCRIPT, Kg, pct, read_stamps, wait_until  # noqa: E402
 
 import psycopg  # noqa: E402
 

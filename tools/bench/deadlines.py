@@ -31,10 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import Kg, part_main, pct, wait_until  # noqa: E402
+from common import Kg, part_main, pct, wait_until  # noqa: E402
 
 from kugetsu.core.models import Index, Task, task_record  # noqa: E402
-from kugetsu.store.files import decode_events, encode_index  # noqa: E402
+from kugetsu.store.files import decode_events  # noqa: E402
+from kugetsu.store.protocol import encode_index
 
 BURST = 10  # expiries due at the same instant
 BURST_EVERY = 0.1  # seconds between bursts

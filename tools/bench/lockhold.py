@@ -63,7 +63,7 @@ def git(repo: Path, *args: str) -> None:
 
 def measure(n: int = 40) -> dict:
     sys.path.insert(0, str(HERE))
-    from run import PY, Kg, wait_until
+    from common import PY, Kg, wait_until
 
     with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
         root = Path(tmp)
@@ -106,7 +106,7 @@ def measure(n: int = 40) -> dict:
 
 
 def rows(res: dict) -> list[tuple[str, float]]:
-    from run import pct
+    from common import pct
 
     held = res["holds_ms"]
     what = f"{res['tasks']} worktree tasks, {len(held)} transactions"
@@ -116,7 +116,7 @@ def rows(res: dict) -> list[tuple[str, float]]:
 
 def main() -> int:
     sys.path.insert(0, str(HERE))
-    from run import part_main
+    from common import part_main
 
     return part_main(__doc__, "12 tasks instead of 40", lambda quick: measure(12 if quick else 40), rows,
                      lambda res: f"({res['tasks']} tasks, {res['kept']} worktrees kept, drained in {res['drain_s']:.1f} s)")

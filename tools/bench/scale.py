@@ -32,7 +32,7 @@ from pathlib import Path
 from run import TASK_SCRIPT, Kg, Tsp, read_stamps, wait_until, compile_package
 
 from kugetsu.core.models import Index, Task
-from kugetsu.store.files import encode_index
+from kugetsu.store.protocol import encode_index
 
 TSP_FITS = 900  # jobs queued before the go; tsp blocks clients somewhat below 1,000
 # Waits for the go file, then stamps its own end (its task's slot frees right after).

@@ -36,7 +36,7 @@ from kugetsu.core import pm
 from kugetsu.frontends import render
 from kugetsu.config import Config, format_duration, load_config, parse_duration, parse_size
 from kugetsu.errors import KugetsuError, Nested, Rejected, UsageError
-from kugetsu.frontends.mcp.handshake import INSTRUCTIONS, NAME, TITLE, differs
+from kugetsu.frontends.mcp.identity import INSTRUCTIONS, NAME, TITLE, differs
 from kugetsu.frontends.mcp.models import (
     CancelOut,
     CapacityOut,
@@ -50,7 +50,8 @@ from kugetsu.frontends.mcp.models import (
 )
 from kugetsu.core.models import Index, Task, TaskState
 from kugetsu.paths import Home, explain
-from kugetsu.store.files import StoreProtocol, open_store
+from kugetsu.store.files import open_store
+from kugetsu.store.protocol import StoreProtocol
 
 BACK_OFF_S = 60  # what a rejected delegate suggests: "try again in a minute"
 LOG_BYTES = 16 * 1024  # the logs tool's default cap

@@ -31,7 +31,7 @@ from kugetsu.app import ops
 from kugetsu.store import logtail
 from kugetsu.app.ops import now
 from kugetsu.paths import Home, atomic_write, nofollow, read_file
-from kugetsu.store.files import open_store, decode_events
+from kugetsu.store.files import decode_events, open_store
 from kugetsu.frontends.telegram import text
 
 if TYPE_CHECKING:  # cluster mode only: psycopg
