@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kugetsu import agents
 from kugetsu.agents.report import Report
-from kugetsu.config import AgentPreset
+from kugetsu.config.model import AgentPreset
 
 NOW = datetime(2026, 11, 24, 17, 0, tzinfo=timezone.utc)
 MODULES = [importlib.import_module(f"kugetsu.agents.{k}") for k in agents.KINDS if k != "text"
@@ -78,4 +78,4 @@ def test_hostile_values_are_read_as_nothing_said():
 
 def test_the_preset_key_takes_every_kind():
     hint = AgentPreset.__annotations__["output"]
-    assert get_args(eval(hint, vars(importlib.import_module("kugetsu.config")))) == agents.KINDS
+    assert get_args(eval(hint, vars(importlib.import_module("kugetsu.config.model")))) == agents.KINDS

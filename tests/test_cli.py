@@ -515,7 +515,7 @@ def test_brief_commands_exit_fast_with_all_their_output_written(kg):
     gets no complaint."""
     from kugetsu.app import ops
     from kugetsu.core import pm
-    from kugetsu.config import load_config
+    from kugetsu.config.load import load_config
     from kugetsu.store.files import Store
 
     kg.config(max_agents=1, max_queue=5000)

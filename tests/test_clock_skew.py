@@ -97,7 +97,7 @@ def test_correct_clock_moves_only_what_is_beyond_the_tolerance():
     delay; a hold made since the service's last transaction but stamped 2 days before it
     counts from now."""
     from kugetsu.core import pm
-    from kugetsu.config import Config
+    from kugetsu.config.model import Config
     from kugetsu.core.models import Attempt, ClockMark, Hold, Index, SourceMark, Task
 
     now = datetime(2026, 11, 24, 12, tzinfo=timezone.utc)

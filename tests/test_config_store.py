@@ -12,7 +12,9 @@ import pytest
 from kugetsu.app import ops
 
 from kugetsu.core import pm
-from kugetsu.config import Config, format_duration, load_config, parse_duration, validate
+from kugetsu.config.load import load_config, validate
+from kugetsu.config.model import Config
+from kugetsu.config.units import format_duration, parse_duration
 from kugetsu.errors import FileError, UsageError
 from kugetsu.core.models import Event, Index
 from kugetsu.paths import Home
@@ -40,7 +42,7 @@ def test_format_duration():
 
 
 def test_example_config_is_valid_and_holds_every_default():
-    from kugetsu.config import _OPENCODE_PLUGIN
+    from kugetsu.config.model import _OPENCODE_PLUGIN
 
     # The opencode preset loads kugetsu's plugin from where kugetsu is installed: the example
     # shows a typical install's path.
@@ -98,7 +100,7 @@ def test_token_is_masked_in_events(tmp_path):
     ops.set_config(home, "autostart", False)
     ops.set_config(home, "telegram.token", "123:SECRET")
     assert "SECRET" not in home.events.read_text()
-    assert "SECRET" not in json.dumps(__import__("kugetsu.config", fromlist=["masked"]).masked(load_config(home)))
+    assert "SECRET" not in json.dumps(__import__("kugetsu.config.keys", fromlist=["masked"]).masked(load_config(home)))
 
 
 # ---- store --------------------------------------------------------------------------------
@@ -230,7 +232,7 @@ def test_the_builtin_presets_patterns_are_regular_expressions():
     CLI call): this is where they are checked."""
     import re
 
-    from kugetsu.config import _BUILTIN_PATTERNS, DEFAULT_AGENTS
+    from kugetsu.config.model import _BUILTIN_PATTERNS, DEFAULT_AGENTS
 
     assert len(_BUILTIN_PATTERNS) >= len(DEFAULT_AGENTS)
     for pattern in _BUILTIN_PATTERNS:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dashboard_data import NOW, UTC, busy_home, clock, settled
 
 from kugetsu.app import stats
-from kugetsu.config import load_config
+from kugetsu.config.load import load_config
 from kugetsu.store.files import Store
 from kugetsu.frontends.tui.app import make_app
 from kugetsu.frontends.tui.stats import StatsScreen, figures

@@ -15,7 +15,7 @@ from conftest import service_in_process, wait_for_async
 from kugetsu.app import ops
 
 from kugetsu.core import pm
-from kugetsu.config import load_config
+from kugetsu.config.load import load_config
 
 TASKS = 200
 

@@ -9,7 +9,8 @@ import msgspec
 import pytest
 
 from kugetsu.core import limits, pm
-from kugetsu.config import Config, validate
+from kugetsu.config.load import validate
+from kugetsu.config.model import Config
 from kugetsu.errors import UsageError
 from kugetsu.core.models import Index, TaskState
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from kugetsu.core import pm
-from kugetsu.config import Config
+from kugetsu.config.model import Config
 from kugetsu.core.models import Index, TaskState
 from kugetsu.core.placement import Here, HostSeen, gone_hosts
 

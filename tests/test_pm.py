@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from conftest import T0
 
 from kugetsu.core import pm
-from kugetsu.config import Config
+from kugetsu.config.model import Config
 from kugetsu.errors import NotFound, Rejected, UsageError
 from kugetsu.core.models import Index, Task, TaskState, check_index
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import T0
 from kugetsu.core import pm
-from kugetsu.config import Config
+from kugetsu.config.model import Config
 from kugetsu.errors import AmbiguousName
 from kugetsu.core.models import Index, TaskState
 

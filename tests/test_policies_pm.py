@@ -10,7 +10,8 @@ import pytest
 from conftest import T0
 
 from kugetsu.core import pm
-from kugetsu.config import Config, parse_size
+from kugetsu.config.model import Config
+from kugetsu.config.units import parse_size
 from kugetsu.errors import Rejected, UsageError
 from kugetsu.core.models import Index, TaskState
 
@@ -276,7 +277,9 @@ def test_policy_wakeups_at_a_rate_limits_end_and_a_guard_recheck_that_is_never_p
 
 
 def test_policy_config_keys_are_checked():
-    from kugetsu.config import KEY_HELP, validate, with_value
+    from kugetsu.config.keys import with_value
+    from kugetsu.config.load import validate
+    from kugetsu.config.model import KEY_HELP
 
     raw: dict = {}
     for key, value in [("strategy", "fair"), ("groups.gpu", {"max_agents": 2}), ("groups.gpu.max_agents", 1),

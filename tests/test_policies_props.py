@@ -15,7 +15,7 @@ from conftest import T0
 
 from kugetsu.core import budgets, pm
 from kugetsu.agents.report import Usage
-from kugetsu.config import Config
+from kugetsu.config.model import Config
 from kugetsu.core.models import PRIORITIES, DaySpend, Index
 from kugetsu.core.policy import Board, simple_order, task_key
 

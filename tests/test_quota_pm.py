@@ -11,7 +11,7 @@ from conftest import T0
 
 from kugetsu.core import budgets, pm
 from kugetsu.agents.report import Usage
-from kugetsu.config import Config
+from kugetsu.config.model import Config
 from kugetsu.core.models import Index, LimitHit, TaskState
 from kugetsu.core.policy import route_of
 

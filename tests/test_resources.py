@@ -293,7 +293,7 @@ def test_cgroup_mode_counts_a_process_that_dropped_the_tasks_token(kg):
 def test_over_limits_stops_with_the_reason_and_never_a_retry_for_its_last_runs_figures():
     from conftest import T0
     from kugetsu.core import pm
-    from kugetsu.config import Config
+    from kugetsu.config.model import Config
     from kugetsu.core.models import Index
 
     cfg = Config(kill_grace="5s")
@@ -320,7 +320,7 @@ def test_pressure_is_part_of_the_same_check():
     task that declares more memory than is available waits for it, by name."""
     from conftest import T0
     from kugetsu.core import pm
-    from kugetsu.config import Config
+    from kugetsu.config.model import Config
     from kugetsu.core.models import Index
 
     G = 1024 * M

@@ -279,7 +279,7 @@ def test_a_resumed_schedule_does_not_catch_up_what_its_pause_skipped(kg):
 def test_schedule_events_can_be_notified():
     from datetime import timezone
 
-    from kugetsu.config import Config
+    from kugetsu.config.model import Config
     from kugetsu.core.models import Event
     from kugetsu.frontends.telegram.text import notification, wanted
 

@@ -16,7 +16,7 @@ from conftest import T0
 from test_policies_props import config_st, drain, task_st
 
 from kugetsu.core import pm
-from kugetsu.config import Config
+from kugetsu.config.model import Config
 from kugetsu.core.models import Index
 
 # A task and the seconds after its admission it asks to start at (None: at once).

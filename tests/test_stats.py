@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from kugetsu.app import stats
-from kugetsu.config import Config
+from kugetsu.config.model import Config
 from kugetsu.core.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home, atomic_write
 from kugetsu.store.protocol import encode_index

@@ -12,7 +12,7 @@ from fakebot import TOKEN
 from test_telegram_bot import ME, api, setup  # noqa: F401  (api is a fixture)
 
 from kugetsu.core import pm
-from kugetsu.config import Config, TelegramConfig
+from kugetsu.config.model import Config, TelegramConfig
 from kugetsu.errors import KugetsuError, UsageError
 from kugetsu.core.models import Index, Task, TaskState
 from kugetsu.paths import Home

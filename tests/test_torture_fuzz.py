@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
-from kugetsu.config import parse_duration
+from kugetsu.config.units import parse_duration
 from kugetsu.core.models import valid_name
 from torture import LONG, record, size
 
@@ -44,7 +44,7 @@ def expect_clean_failure(kg, r, *, names: str, before: dict) -> None:
 def stop_service(kg, woke: bool) -> None:
     """After a command that succeeded: if it autostarted the service, let it come up, then
     stop it, so that it changes nothing behind the next case's back."""
-    from kugetsu.config import load_config
+    from kugetsu.config.load import load_config
 
     if woke and load_config(kg.home).autostart:
         wait_for(lambda: kg.service_pid(), 15, "the autostarted service to come up")
@@ -388,7 +388,7 @@ async def test_hostile_agent_output_is_read_everywhere_without_error(fz, tmp_pat
 
     # The bot's texts: each event's notification with its log's tail, each task's /status.
     from kugetsu.app import ops
-    from kugetsu.config import load_config
+    from kugetsu.config.load import load_config
     from kugetsu.core.models import Event
     from kugetsu.frontends.telegram import notify, text
 

@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 from conftest import REPO, agent_wrappers, wait_for
 from kugetsu.app import control, ops
 from kugetsu.core import pm
-from kugetsu.config import load_config
+from kugetsu.config.load import load_config
 from kugetsu.errors import KugetsuError
 from kugetsu.paths import Home
 from kugetsu.store.files import Store

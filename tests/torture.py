@@ -61,7 +61,7 @@ def check_home(home: Home, max_agents: int | None = None) -> dict:
     # (A slot number may exceed a lowered max_agents: lowering never kills the task in it.)
     assert all(s is not None and 1 <= s <= 64 for s in slots), slots
     from kugetsu.core import pm
-    from kugetsu.config import load_config
+    from kugetsu.config.load import load_config
     from kugetsu.app.ops import now
 
     pos = pm.positions(index, load_config(home), now())

@@ -11,7 +11,7 @@ import errno
 import os
 
 from kugetsu.service import runner
-from kugetsu.config import Config
+from kugetsu.config.model import Config
 from kugetsu.errors import KugetsuError
 from kugetsu.core.models import Index
 from kugetsu.paths import Home, open_file, read_file

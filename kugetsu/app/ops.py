@@ -21,7 +21,10 @@ from kugetsu.core import placement, pm
 
 from kugetsu.service import runner
 from kugetsu.app.control import check_wakeable, wake
-from kugetsu.config import LOCAL_KEYS, Config, cluster_config, cluster_host, format_size, has_value, host_name, load_config, mask_secrets, read_raw, save_raw, validate, with_value
+from kugetsu.config.keys import has_value, mask_secrets, with_value
+from kugetsu.config.load import cluster_config, cluster_host, host_name, load_config, read_raw, save_raw, validate
+from kugetsu.config.model import Config, LOCAL_KEYS
+from kugetsu.config.units import format_size
 from kugetsu.errors import KugetsuError, NotClustered, UsageError
 from kugetsu.core.models import TASK_DEFAULTS, Event, Index, Schedule, Task, TaskState
 from kugetsu.paths import Home

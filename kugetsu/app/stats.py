@@ -32,8 +32,8 @@ from typing import Any
 import msgspec
 
 from kugetsu.agents.report import Usage
-from kugetsu.config import Config
-from kugetsu.config import host_name as config_host
+from kugetsu.config.model import Config
+from kugetsu.config.load import host_name as config_host
 from kugetsu.core.models import Event, Index, Task
 from kugetsu.paths import Home, nofollow
 from kugetsu.store.files import decode_events
@@ -502,6 +502,6 @@ def seconds(value: float | None) -> str:
         return "-"
     if value < 10:
         return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.1f}s"
-    from kugetsu.config import format_duration
+    from kugetsu.config.units import format_duration
 
     return format_duration(value)

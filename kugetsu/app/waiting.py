@@ -19,7 +19,7 @@ from kugetsu.app import control, ops
 
 from kugetsu.service import runner
 from kugetsu.core.placement import ours
-from kugetsu.config import cluster_host, load_config
+from kugetsu.config.load import cluster_host, load_config
 from kugetsu.errors import Unreachable
 from kugetsu.core.models import Index, Task, TaskState
 from kugetsu.paths import Home

@@ -16,7 +16,8 @@ import msgspec
 
 from kugetsu.cluster.db import connect, redact
 from kugetsu.store.postgres import INSERT_EVENTS, INSERT_HISTORY, UPSERT_PROMPT, PgStore, _task_decoder, event_rows
-from kugetsu.config import LOCAL_KEYS, read_raw, save_raw, validate
+from kugetsu.config.load import read_raw, save_raw, validate
+from kugetsu.config.model import LOCAL_KEYS
 from kugetsu.app.control import service_holds_lock
 from kugetsu.errors import KugetsuError, UsageError
 from kugetsu.core.models import Index

@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from kugetsu.agents.report import Usage
-from kugetsu.config import Budget, Config
+from kugetsu.config.model import Budget, Config
 from kugetsu.core.models import DaySpend, Index, QuotaWindow, Task
 from kugetsu.core.times import clock
 

@@ -222,7 +222,7 @@ def backoff(first: float, most: float, strikes: int) -> float:
 def parse_until(text: str, now: datetime, local: tzinfo | None = None) -> datetime | None:
     """`kugetsu hold --until T`: a duration from now (`30m`, `2h`, `90`), an ISO 8601 time or
     a clock time (`15:00`, `3pm`, the next one to come); None when it is none of these."""
-    from kugetsu.config import parse_duration
+    from kugetsu.config.units import parse_duration
 
     try:
         return now + timedelta(seconds=parse_duration(text))

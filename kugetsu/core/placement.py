@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 
 import msgspec
 
-from kugetsu.config import Config
+from kugetsu.config.model import Config
 from kugetsu.core.models import Index, Task
 
 

@@ -17,7 +17,9 @@ import msgspec
 from datetime import datetime, timedelta
 
 from kugetsu.core import budgets, limits, placement
-from kugetsu.config import MAX_DURATION, Config, cluster_host, format_duration, format_size, parse_duration, parse_size
+from kugetsu.config.load import cluster_host
+from kugetsu.config.model import Config
+from kugetsu.config.units import format_duration, format_size, MAX_DURATION, parse_duration, parse_size
 from kugetsu.errors import (AmbiguousName, EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered, NotFound,
                             QueueFull, Rejected, UnknownDependency, UnknownGroup, UsageError)
 from kugetsu.agents.report import Usage

@@ -21,7 +21,8 @@ import msgspec
 
 from kugetsu.core import budgets
 from kugetsu.core.times import clock
-from kugetsu.config import Config, format_duration, format_size
+from kugetsu.config.model import Config
+from kugetsu.config.units import format_duration, format_size
 from kugetsu.core.models import PRIORITIES, Index, Task
 
 # source, group, route (the presets it may start on, in order; () for a bare command),

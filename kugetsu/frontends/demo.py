@@ -22,7 +22,8 @@ from kugetsu.app import control, ops
 from kugetsu.core import pm
 
 from kugetsu.frontends import render
-from kugetsu.config import format_duration, save_raw, validate
+from kugetsu.config.load import save_raw, validate
+from kugetsu.config.units import format_duration
 from kugetsu.paths import Home
 from kugetsu.store.files import open_store
 

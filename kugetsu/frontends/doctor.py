@@ -17,7 +17,9 @@ from typing import Any
 from kugetsu.app import control
 
 from kugetsu.service import runner
-from kugetsu.config import Config, format_duration, format_size, load_config, read_raw, store_url, total_memory
+from kugetsu.config.load import load_config, read_raw, store_url
+from kugetsu.config.model import Config, total_memory
+from kugetsu.config.units import format_duration, format_size
 from kugetsu.errors import KugetsuError, Unreachable
 from kugetsu.core.models import Index
 from kugetsu.paths import Home, read_file
@@ -193,7 +195,7 @@ def _service(home: Home, cfg: Config, index: Index) -> Check:
 def _read_at_start_since(home: Home) -> list[str]:
     """Keys the service reads when it starts (config.AT_START) set since it started (its
     pid file's time), by the last `config` events: the change waits for a restart."""
-    from kugetsu.config import applies_at_start
+    from kugetsu.config.keys import applies_at_start
     from kugetsu.store.files import open_store
 
     try:

@@ -20,7 +20,7 @@ import secrets
 import socket
 from urllib.parse import urlsplit
 
-from kugetsu.config import is_loopback
+from kugetsu.config.model import is_loopback
 from kugetsu.errors import KugetsuError, UsageError
 
 HEADER_TIMEOUT = 5.0  # seconds for a request's head to arrive whole (a real client's takes milliseconds)

@@ -38,7 +38,7 @@ from kugetsu.core import pm
 from kugetsu.frontends import guard
 
 from kugetsu.service import runner
-from kugetsu.config import Config, is_loopback
+from kugetsu.config.model import Config, is_loopback
 from kugetsu.agents.report import Usage
 from kugetsu.core.models import Index, Task
 from kugetsu.paths import read_tail

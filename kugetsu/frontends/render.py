@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kugetsu.config import format_duration, format_size
+from kugetsu.config.units import format_duration, format_size
 from kugetsu.service import runner
 from kugetsu.core.models import Task
 from kugetsu.core.pm import Capacity, Measured, short_size

@@ -33,7 +33,7 @@ import sys
 from typing import Any
 
 from kugetsu.frontends import guard
-from kugetsu.config import is_loopback, parse_address
+from kugetsu.config.model import is_loopback, parse_address
 from kugetsu.errors import OK, UsageError
 from kugetsu.paths import Home
 

@@ -36,7 +36,9 @@ from kugetsu.core import limits, placement, pm
 from kugetsu.service import runner, usage
 
 from kugetsu.store import logtail
-from kugetsu.config import Config, format_size, host_name, load_config
+from kugetsu.config.load import host_name, load_config
+from kugetsu.config.model import Config
+from kugetsu.config.units import format_size
 from kugetsu.service.deadlines import DeadlineTimer, ScheduleJobs, new_scheduler
 from kugetsu.errors import DiskFull, KugetsuError, Unreachable
 from kugetsu.service.exits import Ending, Exits

@@ -21,7 +21,7 @@ from kugetsu.core import pm
 from kugetsu.frontends import render
 
 from kugetsu.service import runner, worktree
-from kugetsu.config import Config
+from kugetsu.config.model import Config
 from kugetsu.core.models import Index, Task, TaskState
 from kugetsu.paths import Home, atomic_write, nofollow
 from kugetsu.core.placement import ours

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from kugetsu.config import STORE_ENV
+from kugetsu.config.model import STORE_ENV
 from kugetsu.errors import redact_url
 from kugetsu.paths import Home, open_file
 

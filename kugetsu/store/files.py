@@ -23,7 +23,8 @@ from datetime import datetime, timezone
 
 import msgspec
 
-from kugetsu.config import describe_decode_error, store_url
+from kugetsu.config.explain import describe_decode_error
+from kugetsu.config.load import store_url
 from kugetsu.errors import DiskFull, FileError
 from kugetsu.core.models import INDEX_VERSION, Event, Index, check_index
 from kugetsu.store.protocol import (StoreProtocol, Transactions, Txn, encode_index, encoder, held,

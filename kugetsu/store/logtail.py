@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 from typing import BinaryIO
 
-from kugetsu.config import LOG_MIN, format_size
+from kugetsu.config.units import format_size, LOG_MIN
 from kugetsu.paths import open_file
 
 WINDOW = 8 * 1024 * 1024  # the most of a log any reader holds at once

@@ -178,7 +178,7 @@ import json, statistics, sys, time
 from datetime import datetime, timezone
 from kugetsu.core import pm
 from kugetsu.store.postgres import PgStore
-from kugetsu.config import Config
+from kugetsu.config.model import Config
 from kugetsu.core.models import Task, TaskState
 
 url, n = sys.argv[1], int(sys.argv[2])

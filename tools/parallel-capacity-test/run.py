@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from kugetsu.config import format_duration, parse_duration  # noqa: E402
+from kugetsu.config.units import format_duration, parse_duration  # noqa: E402
 
 # ---- synthetic loads ---------------------------------------------------------------------
 

@@ -15,7 +15,10 @@ from kugetsu.app import control, ops
 from kugetsu.core import pm
 
 from kugetsu.service import runner
-from kugetsu.config import Config, cluster_host, format_duration, get_value, load_config, parse_duration, parse_size, parse_value
+from kugetsu.config.keys import get_value, parse_value
+from kugetsu.config.load import cluster_host, load_config
+from kugetsu.config.model import Config
+from kugetsu.config.units import format_duration, parse_duration, parse_size
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, KugetsuError, UsageError
 from kugetsu.core.models import PRIORITIES, Index, Task, TaskState
 from kugetsu.paths import Home, default_home, nofollow, read_tail
@@ -505,7 +508,7 @@ def _fix(err: KugetsuError) -> str:
                 " (`kugetsu shutdown`; the next command starts it)")
     if isinstance(err, E.CommandNotFound):
         return "; install it, pick another preset with --agent, or give the command after --"
-    from kugetsu.config import InvalidConfig
+    from kugetsu.config.explain import InvalidConfig
 
     if isinstance(err, InvalidConfig) and err.setting and err.key == err.setting and (err.suggestion or "").startswith('"'):
         return f"\nOn the command line: kugetsu config set {err.key} '{err.suggestion}'"
@@ -1203,7 +1206,8 @@ def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
 
 
 def cmd_config(home: Home, args: argparse.Namespace) -> int:
-    from kugetsu import config as C
+    from kugetsu.config import keys as C
+    from kugetsu.config.model import KEY_HELP
 
     if args.action == "path":
         print(home.config)  # for scripts: $(kugetsu config path)
@@ -1239,7 +1243,7 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
         return OK
     from kugetsu.frontends import render
 
-    _say(render.config_lines(shown, C.KEY_HELP))
+    _say(render.config_lines(shown, KEY_HELP))
     return OK
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from kugetsu.config import is_loopback, load_config, parse_address
+from kugetsu.config.load import load_config
+from kugetsu.config.model import is_loopback, parse_address
 from kugetsu.errors import UsageError
 from kugetsu.frontends.guard import check_token
 from kugetsu.paths import Home

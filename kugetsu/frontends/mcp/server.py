@@ -34,7 +34,9 @@ import kugetsu
 from kugetsu.app import control, ops, waiting
 from kugetsu.core import pm
 from kugetsu.frontends import render
-from kugetsu.config import Config, format_duration, load_config, parse_duration, parse_size
+from kugetsu.config.load import load_config
+from kugetsu.config.model import Config
+from kugetsu.config.units import format_duration, parse_duration, parse_size
 from kugetsu.errors import KugetsuError, Nested, Rejected, UsageError
 from kugetsu.frontends.mcp.identity import INSTRUCTIONS, NAME, TITLE, differs
 from kugetsu.frontends.mcp.models import (

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from kugetsu.config import Config
+from kugetsu.config.model import Config
 
 TOKEN_ENV = "KUGETSU_TELEGRAM_TOKEN"
 

@@ -33,7 +33,8 @@ from telegram.ext import (
 from kugetsu.app import ops
 
 from kugetsu.core import pm
-from kugetsu.config import Config, TelegramConfig, load_config
+from kugetsu.config.load import load_config
+from kugetsu.config.model import Config, TelegramConfig
 from kugetsu.errors import KugetsuError, redact_url
 from kugetsu.core.models import Event, TaskState
 from kugetsu.paths import Home

@@ -11,7 +11,8 @@ from contextlib import asynccontextmanager
 from telegram import Bot
 from telegram.error import Forbidden, InvalidToken, NetworkError, TelegramError, TimedOut
 
-from kugetsu.config import Config, load_config
+from kugetsu.config.load import load_config
+from kugetsu.config.model import Config
 from kugetsu.errors import OK, KugetsuError, UsageError
 from kugetsu.paths import Home
 from kugetsu.frontends.telegram import TOKEN_ENV, redact, resolve_token

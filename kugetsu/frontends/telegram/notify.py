@@ -25,7 +25,7 @@ from telegram import Bot, LinkPreviewOptions
 from telegram.constants import ParseMode
 from telegram.error import BadRequest, Forbidden, InvalidToken, RetryAfter, TelegramError
 
-from kugetsu.config import Config
+from kugetsu.config.model import Config
 from kugetsu.core.models import Event, Task
 from kugetsu.app import ops
 from kugetsu.store import logtail

@@ -12,7 +12,9 @@ import re
 from datetime import datetime
 
 from kugetsu.frontends import render
-from kugetsu.config import Config, format_duration, mask_secrets
+from kugetsu.config.keys import mask_secrets
+from kugetsu.config.model import Config
+from kugetsu.config.units import format_duration
 from kugetsu.core.models import Event, Task
 from kugetsu.core.pm import Capacity, QueueView
 

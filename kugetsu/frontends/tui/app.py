@@ -24,7 +24,8 @@ from textual.widgets import DataTable, Footer, Static
 from kugetsu.app import control, ops
 
 from kugetsu.core import pm
-from kugetsu.config import Config, host_name, load_config
+from kugetsu.config.load import host_name, load_config
+from kugetsu.config.model import Config
 from kugetsu.errors import KugetsuError
 from kugetsu.core.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home

@@ -17,7 +17,8 @@ from textual.widgets import Button, Footer, Input, Label, Select, Static
 from kugetsu.app import ops
 
 from kugetsu.core import pm
-from kugetsu.config import format_duration, load_config
+from kugetsu.config.load import load_config
+from kugetsu.config.units import format_duration
 from kugetsu.errors import KugetsuError
 from kugetsu.core.models import PRIORITIES, Task, TaskState
 from kugetsu.paths import Home

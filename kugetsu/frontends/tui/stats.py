@@ -19,7 +19,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, Sparkline, Static
 
 from kugetsu.app import stats
-from kugetsu.config import load_config
+from kugetsu.config.load import load_config
 from kugetsu.paths import Home
 from kugetsu.store.files import open_store
 

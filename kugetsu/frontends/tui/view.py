@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, tzinfo
 
 from kugetsu.core import pm
-from kugetsu.config import mask_secrets
+from kugetsu.config.keys import mask_secrets
 from kugetsu.core.models import Event, Index, Task
 from kugetsu.frontends.render import agent_text, since, until
 
