@@ -143,7 +143,7 @@ def redact_url(text: str, mask: str | None = "***") -> str:
 
 class AmbiguousName(UsageError):
     """A name that no live task bears and several finished ones do: which one a wait means
-    is a guess (pm.find_to_wait)."""
+    is a guess (selection.find_to_wait)."""
 
     def __init__(self, name: str, ids: list[int]):
         listed = ", ".join(f"#{i}" for i in ids)
@@ -153,7 +153,7 @@ class AmbiguousName(UsageError):
 
 
 class UnknownDependency(UsageError):
-    """A task to run after that kugetsu does not know (pm.admit)."""
+    """A task to run after that kugetsu does not know (admission.admit)."""
 
     def __init__(self, ref: str):
         super().__init__(f"unknown dependency {ref!r}: no task has that id or name")

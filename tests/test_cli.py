@@ -514,7 +514,7 @@ def test_brief_commands_exit_fast_with_all_their_output_written(kg):
     (cli.run): what they printed to a pipe must all be there, and a reader that stops early
     gets no complaint."""
     from kugetsu.app import ops
-    from kugetsu.core import pm
+    from kugetsu.core import admission
     from kugetsu.config.load import load_config
     from kugetsu.store.files import Store
 
@@ -522,8 +522,8 @@ def test_brief_commands_exit_fast_with_all_their_output_written(kg):
     kg.ok("pause")
     with Store(kg.home).transaction(ops.now()) as txn:  # 3,000 queued tasks in one go
         for i in range(3000):
-            txn.emit(pm.admit(txn.index, load_config(kg.home), txn.now,
-                              pm.Request(cwd="/", name=f"t{i}", command=["true"], prompt="x" * 200))[1])
+            txn.emit(admission.admit(txn.index, load_config(kg.home), txn.now,
+                              admission.Request(cwd="/", name=f"t{i}", command=["true"], prompt="x" * 200))[1])
     env = {k: v for k, v in kg.env.items() if k != "PYTHONUNBUFFERED"}  # stdout buffered, as for a user
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -92,11 +92,11 @@ def test_a_command_two_days_behind_does_not_expire_its_task_at_once(kg):
 
 
 def test_correct_clock_moves_only_what_is_beyond_the_tolerance():
-    """The rule itself (pm.correct_clock), on an injected clock: what lies within 5 minutes
+    """The rule itself (skew.correct_clock), on an injected clock: what lies within 5 minutes
     stays; a hold begun a year ahead keeps its length; a retry due a year ahead is due after its
     delay; a hold made since the service's last transaction but stamped 2 days before it
     counts from now."""
-    from kugetsu.core import pm
+    from kugetsu.core import skew
     from kugetsu.config.model import Config
     from kugetsu.core.models import Attempt, ClockMark, Hold, Index, SourceMark, Task
 
@@ -112,7 +112,7 @@ def test_correct_clock_moves_only_what_is_beyond_the_tolerance():
     ], last_start={"cli": SourceMark(at=now + year, n=1)},
         holds={"claude": Hold(until=now + year + timedelta(hours=1), reason="claude held by hand", since=now + year)},
         clock=ClockMark(at=now + year, by="kugetsu hold (pid 7)"))
-    err = pm.correct_clock(index, Config(), now)
+    err = skew.correct_clock(index, Config(), now)
     near, retry, asked = index.queued
     assert near.created_at == now + timedelta(minutes=4) and near.expires_at == now + timedelta(hours=1)
     assert retry.not_before == now + timedelta(seconds=60)
@@ -120,14 +120,14 @@ def test_correct_clock_moves_only_what_is_beyond_the_tolerance():
     assert index.last_start["cli"].at == now
     assert (index.holds["claude"].since, index.holds["claude"].until) == (now, now + timedelta(hours=1))
     assert err is not None and err.by == "kugetsu hold (pid 7)" and err.off > 364 * 86400
-    assert "365d ahead of the service's clock" in pm.describe_clock_error(err)
-    assert pm.correct_clock(index, Config(), now) is None  # corrected once: nothing left
+    assert "365d ahead of the service's clock" in skew.describe_clock_error(err)
+    assert skew.correct_clock(index, Config(), now) is None  # corrected once: nothing left
 
     before = Index(next_id=3)
     late = Index(next_id=3, holds={"codex": Hold(until=now - timedelta(days=2) + timedelta(minutes=30),
                                                 reason="codex held by hand", since=now - timedelta(days=2))},
                  clock=ClockMark(at=now - timedelta(days=2), by="kugetsu hold (pid 8)"))
-    err = pm.correct_clock(late, Config(), now, before, now - timedelta(seconds=3))
+    err = skew.correct_clock(late, Config(), now, before, now - timedelta(seconds=3))
     assert (late.holds["codex"].since, late.holds["codex"].until) == (now, now + timedelta(minutes=30))
     assert err is not None and err.off < 0 and err.by == "kugetsu hold (pid 8)"
-    assert "2d behind" in pm.describe_clock_error(err)
+    assert "2d behind" in skew.describe_clock_error(err)

@@ -11,7 +11,7 @@ import pytest
 
 from kugetsu.app import ops
 
-from kugetsu.core import pm
+from kugetsu.core import admission, lifecycle
 from kugetsu.config.load import load_config, validate
 from kugetsu.config.model import Config
 from kugetsu.config.units import format_duration, parse_duration
@@ -108,7 +108,7 @@ def test_token_is_masked_in_events(tmp_path):
 
 def _admit(store, name):
     with store.transaction(ops.now()) as txn:
-        task, events = pm.admit(txn.index, Config(), txn.now, pm.Request(cwd="/", name=name, command=["true"]))
+        task, events = admission.admit(txn.index, Config(), txn.now, admission.Request(cwd="/", name=name, command=["true"]))
         txn.emit(events)
     return task
 
@@ -203,10 +203,10 @@ def test_history_moves_out_beyond_the_limit(tmp_path):
     store = Store(home)
     with store.transaction(ops.now()) as txn:
         for n in "abcd":
-            pm.admit(txn.index, cfg, txn.now, pm.Request(cwd="/", name=n, command=["true"]))
+            admission.admit(txn.index, cfg, txn.now, admission.Request(cwd="/", name=n, command=["true"]))
         ops.settle(txn, cfg)
         for task in list(txn.index.active):
-            pm.finish(txn.index, task, txn.now, 0)
+            lifecycle.finish(txn.index, task, txn.now, 0)
         ops.settle(txn, cfg)
     assert [t.name for t in store.read().finished] == ["c", "d"]
     assert [json.loads(line)["name"] for line in home.history.read_text().splitlines()] == ["a", "b"]

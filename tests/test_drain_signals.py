@@ -14,7 +14,7 @@ from conftest import service_in_process, wait_for_async
 
 from kugetsu.app import ops
 
-from kugetsu.core import pm
+from kugetsu.core import admission
 from kugetsu.config.load import load_config
 
 TASKS = 200
@@ -23,7 +23,7 @@ TASKS = 200
 async def test_a_drain_of_200_tasks_at_4_slots_sends_no_signal_and_warns_nothing(kg, monkeypatch, caplog):
     kg.config(max_agents=4, autostart=False, max_queue=TASKS + 10)
     cfg = load_config(kg.home)
-    reqs = [pm.Request(name=f"t{i}", command=["true"], cwd=str(kg.home.root), source="test") for i in range(TASKS)]
+    reqs = [admission.Request(name=f"t{i}", command=["true"], cwd=str(kg.home.root), source="test") for i in range(TASKS)]
     admitted = ops.delegate_many(kg.home, cfg, reqs)
     assert all(isinstance(a, ops.Admission) for a in admitted), admitted[:3]
 

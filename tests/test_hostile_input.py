@@ -68,7 +68,7 @@ def test_limit_readers_are_total(text, now, local):
 
 def test_parse_until_reads_out_of_range_times_as_times_not_crashes():
     # Year 1 in a zone east of UTC is before anything datetime can hold in UTC: a time long
-    # past all the same (pm.hold then says it is not in the future), never an OverflowError.
+    # past all the same (retries.hold then says it is not in the future), never an OverflowError.
     for text in ("0001-01-01T00:00:00+01:00", "0001-01-01T00:00:00Z", "0001-01-01 00:00"):
         at = limits.parse_until(text, NOW, ZoneInfo("Europe/Berlin"))
         assert at is not None and at < NOW, text
@@ -157,20 +157,20 @@ async def test_a_task_whose_end_cannot_be_handled_is_set_aside_and_the_others_go
     import asyncio
 
     from conftest import service_in_process, wait_for_async
-    from kugetsu.core import pm
+    from kugetsu.core import retries, step
 
     kg.config(max_agents=1, autostart=False, agents={"fake": {"command": ["sh", "-c", "echo boom; exit 1"],
                                                               "limit": {"patterns": ["boom"]}}})
     await asyncio.to_thread(kg.ok, "delegate", "bad", "--agent", "fake", "--prompt", "x")
     await asyncio.to_thread(kg.ok, "delegate", "good", "--", "true")
-    real = pm.read_output
+    real = retries.read_output
 
     def read_output(cfg, task, *args):
         if task.name == "bad":
             raise RuntimeError("unreadable output")
         return real(cfg, task, *args)
 
-    monkeypatch.setattr(pm, "read_output", read_output)
+    monkeypatch.setattr(step, "read_output", read_output)
     async with service_in_process(kg.home):
         await wait_for_async(lambda: len(kg.index()["finished"]) == 2, 20, "both tasks to end")
     finished = {t["name"]: t for t in kg.index()["finished"]}
@@ -187,11 +187,11 @@ async def test_a_first_tick_that_fails_leaves_the_service_up_and_retrying(kg, mo
     import asyncio
 
     from conftest import service_in_process, wait_for_async
-    from kugetsu.core import pm
+    from kugetsu.core import step
 
     kg.config(max_agents=1, autostart=False)
     await asyncio.to_thread(kg.ok, "delegate", "a", "--", "true")
-    real, calls = pm.tick, []
+    real, calls = step.tick, []
 
     def tick(*args):
         calls.append(1)
@@ -199,7 +199,7 @@ async def test_a_first_tick_that_fails_leaves_the_service_up_and_retrying(kg, mo
             raise OverflowError("date value out of range")
         return real(*args)
 
-    monkeypatch.setattr(pm, "tick", tick)
+    monkeypatch.setattr(step, "tick", tick)
     async with service_in_process(kg.home):
         await wait_for_async(lambda: kg.index()["finished"], 20, "a to run once the tick works again")
     assert kg.index()["finished"][0]["state"] == "succeeded"

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 import msgspec
 import pytest
 
-from kugetsu.core import limits, pm
+from kugetsu.core import admission, commandline, lifecycle, limits, retries, selection, step, times
 from kugetsu.config.load import validate
 from kugetsu.config.model import Config
 from kugetsu.errors import UsageError
@@ -100,18 +100,18 @@ def setup(**preset: object) -> tuple[Config, Index]:
 
 
 def admit(index: Index, cfg: Config, name: str, agent: str = "fake", **kw: object) -> None:
-    pm.admit(index, cfg, NOW, pm.Request(cwd="/", name=name, prompt=name, agent=agent, **kw))
+    admission.admit(index, cfg, NOW, admission.Request(cwd="/", name=name, prompt=name, agent=agent, **kw))
 
 
 def run_all(index: Index, cfg: Config, now: datetime) -> None:
     """What the service does after a tick: every task started gets a process."""
-    for task in pm.tick(index, cfg, now, pm.Observations()).start:
+    for task in step.tick(index, cfg, now, step.Observations()).start:
         task.pid = 1000 + task.id
 
 
-def exit_(index: Index, cfg: Config, now: datetime, name: str, code: int, tail: str) -> pm.Plan:
+def exit_(index: Index, cfg: Config, now: datetime, name: str, code: int, tail: str) -> step.Plan:
     task = next(t for t in index.active if t.name == name)
-    plan = pm.tick(index, cfg, now, pm.Observations(exits=[pm.Exit(task.id, code, tail=tail)]))
+    plan = step.tick(index, cfg, now, step.Observations(exits=[step.Exit(task.id, code, tail=tail)]))
     for t in plan.start:
         t.pid = 1000 + t.id
     return plan
@@ -131,14 +131,14 @@ def test_a_limit_requeues_in_place_holds_the_preset_and_lets_other_presets_start
     reset = datetime.fromtimestamp(1795446000, UTC)
     assert index.holds["fake"].until == reset
     assert [e.type for e in plan.events] == ["requeued", "held", "started"]
-    assert plan.events[1].reason == f"fake usage limit: 2 tasks held until {pm.clock(reset, NOW)}"
-    view = pm.queue_view(index, cfg, at)
+    assert plan.events[1].reason == f"fake usage limit: 2 tasks held until {times.clock(reset, NOW)}"
+    view = selection.queue_view(index, cfg, at)
     assert [t.name for t in view.queued] == ["a", "b"]
-    assert view.waiting_for[a.id] == f"fake usage limit, retry at {pm.clock(reset, NOW)}"
-    assert pm.next_deadline(index) == reset  # the service's one timer is set for it
+    assert view.waiting_for[a.id] == f"fake usage limit, retry at {times.clock(reset, NOW)}"
+    assert lifecycle.next_deadline(index) == reset  # the service's one timer is set for it
     # At the reset time the hold ends and a starts (c has ended), in the same step.
     exit_(index, cfg, at + timedelta(seconds=1), "c", 0, "")
-    plan = pm.tick(index, cfg, reset, pm.Observations())
+    plan = step.tick(index, cfg, reset, step.Observations())
     assert [e.type for e in plan.events] == ["released", "started"] and [t.name for t in plan.start] == ["a"]
     assert not index.holds
 
@@ -165,8 +165,8 @@ def test_exit_codes_alone_mark_a_limit_and_exit_0_never_does():
     admit(index, cfg, "b")
     run_all(index, cfg, NOW)
     exit_(index, cfg, NOW, "a", 75, "")
-    assert "fake" in index.holds and pm.start_order(index, cfg, NOW)[0].name == "a"
-    pm.release(index, cfg, "fake", NOW)
+    assert "fake" in index.holds and selection.start_order(index, cfg, NOW)[0].name == "a"
+    retries.release(index, cfg, "fake", NOW)
     run_all(index, cfg, NOW)
     exit_(index, cfg, NOW, "a", 0, "usage limit reached")  # it did its work all the same
     assert index.finished[-1].state is TaskState.SUCCEEDED
@@ -181,8 +181,8 @@ def test_retries_count_and_stop_and_a_cancel_is_never_retried():
         exit_(index, cfg, now, "a", 3, "boom")
         [a] = index.queued
         assert a.attempt == attempt + 1 and a.not_before == now + timedelta(seconds=30)
-        assert pm.waiting_for(index, cfg, now)[a.id] == f"retry at {pm.clock(a.not_before, now)}"
-        assert pm.next_to_start(index, cfg, now) is None
+        assert selection.waiting_for(index, cfg, now)[a.id] == f"retry at {times.clock(a.not_before, now)}"
+        assert selection.next_to_start(index, cfg, now) is None
         now = a.not_before
     run_all(index, cfg, now)
     exit_(index, cfg, now, "a", 3, "boom")
@@ -191,8 +191,8 @@ def test_retries_count_and_stop_and_a_cancel_is_never_retried():
     admit(index, cfg, "b", "other", retries=2)
     run_all(index, cfg, now)
     [b] = index.active
-    pm.cancel(index, b, now, 10)
-    pm.tick(index, cfg, now, pm.Observations(exits=[pm.Exit(b.id, 143)]))
+    lifecycle.cancel(index, b, now, 10)
+    step.tick(index, cfg, now, step.Observations(exits=[step.Exit(b.id, 143)]))
     assert b.state is TaskState.CANCELLED and not b.attempts
 
 
@@ -200,15 +200,15 @@ def test_a_lost_task_is_retried_and_a_timed_out_one_too():
     cfg, index = setup()
     admit(index, cfg, "a", "other", retries=1)
     run_all(index, cfg, NOW)
-    pm.tick(index, cfg, NOW, pm.Observations(exits=[pm.Exit(index.active[0].id, None)]))
+    step.tick(index, cfg, NOW, step.Observations(exits=[step.Exit(index.active[0].id, None)]))
     [a] = index.active  # back in the queue, and started again at once (no delay)
     assert a.attempt == 2 and a.attempts[0].exit_code is None
     admit(index, cfg, "t", "other", retries=1, timeout=10.0)
-    pm.tick(index, cfg, NOW, pm.Observations(exits=[pm.Exit(a.id, 0)]))
+    step.tick(index, cfg, NOW, step.Observations(exits=[step.Exit(a.id, 0)]))
     [t] = index.active
     t.pid = 7
-    pm.tick(index, cfg, NOW + timedelta(seconds=11), pm.Observations())  # the timeout: stop it
-    pm.tick(index, cfg, NOW + timedelta(seconds=12), pm.Observations(exits=[pm.Exit(t.id, 143)]))
+    step.tick(index, cfg, NOW + timedelta(seconds=11), step.Observations())  # the timeout: stop it
+    step.tick(index, cfg, NOW + timedelta(seconds=12), step.Observations(exits=[step.Exit(t.id, 143)]))
     assert t.state is not TaskState.FAILED and t.attempts[0].reason == "timed out after 10s"
 
 
@@ -219,39 +219,39 @@ def test_per_preset_max_agents_with_true_positions():
         admit(index, cfg, name, agent)
     run_all(index, cfg, NOW)
     assert sorted(t.name for t in index.active) == ["a", "c"]
-    view = pm.queue_view(index, cfg, NOW)
+    view = selection.queue_view(index, cfg, NOW)
     assert [(t.name, view.positions[t.id]) for t in view.queued] == [("b", 1), ("d", 2)]
     assert set(view.waiting_for.values()) == {"agent fake full (1/1 running)"}
-    assert pm.successor(index, cfg) is None
+    assert selection.successor(index, cfg) is None
 
 
 def test_hold_and_release_by_hand():
     cfg, index = setup()
     with pytest.raises(UsageError, match="unknown agent preset"):
-        pm.hold(index, cfg, "nosuch", None, NOW)
+        retries.hold(index, cfg, "nosuch", None, NOW)
     with pytest.raises(UsageError, match="not in the future"):
-        pm.hold(index, cfg, "fake", NOW, NOW)
-    [held] = pm.hold(index, cfg, "fake", None, NOW)
+        retries.hold(index, cfg, "fake", NOW, NOW)
+    [held] = retries.hold(index, cfg, "fake", None, NOW)
     assert held.reason == "fake held by hand: 0 tasks held until released"
     admit(index, cfg, "a")
-    assert pm.waiting_for(index, cfg, NOW) == {1: "fake held by hand"}
-    assert pm.next_deadline(index) == index.queued[0].expires_at  # the hold has no end but a release
-    [released] = pm.release(index, cfg, "fake", NOW)
+    assert selection.waiting_for(index, cfg, NOW) == {1: "fake held by hand"}
+    assert lifecycle.next_deadline(index) == index.queued[0].expires_at  # the hold has no end but a release
+    [released] = retries.release(index, cfg, "fake", NOW)
     assert released.type == "released"
     with pytest.raises(UsageError, match="not held"):
-        pm.release(index, cfg, "fake", NOW)
+        retries.release(index, cfg, "fake", NOW)
 
 
 def test_retry_request_links_a_finished_task():
     cfg, index = setup()
     admit(index, cfg, "a", "other")
     with pytest.raises(UsageError, match="only a finished task can be retried"):
-        pm.retry_request(index, index.queued[0], "a")
-    pm.cancel(index, index.queued[0], NOW, 10)
-    req = pm.retry_request(index, index.finished[0], "a")
-    task, _ = pm.admit(index, cfg, NOW, req)
+        retries.retry_request(index, index.queued[0], "a")
+    lifecycle.cancel(index, index.queued[0], NOW, 10)
+    req = retries.retry_request(index, index.finished[0], "a")
+    task, _ = admission.admit(index, cfg, NOW, req)
     assert task.retry_of == 1 and task.command == ["other", "{prompt}"] and task.name == "a"
-    assert req.prompt == "a" and pm.argv(task, req.prompt) == ["other", "a"]
+    assert req.prompt == "a" and commandline.argv(task, req.prompt) == ["other", "a"]
 
 
 def test_every_front_end_shows_the_hold():
@@ -263,16 +263,16 @@ def test_every_front_end_shows_the_hold():
     admit(index, cfg, "a")
     run_all(index, cfg, NOW)
     plan = exit_(index, cfg, NOW, "a", 1, "usage limit reached; try again in 5 minutes")
-    at = pm.clock(NOW + timedelta(minutes=5), NOW)
-    qv = pm.queue_view(index, cfg, NOW)
+    at = times.clock(NOW + timedelta(minutes=5), NOW)
+    qv = selection.queue_view(index, cfg, NOW)
     line = f"held: fake usage limit until {at}, 1 task waiting"
     assert line in render.summary(qv.capacity)  # `kugetsu queue`, `capacity`, the bot's /queue
     assert line in tui.summary(qv.capacity, None)  # the dashboard
     assert f"waiting for: fake usage limit, retry at {at}" in text.queue(qv, NOW)
     held = next(e for e in plan.events if e.type == "held")
     assert text.notification(held, None, cfg, None) == f"⏸️ fake usage limit: 1 task held until {at}"
-    assert msgspec.to_builtins(pm.capacity(index, cfg, NOW))["holds"]["fake"]["queued"] == 1
-    assert msgspec.to_builtins(pm.capacity(index, cfg, NOW + timedelta(minutes=5)))["holds"] == {}
+    assert msgspec.to_builtins(selection.capacity(index, cfg, NOW))["holds"]["fake"]["queued"] == 1
+    assert msgspec.to_builtins(selection.capacity(index, cfg, NOW + timedelta(minutes=5)))["holds"] == {}
 
 
 # ---- issue 25: what the real agents print (Claude Code 2.1.331, Codex) ---------------------
@@ -324,14 +324,14 @@ def test_a_curly_apostrophe_matches_a_pattern_written_with_a_straight_one():
 
 def test_a_hold_more_than_a_day_away_shows_its_date():
     far = NOW + timedelta(days=3, hours=1)
-    assert pm.clock(far, NOW) == far.astimezone().strftime("%b %-d %H:%M")
-    assert pm.clock(NOW + timedelta(hours=2), NOW) == (NOW + timedelta(hours=2)).astimezone().strftime("%H:%M")
+    assert times.clock(far, NOW) == far.astimezone().strftime("%b %-d %H:%M")
+    assert times.clock(NOW + timedelta(hours=2), NOW) == (NOW + timedelta(hours=2)).astimezone().strftime("%H:%M")
     from kugetsu.frontends import render
 
     cfg, index = setup()
     admit(index, cfg, "a")
     run_all(index, cfg, NOW)
     exit_(index, cfg, NOW, "a", 1, "usage limit reached; resets Nov 27, 3pm (UTC)")
-    summary = render.summary(pm.queue_view(index, cfg, NOW).capacity)
+    summary = render.summary(selection.queue_view(index, cfg, NOW).capacity)
     at = datetime(2026, 11, 27, 15, tzinfo=UTC).astimezone().strftime("%b %-d %H:%M")
     assert f"until {at}," in summary, summary

@@ -11,18 +11,18 @@ from hypothesis import strategies as st
 
 from conftest import T0
 
-from kugetsu.core import pm
+from kugetsu.core import admission, commandline, lifecycle, retries, selection, step
 from kugetsu.config.model import Config
 from kugetsu.errors import NotFound, Rejected, UsageError
 from kugetsu.core.models import Index, Task, TaskState, check_index
 
 
 def req(name=None, **kw):
-    return pm.Request(cwd="/tmp", name=name, command=kw.pop("command", ["true"]), **kw)
+    return admission.Request(cwd="/tmp", name=name, command=kw.pop("command", ["true"]), **kw)
 
 
 def admit_all(index, cfg, names, now=T0):
-    return [pm.admit(index, cfg, now, req(n))[0] for n in names]
+    return [admission.admit(index, cfg, now, req(n))[0] for n in names]
 
 
 def test_admit_assigns_increasing_ids_and_default_names():
@@ -35,19 +35,19 @@ def test_admit_assigns_increasing_ids_and_default_names():
 def test_fifo_positions_follow_admission_order():
     index, cfg = Index(), Config(max_agents=1)
     tasks = admit_all(index, cfg, ["a", "b", "c", "d"])
-    pm.settle(index, cfg, T0)
+    step.settle(index, cfg, T0)
     assert [t.name for t in index.active] == ["a"]
-    assert pm.positions(index, cfg, T0) == {tasks[1].id: 1, tasks[2].id: 2, tasks[3].id: 3}
+    assert selection.positions(index, cfg, T0) == {tasks[1].id: 1, tasks[2].id: 2, tasks[3].id: 3}
 
 
 def test_start_takes_lowest_free_slot():
     index, cfg = Index(), Config(max_agents=3)
     a, b, c = admit_all(index, cfg, ["a", "b", "c"])
-    pm.settle(index, cfg, T0)
+    step.settle(index, cfg, T0)
     assert (a.slot, b.slot, c.slot) == (1, 2, 3)
-    pm.finish(index, b, T0, 0)
+    lifecycle.finish(index, b, T0, 0)
     d, = admit_all(index, cfg, ["d"])
-    pm.settle(index, cfg, T0)
+    step.settle(index, cfg, T0)
     assert d.slot == 2
 
 
@@ -55,73 +55,73 @@ def test_duplicate_live_name_is_refused_but_finished_name_may_return():
     index, cfg = Index(), Config()
     a, = admit_all(index, cfg, ["a"])
     with pytest.raises(UsageError, match="already queued or running"):
-        pm.admit(index, cfg, T0, req("a"))
-    pm.settle(index, cfg, T0)
-    pm.finish(index, a, T0, 0)
-    b, _ = pm.admit(index, cfg, T0, req("a"))
+        admission.admit(index, cfg, T0, req("a"))
+    step.settle(index, cfg, T0)
+    lifecycle.finish(index, a, T0, 0)
+    b, _ = admission.admit(index, cfg, T0, req("a"))
     assert b.id == 2
-    assert pm.find(index, "a") is b  # the live one wins
-    assert pm.find(index, "1") is a
+    assert selection.find(index, "a") is b  # the live one wins
+    assert selection.find(index, "1") is a
 
 
 @pytest.mark.parametrize("name", ["", "-x", "a b", "x" * 65, "é", "a/b", ".hidden"])
 def test_invalid_names_are_refused(name):
     with pytest.raises(UsageError, match="invalid task name"):
-        pm.admit(Index(), Config(), T0, req(name))
+        admission.admit(Index(), Config(), T0, req(name))
 
 
 def test_queue_full_is_rejected_with_numbers_and_nothing_changes():
     index, cfg = Index(), Config(max_agents=1, max_queue=2)
     admit_all(index, cfg, ["a", "b", "c"])
-    pm.settle(index, cfg, T0)
+    step.settle(index, cfg, T0)
     before = (index.next_id, len(index.queued))
     with pytest.raises(Rejected, match=r"queue full: 2/2 waiting, 1/1 running"):
-        pm.admit(index, cfg, T0, req("d"))
+        admission.admit(index, cfg, T0, req("d"))
     assert (index.next_id, len(index.queued)) == before
 
 
 def test_a_free_slot_admits_even_when_max_queue_is_zero():
     index, cfg = Index(), Config(max_agents=1, max_queue=0)
-    pm.admit(index, cfg, T0, req("a"))
-    pm.settle(index, cfg, T0)
+    admission.admit(index, cfg, T0, req("a"))
+    step.settle(index, cfg, T0)
     with pytest.raises(Rejected):
-        pm.admit(index, cfg, T0, req("b"))
+        admission.admit(index, cfg, T0, req("b"))
 
 
 def test_preset_placeholders_are_substituted_inside_one_argv_element():
     cfg = Config(agents={"echo": {"command": ["echo", "--task={name}#{id}", "{prompt}"]}}, default_agent="echo")
     prompt = "a; rm -rf / $(whoami) '{name}' \"x\""
-    task, _ = pm.admit(Index(), cfg, T0, pm.Request(cwd="/", name="n1", prompt=prompt))
+    task, _ = admission.admit(Index(), cfg, T0, admission.Request(cwd="/", name="n1", prompt=prompt))
     # The index keeps `{prompt}` (the text is the store's); the argv gets the text, verbatim.
     assert task.command == ["echo", "--task=n1#1", "{prompt}"] and task.prompt is None and task.prompted
-    assert pm.argv(task, prompt) == ["echo", "--task=n1#1", prompt]
-    assert pm.argv(task, "{prompt} twice") == ["echo", "--task=n1#1", "{prompt} twice"]
+    assert commandline.argv(task, prompt) == ["echo", "--task=n1#1", prompt]
+    assert commandline.argv(task, "{prompt} twice") == ["echo", "--task=n1#1", "{prompt} twice"]
     with pytest.raises(ValueError, match="prompt is missing"):
-        pm.argv(task, None)
+        commandline.argv(task, None)
 
 
 def test_a_task_from_an_older_index_runs_with_the_prompt_it_kept():
     old = Task(id=1, name="n", command=["echo", "hi there"], cwd="/", created_at=T0, prompt="hi there")
-    assert pm.argv(old, None) == ["echo", "hi there"] and pm.prompt_of(old, {}) == "hi there"
-    assert pm.prompt_of(old, {1: "new"}) == "new"
+    assert commandline.argv(old, None) == ["echo", "hi there"] and commandline.prompt_of(old, {}) == "hi there"
+    assert commandline.prompt_of(old, {1: "new"}) == "new"
     given = Task(id=2, name="m", command=["echo", "{prompt}"], cwd="/", created_at=T0)  # `-- CMD` as given
-    assert pm.argv(given, "x") == ["echo", "{prompt}"]
+    assert commandline.argv(given, "x") == ["echo", "{prompt}"]
 
 
 def test_preset_needs_a_prompt_and_must_exist():
     with pytest.raises(UsageError, match="needs a prompt"):
-        pm.admit(Index(), Config(), T0, pm.Request(cwd="/", name="x"))
+        admission.admit(Index(), Config(), T0, admission.Request(cwd="/", name="x"))
     with pytest.raises(UsageError, match="unknown agent preset 'nope'"):
-        pm.admit(Index(), Config(), T0, pm.Request(cwd="/", prompt="p", agent="nope"))
+        admission.admit(Index(), Config(), T0, admission.Request(cwd="/", prompt="p", agent="nope"))
 
 
 def test_finish_states():
     index, cfg = Index(), Config()
     a, b, c = admit_all(index, cfg, ["a", "b", "c"])
-    pm.settle(index, cfg, T0)
-    pm.finish(index, a, T0, 0)
-    pm.finish(index, b, T0, 137)
-    pm.finish(index, c, T0, None)
+    step.settle(index, cfg, T0)
+    lifecycle.finish(index, a, T0, 0)
+    lifecycle.finish(index, b, T0, 137)
+    lifecycle.finish(index, c, T0, None)
     assert (a.state, b.state, c.state) == (TaskState.SUCCEEDED, TaskState.FAILED, TaskState.LOST)
     assert b.reason == "exit code 137 (killed by SIGKILL)"
     assert check_index(index) is None
@@ -130,26 +130,26 @@ def test_finish_states():
 def test_cancel_queued_is_immediate_and_running_waits_for_the_process():
     index, cfg = Index(), Config(max_agents=1)
     a, b = admit_all(index, cfg, ["a", "b"])
-    pm.settle(index, cfg, T0)
-    events = pm.cancel(index, b, T0, grace=10)
+    step.settle(index, cfg, T0)
+    events = lifecycle.cancel(index, b, T0, grace=10)
     assert b.state is TaskState.CANCELLED and [e.type for e in events] == ["cancelled"]
-    assert pm.cancel(index, a, T0, grace=10) == []
+    assert lifecycle.cancel(index, a, T0, grace=10) == []
     assert a.state is TaskState.RUNNING and a.stop is TaskState.CANCELLED
     assert a.kill_at == T0 + timedelta(seconds=10)
-    assert pm.kills_due(index, T0 + timedelta(seconds=9)) == []
-    assert pm.kills_due(index, T0 + timedelta(seconds=10)) == [a]
-    pm.finish(index, a, T0, 143)
+    assert lifecycle.kills_due(index, T0 + timedelta(seconds=9)) == []
+    assert lifecycle.kills_due(index, T0 + timedelta(seconds=10)) == [a]
+    lifecycle.finish(index, a, T0, 143)
     assert a.state is TaskState.CANCELLED and a.exit_code == 143
     with pytest.raises(UsageError, match="already cancelled"):
-        pm.cancel(index, a, T0, grace=10)
+        lifecycle.cancel(index, a, T0, grace=10)
 
 
 def test_expiry_is_exact_to_the_deadline():
     index, cfg = Index(), Config(max_agents=1, queue_timeout="1h")
     a, b = admit_all(index, cfg, ["a", "b"])
-    pm.settle(index, cfg, T0)
-    assert pm.expire_due(index, T0 + timedelta(minutes=59, seconds=59)) == []
-    events = pm.expire_due(index, T0 + timedelta(hours=1))
+    step.settle(index, cfg, T0)
+    assert lifecycle.expire_due(index, T0 + timedelta(minutes=59, seconds=59)) == []
+    events = lifecycle.expire_due(index, T0 + timedelta(hours=1))
     assert [e.type for e in events] == ["expired"] and b.state is TaskState.EXPIRED
     assert b.reason == "expired after 1h in the queue"
     assert a.state is TaskState.RUNNING  # running tasks never expire
@@ -158,36 +158,36 @@ def test_expiry_is_exact_to_the_deadline():
 def test_run_timeout_marks_failed_stop_once():
     index, cfg = Index(), Config(run_timeout="90s")
     a, = admit_all(index, cfg, ["a"])
-    pm.settle(index, cfg, T0)
-    assert pm.timeouts_due(index, T0 + timedelta(seconds=89), grace=5) == []
-    assert pm.timeouts_due(index, T0 + timedelta(seconds=90), grace=5) == [a]
-    assert pm.timeouts_due(index, T0 + timedelta(seconds=95), grace=5) == []  # already stopping
-    pm.finish(index, a, T0, 143)
+    step.settle(index, cfg, T0)
+    assert lifecycle.timeouts_due(index, T0 + timedelta(seconds=89), grace=5) == []
+    assert lifecycle.timeouts_due(index, T0 + timedelta(seconds=90), grace=5) == [a]
+    assert lifecycle.timeouts_due(index, T0 + timedelta(seconds=95), grace=5) == []  # already stopping
+    lifecycle.finish(index, a, T0, 143)
     assert a.state is TaskState.FAILED and a.reason == "timed out after 1m30s"
 
 
 def test_lowering_max_agents_never_stops_running_tasks():
     index = Index()
     admit_all(index, Config(max_agents=3), ["a", "b", "c", "d"])
-    pm.settle(index, Config(max_agents=3), T0)
+    step.settle(index, Config(max_agents=3), T0)
     low = Config(max_agents=1)
-    pm.settle(index, low, T0)
-    assert len(index.active) == 3 and pm.free_slots(index, low) == 0
+    step.settle(index, low, T0)
+    assert len(index.active) == 3 and selection.free_slots(index, low) == 0
 
 
 def test_trim_history_keeps_the_newest():
     index, cfg = Index(), Config(max_agents=5)
     tasks = admit_all(index, cfg, list("abcde"))
-    pm.settle(index, cfg, T0)
+    step.settle(index, cfg, T0)
     for t in tasks:
-        pm.finish(index, t, T0, 0)
-    gone = pm.trim_history(index, 2)
+        lifecycle.finish(index, t, T0, 0)
+    gone = lifecycle.trim_history(index, 2)
     assert [t.name for t in gone] == ["a", "b", "c"] and [t.name for t in index.finished] == ["d", "e"]
 
 
 def test_find_unknown_task():
     with pytest.raises(NotFound, match="no task 'x'"):
-        pm.find(Index(), "x")
+        selection.find(Index(), "x")
 
 
 # ---- properties ---------------------------------------------------------------------------
@@ -213,23 +213,23 @@ def test_invariants_hold_under_any_sequence(steps, max_agents):
     index, now, started = Index(), T0, []
     for op, arg in steps:
         if op == "admit":
-            pm.admit(index, cfg, now, req())
+            admission.admit(index, cfg, now, req())
         elif op == "finish" and index.active:
-            pm.finish(index, index.active[arg % len(index.active)], now, arg % 2)
+            lifecycle.finish(index, index.active[arg % len(index.active)], now, arg % 2)
         elif op == "cancel" and index.live():
             task = index.live()[arg % len(index.live())]
-            pm.cancel(index, task, now, grace=0)
+            lifecycle.cancel(index, task, now, grace=0)
             if task.state is TaskState.RUNNING:
-                pm.finish(index, task, now, 143)
+                lifecycle.finish(index, task, now, 143)
         elif op == "max":
             cfg = Config(max_agents=arg, max_queue=1000, queue_timeout="2h")
         elif op == "tick":
             now += timedelta(seconds=arg)  # settle expires what is due by then
         before = len(index.active)
-        started += [e.task for e in pm.settle(index, cfg, now).events if e.type == "started"]
+        started += [e.task for e in step.settle(index, cfg, now).events if e.type == "started"]
         assert len(index.active) <= max(cfg.max_agents, before)
         assert check_index(index) is None
-        pos = pm.positions(index, cfg, now)
+        pos = selection.positions(index, cfg, now)
         assert sorted(pos.values()) == list(range(1, len(index.queued) + 1))
         assert len({t.id for t in index.all_tasks()}) == len(index.all_tasks())
     assert started == sorted(started)  # FIFO: admission order is start order
@@ -241,36 +241,36 @@ def test_positions_predict_the_real_start_order(n, max_agents):
     cfg = Config(max_agents=max_agents, max_queue=1000)
     index = Index()
     admit_all(index, cfg, [f"t{i}" for i in range(n)])
-    pm.settle(index, cfg, T0)
-    predicted = sorted(pm.positions(index, cfg, T0), key=pm.positions(index, cfg, T0).get)
+    step.settle(index, cfg, T0)
+    predicted = sorted(selection.positions(index, cfg, T0), key=selection.positions(index, cfg, T0).get)
     actual = []
     while index.active:
-        pm.finish(index, index.active[0], T0, 0)
-        actual += [e.task for e in pm.settle(index, cfg, T0).events if e.type == "started"]
+        lifecycle.finish(index, index.active[0], T0, 0)
+        actual += [e.task for e in step.settle(index, cfg, T0).events if e.type == "started"]
     assert actual == predicted
 
 
 def test_successor_only_where_one_exit_frees_a_slot_whichever_it_is():
     index, cfg = Index(), Config(max_agents=2)
     admit_all(index, cfg, ["a", "b", "c", "d"])
-    pm.settle(index, cfg, T0)
-    assert pm.successor(index, cfg).task.name == "c"
-    assert pm.successor(index, Config(max_agents=1)) is None  # over capacity: an exit frees nothing
-    assert pm.successor(index, Config(max_agents=3)) is None  # a free slot: starts happen at once
-    assert pm.successor(index, Config(max_agents=2, strategy="fair")) is None
+    step.settle(index, cfg, T0)
+    assert selection.successor(index, cfg).task.name == "c"
+    assert selection.successor(index, Config(max_agents=1)) is None  # over capacity: an exit frees nothing
+    assert selection.successor(index, Config(max_agents=3)) is None  # a free slot: starts happen at once
+    assert selection.successor(index, Config(max_agents=2, strategy="fair")) is None
     guarded = msgspec.convert({"max_agents": 2, "resource_guard": {"max_load_per_cpu": 2}}, Config)
-    assert pm.successor(index, guarded) is None  # the machine's load decides, not the index
+    assert selection.successor(index, guarded) is None  # the machine's load decides, not the index
 
 
 def test_prompt_file_placeholder_gets_the_path_the_caller_gives():
     cfg = Config(agents={"f": {"command": ["agent", "--file={prompt_file}", "{name}"]}}, default_agent="f")
-    req = pm.Request(cwd="/", name="n1", prompt="p {prompt_file}", prompt_path="/h/logs/1.prompt")
-    assert pm.wants_prompt_file(cfg, req) and not pm.wants_prompt_file(Config(), req)
-    task, _ = pm.admit(Index(), cfg, T0, req)
+    req = admission.Request(cwd="/", name="n1", prompt="p {prompt_file}", prompt_path="/h/logs/1.prompt")
+    assert admission.wants_prompt_file(cfg, req) and not admission.wants_prompt_file(Config(), req)
+    task, _ = admission.admit(Index(), cfg, T0, req)
     assert task.command == ["agent", "--file={prompt_file}", "n1"] and task.prompted
-    assert pm.argv(task, "p {prompt_file}", "/h/logs/1.prompt") == ["agent", "--file=/h/logs/1.prompt", "n1"]
+    assert commandline.argv(task, "p {prompt_file}", "/h/logs/1.prompt") == ["agent", "--file=/h/logs/1.prompt", "n1"]
     with pytest.raises(UsageError, match="needs a prompt"):
-        pm.admit(Index(), cfg, T0, pm.Request(cwd="/", name="x"))
+        admission.admit(Index(), cfg, T0, admission.Request(cwd="/", name="x"))
 
 
 def test_queue_view_is_the_one_view_every_front_end_renders():
@@ -280,15 +280,15 @@ def test_queue_view_is_the_one_view_every_front_end_renders():
     cfg = Config(max_agents=2, max_active_per_source=1)
     ix = Index()
     for i, src in enumerate(["a", "a", "b", "a"], 1):
-        pm.admit(ix, cfg, T0, pm.Request(cwd="/", name=f"t{i}", command=["x"], source=src))
-    pm.settle(ix, cfg, T0)
+        admission.admit(ix, cfg, T0, admission.Request(cwd="/", name=f"t{i}", command=["x"], source=src))
+    step.settle(ix, cfg, T0)
     ix.active.reverse()
-    view = pm.queue_view(ix, cfg, T0)
+    view = selection.queue_view(ix, cfg, T0)
     assert [t.slot for t in view.running] == [1, 2]
-    assert [t.name for t in view.queued] == [t.name for t in pm.start_order(ix, cfg, T0)]
-    assert view.positions == pm.positions(ix, cfg, T0)
-    assert view.waiting_for == pm.waiting_for(ix, cfg, T0)
-    assert view.capacity == pm.capacity(ix, cfg) and view.capacity.free == 0 and view.capacity.queued == 2
+    assert [t.name for t in view.queued] == [t.name for t in selection.start_order(ix, cfg, T0)]
+    assert view.positions == selection.positions(ix, cfg, T0)
+    assert view.waiting_for == selection.waiting_for(ix, cfg, T0)
+    assert view.capacity == selection.capacity(ix, cfg) and view.capacity.free == 0 and view.capacity.queued == 2
 
 
 def test_pm_words_its_errors_for_every_front_end_and_names_no_cli_flag():
@@ -297,14 +297,15 @@ def test_pm_words_its_errors_for_every_front_end_and_names_no_cli_flag():
     import ast
     from pathlib import Path
 
-    for module in ("pm", "policy", "placement"):
-        source = (Path(pm.__file__).parent / f"{module}.py").read_text()
+    for module in ("common", "selection", "commandline", "admission", "lifecycle", "skew", "step", "retries",
+                   "policy", "placement"):
+        source = (Path(admission.__file__).parent / f"{module}.py").read_text()
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Raise) and node.exc is not None:
                 texts = [n.value for n in ast.walk(node.exc) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
                 assert not [t for t in texts if "--" in t or "kugetsu " in t], f"{module}.py:{node.lineno}: {texts}"
     cfg = Config()
     with pytest.raises(UsageError, match=r"^invalid retries -1: a task is run again 0 or more times"):
-        pm.admit(Index(), cfg, T0, req("a", retries=-1))
+        admission.admit(Index(), cfg, T0, req("a", retries=-1))
     with pytest.raises(UsageError, match=r"^a hold until .* is not in the future; give a later time"):
-        pm.hold(Index(), cfg, "claude", T0 - timedelta(minutes=1), T0)
+        retries.hold(Index(), cfg, "claude", T0 - timedelta(minutes=1), T0)

@@ -8,29 +8,29 @@ import msgspec
 import pytest
 
 from conftest import T0
-from kugetsu.core import pm
+from kugetsu.core import admission, commandline, lifecycle, selection, step
 from kugetsu.config.model import Config
 from kugetsu.errors import AmbiguousName
 from kugetsu.core.models import Index, TaskState
 
 
 def req(name=None, **kw):
-    return pm.Request(cwd="/tmp", name=name, command=kw.pop("command", ["true"]), **kw)
+    return admission.Request(cwd="/tmp", name=name, command=kw.pop("command", ["true"]), **kw)
 
 
 def admit(index, cfg, name=None, now=T0, **kw):
-    return pm.admit(index, cfg, now, req(name, **kw))[0]
+    return admission.admit(index, cfg, now, req(name, **kw))[0]
 
 
 def started(index, cfg, now=T0):
     """The names of the tasks a settle starts."""
-    return [e.name for e in pm.settle(index, cfg, now).events if e.type == "started"]
+    return [e.name for e in step.settle(index, cfg, now).events if e.type == "started"]
 
 
 def run_to_end(index, cfg, task, code=0, now=T0):
-    pm.settle(index, cfg, now)
+    step.settle(index, cfg, now)
     assert task.state is TaskState.RUNNING
-    return pm.finish(index, task, now, code)
+    return lifecycle.finish(index, task, now, code)
 
 
 # ---- wait by name -------------------------------------------------------------------------
@@ -40,14 +40,14 @@ def test_wait_by_a_name_only_finished_tasks_bear_is_refused_once_it_was_reused()
     index, cfg = Index(), Config()
     first = admit(index, cfg, "issue-16")
     run_to_end(index, cfg, first)
-    assert pm.find_to_wait(index, "issue-16") is first  # one task ever had it: that one
+    assert selection.find_to_wait(index, "issue-16") is first  # one task ever had it: that one
     second = admit(index, cfg, "issue-16")
-    assert pm.find_to_wait(index, "issue-16") is second  # a live one: names are unique among them
+    assert selection.find_to_wait(index, "issue-16") is second  # a live one: names are unique among them
     run_to_end(index, cfg, second, 1)
     with pytest.raises(AmbiguousName) as err:
-        pm.find_to_wait(index, "issue-16")
+        selection.find_to_wait(index, "issue-16")
     assert err.value.ids == [1, 2] and err.value.code == 2
-    assert pm.find_to_wait(index, "#1") is first and pm.find_to_wait(index, "2") is second
+    assert selection.find_to_wait(index, "#1") is first and selection.find_to_wait(index, "2") is second
 
 
 # ---- pause --------------------------------------------------------------------------------
@@ -56,18 +56,18 @@ def test_wait_by_a_name_only_finished_tasks_bear_is_refused_once_it_was_reused()
 def test_pause_holds_every_start_but_positions_stay_the_order_after_resume():
     index, cfg = Index(), Config(max_agents=1)
     a, b, c = (admit(index, cfg, n) for n in "abc")
-    pm.settle(index, cfg, T0)
+    step.settle(index, cfg, T0)
     assert a.state is TaskState.RUNNING
-    assert [e.type for e in pm.pause(index, cfg, T0, None, True)] == ["paused"]
-    assert pm.pause(index, cfg, T0, None, True) == []  # already paused: nothing to say
-    pm.finish(index, a, T0, 0)
+    assert [e.type for e in selection.pause(index, cfg, T0, None, True)] == ["paused"]
+    assert selection.pause(index, cfg, T0, None, True) == []  # already paused: nothing to say
+    lifecycle.finish(index, a, T0, 0)
     assert started(index, cfg) == []  # a free slot, and nothing starts
-    assert pm.successor(index, cfg) is None
-    view = pm.queue_view(index, cfg, T0)
+    assert selection.successor(index, cfg) is None
+    view = selection.queue_view(index, cfg, T0)
     assert view.positions == {b.id: 1, c.id: 2}
     assert view.waiting_for == {b.id: "paused", c.id: "paused"}
     assert view.capacity.paused and view.capacity.free == 0  # no slot is free to a new task
-    pm.pause(index, cfg, T0, None, False)
+    selection.pause(index, cfg, T0, None, False)
     assert started(index, cfg) == ["b"]
 
 
@@ -75,22 +75,22 @@ def test_a_paused_group_lets_the_others_pass_and_comes_last():
     cfg = msgspec.convert({"max_agents": 1, "groups": {"gpu": {"max_agents": 1}}}, Config)
     index = Index()
     with pytest.raises(Exception, match="unknown group 'cpu'"):
-        pm.pause(index, cfg, T0, "cpu", True)
-    pm.pause(index, cfg, T0, "gpu", True)
+        selection.pause(index, cfg, T0, "cpu", True)
+    selection.pause(index, cfg, T0, "gpu", True)
     blocker = admit(index, cfg, "blocker")
     train = admit(index, cfg, "train", group="gpu")
     lint = admit(index, cfg, "lint")
-    pm.settle(index, cfg, T0)
+    step.settle(index, cfg, T0)
     assert blocker.state is TaskState.RUNNING
-    view = pm.queue_view(index, cfg, T0)
+    view = selection.queue_view(index, cfg, T0)
     assert [t.name for t in view.queued] == ["lint", "train"]
     assert view.waiting_for == {train.id: "group gpu paused"}
     assert view.capacity.paused_groups == ["gpu"]
-    pm.finish(index, blocker, T0, 0)
+    lifecycle.finish(index, blocker, T0, 0)
     assert started(index, cfg) == ["lint"]
-    pm.finish(index, lint, T0, 0)
+    lifecycle.finish(index, lint, T0, 0)
     assert started(index, cfg) == []
-    pm.pause(index, cfg, T0, "gpu", False)
+    selection.pause(index, cfg, T0, "gpu", False)
     assert started(index, cfg) == ["train"]
 
 
@@ -100,13 +100,13 @@ def test_every_front_ends_summary_says_paused():
     from kugetsu.frontends.tui import view
 
     index, cfg = Index(paused=True), Config()
-    cap = pm.capacity(index, cfg)
+    cap = selection.capacity(index, cfg)
     assert render.summary(cap).endswith(" · paused: no queued task starts")
     assert "paused: no queued task starts" in view.summary(cap, 1234)
     assert "paused: no queued task starts" in text.capacity(cap)
-    grouped = pm.capacity(Index(paused_groups=["gpu"]), cfg)
+    grouped = selection.capacity(Index(paused_groups=["gpu"]), cfg)
     assert render.summary(grouped).endswith(" · paused: group gpu")
-    assert render.summary(pm.capacity(Index(), cfg)).endswith("(max 50)")
+    assert render.summary(selection.capacity(Index(), cfg)).endswith("(max 50)")
 
 
 # ---- dependencies -------------------------------------------------------------------------
@@ -119,18 +119,18 @@ def test_a_task_after_others_starts_once_they_succeeded_and_positions_say_when()
     other = admit(index, cfg, "other")
     test = admit(index, cfg, "test", after=["review", f"#{impl.id}"])
     assert review.after == [impl.id] and test.after == [review.id, impl.id]
-    pm.settle(index, cfg, T0)
+    step.settle(index, cfg, T0)
     assert [t.name for t in index.active] == ["impl", "other"]  # review may not pass impl's end
-    view = pm.queue_view(index, cfg, T0)
+    view = selection.queue_view(index, cfg, T0)
     assert view.positions == {review.id: 1, test.id: 2}
     assert view.waiting_for == {review.id: "impl", test.id: "review, impl"}
-    assert pm.successor(index, cfg) is None  # which task ends decides
-    pm.finish(index, other, T0, 0)
+    assert selection.successor(index, cfg) is None  # which task ends decides
+    lifecycle.finish(index, other, T0, 0)
     assert started(index, cfg) == []  # a free slot, and review still waits for impl
-    pm.finish(index, impl, T0, 0)
+    lifecycle.finish(index, impl, T0, 0)
     assert started(index, cfg) == ["review"]
-    assert pm.queue_view(index, cfg, T0).waiting_for == {test.id: "review"}
-    pm.finish(index, review, T0, 0)
+    assert selection.queue_view(index, cfg, T0).waiting_for == {test.id: "review"}
+    lifecycle.finish(index, review, T0, 0)
     assert started(index, cfg) == ["test"]
 
 
@@ -139,9 +139,9 @@ def test_a_failed_dependency_cancels_the_chain_each_with_its_own_event():
     impl = admit(index, cfg, "issue-16")
     review = admit(index, cfg, "review", after=["issue-16"])
     test = admit(index, cfg, "test", after=["review"])
-    pm.settle(index, cfg, T0)
-    pm.finish(index, impl, T0, 1)
-    events = pm.settle(index, cfg, T0).events
+    step.settle(index, cfg, T0)
+    lifecycle.finish(index, impl, T0, 1)
+    events = step.settle(index, cfg, T0).events
     assert [(e.type, e.name, e.reason) for e in events] == [
         ("cancelled", "review", "dependency issue-16 failed"), ("cancelled", "test", "dependency review cancelled")]
     assert review.state is test.state is TaskState.CANCELLED
@@ -153,15 +153,15 @@ def test_a_dependency_that_is_cancelled_expires_or_is_lost_cancels_the_task(end)
     blocker = admit(index, cfg, "blocker")
     dep = admit(index, cfg, "dep", now=T0, **({"expire_after": 5} if end == "expire" else {}))
     task = admit(index, cfg, "task", after=["dep"])
-    pm.settle(index, cfg, T0)
+    step.settle(index, cfg, T0)
     later = T0 + timedelta(seconds=10)
     if end == "cancel":
-        pm.cancel(index, dep, T0, 0)
+        lifecycle.cancel(index, dep, T0, 0)
     elif end == "lost":
-        pm.finish(index, blocker, T0, 0)
-        pm.settle(index, cfg, T0)
-        pm.finish(index, dep, T0, None)
-    pm.settle(index, cfg, later)
+        lifecycle.finish(index, blocker, T0, 0)
+        step.settle(index, cfg, T0)
+        lifecycle.finish(index, dep, T0, None)
+    step.settle(index, cfg, later)
     state = {"cancel": "cancelled", "expire": "expired", "lost": "lost"}[end]
     assert task.state is TaskState.CANCELLED and task.reason == f"dependency dep {state}"
 
@@ -199,16 +199,16 @@ def test_positions_with_dependencies_predict_the_real_start_order(deps, max_agen
         after = sorted({f"#{p % i + 1}" for p in picks}) if i else []
         admit(index, cfg, f"t{i}", after=after)
     if pause_first:
-        pm.pause(index, cfg, T0, None, True)
-    predicted = [t.id for t in pm.queue_view(index, cfg, T0).queued]
-    pm.pause(index, cfg, T0, None, False)
-    actual = [t.id for t in pm.plan_starts(index, cfg, T0)]
-    for task in pm.plan_starts(index, cfg, T0):
-        pm.start(index, task, T0)
+        selection.pause(index, cfg, T0, None, True)
+    predicted = [t.id for t in selection.queue_view(index, cfg, T0).queued]
+    selection.pause(index, cfg, T0, None, False)
+    actual = [t.id for t in selection.plan_starts(index, cfg, T0)]
+    for task in selection.plan_starts(index, cfg, T0):
+        lifecycle.start(index, task, T0)
     while index.active:
-        pm.finish(index, index.active[0], T0, 0)
-        for task in pm.plan_starts(index, cfg, T0):
-            pm.start(index, task, T0)
+        lifecycle.finish(index, index.active[0], T0, 0)
+        for task in selection.plan_starts(index, cfg, T0):
+            lifecycle.start(index, task, T0)
             actual.append(task.id)
     assert actual == predicted and not index.queued
 
@@ -219,7 +219,7 @@ def test_the_dashboards_events_pane_says_what_pause_and_edit_did():
 
     index, cfg = Index(), Config()
     task = admit(index, cfg, "a")
-    events = pm.pause(index, cfg, T0, None, True) + pm.edit(index, cfg, task, T0, pm.Edit(priority="high", timeout=60))
+    events = selection.pause(index, cfg, T0, None, True) + admission.edit(index, cfg, task, T0, admission.Edit(priority="high", timeout=60))
     events.append(Event(type="resumed", at=T0, value="gpu"))
     rows = view.event_rows(events, T0, timezone.utc)
     assert [r.cells[1:] for r in rows] == [("paused", "-", "every start"), ("edited", "#1 a", "changed priority, timeout"),
@@ -236,33 +236,33 @@ def test_edit_changes_only_a_queued_task_and_remakes_a_presets_command():
                            "agents": {"echo": {"command": ["echo", "--name={name}", "{prompt}"]}}}, Config)
     index = Index()
     running = admit(index, cfg, "running")
-    pm.settle(index, cfg, T0)
-    task = pm.admit(index, cfg, T0, pm.Request(cwd="/tmp", name="p", agent="echo", prompt="old"))[0]
+    step.settle(index, cfg, T0)
+    task = admission.admit(index, cfg, T0, admission.Request(cwd="/tmp", name="p", agent="echo", prompt="old"))[0]
     cmd = admit(index, cfg, "cmd")
     later = T0 + timedelta(hours=1)
-    events = pm.edit(index, cfg, task, later, pm.Edit(prompt="new {name} words", priority="urgent",
+    events = admission.edit(index, cfg, task, later, admission.Edit(prompt="new {name} words", priority="urgent",
                                                       expire_after=60, timeout=0, group="gpu"))
     assert task.command == ["echo", "--name=p", "{prompt}"] and task.prompted  # the store keeps the new text (ops.edit)
-    assert pm.argv(task, "new {name} words") == ["echo", "--name=p", "new {name} words"]
+    assert commandline.argv(task, "new {name} words") == ["echo", "--name=p", "new {name} words"]
     assert (task.priority, task.group, task.expires_at) == ("urgent", "gpu", later + timedelta(seconds=60))
     assert [(e.type, e.key) for e in events] == [("edited", "prompt,priority,group,expires_at")]  # timeout was none
     assert "new" not in str(events[0].value)
-    assert pm.edit(index, cfg, task, later, pm.Edit(priority="urgent")) == []
+    assert admission.edit(index, cfg, task, later, admission.Edit(priority="urgent")) == []
     before = msgspec.json.encode(index)
     for target, change, error, text in [
-        (running, pm.Edit(priority="high"), UsageError, "is running; only a queued task can be edited"),
-        (cmd, pm.Edit(prompt="x"), UsageError, "runs a command given at delegation"),
-        (task, pm.Edit(prompt=""), UsageError, "the prompt is empty"),
-        (task, pm.Edit(group="cpu", priority="low"), UnknownGroup, "unknown group 'cpu'"),
-        (task, pm.Edit(priority="top"), UsageError, "invalid priority 'top'"),
-        (task, pm.Edit(prompt="\0", priority="low"), UsageError, "NUL"),
+        (running, admission.Edit(priority="high"), UsageError, "is running; only a queued task can be edited"),
+        (cmd, admission.Edit(prompt="x"), UsageError, "runs a command given at delegation"),
+        (task, admission.Edit(prompt=""), UsageError, "the prompt is empty"),
+        (task, admission.Edit(group="cpu", priority="low"), UnknownGroup, "unknown group 'cpu'"),
+        (task, admission.Edit(priority="top"), UsageError, "invalid priority 'top'"),
+        (task, admission.Edit(prompt="\0", priority="low"), UsageError, "NUL"),
     ]:
         with pytest.raises(error, match=text):
-            pm.edit(index, cfg, target, later, change)
+            admission.edit(index, cfg, target, later, change)
     assert msgspec.json.encode(index) == before  # a refused edit changes nothing
-    pm.finish(index, running, later, 0)
+    lifecycle.finish(index, running, later, 0)
     with pytest.raises(UsageError, match="has already succeeded") as err:
-        pm.edit(index, cfg, running, later, pm.Edit(priority="high"))
+        admission.edit(index, cfg, running, later, admission.Edit(priority="high"))
     assert err.value.code == 1
 
 
@@ -272,7 +272,7 @@ def test_a_task_after_one_that_drop_oldest_would_drop_is_rejected_not_cancelled_
     cfg = Config(max_agents=1, max_queue=1, on_queue_full="drop_oldest")
     index = Index()
     admit(index, cfg, "running")
-    pm.settle(index, cfg, T0)
+    step.settle(index, cfg, T0)
     admit(index, cfg, "oldest")
     with pytest.raises(QueueFull):
         admit(index, cfg, "x", after=["oldest"])

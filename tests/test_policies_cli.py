@@ -8,7 +8,7 @@ from datetime import datetime
 
 from conftest import wait_for
 
-from kugetsu.core import pm
+from kugetsu.core import lifecycle
 
 
 def queued(kg) -> list[dict]:
@@ -77,7 +77,7 @@ def test_rate_limit_starts_on_time_and_delays_no_other_source(kg):
     waiting = queued(kg)
     assert waiting and waiting[0]["waiting_for"].startswith("rate limit: source a may start again in")
     # Waiting on the agent's own record, not the CLI: a CLI command wakes the service, which
-    # would hide a missing wake-up (pm.policy_wakeups).
+    # would hide a missing wake-up (lifecycle.policy_wakeups).
     wait_for(lambda: "end" in kg.times("a2"), 10, "a2 to run")
     gap = started_at(kg, "a2") - started_at(kg, "a1")
     assert 2.0 <= gap < 3.0, gap  # not before the limit, and on time (a job, not the 5 s reconcile)
@@ -101,10 +101,10 @@ def test_resource_guard_rechecks_by_itself(kg):
     # Relax the bound behind the service's back (no wake-up): its own re-check starts x.
     relaxed = time.time()
     kg.home.config.write_text(json.dumps({"resource_guard": {"min_available_memory": "1MiB"}}))
-    # At its own re-check (pm.GUARD_RECHECK), not at the 5 s reconcile. Waiting on the agent's
+    # At its own re-check (lifecycle.GUARD_RECHECK), not at the 5 s reconcile. Waiting on the agent's
     # own record, not the CLI: a CLI command wakes the service, which would hide a missing one.
     wait_for(lambda: "start" in kg.times("x"), 6, "x to start")
-    assert kg.times("x")["start"] - relaxed < pm.GUARD_RECHECK + 1.5
+    assert kg.times("x")["start"] - relaxed < lifecycle.GUARD_RECHECK + 1.5
 
 
 def test_groups_need_a_slot_in_the_group(kg):

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import T0
 
-from kugetsu.core import pm
+from kugetsu.core import admission, lifecycle, policy, selection, step
 from kugetsu.config.model import Config
 from kugetsu.config.units import parse_size
 from kugetsu.errors import Rejected, UsageError
@@ -22,22 +22,22 @@ def cfg(**kw: object) -> Config:
 
 def add(index: Index, c: Config, name: str, source: str = "cli", priority: str = "normal",
         group: str | None = None, now: datetime = T0):
-    req = pm.Request(cwd="/", name=name, command=["true"], source=source, priority=priority, group=group)
-    task, events = pm.admit(index, c, now, req)
+    req = admission.Request(cwd="/", name=name, command=["true"], source=source, priority=priority, group=group)
+    task, events = admission.admit(index, c, now, req)
     return task, events
 
 
-def settle(index: Index, c: Config, now: datetime = T0, res: pm.Resources | None = None) -> list[str]:
-    """pm.settle; the names of the tasks it started, in order."""
-    return [e.name for e in pm.settle(index, c, now, res).events if e.type == "started"]
+def settle(index: Index, c: Config, now: datetime = T0, res: policy.Resources | None = None) -> list[str]:
+    """step.settle; the names of the tasks it started, in order."""
+    return [e.name for e in step.settle(index, c, now, res).events if e.type == "started"]
 
 
 def order(index: Index, c: Config, now: datetime = T0) -> list[str]:
-    return [t.name for t in pm.start_order(index, c, now)]
+    return [t.name for t in selection.start_order(index, c, now)]
 
 
 def finish(index: Index, name: str, now: datetime = T0) -> None:
-    pm.finish(index, next(t for t in index.active if t.name == name), now, 0)
+    lifecycle.finish(index, next(t for t in index.active if t.name == name), now, 0)
 
 
 # ---- defaults: FIFO exactly as before ----------------------------------------------------
@@ -49,7 +49,7 @@ def test_default_is_fifo_whatever_the_priority():
         add(ix, c, name, priority=prio)
     assert settle(ix, c) == ["a"]
     assert order(ix, c) == ["b", "c"]
-    assert pm.waiting_for(ix, c, T0) == {}
+    assert selection.waiting_for(ix, c, T0) == {}
 
 
 # ---- priority ----------------------------------------------------------------------------
@@ -62,7 +62,7 @@ def test_priority_levels_then_admission_order():
     for name, prio in [("l1", "low"), ("n1", "normal"), ("u1", "urgent"), ("h1", "high"), ("u2", "urgent"), ("n2", "normal")]:
         add(ix, c, name, priority=prio)
     assert order(ix, c) == ["u1", "u2", "h1", "n1", "n2", "l1"]
-    assert pm.positions(ix, c, T0)[ix.queued[0].id] == 6  # l1
+    assert selection.positions(ix, c, T0)[ix.queued[0].id] == 6  # l1
 
 
 def test_set_priority_moves_a_queued_task_and_refuses_others():
@@ -71,15 +71,15 @@ def test_set_priority_moves_a_queued_task_and_refuses_others():
     settle(ix, c)
     add(ix, c, "a")
     b, _ = add(ix, c, "b")
-    events = pm.set_priority(ix, b, "high", T0)
+    events = admission.set_priority(ix, b, "high", T0)
     assert [e.type for e in events] == ["priority"] and events[0].value == "high"
     assert order(ix, c) == ["b", "a"]
-    assert pm.set_priority(ix, b, "high", T0) == []  # no change, no event
+    assert admission.set_priority(ix, b, "high", T0) == []  # no change, no event
     with pytest.raises(UsageError) as err:
-        pm.set_priority(ix, ix.active[0], "low", T0)
+        admission.set_priority(ix, ix.active[0], "low", T0)
     assert err.value.code == 1 and "running" in str(err.value)
     with pytest.raises(UsageError):
-        pm.set_priority(ix, b, "asap", T0)
+        admission.set_priority(ix, b, "asap", T0)
 
 
 # ---- fair --------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ def test_max_active_per_source_lets_others_pass():
     add(ix, c, "a2", source="a")
     add(ix, c, "b1", source="b")
     assert settle(ix, c) == ["a1", "b1"]
-    assert pm.waiting_for(ix, c, T0) == {ix.queued[0].id: "source a has 1 running (limit 1)"}
+    assert selection.waiting_for(ix, c, T0) == {ix.queued[0].id: "source a has 1 running (limit 1)"}
     finish(ix, "a1")
     assert settle(ix, c) == ["a2"]
 
@@ -153,11 +153,11 @@ def test_min_start_interval_holds_one_source_only_and_says_until_when():
     add(ix, c, "b1", source="b")
     assert settle(ix, c) == ["a1", "b1"]
     a2 = ix.queued[0]
-    assert pm.waiting_for(ix, c, T0 + timedelta(seconds=3)) == {a2.id: "rate limit: source a may start again in 7s"}
-    assert pm.next_release(ix, c, T0) == T0 + timedelta(seconds=10)
+    assert selection.waiting_for(ix, c, T0 + timedelta(seconds=3)) == {a2.id: "rate limit: source a may start again in 7s"}
+    assert selection.next_release(ix, c, T0) == T0 + timedelta(seconds=10)
     assert settle(ix, c, T0 + timedelta(seconds=9.9)) == []
     assert settle(ix, c, T0 + timedelta(seconds=10)) == ["a2"]
-    assert pm.next_release(ix, c, T0 + timedelta(seconds=10)) is None
+    assert selection.next_release(ix, c, T0 + timedelta(seconds=10)) is None
 
 
 def test_rate_limit_survives_clean_of_finished_tasks():
@@ -165,7 +165,7 @@ def test_rate_limit_survives_clean_of_finished_tasks():
     add(ix, c, "a1", source="a")
     settle(ix, c)
     finish(ix, "a1")
-    pm.clean(ix, T0)
+    lifecycle.clean(ix, T0)
     add(ix, c, "a2", source="a")
     assert settle(ix, c, T0 + timedelta(seconds=30)) == []
 
@@ -215,9 +215,9 @@ def test_group_needs_a_slot_in_its_group_and_globally():
     assert settle(ix, c) == ["g1", "c1"]
     assert order(ix, c) == ["g2", "c2"]  # g2 waits for g1, which ends first
     finish(ix, "c1")
-    assert pm.waiting_for(ix, c, T0)[ix.queued[0].id] == "group gpu full (1/1 running)"
+    assert selection.waiting_for(ix, c, T0)[ix.queued[0].id] == "group gpu full (1/1 running)"
     assert settle(ix, c) == ["c2"]  # passes the blocked g2
-    assert pm.group_usage(ix, c) == {"gpu": {"max_agents": 1, "active": 1, "queued": 1}}
+    assert selection.group_usage(ix, c) == {"gpu": {"max_agents": 1, "active": 1, "queued": 1}}
 
 
 def test_unknown_group_is_refused_at_admission():
@@ -240,20 +240,20 @@ def test_a_group_removed_from_config_no_longer_limits():
 def test_resource_guard_holds_every_start_and_says_why():
     c, ix = cfg(max_agents=3, resource_guard={"min_available_memory": "2GiB", "max_load_per_cpu": 1.5}), Index()
     add(ix, c, "a")
-    low_mem = pm.Resources(available_memory=int(1.2 * 1024**3), load_per_cpu=0.1)
+    low_mem = policy.Resources(available_memory=int(1.2 * 1024**3), load_per_cpu=0.1)
     assert settle(ix, c, res=low_mem) == []
-    assert pm.waiting_for(ix, c, T0, low_mem) == {ix.queued[0].id: "held: 1.2 GiB available, need 2 GiB"}
-    busy = pm.Resources(available_memory=8 * 1024**3, load_per_cpu=2.25)
-    assert pm.waiting_for(ix, c, T0, busy) == {ix.queued[0].id: "held: load 2.25 per CPU, max 1.5"}
+    assert selection.waiting_for(ix, c, T0, low_mem) == {ix.queued[0].id: "held: 1.2 GiB available, need 2 GiB"}
+    busy = policy.Resources(available_memory=8 * 1024**3, load_per_cpu=2.25)
+    assert selection.waiting_for(ix, c, T0, busy) == {ix.queued[0].id: "held: load 2.25 per CPU, max 1.5"}
     assert settle(ix, c, res=busy) == []
-    assert pm.positions(ix, c, T0) == {ix.queued[0].id: 1}  # the order does not change
-    assert settle(ix, c, res=pm.Resources(available_memory=3 * 1024**3, load_per_cpu=1.0)) == ["a"]
+    assert selection.positions(ix, c, T0) == {ix.queued[0].id: 1}  # the order does not change
+    assert settle(ix, c, res=policy.Resources(available_memory=3 * 1024**3, load_per_cpu=1.0)) == ["a"]
 
 
 def test_resource_guard_off_by_default_ignores_readings():
     c, ix = cfg(), Index()
     add(ix, c, "a")
-    assert settle(ix, c, res=pm.Resources(available_memory=1, load_per_cpu=99.0)) == ["a"]
+    assert settle(ix, c, res=policy.Resources(available_memory=1, load_per_cpu=99.0)) == ["a"]
 
 
 def test_policy_wakeups_at_a_rate_limits_end_and_a_guard_recheck_that_is_never_pushed_back():
@@ -262,18 +262,18 @@ def test_policy_wakeups_at_a_rate_limits_end_and_a_guard_recheck_that_is_never_p
     add(ix, c, "a1", source="a")
     add(ix, c, "a2", source="a")
     assert settle(ix, c) == ["a1"]
-    assert pm.policy_wakeups(ix, c, T0, None, {}) == {"rate-limit": T0 + timedelta(minutes=1)}
+    assert lifecycle.policy_wakeups(ix, c, T0, None, {}) == {"rate-limit": T0 + timedelta(minutes=1)}
 
     c = cfg(max_agents=2, resource_guard={"min_available_memory": "2GiB"})
-    low_mem = pm.Resources(available_memory=1024**3, load_per_cpu=0.1)
-    jobs = pm.policy_wakeups(ix, c, T0, low_mem, {})
-    assert jobs == {"resource-guard": T0 + timedelta(seconds=pm.GUARD_RECHECK)}
+    low_mem = policy.Resources(available_memory=1024**3, load_per_cpu=0.1)
+    jobs = lifecycle.policy_wakeups(ix, c, T0, low_mem, {})
+    assert jobs == {"resource-guard": T0 + timedelta(seconds=lifecycle.GUARD_RECHECK)}
     later = T0 + timedelta(seconds=1)
-    assert pm.policy_wakeups(ix, c, later, low_mem, jobs) == jobs  # kept, not pushed back by every tick
-    due = T0 + timedelta(seconds=pm.GUARD_RECHECK)  # it has come and the guard still holds: the next one
-    assert pm.policy_wakeups(ix, c, due, low_mem, jobs) == {"resource-guard": due + timedelta(seconds=pm.GUARD_RECHECK)}
-    assert pm.policy_wakeups(ix, c, T0, pm.Resources(available_memory=4 * 1024**3, load_per_cpu=0.1), {}) == {}
-    assert pm.policy_wakeups(Index(), c, T0, low_mem, jobs) == {}  # nothing waits: no wake-ups
+    assert lifecycle.policy_wakeups(ix, c, later, low_mem, jobs) == jobs  # kept, not pushed back by every tick
+    due = T0 + timedelta(seconds=lifecycle.GUARD_RECHECK)  # it has come and the guard still holds: the next one
+    assert lifecycle.policy_wakeups(ix, c, due, low_mem, jobs) == {"resource-guard": due + timedelta(seconds=lifecycle.GUARD_RECHECK)}
+    assert lifecycle.policy_wakeups(ix, c, T0, policy.Resources(available_memory=4 * 1024**3, load_per_cpu=0.1), {}) == {}
+    assert lifecycle.policy_wakeups(Index(), c, T0, low_mem, jobs) == {}  # nothing waits: no wake-ups
 
 
 def test_policy_config_keys_are_checked():

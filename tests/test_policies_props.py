@@ -1,5 +1,5 @@
 """Property tests of the scheduling policies: random tasks, sources, priorities, limits and
-strategies, drained for real (pm.next_to_start + pm.start + pm.finish, an injected clock)."""
+strategies, drained for real (selection.next_to_start + lifecycle.start + lifecycle.finish, an injected clock)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from conftest import T0
 
-from kugetsu.core import budgets, pm
+from kugetsu.core import admission, budgets, lifecycle, policy, retries, selection, step
 from kugetsu.agents.report import Usage
+from kugetsu.errors import UsageError
 from kugetsu.config.model import Config
 from kugetsu.core.models import PRIORITIES, DaySpend, Index
 from kugetsu.core.policy import Board, simple_order, task_key
@@ -55,15 +56,15 @@ def build(raw: dict, first: list, later: list, gap: int, hold: int | None = None
                                agents={"p1": Usage(input_tokens=10)} if "p1" in spent else {})
     if hold is not None:
         until = T0 + timedelta(seconds=gap + hold) if hold else None
-        pm.hold(index, cfg, "p2", until, T0 - timedelta(seconds=1))
+        retries.hold(index, cfg, "p2", until, T0 - timedelta(seconds=1))
     now = T0
     for batch in (first, later):
         for source, priority, group, agent in batch:
             routed = agent is not None and "," in agent  # a failover order runs presets, with a prompt
-            pm.admit(index, cfg, now, pm.Request(cwd="/", command=None if routed else ["true"], source=source,
+            admission.admit(index, cfg, now, admission.Request(cwd="/", command=None if routed else ["true"], source=source,
                                                  priority=priority, group=group, agent=agent,
                                                  prompt="x" if routed else None))
-        pm.settle(index, cfg, now)
+        step.settle(index, cfg, now)
         now = T0 + timedelta(seconds=gap)
     return cfg, index, now
 
@@ -112,10 +113,10 @@ def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
         board = Board(index, cfg, now)
         for lane in board.lanes:  # the quick rule and the worded one agree
             assert board.free(*lane) == (board.why(*lane) is None)
-        task = pm.next_to_start(index, cfg, now)
+        task = selection.next_to_start(index, cfg, now)
         if task is not None:
-            assert pm.plan_starts(index, cfg, now)[0] is task
-            first, agent = pm.starts_now(index, cfg, now)[0]
+            assert selection.plan_starts(index, cfg, now)[0] is task
+            first, agent = selection.starts_now(index, cfg, now)[0]
             assert first is task
             if task.route:  # failover: the first preset of its order that is not held
                 held = {a for a, h in index.holds.items() if h.until is None or h.until > now}
@@ -133,7 +134,7 @@ def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
             assert agent not in windows_closed(cfg, index, now), "a preset started past its window quota or probe"
             if on_pick:
                 on_pick(index, now, task)
-            pm.start(index, task, now, None, cfg, agent)
+            lifecycle.start(index, task, now, None, cfg, agent)
             assert task.agent == agent and task.fallback_from == (task.route[0] if task.route and agent != task.route[0] else None)
             window = index.windows.get(agent)  # type: ignore[arg-type]
             if window is not None:  # never more starts in a window than its quota
@@ -142,16 +143,16 @@ def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
             order.append(task.id)
             check_limits(cfg, index, starts)
             continue
-        release = pm.next_release(index, cfg, now)
-        if pm.free_slots(index, cfg) > 0 and release is not None:
+        release = selection.next_release(index, cfg, now)
+        if selection.free_slots(index, cfg) > 0 and release is not None:
             assert release > now
             now = release
         else:
             if not index.active and index.holds:  # only a hold by hand holds them: release it
-                pm.release(index, cfg, next(iter(index.holds)), now)
+                retries.release(index, cfg, next(iter(index.holds)), now)
                 continue
             assert index.active, "queued tasks that nothing can ever start"
-            pm.finish(index, index.active[0], now, 0)
+            lifecycle.finish(index, index.active[0], now, 0)
     return order
 
 
@@ -161,8 +162,8 @@ def drain(cfg: Config, index: Index, now: datetime, on_pick=None) -> list[int]:
 def test_limits_hold_and_positions_are_the_real_start_order(raw, first, later, gap, hold, spent):
     cfg, index, now = build(raw, first, later, gap, hold, spent)
     check_limits(cfg, index, {})
-    predicted = [t.id for t in pm.start_order(index, cfg, now)]
-    positions = pm.positions(index, cfg, now)
+    predicted = [t.id for t in selection.start_order(index, cfg, now)]
+    positions = selection.positions(index, cfg, now)
     assert sorted(positions.values()) == list(range(1, len(index.queued) + 1))
     assert [i for i, _ in sorted(positions.items(), key=lambda kv: kv[1])] == predicted
     assert drain(cfg, index, now) == predicted
@@ -191,7 +192,7 @@ def test_fair_never_starves_a_source(raw, first, later, gap):
     waited: dict[str, int] = {}  # source -> starts of others since it became eligible
 
     def on_pick(index: Index, now: datetime, task) -> None:
-        held = pm.waiting_for(index, cfg, now)
+        held = selection.waiting_for(index, cfg, now)
         eligible = {t.source for t in index.queued if t.id not in held}
         for source in list(waited):
             if source not in eligible:
@@ -209,7 +210,7 @@ def test_fair_never_starves_a_source(raw, first, later, gap):
 @settings(max_examples=150, deadline=None)
 @given(config_st, st.booleans(), st.lists(task_st, max_size=8), st.lists(task_st, max_size=16), st.integers(0, 6), st.data())
 def test_successor_is_what_the_next_free_slot_starts(raw, simple, first, later, gap, data):
-    """pm.successor is a promise the service acts on before its transaction: whichever
+    """selection.successor is a promise the service acts on before its transaction: whichever
     running task ends, at any moment before `until`, the transaction that records the end
     starts that task first. Queue deadlines are random, so expiry is part of the bargain; so
     are start times (`delegate --at`, a retry's delay) of tasks that sort before it."""
@@ -223,7 +224,7 @@ def test_successor_is_what_the_next_free_slot_starts(raw, simple, first, later, 
         task.expires_at = data.draw(st.none() | st.integers(1, 30).map(lambda s: now + timedelta(seconds=s)))
         if waiting:
             task.not_before = data.draw(st.none() | st.integers(1, 30).map(lambda s: now + timedelta(seconds=s)))
-    succ = pm.successor(index, cfg)
+    succ = selection.successor(index, cfg)
     if simple and not waiting and index.queued and len(index.active) == cfg.max_agents:
         assert succ is not None  # the common case of a busy queue does get its fast start
     if succ is None:
@@ -235,14 +236,14 @@ def test_successor_is_what_the_next_free_slot_starts(raw, simple, first, later, 
     for ending in range(len(index.active)):
         for at in (now, now + last):
             after = msgspec.json.decode(msgspec.json.encode(index), type=Index)
-            pm.finish(after, after.active[ending], at, 0)
-            pm.expire_due(after, at)
-            assert [t.id for t in pm.plan_starts(after, cfg, at)][:1] == [succ.task.id]
+            lifecycle.finish(after, after.active[ending], at, 0)
+            lifecycle.expire_due(after, at)
+            assert [t.id for t in selection.plan_starts(after, cfg, at)][:1] == [succ.task.id]
 
 
 @settings(max_examples=150, deadline=None)
 @given(config_st, st.lists(task_st, max_size=8), st.lists(task_st, max_size=16), st.integers(0, 6),
-       st.booleans(), st.booleans(), st.sampled_from([None, pm.Resources(available_memory=1, load_per_cpu=99.0)]))
+       st.booleans(), st.booleans(), st.sampled_from([None, policy.Resources(available_memory=1, load_per_cpu=99.0)]))
 def test_the_quick_answers_for_one_task_are_the_full_ones(raw, first, later, gap, groups, guard, res):
     """The CLI's hot path asks for one task's position and reason, and settles without a
     free slot: the short cuts give what the full computations give (the Board's lanes)."""
@@ -253,17 +254,17 @@ def test_the_quick_answers_for_one_task_are_the_full_ones(raw, first, later, gap
         cfg = msgspec.convert({**raw, "groups": {}}, Config)
     board = Board(index, cfg, now, res)
     lanes = {t.id: board.pause or board.hold or board.why(*lane_id) for lane_id, lane in board.lanes.items() for _, t in lane}
-    assert pm.waiting_for(index, cfg, now, res) == {i: why for i, why in lanes.items() if why is not None}
-    full = pm.positions(index, cfg, now)
+    assert selection.waiting_for(index, cfg, now, res) == {i: why for i, why in lanes.items() if why is not None}
+    full = selection.positions(index, cfg, now)
     for task in index.queued + index.active:
-        assert pm.position(index, cfg, now, task) == full.get(task.id)
+        assert selection.position(index, cfg, now, task) == full.get(task.id)
     for task in index.queued:
-        assert pm.waiting_for_one(index, cfg, now, task, res) == lanes[task.id]
+        assert selection.waiting_for_one(index, cfg, now, task, res) == lanes[task.id]
     picked = []
     while (task := board.pick()) is not None:
         board.take(task)
         picked.append(task)
-    assert pm.plan_starts(index, cfg, now, res) == picked
+    assert selection.plan_starts(index, cfg, now, res) == picked
 
 
 # ---- capacity: slots and memory (issue 29) -----------------------------------------------
@@ -284,21 +285,21 @@ def build_heavy(raw: dict, first: list, later: list, gap: int) -> tuple[Config, 
         for source, priority, group, agent, mem, slots in batch:
             try:
                 routed = agent is not None and "," in agent  # a failover order runs presets, with a prompt
-                pm.admit(index, cfg, now, pm.Request(cwd="/", command=None if routed else ["true"], source=source,
+                admission.admit(index, cfg, now, admission.Request(cwd="/", command=None if routed else ["true"], source=source,
                                                      priority=priority, group=group, agent=agent,
                                                      prompt="x" if routed else None, memory=mem and mem * G,
                                                      slots=slots))
-            except pm.UsageError:
+            except UsageError:
                 assert slots > cfg.max_agents or (group and slots > cfg.groups[group].max_agents) \
                     or (mem or 0) * G > cfg.memory_budget
-        pm.settle(index, cfg, now)
+        step.settle(index, cfg, now)
         now = T0 + timedelta(seconds=gap)
     return cfg, index, now
 
 
 def check_capacity(cfg: Config, index: Index) -> None:
     assert sum(t.slots for t in index.active) <= cfg.max_agents
-    assert sum(pm.memory_of(cfg, t) for t in index.active) <= cfg.memory_budget
+    assert sum(policy.memory_of(cfg, t) for t in index.active) <= cfg.memory_budget
     for group in cfg.groups:
         assert sum(t.slots for t in index.active if t.group == group) <= cfg.groups[group].max_agents
 
@@ -316,8 +317,8 @@ def test_slots_and_memory_hold_and_positions_are_the_real_start_order(raw, first
     order the tasks really start in, one being held for memory included."""
     cfg, index, now = build_heavy(raw, first, later, gap)
     check_capacity(cfg, index)
-    predicted = [t.id for t in pm.start_order(index, cfg, now)]
-    assert [i for i, _ in sorted(pm.positions(index, cfg, now).items(), key=lambda kv: kv[1])] == predicted
+    predicted = [t.id for t in selection.start_order(index, cfg, now)]
+    assert [i for i, _ in sorted(selection.positions(index, cfg, now).items(), key=lambda kv: kv[1])] == predicted
     assert drain(cfg, index, now, lambda index, now, task: check_capacity(cfg, index)) == predicted
     check_capacity(cfg, index)
 
@@ -328,17 +329,17 @@ def test_a_task_that_does_not_fit_says_why_and_nothing_passes_it(raw, first, lat
     """The task next in line that does not fit (memory, slots) waits with the numbers, and no
     task behind it starts meanwhile; the quick answer for one task is the full one."""
     cfg, index, now = build_heavy(raw, first, later, gap)
-    why = pm.waiting_for(index, cfg, now)
+    why = selection.waiting_for(index, cfg, now)
     for task in index.queued:
-        assert pm.waiting_for_one(index, cfg, now, task) == why.get(task.id)
+        assert selection.waiting_for_one(index, cfg, now, task) == why.get(task.id)
     board = Board(index, cfg, now)
     if board.pick() is None and board.blocked is not None:
         task, reason = board.blocked
         assert why[task.id] == reason
         assert reason.startswith(("memory (", "slots ("))
-        assert pm.plan_starts(index, cfg, now) == []
+        assert selection.plan_starts(index, cfg, now) == []
         if reason.startswith("memory"):
-            used = sum(pm.memory_of(cfg, t) for t in index.active)
+            used = sum(policy.memory_of(cfg, t) for t in index.active)
             assert f"{used / G:.1f}G of {cfg.memory_budget / G:.1f}G in use" in reason
 
 
@@ -346,26 +347,26 @@ def test_memory_waits_with_the_numbers_and_capacity_counts_it():
     cfg = msgspec.convert({"max_agents": 4, "max_memory": "8G"}, Config)
     index = Index()
     for mem in (4, 2, 4, 1):
-        pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], memory=mem * G))
-    pm.settle(index, cfg, T0)
+        admission.admit(index, cfg, T0, admission.Request(cwd="/", command=["true"], memory=mem * G))
+    step.settle(index, cfg, T0)
     assert [t.id for t in index.active] == [1, 2]
-    assert pm.waiting_for(index, cfg, T0) == {3: "memory (6.0G of 8.0G in use, it needs 4.0G)"}
-    assert pm.positions(index, cfg, T0) == {3: 1, 4: 2}  # the small one does not pass it
-    cap = pm.capacity(index, cfg, T0)
+    assert selection.waiting_for(index, cfg, T0) == {3: "memory (6.0G of 8.0G in use, it needs 4.0G)"}
+    assert selection.positions(index, cfg, T0) == {3: 1, 4: 2}  # the small one does not pass it
+    cap = selection.capacity(index, cfg, T0)
     assert (cap.max_memory, cap.memory_used, cap.free) == (8 * G, 6 * G, 2)
-    with pytest.raises(pm.UsageError, match="could never start: max_memory is 8.0G"):
-        pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], memory=9 * G))
-    with pytest.raises(pm.UsageError, match="5 slots could never start: max_agents is 4"):
-        pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], slots=5))
-    pm.finish(index, index.active[0], T0, 0)
-    pm.settle(index, cfg, T0)
+    with pytest.raises(UsageError, match="could never start: max_memory is 8.0G"):
+        admission.admit(index, cfg, T0, admission.Request(cwd="/", command=["true"], memory=9 * G))
+    with pytest.raises(UsageError, match="5 slots could never start: max_agents is 4"):
+        admission.admit(index, cfg, T0, admission.Request(cwd="/", command=["true"], slots=5))
+    lifecycle.finish(index, index.active[0], T0, 0)
+    step.settle(index, cfg, T0)
     assert [t.id for t in index.active] == [2, 3, 4]
 
 
 def test_a_wide_task_cannot_be_moved_into_a_group_too_small_for_it():
     cfg = msgspec.convert({"max_agents": 4, "groups": {"small": {"max_agents": 1}}}, Config)
     index = Index()
-    task, _ = pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], slots=2))
-    with pytest.raises(pm.UsageError, match="takes 2 slots: it could never start in group small, which has 1"):
-        pm.edit(index, cfg, task, T0, pm.Edit(group="small"))
+    task, _ = admission.admit(index, cfg, T0, admission.Request(cwd="/", command=["true"], slots=2))
+    with pytest.raises(UsageError, match="takes 2 slots: it could never start in group small, which has 1"):
+        admission.edit(index, cfg, task, T0, admission.Edit(group="small"))
     assert task.group is None

@@ -292,26 +292,26 @@ def test_cgroup_mode_counts_a_process_that_dropped_the_tasks_token(kg):
 
 def test_over_limits_stops_with_the_reason_and_never_a_retry_for_its_last_runs_figures():
     from conftest import T0
-    from kugetsu.core import pm
+    from kugetsu.core import admission, retries, step
     from kugetsu.config.model import Config
     from kugetsu.core.models import Index
 
     cfg = Config(kill_grace="5s")
     index = Index()
-    task, _ = pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], memory=100 * M, max_procs=20,
+    task, _ = admission.admit(index, cfg, T0, admission.Request(cwd="/", command=["true"], memory=100 * M, max_procs=20,
                                                   retries=1))
-    pm.settle(index, cfg, T0)
-    seen = pm.Measured(task=task.id, memory=110 * M, peak=120 * M, cpu=1.5, procs=3)
-    assert pm.over_limits(index, cfg, T0, [seen]) == [task]
+    step.settle(index, cfg, T0)
+    seen = step.Measured(task=task.id, memory=110 * M, peak=120 * M, cpu=1.5, procs=3)
+    assert step.over_limits(index, cfg, T0, [seen]) == [task]
     assert task.reason == "memory limit 100.0M exceeded (peak 120.0M)" and task.peak_memory == 120 * M
     assert task.kill_at is not None and (task.kill_at - T0).total_seconds() == 5
-    assert pm.over_limits(index, cfg, T0, [seen]) == []  # once: it is being stopped
-    pm.conclude(index, cfg, task, T0, 137)
-    pm.settle(index, cfg, T0)
+    assert step.over_limits(index, cfg, T0, [seen]) == []  # once: it is being stopped
+    retries.conclude(index, cfg, task, T0, 137)
+    step.settle(index, cfg, T0)
     assert task.attempt == 2 and task.stop is None  # retried
-    assert pm.over_limits(index, cfg, T0, [seen]) == []  # a figure of its first run
-    storm = pm.Measured(task=task.id, memory=M, peak=M, cpu=0.1, procs=20, forks_refused=7, attempt=2)
-    assert pm.over_limits(index, cfg, T0, [storm]) == [task]
+    assert step.over_limits(index, cfg, T0, [seen]) == []  # a figure of its first run
+    storm = step.Measured(task=task.id, memory=M, peak=M, cpu=0.1, procs=20, forks_refused=7, attempt=2)
+    assert step.over_limits(index, cfg, T0, [storm]) == [task]
     assert task.reason == "process limit 20 exceeded (20 processes, 7 forks refused)"
 
 
@@ -319,7 +319,7 @@ def test_pressure_is_part_of_the_same_check():
     """The resource guard's readings fold into Board.fits: the guard holds every start, and a
     task that declares more memory than is available waits for it, by name."""
     from conftest import T0
-    from kugetsu.core import pm
+    from kugetsu.core import admission, policy, selection
     from kugetsu.config.model import Config
     from kugetsu.core.models import Index
 
@@ -328,15 +328,15 @@ def test_pressure_is_part_of_the_same_check():
 
     cfg = msgspec.convert({"max_memory": "100G", "resource_guard": {"min_available_memory": "100M"}}, Config)
     index = Index()
-    big, _ = pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], memory=8 * G))
-    small, _ = pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["true"], memory=G))
-    tight = pm.Resources(available_memory=4 * G, load_per_cpu=0.1)
-    assert pm.plan_starts(index, cfg, T0, tight) == []  # the big one is next, and nothing passes it
-    assert pm.waiting_for(index, cfg, T0, tight) == {big.id: "memory (4.0G available, it needs 8.0G)"}
-    assert pm.waiting_for_one(index, cfg, T0, big, tight) == "memory (4.0G available, it needs 8.0G)"
-    held = pm.Resources(available_memory=50 * M, load_per_cpu=0.1)
-    assert pm.waiting_for(index, cfg, T0, held)[small.id].startswith("held: 50 MiB available")
-    assert [t.id for t in pm.plan_starts(index, cfg, T0, pm.Resources(available_memory=20 * G))] == [big.id, small.id]
+    big, _ = admission.admit(index, cfg, T0, admission.Request(cwd="/", command=["true"], memory=8 * G))
+    small, _ = admission.admit(index, cfg, T0, admission.Request(cwd="/", command=["true"], memory=G))
+    tight = policy.Resources(available_memory=4 * G, load_per_cpu=0.1)
+    assert selection.plan_starts(index, cfg, T0, tight) == []  # the big one is next, and nothing passes it
+    assert selection.waiting_for(index, cfg, T0, tight) == {big.id: "memory (4.0G available, it needs 8.0G)"}
+    assert selection.waiting_for_one(index, cfg, T0, big, tight) == "memory (4.0G available, it needs 8.0G)"
+    held = policy.Resources(available_memory=50 * M, load_per_cpu=0.1)
+    assert selection.waiting_for(index, cfg, T0, held)[small.id].startswith("held: 50 MiB available")
+    assert [t.id for t in selection.plan_starts(index, cfg, T0, policy.Resources(available_memory=20 * G))] == [big.id, small.id]
 
 
 def test_cgroup_v2_delegated_subtree_is_found_and_written_as_v2_wants(tmp_path):
@@ -348,7 +348,7 @@ def test_cgroup_v2_delegated_subtree_is_found_and_written_as_v2_wants(tmp_path):
     own.mkdir(parents=True)
     (root / "cgroup.controllers").write_text("cpu io memory pids\n")
     (own / "cgroup.subtree_control").write_text("memory pids\n")
-    base = usage.cgroup_base(home, root, own="0::/system.slice/kugetsu.service.daemon\n")
+    base = usage.cgroup_base(home, root, own="0::/system.slice/kugetsu.service\n")
     assert base is not None and base.v2 and base.memory == base.pids == own / f"kugetsu-{home.key}"
     base.memory.mkdir()
     (base.memory / "cgroup.subtree_control").write_text("")
@@ -368,7 +368,7 @@ def test_cgroup_v2_delegated_subtree_is_found_and_written_as_v2_wants(tmp_path):
     assert usage.remove_finished(base, {}, 8) == 0 and not groups.memory.exists()
     # Not delegated (memory and pids not enabled for its children): no cgroup mode.
     (own / "cgroup.subtree_control").write_text("cpu\n")
-    assert usage.cgroup_base(home, root, own="0::/system.slice/kugetsu.service.daemon\n") is None
+    assert usage.cgroup_base(home, root, own="0::/system.slice/kugetsu.service\n") is None
     # A hybrid machine: v1 controllers first, v2 under `unified` otherwise.
     hybrid = tmp_path / "hybrid"
     (hybrid / "unified" / "me").mkdir(parents=True)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from conftest import T0
 from test_policies_props import config_st, drain, task_st
 
-from kugetsu.core import pm
+from kugetsu.core import admission, selection, step
 from kugetsu.config.model import Config
 from kugetsu.core.models import Index
 
@@ -31,10 +31,10 @@ def build(raw: dict, first: list, later: list, gap: int) -> tuple[Config, Index,
         for (source, priority, group, agent), at in batch:
             start = now + timedelta(seconds=at) if at is not None else None
             routed = agent is not None and "," in agent  # a failover order runs presets, with a prompt
-            pm.admit(index, cfg, now, pm.Request(cwd="/", command=None if routed else ["true"], source=source,
+            admission.admit(index, cfg, now, admission.Request(cwd="/", command=None if routed else ["true"], source=source,
                                                  priority=priority, group=group, agent=agent, start_at=start,
                                                  prompt="x" if routed else None))
-        pm.settle(index, cfg, now)
+        step.settle(index, cfg, now)
         now = T0 + timedelta(seconds=gap)
     return cfg, index, now
 
@@ -45,9 +45,9 @@ def test_a_start_time_holds_the_task_and_positions_stay_true(raw, first, later, 
     cfg, index, now = build(raw, first, later, gap)
     for t in index.active:  # started at admission or by settle: its time had come
         assert t.not_before is None or t.not_before <= t.started_at
-    predicted = [t.id for t in pm.start_order(index, cfg, now)]
-    assert sorted(pm.positions(index, cfg, now).values()) == list(range(1, len(index.queued) + 1))
-    why = pm.waiting_for(index, cfg, now)
+    predicted = [t.id for t in selection.start_order(index, cfg, now)]
+    assert sorted(selection.positions(index, cfg, now).values()) == list(range(1, len(index.queued) + 1))
+    why = selection.waiting_for(index, cfg, now)
     for t in index.queued:
         if t.not_before is not None and t.not_before > now and t.id in why:
             assert "retry" not in why[t.id]
@@ -64,23 +64,23 @@ def test_a_start_time_holds_the_task_and_positions_stay_true(raw, first, later, 
 def test_starts_at_is_the_reason_and_expiry_counts_from_the_start():
     cfg = Config(max_agents=1, queue_timeout="1h")
     index = Index()
-    pm.admit(index, cfg, T0, pm.Request(cwd="/", command=["sleep", "9"]))
-    pm.settle(index, cfg, T0)
+    admission.admit(index, cfg, T0, admission.Request(cwd="/", command=["sleep", "9"]))
+    step.settle(index, cfg, T0)
     at = T0 + timedelta(hours=5)
-    task, _ = pm.admit(index, cfg, T0, pm.Request(cwd="/", name="nightly", command=["true"], start_at=at))
-    due, _ = pm.admit(index, cfg, T0, pm.Request(cwd="/", name="now", command=["true"]))
+    task, _ = admission.admit(index, cfg, T0, admission.Request(cwd="/", name="nightly", command=["true"], start_at=at))
+    due, _ = admission.admit(index, cfg, T0, admission.Request(cwd="/", name="now", command=["true"]))
     assert task.not_before == at and task.expires_at == at + timedelta(hours=1)
-    assert pm.waiting_for(index, cfg, T0)[task.id].startswith("starts at ")
+    assert selection.waiting_for(index, cfg, T0)[task.id].startswith("starts at ")
     # It does not hold up the task behind it, which is due: that one is next.
-    assert pm.positions(index, cfg, T0) == {due.id: 1, task.id: 2}
+    assert selection.positions(index, cfg, T0) == {due.id: 1, task.id: 2}
     # Past its time it competes like any other: by id, it is first again.
     later = at + timedelta(seconds=1)
-    assert pm.positions(index, cfg, later) == {task.id: 1, due.id: 2}
-    assert task.id not in pm.waiting_for(index, cfg, later)
+    assert selection.positions(index, cfg, later) == {task.id: 1, due.id: 2}
+    assert task.id not in selection.waiting_for(index, cfg, later)
     # edit --at moves it, and its expiry with it; a time already past clears it.
-    pm.edit(index, cfg, task, T0, pm.Edit(start_at=T0 + timedelta(hours=6)))
+    admission.edit(index, cfg, task, T0, admission.Edit(start_at=T0 + timedelta(hours=6)))
     assert task.not_before == T0 + timedelta(hours=6) and task.expires_at == T0 + timedelta(hours=7)
-    pm.edit(index, cfg, task, T0, pm.Edit(start_at=T0))
+    admission.edit(index, cfg, task, T0, admission.Edit(start_at=T0))
     assert task.not_before is None and task.expires_at == T0 + timedelta(hours=1)
 
 

@@ -11,7 +11,7 @@ from conftest import wait_for
 from fakebot import TOKEN
 from test_telegram_bot import ME, api, setup  # noqa: F401  (api is a fixture)
 
-from kugetsu.core import pm
+from kugetsu.core import selection
 from kugetsu.config.model import Config, TelegramConfig
 from kugetsu.errors import KugetsuError, UsageError
 from kugetsu.core.models import Index, Task, TaskState
@@ -91,7 +91,7 @@ def test_long_listings_are_cut_and_escaped():
     queued = [_task(i, now, expires_at=now + timedelta(hours=1)) for i in range(2, 400)]
     running = [_task(1, now, state=TaskState.RUNNING, slot=1, started_at=now)]
     index = Index(next_id=400, active=running, queued=queued)
-    out = text.queue(pm.queue_view(index, Config(), now), now)
+    out = text.queue(selection.queue_view(index, Config(), now), now)
     assert len(out) < 4096 and out.endswith("more") and "... and " in out
     assert "&lt;pm &amp; co&gt;" in out and "<pm" not in out
     huge = text.pre("x<" * 5000)

@@ -22,7 +22,7 @@ from hypothesis.stateful import (
 
 from conftest import REPO, agent_wrappers, wait_for
 from kugetsu.app import control, ops
-from kugetsu.core import pm
+from kugetsu.core import admission
 from kugetsu.config.load import load_config
 from kugetsu.errors import KugetsuError
 from kugetsu.paths import Home
@@ -80,7 +80,7 @@ class KugetsuMachine(RuleBasedStateMachine):
     def delegate(self, code: int, expire: bool) -> None:
         name = f"t{len(self.model) + 1}"
         argv = ["sh", "-c", AGENT, str(self.rel / name), str(code)]
-        req = pm.Request(cwd=str(self.tmp), name=name, command=argv, expire_after=0.4 if expire else None)
+        req = admission.Request(cwd=str(self.tmp), name=name, command=argv, expire_after=0.4 if expire else None)
         adm = ops.delegate(self.home, self.cfg, req)
         assert adm.task.id > self.last_id, "ids must increase"
         self.last_id = adm.task.id
@@ -219,7 +219,7 @@ class KugetsuMachine(RuleBasedStateMachine):
                 assert t.log, f"{t.name} ran without a log"
                 # No pid only when a hard restart fell between the spawn and its commit and the
                 # agent ended before the next service looked: that service books the exit status
-                # its wrapper wrote (pm.adopt), and there was no process left to record.
+                # its wrapper wrote (step.adopt), and there was no process left to record.
                 assert t.pid is not None or booked(t.id, t.exit_code), f"{t.name} ran without a recorded process"
 
 

@@ -10,7 +10,7 @@ import signal
 
 from conftest import agent_wrappers, service_in_process, wait_for, wait_for_async  # noqa: F401
 
-from kugetsu.core import pm
+from kugetsu.core import step
 
 from kugetsu.service import processes, runner
 
@@ -147,7 +147,7 @@ def test_a_queued_task_whose_wrapper_ran_is_adopted(kg):
 
 
 async def test_a_task_let_go_early_but_not_started_by_pm_is_recorded_not_run_twice(kg, monkeypatch, caplog):
-    """At an agent's exit the service lets pm.successor's warm wrapper go before its
+    """At an agent's exit the service lets selection.successor's warm wrapper go before its
     transaction. Should that transaction not start the task (a broken promise, forced here
     by skipping the exit's settle), the agent already running is recorded as the task's
     run: it is never started a second time. The service runs in this process."""
@@ -158,15 +158,15 @@ async def test_a_task_let_go_early_but_not_started_by_pm_is_recorded_not_run_twi
     async with service_in_process(kg.home):
         await wait_for_async(lambda: 2 in kg.wrappers(), what="blocker running and next warm")
         warm_pid = kg.wrappers()[2][0]
-        real_settle, skipped = pm.settle, []
+        real_settle, skipped = step.settle, []
 
         def settle_but_not_at_the_exit(index, cfg, now, resources=None, here=None):
             if any(t.name == "blocker" for t in index.finished) and not skipped:
                 skipped.append(now)
-                return pm.Plan()
+                return step.Plan()
             return real_settle(index, cfg, now, resources, here)
 
-        monkeypatch.setattr(pm, "settle", settle_but_not_at_the_exit)
+        monkeypatch.setattr(step, "settle", settle_but_not_at_the_exit)
         caplog.set_level(logging.ERROR, logger="kugetsu.service")
         gate.touch()
         done = await wait_for_async(lambda: [t for t in kg.index()["finished"] if t["name"] == "next"], what="next to finish")

@@ -60,11 +60,11 @@ def check_home(home: Home, max_agents: int | None = None) -> dict:
     assert len(slots) == len(set(slots)), f"two running tasks share a slot: {slots}"
     # (A slot number may exceed a lowered max_agents: lowering never kills the task in it.)
     assert all(s is not None and 1 <= s <= 64 for s in slots), slots
-    from kugetsu.core import pm
+    from kugetsu.core import selection
     from kugetsu.config.load import load_config
     from kugetsu.app.ops import now
 
-    pos = pm.positions(index, load_config(home), now())
+    pos = selection.positions(index, load_config(home), now())
     assert sorted(pos.values()) == list(range(1, len(index.queued) + 1))
     assert [pos[t.id] for t in sorted(index.queued, key=lambda t: t.id)] == list(range(1, len(index.queued) + 1))
     return raw

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kugetsu.core import placement, pm
+from kugetsu.core import admission, commandline, lifecycle, placement, policy, retries, selection, step
 
 from kugetsu.service import runner
 from kugetsu.app.control import check_wakeable, wake
@@ -58,19 +58,19 @@ def config_in(home: Home, txn: Txn) -> Config:
 
 
 def settle(txn: Txn, cfg: Config) -> None:
-    """pm.settle in a transaction: every transaction runs it (expiry, starts, history)."""
-    plan = pm.settle(txn.index, cfg, txn.now, measure(cfg))
+    """step.settle in a transaction: every transaction runs it (expiry, starts, history)."""
+    plan = step.settle(txn.index, cfg, txn.now, measure(cfg))
     txn.emit(plan.events)
     txn.archive.extend(plan.archive)
 
 
-def measure(cfg: Config) -> pm.Resources | None:
+def measure(cfg: Config) -> policy.Resources | None:
     """The machine's readings for the resource guard; None (and no psutil import) when it is off."""
     if not cfg.resource_guard.enabled:
         return None
     import psutil
 
-    return pm.Resources(
+    return policy.Resources(
         available_memory=psutil.virtual_memory().available,
         load_per_cpu=os.getloadavg()[0] / (os.cpu_count() or 1),
     )
@@ -84,7 +84,7 @@ class Admission(msgspec.Struct):
     position: int | None  # None when it started at once
     max_agents: int
     queued: int
-    waiting_for: str | None = None  # why it waits when not simply behind others (pm.waiting_for)
+    waiting_for: str | None = None  # why it waits when not simply behind others (selection.waiting_for)
 
 
 def start_time(at: str | None, delay: float | None, flag: str = "--at") -> datetime | None:
@@ -104,7 +104,7 @@ def start_time(at: str | None, delay: float | None, flag: str = "--at") -> datet
     return when
 
 
-def delegate(home: Home, cfg: Config, req: pm.Request) -> Admission:
+def delegate(home: Home, cfg: Config, req: admission.Request) -> Admission:
     out = delegate_many(home, cfg, [req])[0]
     if isinstance(out, KugetsuError):
         raise out
@@ -115,7 +115,7 @@ class _NoneAdmitted(Exception):
     """Aborts a transaction in which every request was refused: a failed command writes nothing."""
 
 
-def delegate_many(home: Home, cfg: Config, reqs: list[pm.Request]) -> list[Admission | KugetsuError]:
+def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request]) -> list[Admission | KugetsuError]:
     """Admit requests in one transaction (one read, one fsync'd write), each as `delegate`
     would one after the other, in order: the same checks, slots, positions and events. A
     request that is refused (bad input, queue full: KugetsuError) gets its error and the
@@ -153,35 +153,35 @@ def delegate_many(home: Home, cfg: Config, reqs: list[pm.Request]) -> list[Admis
     return out  # type: ignore[return-value]
 
 
-def _admit(home: Home, txn: Txn, cfg: Config, req: pm.Request) -> Admission:
-    if pm.wants_prompt_file(cfg, req):
+def _admit(home: Home, txn: Txn, cfg: Config, req: admission.Request) -> Admission:
+    if admission.wants_prompt_file(cfg, req):
         req.prompt_path = str(home.prompt_file(txn.index.next_id))  # the id admit gives it
-    task, events = pm.admit(txn.index, cfg, txn.now, req)
+    task, events = admission.admit(txn.index, cfg, txn.now, req)
     if req.prompt is not None:
         # Kept by the store beside the index, committed with the task (for the file store,
         # the very file a {prompt_file} preset's agent reads).
         txn.prompts[task.id] = req.prompt
     txn.emit(events)
     settle(txn, cfg)
-    pm.started_at_once(events, task)  # still in the outbox: written with the commit
-    position = pm.position(txn.index, cfg, txn.now, task)
-    why = pm.waiting_for_one(txn.index, cfg, txn.now, task, measure(cfg)) if position else None
+    admission.started_at_once(events, task)  # still in the outbox: written with the commit
+    position = selection.position(txn.index, cfg, txn.now, task)
+    why = selection.waiting_for_one(txn.index, cfg, txn.now, task, measure(cfg)) if position else None
     if position and task.pinned_host is not None:
         why = placement.placement_note(task, hosts_up(cfg)) or why
     if position == 1 and why is None:
-        why = placement.handed_over(cfg, pm.free_slots(txn.index, cfg))
+        why = placement.handed_over(cfg, selection.free_slots(txn.index, cfg))
     return Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
 
 
 def caller_task() -> tuple[int, str] | None:
     """The task this process runs in, when an agent of kugetsu's started it (or something the
-    agent started): the id and name the runner put in its environment (pm.parent_task checks
+    agent started): the id and name the runner put in its environment (admission.parent_task checks
     them against the index)."""
     ident, name = os.environ.get("KUGETSU_TASK_ID", ""), os.environ.get("KUGETSU_TASK_NAME")
     return (int(ident), name) if ident.isascii() and ident.isdigit() and name else None
 
 
-def _check_request(req: pm.Request) -> None:
+def _check_request(req: admission.Request) -> None:
     if not req.command and req.prompt is None and req.agent is None and req.name is None:
         raise UsageError("nothing to run: give --prompt TEXT (for the agent preset) or a command after --")
     if req.source.strip() == "" or len(req.source) > 64 or not req.source.isprintable():
@@ -209,20 +209,20 @@ def _agents_path(home: Home) -> AgentsPath:
     return AgentsPath(path, pid)
 
 
-def _check_runnable(cfg: Config, req: pm.Request, runs_on: AgentsPath | None = None) -> None:
+def _check_runnable(cfg: Config, req: admission.Request, runs_on: AgentsPath | None = None) -> None:
     """Refuse at admission what could never start: a missing cwd or command. The command is
     looked up where it will run: on the PATH of the service that starts it, not the caller's."""
     if not os.path.isdir(req.cwd):
         raise UsageError(f"--cwd {req.cwd!r} is not a directory")
-    agent, argv, env = pm.resolve_agent(cfg, req)
+    agent, argv, env = admission.resolve_agent(cfg, req)
     runs_on = runs_on or AgentsPath(os.environ.get("PATH"))
     _check_exe(req, argv[0], env, None if req.command else agent, runs_on)
-    for other in pm.route_request(cfg, req, agent)[1:]:  # a fallback that could not start is no fallback
+    for other in admission.route_request(cfg, req, agent)[1:]:  # a fallback that could not start is no fallback
         preset = cfg.agents[other]
         _check_exe(req, preset.command[0], preset.env, other, runs_on)
 
 
-def _check_exe(req: pm.Request, exe: str, env: dict[str, str], preset: str | None, runs_on: AgentsPath) -> None:
+def _check_exe(req: admission.Request, exe: str, env: dict[str, str], preset: str | None, runs_on: AgentsPath) -> None:
     path = env.get("PATH", runs_on.path)
     found = runner.which(exe, path) if os.sep not in exe else runner.which(os.path.join(req.cwd, exe))
     if found is not None:
@@ -244,7 +244,7 @@ def _check_exe(req: pm.Request, exe: str, env: dict[str, str], preset: str | Non
     raise CommandNotFound(exe, preset, looked, here if runs_on.service_pid is not None else None)
 
 
-def _check_worktree(cfg: Config, req: pm.Request) -> None:
+def _check_worktree(cfg: Config, req: admission.Request) -> None:
     """A worktree task must come from a git repository; record it and the base on the request."""
     want = req.worktree
     if want is None:
@@ -267,12 +267,12 @@ def cancel(home: Home, refs: list[str], *, everything: bool = False, reason: str
     """Cancel tasks by id or name (or every live one). Queued ones end at once; running ones
     get SIGTERM to their group now, SIGKILL after kill_grace (the service sees to it)."""
     with _locked(home) as (txn, cfg):
-        tasks = list(txn.index.live()) if everything else [pm.find(txn.index, ref) for ref in refs]
+        tasks = list(txn.index.live()) if everything else [selection.find(txn.index, ref) for ref in refs]
         paused = [t for t in tasks if t.paused_at is not None]
         for task in tasks:
-            txn.emit(pm.cancel(txn.index, task, txn.now, cfg.kill_grace_s, reason))
+            txn.emit(lifecycle.cancel(txn.index, task, txn.now, cfg.kill_grace_s, reason))
         settle(txn, cfg)
-    # In a cluster the task's own machine signals it (pm.tick: its service is woken by the
+    # In a cluster the task's own machine signals it (step.tick: its service is woken by the
     # commit); on one machine the signal goes now, as a service may not be running.
     for task in tasks if cfg.store is None else []:
         if task.state is TaskState.RUNNING:
@@ -297,9 +297,9 @@ def pause_task(home: Home, ref: str, on: bool, by: str = "cli") -> tuple[Task, b
     """`pause TASK` / `resume TASK`: recorded, then SIGSTOP / SIGCONT to its whole tree (its
     group and every process carrying its token). Returns the task and whether it changed."""
     with _locked(home) as (txn, cfg):
-        task = pm.find(txn.index, ref)
+        task = selection.find(txn.index, ref)
         _signal_here(cfg, task)
-        events = pm.pause_task(task, txn.now, on, by)
+        events = selection.pause_task(task, txn.now, on, by)
         txn.emit(events)
     runner.signal_tree(task.pid, task.pid_start, task.token, signal.SIGSTOP if on else signal.SIGCONT)
     wake(home, cfg)
@@ -310,9 +310,9 @@ def signal_task(home: Home, ref: str, sig: signal.Signals, by: str = "cli") -> t
     """`kill -s SIGNAL TASK`: recorded (a `signalled` event), then sent to its whole tree.
     Returns the task and how many were signalled (the group counts as one)."""
     with _locked(home) as (txn, cfg):
-        task = pm.find(txn.index, ref)
+        task = selection.find(txn.index, ref)
         _signal_here(cfg, task)
-        txn.emit(pm.signal_task(task, txn.now, sig.name, by))
+        txn.emit(selection.signal_task(task, txn.now, sig.name, by))
     sent = runner.signal_tree(task.pid, task.pid_start, task.token, sig, spare_wrapper=True)
     wake(home, cfg)
     return task, sent
@@ -324,10 +324,10 @@ def signal_task(home: Home, ref: str, sig: signal.Signals, by: str = "cli") -> t
 def set_priority(home: Home, ref: str, level: str) -> tuple[Task, int | None]:
     """Change a queued task's priority; returns it with its new position."""
     with _locked(home) as (txn, cfg):
-        task = pm.find(txn.index, ref)
-        txn.emit(pm.set_priority(txn.index, task, level, txn.now))
+        task = selection.find(txn.index, ref)
+        txn.emit(admission.set_priority(txn.index, task, level, txn.now))
         settle(txn, cfg)
-        position = pm.position(txn.index, cfg, txn.now, task)
+        position = selection.position(txn.index, cfg, txn.now, task)
     wake(home, cfg, txn.index)
     return task, position
 
@@ -336,11 +336,11 @@ def queued_change(home: Home, ref: str, change: Callable[[Index, Task, datetime]
     """One change of a queued task's place (`next`, `stash`, `unstash`) in one transaction:
     the task, its position after it (None: started, or stashed) and whether it changed."""
     with _locked(home) as (txn, cfg):
-        task = pm.find(txn.index, ref)
+        task = selection.find(txn.index, ref)
         events = change(txn.index, task, txn.now)
         txn.emit(events)
         settle(txn, cfg)
-        position = pm.position(txn.index, cfg, txn.now, task)
+        position = selection.position(txn.index, cfg, txn.now, task)
     wake(home, cfg)
     return task, position, bool(events)
 
@@ -348,8 +348,8 @@ def queued_change(home: Home, ref: str, change: Callable[[Index, Task, datetime]
 # ---- edit --------------------------------------------------------------------------------
 
 
-def edit(home: Home, ref: str, change: pm.Edit) -> tuple[Task, int | None, bool]:
-    """Change a queued task (pm.edit) in one transaction; returns it, its position (None:
+def edit(home: Home, ref: str, change: admission.Edit) -> tuple[Task, int | None, bool]:
+    """Change a queued task (admission.edit) in one transaction; returns it, its position (None:
     it started as part of the change) and whether anything changed. A new prompt is stored
     with the commit (no agent of a queued task has read it yet)."""
     if change.cwd is not None:
@@ -358,20 +358,20 @@ def edit(home: Home, ref: str, change: pm.Edit) -> tuple[Task, int | None, bool]
             raise UsageError(f"--cwd {change.cwd!r} is not a directory")
     if change.command is not None:  # as delegate: refused if it could never start
         cfg, index = read(home)
-        task = pm.find(index, ref)
-        _check_runnable(cfg, pm.Request(cwd=change.cwd or task.cwd, command=change.command, env=task.env))
+        task = selection.find(index, ref)
+        _check_runnable(cfg, admission.Request(cwd=change.cwd or task.cwd, command=change.command, env=task.env))
     store = open_store(home)
     with _locked(home) as (txn, cfg):
-        task = pm.find(txn.index, ref)
+        task = selection.find(txn.index, ref)
         change.prompt_path = str(home.prompt_file(task.id))
-        if change.prompt is not None and change.prompt == pm.prompt_of(task, store.prompts([task.id])):
+        if change.prompt is not None and change.prompt == commandline.prompt_of(task, store.prompts([task.id])):
             change.prompt = None  # the same text: nothing to change
-        events = pm.edit(txn.index, cfg, task, txn.now, change)
+        events = admission.edit(txn.index, cfg, task, txn.now, change)
         if change.prompt is not None and any(e.key and "prompt" in e.key.split(",") for e in events):
             txn.prompts[task.id] = change.prompt
         txn.emit(events)
         settle(txn, cfg)
-        position = pm.positions(txn.index, cfg, txn.now).get(task.id)
+        position = selection.positions(txn.index, cfg, txn.now).get(task.id)
     wake(home, cfg, txn.index)
     return task, position, bool(events)
 
@@ -379,14 +379,14 @@ def edit(home: Home, ref: str, change: pm.Edit) -> tuple[Task, int | None, bool]
 # ---- pause -------------------------------------------------------------------------------
 
 
-def pause(home: Home, group: str | None, on: bool) -> tuple[bool, pm.Capacity]:
+def pause(home: Home, group: str | None, on: bool) -> tuple[bool, selection.Capacity]:
     """`kugetsu pause` / `resume` (of one group, or of every start): whether it changed
     anything, and the capacity after it (resuming starts queued tasks at once)."""
     with _locked(home) as (txn, cfg):
-        events = pm.pause(txn.index, cfg, txn.now, group, on)
+        events = selection.pause(txn.index, cfg, txn.now, group, on)
         txn.emit(events)
         settle(txn, cfg)
-        cap = pm.capacity(txn.index, cfg)
+        cap = selection.capacity(txn.index, cfg)
     wake(home, cfg, txn.index)
     return bool(events), cap
 
@@ -397,7 +397,7 @@ def pause(home: Home, group: str | None, on: bool) -> tuple[bool, pm.Capacity]:
 def hold(home: Home, agent: str, until: datetime | None) -> list[Event]:
     """`kugetsu hold AGENT [--until T]`: the preset's queued tasks wait; running ones run on."""
     with _locked(home) as (txn, cfg):
-        events = pm.hold(txn.index, cfg, agent, until, txn.now)
+        events = retries.hold(txn.index, cfg, agent, until, txn.now)
         txn.emit(events)
         settle(txn, cfg)
     wake(home, cfg, txn.index)
@@ -407,7 +407,7 @@ def hold(home: Home, agent: str, until: datetime | None) -> list[Event]:
 def release(home: Home, agent: str) -> list[Event]:
     """`kugetsu release AGENT`: its tasks may start at once."""
     with _locked(home) as (txn, cfg):
-        events = pm.release(txn.index, cfg, agent, txn.now)
+        events = retries.release(txn.index, cfg, agent, txn.now)
         txn.emit(events)
         settle(txn, cfg)
     wake(home, cfg, txn.index)
@@ -417,7 +417,7 @@ def release(home: Home, agent: str) -> list[Event]:
 def hold_json(home: Home, agent: str, said: list[str | None]) -> dict[str, Any]:
     """`hold --json`, `release --json`: the preset's hold now (held false: none), and what changed."""
     _, index = read(home)
-    view = pm.holds_view(index, now()).get(agent)
+    view = selection.holds_view(index, now()).get(agent)
     out: dict[str, Any] = {"agent": agent, "held": view is not None, "until": None, "reason": None, "since": None,
                            "queued": sum(1 for t in index.queued if t.agent == agent)}
     if view is not None:
@@ -429,8 +429,8 @@ def hold_json(home: Home, agent: str, said: list[str | None]) -> dict[str, Any]:
 def retry(home: Home, cfg: Config, ref: str) -> Admission:
     """`kugetsu retry TASK`: a finished task admitted again as a new task (`retry_of`)."""
     _, index = read(home)
-    task = pm.find(index, ref)
-    return delegate(home, cfg, pm.retry_request(index, task, pm.prompt_of(task, open_store(home).prompts([task.id]))))
+    task = selection.find(index, ref)
+    return delegate(home, cfg, retries.retry_request(index, task, commandline.prompt_of(task, open_store(home).prompts([task.id]))))
 
 
 # ---- config ------------------------------------------------------------------------------
@@ -502,21 +502,21 @@ def _check_joinable(home: Home, local: dict[str, Any], index: Index) -> None:
 def group_add(home: Home, name: str, max_agents: int) -> Config:
     """`group add NAME [--max N]`: a new pool in config `groups` (config set groups.NAME)."""
     cfg = load_config(home)
-    pm.check_group_name(cfg, name, new=True)
+    selection.check_group_name(cfg, name, new=True)
     return set_config(home, f"groups.{name}", {"max_agents": max_agents})
 
 
 def group_remove(home: Home, name: str) -> Config:
     """`group remove NAME`: refused while a queued or running task is in it (it would be in a
     pool that no longer exists); in the same transaction as the config change."""
-    pm.check_group_name(load_config(home), name, new=False)
-    return set_config(home, f"groups.{name}", None, remove=True, guard=lambda index: pm.check_group_unused(index, name))
+    selection.check_group_name(load_config(home), name, new=False)
+    return set_config(home, f"groups.{name}", None, remove=True, guard=lambda index: selection.check_group_unused(index, name))
 
 
 def groups_json(cfg: Config, index: Index) -> list[dict[str, Any]]:
     """`group list --json`: each pool, its slots, its running and queued tasks, whether paused."""
     return [{"name": name, **usage, "paused": name in index.paused_groups}
-            for name, usage in sorted(pm.group_usage(index, cfg).items())]
+            for name, usage in sorted(selection.group_usage(index, cfg).items())]
 
 
 # ---- clean -------------------------------------------------------------------------------
@@ -525,7 +525,7 @@ def groups_json(cfg: Config, index: Index) -> list[dict[str, Any]]:
 def clean(home: Home, older_than: float | None, states: frozenset[str] | None = None) -> list[Task]:
     """Drop finished tasks from the index, with their log files. Ids are never reused."""
     with open_store(home).transaction() as txn:
-        gone = pm.clean(txn.index, txn.now, older_than, states)
+        gone = lifecycle.clean(txn.index, txn.now, older_than, states)
     _drop_files(home, gone)
     return gone
 
@@ -533,7 +533,7 @@ def clean(home: Home, older_than: float | None, states: frozenset[str] | None = 
 def remove(home: Home, refs: list[str]) -> list[Task]:
     """`kugetsu remove TASK...`: these finished tasks leave the index, with their log files."""
     with open_store(home).transaction() as txn:
-        gone = pm.remove(txn.index, [pm.find(txn.index, ref) for ref in refs])
+        gone = lifecycle.remove(txn.index, [selection.find(txn.index, ref) for ref in refs])
     _drop_files(home, gone)
     return gone
 
@@ -661,22 +661,22 @@ def read(home: Home) -> tuple[Config, Index]:
 
 def capacity_json(cfg: Config, index: Index) -> dict[str, Any]:
     """`kugetsu capacity --json`: what a PM agent checks before delegating."""
-    out: dict[str, Any] = msgspec.to_builtins(pm.capacity(index, cfg, now()))  # `holds` always there, {} when none
+    out: dict[str, Any] = msgspec.to_builtins(selection.capacity(index, cfg, now()))  # `holds` always there, {} when none
     if not out["budgets"]:
         del out["budgets"]  # there only when daily budgets are set
     return out
 
 
 class Listing(msgspec.Struct):
-    """What `kugetsu queue` shows (pm.queue_view, with the finished tasks asked for),
+    """What `kugetsu queue` shows (selection.queue_view, with the finished tasks asked for),
     computed once for its text and its JSON."""
 
-    view: pm.QueueView
+    view: selection.QueueView
     index: Index
     now: datetime
     finished: list[Task] | None  # latest first; None unless asked for
     here: str | None = None  # this machine's name, in a cluster
-    measured: dict[int, pm.Measured] = {}  # the running tasks' use, as the service last measured it
+    measured: dict[int, step.Measured] = {}  # the running tasks' use, as the service last measured it
 
     @property
     def positions(self) -> dict[int, int]:
@@ -684,7 +684,7 @@ class Listing(msgspec.Struct):
 
 
 def listing(cfg: Config, index: Index, finished: bool = False, home: Home | None = None,
-            keep: pm.TaskFilter | None = None, at: datetime | None = None) -> Listing:
+            keep: selection.TaskFilter | None = None, at: datetime | None = None) -> Listing:
     """The queue view every front end shows (the CLI's `queue`, MCP, the dashboard), with the
     resource guard's and placement's notes and (with `home`) the running tasks' measured use;
     `keep`: only the tasks it matches, at their true positions, and (when it asks for a final
@@ -696,15 +696,15 @@ def listing(cfg: Config, index: Index, finished: bool = False, home: Home | None
         done = index.finished if keep is None else [x for x in index.finished if keep.matches(x)]
         latest = list(reversed(done[-20:]))
     here = cluster_host(cfg)
-    view = pm.queue_view(index, cfg, t, measure(cfg))
+    view = selection.queue_view(index, cfg, t, measure(cfg))
     if cfg.store is not None and any(x.pinned_host for x in view.queued):
-        view = pm.with_placement(view, hosts_up(cfg))
+        view = selection.with_placement(view, hosts_up(cfg))
     if keep is not None:
-        view = pm.filter_view(view, keep)
+        view = selection.filter_view(view, keep)
     return Listing(view, index, t, latest, here, measured(home, cfg, index))
 
 
-def measured(home: Home | None, cfg: Config, index: Index) -> dict[int, pm.Measured]:
+def measured(home: Home | None, cfg: Config, index: Index) -> dict[int, step.Measured]:
     """The running tasks' use as the service last measured it (usage.json), when it is
     recent: a service that is gone measures nothing."""
     if home is None or not index.active:
@@ -786,7 +786,7 @@ def prompts(home: Home, tasks: Iterable[Task]) -> dict[int, str]:
 
 
 def public_tasks(tasks: list[Task], positions: list[int | None] | None = None, here: str | None = None,
-                 waiting_for: dict[int, str] | None = None, measured: dict[int, pm.Measured] | None = None,
+                 waiting_for: dict[int, str] | None = None, measured: dict[int, step.Measured] | None = None,
                  prompts: Mapping[int, str] | None = None) -> list[msgspec.Struct]:
     """The public objects of `tasks` (with their queue positions; in a cluster, `here` is
     this machine's name: a process on another machine cannot be looked at from this one;
@@ -816,7 +816,7 @@ def public_tasks(tasks: list[Task], positions: list[int | None] | None = None, h
 
 
 def task_json(task: Task, position: int | None, here: str | None = None, waiting_for: str | None = None,
-              measured: dict[int, pm.Measured] | None = None, prompts: Mapping[int, str] | None = None
+              measured: dict[int, step.Measured] | None = None, prompts: Mapping[int, str] | None = None
               ) -> dict[str, Any]:
     """The public task object of docs/architecture.md §5, as plain JSON values."""
     why = {task.id: waiting_for} if waiting_for is not None else None
@@ -828,8 +828,8 @@ def status_json(home: Home, index: Index, cfg: Config, task: Task) -> dict[str, 
     and for a queued task that waits for more than the tasks ahead of it, why (`waiting_for`:
     `starts at 02:00`, `memory (...)`), as `queue --json` says it."""
     now_ = now()
-    why = pm.waiting_for_one(index, cfg, now_, task, measure(cfg)) if task.state is TaskState.QUEUED else None
-    return task_json(task, pm.position(index, cfg, now_, task), cluster_host(cfg), why,
+    why = selection.waiting_for_one(index, cfg, now_, task, measure(cfg)) if task.state is TaskState.QUEUED else None
+    return task_json(task, selection.position(index, cfg, now_, task), cluster_host(cfg), why,
                      measured(home, cfg, index) if task.state is TaskState.RUNNING else None,
                      prompts=prompts(home, [task]))
 
@@ -920,7 +920,7 @@ def log_path(home: Home, cfg: Config, task: Task) -> Path:
 # ---- recurring schedules (kugetsu/core/schedules.py, docs/scheduling.md) --------------------------
 
 
-def _checked(home: Home, cfg: Config, req: pm.Request) -> None:
+def _checked(home: Home, cfg: Config, req: admission.Request) -> None:
     """The checks delegate makes outside the lock (a schedule's request, at `add` and again
     at each firing: the command or repository may have gone since)."""
     _check_request(req)
@@ -929,7 +929,7 @@ def _checked(home: Home, cfg: Config, req: pm.Request) -> None:
 
 
 def schedule_add(home: Home, cfg: Config, name: str, *, cron: str | None, every: float | None, tz: str | None,
-                 req: pm.Request, overlap: bool = False) -> Schedule:
+                 req: admission.Request, overlap: bool = False) -> Schedule:
     from kugetsu.core import schedules
 
     schedules.check_name(name)

@@ -386,9 +386,9 @@ def summarise(window: Window, by: str | None = None, host: str | None = None) ->
 
 def longest_waiting(index: Index, cfg: Config, now: datetime, count: int = LONGEST_SHOWN) -> list[dict[str, Any]]:
     """The queued tasks that have waited longest, with their position in the start order."""
-    from kugetsu.core import pm
+    from kugetsu.core import selection
 
-    positions = pm.positions(index, cfg, now) if index.queued else {}
+    positions = selection.positions(index, cfg, now) if index.queued else {}
     oldest = sorted(index.queued, key=lambda t: (t.created_at, t.id))[:count]
     return [{"id": t.id, "name": t.name, "source": t.source, "position": positions.get(t.id),
              "waiting_seconds": max(0.0, (now - t.created_at).total_seconds())} for t in oldest]

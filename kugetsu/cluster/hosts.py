@@ -3,7 +3,7 @@
 A service joins with a new `epoch` and renews its lease with heartbeats (every third of
 `cluster.lease`), from a thread: a database that does not answer never stalls the service's
 loop. Another service that finds a machine silent past the lease marks it gone, in the same
-transaction that ends its running tasks as lost (pm.tick decides; placement.gone_hosts).
+transaction that ends its running tasks as lost (step.tick decides; placement.gone_hosts).
 A machine that comes back finds itself gone: before it starts anything it kills what it
 still runs of those tasks, then joins again with a new epoch (Service._fence).
 """

@@ -81,7 +81,7 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     # The prompt's text is kept by the store, beside the index (StoreProtocol.prompts), so the
     # index does not grow with prompts. `prompt` is only read from an index an older kugetsu
     # wrote (the prompt was kept here then); `prompted`: `command` holds `{prompt}` where the
-    # stored prompt goes when the agent starts (pm.argv).
+    # stored prompt goes when the agent starts (commandline.argv).
     prompt: str | None = None
     prompted: bool = False
     slot: int | None = None
@@ -112,7 +112,7 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     base_commit: str | None = None
     worktree_state: Literal["active", "kept", "removed", "pruned"] | None = None
     # `delegate --after`: ids of the tasks that must succeed before this one starts; if one
-    # ends otherwise, this one is cancelled (pm.dependencies_failed).
+    # ends otherwise, this one is cancelled (admission.dependencies_failed).
     after: list[int] = []
     # Cluster mode (docs/architecture.md §10): the machine it runs (or ran) on, and the one it must
     # run on (`delegate --host`).
@@ -131,7 +131,7 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     first_command: list[str] | None = None  # the command before a resume replaced it
     # The agent's exit hit its provider's limit: back to the queue once its leftovers are gone.
     limit: LimitHit | None = None
-    # Delegated by another task's agent (pm.admit): how many tasks are above it (0: delegated
+    # Delegated by another task's agent (admission.admit): how many tasks are above it (0: delegated
     # from outside any task), and how many levels its own agent may still delegate beneath it.
     depth: int = 0
     nesting: int = 0
@@ -236,7 +236,7 @@ class ClockMark(msgspec.Struct, kw_only=True):
 
 class ClockError(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A time written by a clock that was wrong, as the service found and corrected it
-    (pm.correct_clock): `off` seconds ahead (> 0) or behind (< 0) of the service's clock."""
+    (skew.correct_clock): `off` seconds ahead (> 0) or behind (< 0) of the service's clock."""
 
     found_at: Time  # the service's clock when it found it
     at: Time  # the time that was written
@@ -266,7 +266,7 @@ class QuotaWindow(msgspec.Struct, kw_only=True, omit_defaults=True):
     probe: int | None = None
 class Schedule(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A recurring schedule (`kugetsu schedule add`, docs/scheduling.md): each firing
-    delegates `request` (a pm.Request as JSON values, without its name) as a task named after
+    delegates `request` (a admission.Request as JSON values, without its name) as a task named after
     the schedule and the time. In the index, so the file store and the cluster's database
     keep it alike, and every change of it is one transaction."""
 

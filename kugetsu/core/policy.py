@@ -1,7 +1,7 @@
 """Scheduling policies: who may start next, and why the others wait. Pure, like pm.
 
 Everything goes through one selection, `Board.pick`: the scheduler asks it which queued
-tasks start now (pm.plan_starts), and positions come from playing it forward on a copy of
+tasks start now (selection.plan_starts), and positions come from playing it forward on a copy of
 the state (`Board.drain`) with slots freeing one at a time and nothing new arriving. So a
 position is the truth for every strategy and limit: there is no second ordering to drift.
 
@@ -89,7 +89,7 @@ def simple_order(index: Index, cfg: Config, waits: bool = True) -> bool:
     """True when no limit can hold one queued task while another passes it: then every pick
     takes the smallest key of all heads, and the start order is a plain sort (fifo, priority).
     `waits=False`: tasks that wait for their time (a retry's delay, `delegate --at`) are left
-    out of the question (pm.successor bounds its promise by their times instead)."""
+    out of the question (selection.successor bounds its promise by their times instead)."""
     return (
         cfg.strategy in ("fifo", "priority")
         and cfg.max_active_per_source is None
@@ -152,7 +152,7 @@ class Board:
         self.mark = {s: m.n for s, m in index.last_start.items()}  # fair: the start counter
         # rate limit: when each source may start again
         self.ready = {s: m.at + self.interval for s, m in index.last_start.items()} if self.interval else {}
-        # Running tasks in start order (pm.start appends to index.active): when the
+        # Running tasks in start order (lifecycle.start appends to index.active): when the
         # simulation frees a slot, the oldest ends first.
         self.running: deque[tuple[str, str | None, str | None, int, int]] = deque(
             (t.source, self.group_of(t), t.agent, t.slots,
@@ -167,7 +167,7 @@ class Board:
         self.by_agent = Counter(a for _, _, a, _, _ in self.running if a is not None)
         # `delegate --after`: a task whose dependencies are still live is parked outside the
         # lanes (it must not hold up the tasks behind it in its lane) until they have ended.
-        # lanes=False: a Board for `why` alone, which needs only the counts (pm.waiting_for_one).
+        # lanes=False: a Board for `why` alone, which needs only the counts (selection.waiting_for_one).
         self.running_ids: deque[int] = deque(t.id for t in index.active)
         self.parked: dict[int, tuple[Task, set[int]]] = {}
         live = {t.id for t in index.live()} if lanes and any(t.after for t in index.queued) else set()
@@ -353,7 +353,7 @@ class Board:
         return best
 
     def take(self, task: Task) -> str | None:
-        """Record `task` as started now, as pm.start does on the Index; returns the preset
+        """Record `task` as started now, as lifecycle.start does on the Index; returns the preset
         it starts on (its failover order's first with room)."""
         lane_id = self.lane_of(task)
         group = lane_id[1]

@@ -1,7 +1,7 @@
 """Recurring schedules (`kugetsu schedule`, docs/scheduling.md): the rules, pure like pm.
 
 A schedule is kept in the Index (models.Schedule). Each firing delegates its request through
-pm.admit, as a task named after the schedule and the time, unless its last task still lives
+admission.admit, as a task named after the schedule and the time, unless its last task still lives
 (no overlap by default) or admission refuses (a full queue): either is recorded on the
 schedule (`last_note`), never lost in silence. A firing at or before the schedule's
 `last_fire` is never run again, whoever asks: a service restarted, a second machine of a
@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from kugetsu.core import pm
+from kugetsu.core import admission
 from kugetsu.errors import KugetsuError, NotFound, UsageError
 from kugetsu.core.models import Event, Index, Schedule, TaskState, valid_name
 
@@ -184,7 +184,7 @@ def check_name(name: str) -> None:
 
 
 def add(index: Index, now: datetime, name: str, *, cron: str | None, every: float | None, tz: str | None,
-        request: pm.Request, overlap: bool = False) -> tuple[Schedule, list[Event]]:
+        request: admission.Request, overlap: bool = False) -> tuple[Schedule, list[Event]]:
     """A new schedule; the caller has checked the request as delegate does (ops)."""
     check_name(name)
     if name in index.schedules:
@@ -244,8 +244,8 @@ def free_name(index: Index, name: str) -> str:
     return out
 
 
-def request(sched: Schedule, at: datetime) -> pm.Request:
-    return msgspec.convert({**sched.request, "name": task_name(sched, at)}, pm.Request)
+def request(sched: Schedule, at: datetime) -> admission.Request:
+    return msgspec.convert({**sched.request, "name": task_name(sched, at)}, admission.Request)
 
 
 def live_task(index: Index, sched: Schedule) -> str | None:

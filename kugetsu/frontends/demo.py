@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kugetsu.app import control, ops
 
-from kugetsu.core import pm
+from kugetsu.core import admission, selection
 
 from kugetsu.frontends import render
 from kugetsu.config.load import save_raw, validate
@@ -92,12 +92,12 @@ def run_demo() -> int:
     try:
         _wait(lambda: control.service_pid(home) is not None, 10)
         say(f"throw-away home {home.root}, max_agents 2, seven tasks\n")
-        adm = ops.delegate(home, cfg, pm.Request(cwd=str(root), name=LIMITED[0], source="demo", agent="sim-claude",
+        adm = ops.delegate(home, cfg, admission.Request(cwd=str(root), name=LIMITED[0], source="demo", agent="sim-claude",
                                                  prompt="fix the flaky test"))
         say(f"$ kugetsu delegate {LIMITED[0]} --source demo --agent sim-claude --prompt 'fix the flaky test'")
         _said(adm)
         for name, seconds, fail, expiry in PLAN:
-            req = pm.Request(cwd=str(root), name=name, source="demo", expire_after=expiry,
+            req = admission.Request(cwd=str(root), name=name, source="demo", expire_after=expiry,
                              command=[sys.executable, "-m", "kugetsu.frontends.demo", str(seconds), "fail" if fail else "ok"])
             adm = ops.delegate(home, cfg, req)
             # The command as a user would type it (the simulated agent abbreviated), and what it prints.
@@ -165,7 +165,7 @@ def _printer(started: float):
 def _frame(index, cfg) -> str:
     """The live queue, as `kugetsu queue` shows it, indented under the event lines."""
     now = ops.now()
-    view = pm.queue_view(index, cfg, now)
+    view = selection.queue_view(index, cfg, now)
     parts = [render.summary(view.capacity)]
     if view.running:
         parts.append(render.running_table(view.running, now))

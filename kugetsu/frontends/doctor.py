@@ -447,7 +447,7 @@ def _clock(home: Home, index: Index) -> Check:
         return Check("clock", False, f"the clock says {now:%Y-%m-%d}", fix)
     wrong = index.clock_error
     if wrong is not None and now - wrong.found_at < CLOCK_ERROR_SHOWN:
-        from kugetsu.core.pm import describe_clock_error
+        from kugetsu.core.skew import describe_clock_error
 
         return Check("clock", False, f"{describe_clock_error(wrong)} (found {wrong.found_at:%Y-%m-%d %H:%M} UTC)",
                      "check the clock of whatever ran that command (faketime, a container's or a VM's clock,"

@@ -33,7 +33,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 
-from kugetsu.core import pm
+from kugetsu.core import policy, selection
 
 from kugetsu.frontends import guard
 
@@ -177,7 +177,7 @@ class _Usage:
             families["procs"].add_metric(key, m.procs)
         yield from families.values()
         declared = GaugeMetricFamily("kugetsu_memory_declared_bytes", "Memory the running tasks declared")
-        declared.add_metric([], sum(pm.memory_of(cfg, t) for t in index.active))
+        declared.add_metric([], sum(policy.memory_of(cfg, t) for t in index.active))
         yield declared
         budget = GaugeMetricFamily("kugetsu_max_memory_bytes", "This machine's max_memory: what its tasks may declare")
         budget.add_metric([], cfg.memory_budget)
@@ -262,9 +262,9 @@ class Metrics:
         self.last_seq = index.next_seq - 1
         self.running.set(len(index.active))
         self.queued.set(len(index.queued))
-        self.free.set(pm.free_slots(index, cfg))
+        self.free.set(selection.free_slots(index, cfg))
         self.max_agents.set(cfg.max_agents)
-        usage = pm.group_usage(index, cfg)
+        usage = selection.group_usage(index, cfg)
         for gone in self._groups - set(usage):  # a group removed from the config leaves the page
             for gauge in (self.group_max, self.group_running, self.group_queued):
                 gauge.remove(gone)

@@ -11,7 +11,9 @@ import msgspec
 from kugetsu.config.units import format_duration, format_size
 from kugetsu.service import runner
 from kugetsu.core.models import Task
-from kugetsu.core.pm import Capacity, Measured, short_size
+from kugetsu.core.policy import short_size
+from kugetsu.core.selection import Capacity
+from kugetsu.core.step import Measured
 
 if TYPE_CHECKING:  # render shows what ops lists; ops does not need render
     from kugetsu.app.ops import Listing
@@ -167,7 +169,7 @@ def running_table(tasks: list[Task], now: datetime, here: str | None = None,
 def queued_table(
     tasks: list[Task], positions: dict[int, int], now: datetime, waiting_for: dict[int, str] | None = None
 ) -> str:
-    """`waiting_for`: why a task waits when it is not simply behind others (pm.waiting_for)."""
+    """`waiting_for`: why a task waits when it is not simply behind others (selection.waiting_for)."""
     why = waiting_for or {}
     grouped = any(t.group for t in tasks)
     rows = [
@@ -218,7 +220,7 @@ def worktrees_table(rows: list[dict[str, Any]], now: datetime) -> str:
 
 
 def queue_text(listed: Listing, service_running: bool = True) -> str:
-    """`kugetsu queue`, from an ops.Listing (its pm.QueueView and the finished tasks)."""
+    """`kugetsu queue`, from an ops.Listing (its selection.QueueView and the finished tasks)."""
     view, now = listed.view, listed.now
     parts = [summary(view.capacity) + ("" if service_running else " · service not running")]
     if view.groups:

@@ -1,7 +1,7 @@
 """The service (`kugetsu serve`): the one long-running process of a KUGETSU_HOME.
 
 This module holds its lifecycle and its executor: each tick gathers what happened
-(observations), asks pm.tick what to do, carries out the plan and commits, in one store
+(observations), asks step.tick what to do, carries out the plan and commits, in one store
 transaction. It spawns agents as slots free and learns of their exit at once, records the
 result and promotes the next task in the same transaction. One APScheduler job wakes it at the
 earliest of everything that happens at a time (queue expiry, run timeouts, SIGKILL after
@@ -31,7 +31,7 @@ from kugetsu import agents
 
 from kugetsu.app import control, ops
 
-from kugetsu.core import limits, placement, pm
+from kugetsu.core import lifecycle, limits, placement, policy, retries, selection, skew, step
 
 from kugetsu.service import runner, usage
 
@@ -44,7 +44,7 @@ from kugetsu.errors import DiskFull, KugetsuError, Unreachable
 from kugetsu.service.exits import Ending, Exits
 from kugetsu.agents.report import Usage
 from kugetsu.core.models import Event, Index, Task, TaskState
-from kugetsu.core.pm import GUARD_RECHECK
+from kugetsu.core.lifecycle import GUARD_RECHECK
 from kugetsu.paths import Home, atomic_write, read_head
 from kugetsu.service.processes import WARM_AHEAD, LetGo, Processes
 from kugetsu.store.files import open_store
@@ -81,7 +81,7 @@ class Service:
         self.failing: str | None = None  # why the last transaction failed, while it does
         self._retry: asyncio.TimerHandle | None = None
         self._retry_delay = RETRY_FIRST
-        self.successor: pm.Successor | None = None  # pm's pick for the next slot to free
+        self.successor: selection.Successor | None = None  # pm's pick for the next slot to free
         self._released: int | None = None  # the successor, let go at an exit, until pm records it
         self.jobs: dict[str, datetime] = {}  # the policies' wake-ups (rate limit, guard re-check)
         self._reconcile_handle: asyncio.TimerHandle | None = None
@@ -111,7 +111,7 @@ class Service:
         self.resource_mode = "sampling"
         self.cgroup_base: usage.Base | None = None
         self.sampler = usage.Sampler(home, "sampling")
-        self.measured: dict[int, pm.Measured] = {}
+        self.measured: dict[int, step.Measured] = {}
         self._measure_handle: asyncio.TimerHandle | None = None
         self._measuring = False
         self._cgroups_left = False  # cgroup mode: runs over whose cgroups could not be removed yet
@@ -236,7 +236,7 @@ class Service:
 
     def tick(self, hold: bool = False) -> None:
         """One transaction that brings the world in line: gather what happened (exits,
-        leftovers found, starts that no committed index records), let pm.tick decide, carry
+        leftovers found, starts that no committed index records), let step.tick decide, carry
         out its plan (spawn, signal), commit. `hold` (after an agent's exit): keep the
         transaction open, lock and all, for COMMIT_DELAY, so that the exits that follow in a
         burst share its commit (`_hold`)."""
@@ -255,12 +255,12 @@ class Service:
             # Times a command wrote from a wrong clock, before anything is decided from them;
             # against this service's previous transaction only while it has been up. Only an
             # index another process wrote: what this service wrote is by its own clock.
-            wrong = None if txn.unchanged else pm.correct_clock(
+            wrong = None if txn.unchanged else skew.correct_clock(
                 index, cfg, txn.now, None if self._first_tick else self.index, self._last_now)
             if wrong is not None:
                 index.clock_error = wrong
-                log.warning("clock error: %s", pm.describe_clock_error(wrong))
-            obs = pm.Observations(resources=ops.measure(cfg), measured=list(self.measured.values()))
+                log.warning("clock error: %s", skew.describe_clock_error(wrong))
+            obs = step.Observations(resources=ops.measure(cfg), measured=list(self.measured.values()))
             committed_running = {t.id for t in index.active}
             if self.member is not None:
                 self._observe_cluster(txn, obs)
@@ -284,7 +284,7 @@ class Service:
             if self.worktrees.closing and self.worktrees.record_closes(txn):
                 self._disk_check = True
             obs.progress, self._progress = self._progress, {}
-            plan = pm.tick(index, cfg, txn.now, obs)
+            plan = step.tick(index, cfg, txn.now, obs)
             for task, err in plan.set_aside:  # once: a task set aside is final
                 log.error("%s (#%d) set aside as failed: handling its end raised %s: %s; the other tasks go on",
                           task.name, task.id, type(err).__name__, err, exc_info=err)
@@ -294,7 +294,7 @@ class Service:
             if self.member is None:
                 # While commits fail, nothing new is let go: what starts is committed first.
                 while self.failing is None and self._spawn(txn, plan.start):
-                    plan.start = self._take(txn, pm.settle(index, cfg, txn.now, obs.resources)).start
+                    plan.start = self._take(txn, step.settle(index, cfg, txn.now, obs.resources)).start
             else:
                 # A cluster: only a start already committed as this machine's is spawned. Were
                 # it spawned before its commit, a commit lost with the connection would leave it
@@ -302,7 +302,7 @@ class Service:
                 ready = [t for t in plan.start if t.id in committed_running]
                 deferred = len(ready) < len(plan.start)
                 if self.failing is None and self._spawn(txn, ready):
-                    self._take(txn, pm.settle(index, cfg, txn.now, obs.resources, obs.here))
+                    self._take(txn, step.settle(index, cfg, txn.now, obs.resources, obs.here))
                     deferred = True
             if self._released is not None:
                 self._record_released(txn)
@@ -318,7 +318,7 @@ class Service:
         self.index = txn.index
         self._last_now = txn.now
         self._released = None
-        self.successor = pm.successor(self.index, self.cfg)
+        self.successor = selection.successor(self.index, self.cfg)
         self.exits.ticked()
         self.procs.forget_dropped()
         if self.worktrees.preparing:
@@ -384,7 +384,7 @@ class Service:
     def _confine(self, task: Task) -> dict[str, str] | None:
         """cgroup mode: the cgroups a task with limits starts in (its wrapper joins them before
         its agent runs), as the wrapper's environment says it; None: no limit, none needed."""
-        memory, procs = pm.memory_of(self.cfg, task), pm.max_procs_of(self.cfg, task)
+        memory, procs = policy.memory_of(self.cfg, task), step.max_procs_of(self.cfg, task)
         if self.cgroup_base is None or not (memory or procs):
             return None
         try:
@@ -396,7 +396,7 @@ class Service:
         self._cgroups_left = True  # to be removed once the run is over
         return {runner.CGROUP_VAR: groups.procs_files()}
 
-    def _kernel_said(self, index: Index, exits: list[pm.Exit]) -> list[pm.Measured]:
+    def _kernel_said(self, index: Index, exits: list[step.Exit]) -> list[step.Measured]:
         """cgroup mode: what the kernel did to the tasks that just ended (an OOM kill, a fork
         refused), read at once (a few bytes of /sys): their end is booked as over a limit."""
         out = []
@@ -408,7 +408,7 @@ class Service:
             oom, refused, peak = groups.read()
             if oom or refused:
                 seen = self.measured.get(e.task)
-                out.append(pm.Measured(task=e.task, memory=0, peak=max(peak, seen.peak if seen else 0),
+                out.append(step.Measured(task=e.task, memory=0, peak=max(peak, seen.peak if seen else 0),
                                        cpu=seen.cpu if seen else 0.0, procs=0, oom_kills=oom, forks_refused=refused,
                                        attempt=attempts.get(e.task, 0)))
         return out
@@ -447,14 +447,14 @@ class Service:
         job.add_done_callback(self._measured)
 
     def _measure_job(self, tokens: dict[int, str], groups: dict[int, usage.TaskGroups | None], live: dict[int, int],
-                     next_id: int) -> dict[int, pm.Measured]:
+                     next_id: int) -> dict[int, step.Measured]:
         measured = self.sampler.measure(tokens, groups, live)
         self.sampler.publish(measured, ops.now())
         if self.cgroup_base is not None and usage.remove_finished(self.cgroup_base, live, next_id):
             self._cgroups_left = True  # a look once more, until they are gone
         return measured
 
-    def _measured(self, done: asyncio.Future[dict[int, pm.Measured]]) -> None:
+    def _measured(self, done: asyncio.Future[dict[int, step.Measured]]) -> None:
         self._measuring = False
         err = done.exception()
         if err is not None:
@@ -463,7 +463,7 @@ class Service:
         else:
             measured = self.measured = done.result()
         tasks = {t.id: t for t in self.index.active}
-        if any(pm.limit_exceeded(self.cfg, t, m) for m in measured.values() if (t := tasks.get(m.task)) is not None):
+        if any(step.limit_exceeded(self.cfg, t, m) for m in measured.values() if (t := tasks.get(m.task)) is not None):
             self.request_tick()  # pm decides: over a limit, stopped
         if self._measure_handle is None and (tasks or measured or self._cgroups_left):
             self._measure_handle = self.loop.call_later(self.cfg.resources.interval_s, self._measure)
@@ -523,7 +523,7 @@ class Service:
             self._usage_check = self.loop.call_later(USAGE_CHECK_EVERY, self._check_usage, here)
 
     def _check_usage(self, here: str | None) -> None:
-        """What each budgeted run has used so far; a change is booked by a tick (pm.progress),
+        """What each budgeted run has used so far; a change is booked by a tick (retries.progress),
         which stops a task past its budget."""
         self._usage_check = None
         sizes = {}
@@ -554,9 +554,9 @@ class Service:
         elif done.result():
             log.debug("task #%d's log was %d bytes: %d dropped (log_max_size)", task_id, size, done.result())
 
-    def _with_output(self, seen: pm.Exit, task: Task) -> pm.Exit:
+    def _with_output(self, seen: step.Exit, task: Task) -> step.Exit:
         """What pm reads in the end of an agent's output (a provider's limit, the session id)."""
-        if not task.log or not pm.reads_output(self.cfg, task):
+        if not task.log or not retries.reads_output(self.cfg, task):
             return seen
         kind = ops.output_kind(self.cfg, task)
         size = agents.TAIL_BYTES if kind != "text" else limits.TAIL_BYTES
@@ -568,7 +568,7 @@ class Service:
             tail = read_head(task.log, size, 4096) + tail
         return msgspec.structs.replace(seen, tail=tail.decode(errors="replace"))
 
-    def _take(self, txn: Txn, plan: pm.Plan) -> pm.Plan:
+    def _take(self, txn: Txn, plan: step.Plan) -> step.Plan:
         """Put a plan's events and archive into the transaction."""
         txn.emit(plan.events)
         txn.archive.extend(plan.archive)
@@ -660,7 +660,7 @@ class Service:
 
     def _release_successor(self, txn: Txn) -> None:
         """An agent has exited and nothing changed since this service's last transaction: let
-        the task pm named for the next free slot (pm.successor) run its agent now, before the
+        the task pm named for the next free slot (selection.successor) run its agent now, before the
         bookkeeping of this transaction, which then records that very start. The write to
         the warm wrapper's pipe comes first; reaping, the exit status and the new plan (about
         0.2 ms of Python) after it. Still under the index lock, and only while the index is
@@ -694,7 +694,7 @@ class Service:
         self.procs.let_go[succ.task.id] = LetGo(warm.pid, warm.start, at)
 
     def _record_released(self, txn: Txn) -> None:
-        """pm.successor promises that the transaction starts the task let go early. Should
+        """selection.successor promises that the transaction starts the task let go early. Should
         that promise ever break, its agent runs all the same: record it as running rather
         than start it a second time later."""
         task = next((t for t in txn.index.queued if t.id == self._released), None)
@@ -703,7 +703,7 @@ class Service:
             return
         log.error("%s (#%d) was let go early but not picked to start; recording it as running", task.name, task.id)
         at = self.procs.let_go[task.id].at
-        self._take(txn, pm.adopt(txn.index, txn.now, [pm.Adopted(task.id, warm.pid, warm.start, at, str(self.home.log(task.id)))]))
+        self._take(txn, step.adopt(txn.index, txn.now, [step.Adopted(task.id, warm.pid, warm.start, at, str(self.home.log(task.id)))]))
         self.procs.children[warm.pid] = warm.popen
 
     def _spawn(self, txn: Txn, tasks: list[Task]) -> bool:
@@ -715,7 +715,7 @@ class Service:
                 if not self.worktrees.ready(task):
                     continue  # being created off the lock; the tick after it is done starts the agent
             except Exception as err:  # WorktreeError, or whatever git or the disk raised
-                self._take(txn, pm.Plan(events=pm.start_failed(txn.index, task, txn.now, 1, f"could not create its worktree: {err}")))
+                self._take(txn, step.Plan(events=step.start_failed(txn.index, task, txn.now, 1, f"could not create its worktree: {err}")))
                 freed = True
                 continue
             cwd, env = workplace(task)
@@ -731,17 +731,17 @@ class Service:
                     # Its exit file cannot be allocated: it must not start. The whole
                     # transaction fails, and is retried with backoff.
                     raise DiskFull(f"disk full: cannot start {task.name} (#{task.id}): {err.strerror}") from None
-                self._take(txn, pm.Plan(events=pm.start_failed(txn.index, task, txn.now, 127, f"could not start: {err}")))
+                self._take(txn, step.Plan(events=step.start_failed(txn.index, task, txn.now, 127, f"could not start: {err}")))
                 freed = True
                 continue
             except ValueError as err:  # an argv exec cannot take (NUL byte)
-                self._take(txn, pm.Plan(events=pm.start_failed(txn.index, task, txn.now, 127, f"could not start: {err}")))
+                self._take(txn, step.Plan(events=step.start_failed(txn.index, task, txn.now, 127, f"could not start: {err}")))
                 freed = True
                 continue
             self.procs.let_go[task.id] = LetGo(spawned.pid, spawned.start, at)
             self.procs.children[spawned.pid] = spawned.popen
             task.pid, task.pid_start, task.log = spawned.pid, spawned.start, str(self.home.log(task.id))
-            pm.record_spawn(txn.index, task, at)
+            lifecycle.record_spawn(txn.index, task, at)
             if spawned.start is None:  # it exited before we could look at it
                 self.exits.exited.add(task.id)
         return freed
@@ -781,7 +781,7 @@ class Service:
 
         return self.member.holds(SCHEDULER_LEASE)
 
-    def _observe_cluster(self, txn: Txn, obs: pm.Observations) -> None:
+    def _observe_cluster(self, txn: Txn, obs: step.Observations) -> None:
         """Every machine's lease, and the directories queued tasks need that this machine
         lacks; first of all, if this machine was declared gone while it was away, fence."""
         member = self.member
@@ -835,8 +835,8 @@ class Service:
         """Set the deadline job (deadlines.py) at the earliest moment anything falls due:
         pm's deadlines (expiry, run timeouts, SIGKILL after the grace) and the policies'."""
         now = ops.now()
-        self.jobs = pm.policy_wakeups(self.index, self.cfg, now, ops.measure(self.cfg), self.jobs)
-        due = min(filter(None, [pm.next_deadline(self.index), *self.jobs.values()]), default=None)
+        self.jobs = lifecycle.policy_wakeups(self.index, self.cfg, now, ops.measure(self.cfg), self.jobs)
+        due = min(filter(None, [lifecycle.next_deadline(self.index), *self.jobs.values()]), default=None)
         self.timer.set(due, now)
         if self.index.schedules or self.schedule_jobs.rules:
             self.schedule_jobs.sync(self.index.schedules, now, self.cfg.schedule_missed)

@@ -5,7 +5,7 @@ Two kinds of jobs on one AsyncIOScheduler, on the service's loop:
 - `deadline`: ONE date job at the earliest moment anything falls due: queue expiry, run
   timeouts, SIGKILL after the grace, the end of a hold on a preset, a retry's delay and a
   start time asked for (`not_before`), rate limits and resource-guard re-checks. The service
-  sets it after every tick (pm.next_deadline and the policies' wake-ups); when it fires,
+  sets it after every tick (lifecycle.next_deadline and the policies' wake-ups); when it fires,
   the tick that follows asks pm what is due and does ALL of it (expire_due, timeouts_due,
   kills_due, release_due, settle take everything due at `now`), then sets the next one.
 - `schedule:NAME`: one cron or interval job per recurring schedule (kugetsu/core/schedules.py);

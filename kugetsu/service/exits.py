@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from kugetsu.core import pm
+from kugetsu.core import step
 
 from kugetsu.service import runner
 from kugetsu.core.models import Index, Task
@@ -92,7 +92,7 @@ class Exits:
 
     # ---- what a task's agent leaves behind -----------------------------------------------
 
-    def seen(self, task: Task, first_tick: bool) -> pm.Exit:
+    def seen(self, task: Task, first_tick: bool) -> step.Exit:
         """The task's wrapper is gone: its status, and whether anything it started may still
         run. Ruled out in microseconds in the common case (its process group is empty, and no
         orphan carrying its token was handed to this service, the subreaper); not for a
@@ -110,7 +110,7 @@ class Exits:
             clean = False
         if not clean:
             log.info("%s (#%d) ended (%s); ending what it left running", task.name, task.id, code)
-        return pm.Exit(task.id, code, reason, leftovers=not clean)
+        return step.Exit(task.id, code, reason, leftovers=not clean)
 
     def leftovers_possible(self, task: Task) -> bool:
         if task.pid is not None and runner.group_alive(task.pid):
@@ -151,7 +151,7 @@ class Exits:
         self._zombies = zombies
         return tokens, unread
 
-    def look_for_leftovers(self, txn: Txn) -> list[pm.Found]:
+    def look_for_leftovers(self, txn: Txn) -> list[step.Found]:
         """Tasks whose agent has ended while processes it started still run: look for them (a
         /proc scan by the task's token, in a worker thread) whenever nothing signalled is
         left to wait for, or the grace is over; report what each finished look found."""
@@ -162,7 +162,7 @@ class Exits:
         for task in live.values():
             ending = self.endings.setdefault(task.id, Ending())
             if not task.token:  # a task from before tokens: nothing to look for
-                found.append(pm.Found(task.id, 0, 0))
+                found.append(step.Found(task.id, 0, 0))
                 continue
             if ending.scan is None:
                 grace_over = task.kill_at is not None and txn.now >= task.kill_at and not ending.killed
@@ -175,14 +175,14 @@ class Exits:
             pids: dict[int, int] = {} if scan.cancelled() or scan.exception() else scan.result()
             ending.seen.update(pids)
             ending.found = pids
-            found.append(pm.Found(task.id, len(pids), len(ending.seen)))
+            found.append(step.Found(task.id, len(pids), len(ending.seen)))
         return found
 
     def unlooked(self, index: Index) -> bool:
         """Is a task of ours ended, with leftovers possible, that no look has begun for?"""
         return any(t.ended_at is not None and ours(t, self.host) and t.id not in self.endings for t in index.active)
 
-    def signal_leftovers(self, plan: pm.Plan, index: Index) -> None:
+    def signal_leftovers(self, plan: step.Plan, index: Index) -> None:
         """Signal what the looks found (pm chose the signal) and watch each: when all are gone,
         look again. A task pm finished has its look forgotten."""
         loop = asyncio.get_running_loop()

@@ -16,7 +16,7 @@ import msgspec
 
 from kugetsu.app import ops
 
-from kugetsu.core import pm
+from kugetsu.core import commandline, policy, selection, step
 
 from kugetsu.frontends import render
 
@@ -39,7 +39,7 @@ _FINAL = frozenset(s.value for s in TaskState if s.final)
 
 def limited(cfg: Config, task: Task) -> bool:
     """Has the task a memory or process limit (in cgroup mode: cgroups of its own)?"""
-    return bool(pm.memory_of(cfg, task) or pm.max_procs_of(cfg, task))
+    return bool(policy.memory_of(cfg, task) or step.max_procs_of(cfg, task))
 
 
 class LetGo(msgspec.Struct):
@@ -53,7 +53,7 @@ class LetGo(msgspec.Struct):
 class Processes:
     def __init__(self, home: Home, prompts: Callable[[list[int]], dict[int, str]]):
         self.home = home
-        self.prompts = prompts  # the store's: a task's prompt is put into its argv as it starts (pm.argv)
+        self.prompts = prompts  # the store's: a task's prompt is put into its argv as it starts (commandline.argv)
         self.children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> Popen of the wrappers this service spawned
         # Agents let go (spawned, or a warm wrapper released) that no committed index records
         # yet: should the commit fail (a full disk), the next transaction records them from
@@ -103,12 +103,12 @@ class Processes:
                             confine=confine, header=render.attempt_header(task))
 
     def _argv(self, task: Task, stored: dict[int, str]) -> list[str]:
-        """pm.argv of the task; a {prompt_file} preset's file is made here first, on the
+        """commandline.argv of the task; a {prompt_file} preset's file is made here first, on the
         machine that runs the agent (the file store's own copy is that file already; in a
         cluster the prompt is a row of the database). ValueError: its prompt is missing."""
-        prompt = pm.prompt_of(task, stored)
+        prompt = commandline.prompt_of(task, stored)
         path = self.home.prompt_file(task.id)
-        if prompt is not None and pm.wants_file(task):
+        if prompt is not None and commandline.wants_file(task):
             data = prompt.encode()
             try:
                 with open(path, "rb", opener=nofollow) as f:
@@ -117,7 +117,7 @@ class Processes:
                 same = False
             if not same:
                 atomic_write(path, data)
-        return pm.argv(task, prompt, str(path))
+        return commandline.argv(task, prompt, str(path))
 
     def _prompts(self, tasks: list[Task]) -> dict[int, str]:
         """The stored prompts of those tasks whose argv takes one (one read for the lot)."""
@@ -132,8 +132,8 @@ class Processes:
         decided by pm in the tick; this only prepares the likely ones. Worktree tasks are not
         warmed: their working directory only exists once they start."""
         want: list[Task] = []
-        if index.queued and pm.free_slots(index, cfg) == 0:
-            order = pm.start_order(index, cfg, ops.now())[:WARM_AHEAD]
+        if index.queued and selection.free_slots(index, cfg) == 0:
+            order = selection.start_order(index, cfg, ops.now())[:WARM_AHEAD]
             want = [t for t in order if not t.repo and t.token and not (self.confine and limited(cfg, t))]
         wanted = {t.id for t in want}
         for task_id in [i for i in self.warm if i not in wanted]:
@@ -201,14 +201,14 @@ class Processes:
 
     # ---- starts no committed index records -------------------------------------------------
 
-    def let_go_seen(self) -> list[pm.Adopted]:
+    def let_go_seen(self) -> list[step.Adopted]:
         """What this service let go since its last successful commit: a task it started runs,
         whether or not the commit that said so reached the disk, and pm records it (never
         starting it a second time)."""
-        return [pm.Adopted(task_id, go.pid, go.start, go.at, str(self.home.log(task_id)))
+        return [step.Adopted(task_id, go.pid, go.start, go.at, str(self.home.log(task_id)))
                 for task_id, go in self.let_go.items()]
 
-    def recovered(self, txn: Txn) -> list[pm.Adopted]:
+    def recovered(self, txn: Txn) -> list[step.Adopted]:
         """At start-up, after a crash between starting a task's wrapper and committing it: a
         wrapper of ours (same user, the task's token) that runs its agent (a warm one that
         was never released has no child, and exits when it sees its pipe closed), or the
@@ -241,7 +241,7 @@ class Processes:
             before = [t for t in ends if end is None or t <= end]
             at = max(before) if before else (end or txn.now)
             pid, start = found if running else (None, None)
-            out.append(pm.Adopted(task_id, pid, start, at, str(self.home.log(task_id)), code))
+            out.append(step.Adopted(task_id, pid, start, at, str(self.home.log(task_id)), code))
             if running:
                 log.info("re-adopted task #%d, pid %d, started before a crash", task_id, pid)
             else:  # it left no process to record: the task ends with no pid

@@ -115,7 +115,7 @@ def agent_env(home: Home, task_id: int, name: str, token: str | None, env: dict[
     """The environment an agent runs with: the service's own, less kugetsu's variables and
     secrets (see _OURS), plus the preset's variables and the task's identity. KUGETSU_TASK_ID
     and KUGETSU_TASK_NAME also tell a `kugetsu delegate` or `kugetsu mcp` the agent runs that
-    it runs inside this task (pm.check_nesting); KUGETSU_DEPTH says how many tasks deep (1: a
+    it runs inside this task (admission.check_nesting); KUGETSU_DEPTH says how many tasks deep (1: a
     task delegated from outside). None of them is a secret: set here for each agent, whatever
     the service's own environment held."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(_OURS) and k not in _DB_SECRETS}

@@ -1,5 +1,5 @@
 """What the running tasks use, measured, and the kernel's part in bounding it (README,
-"Resources"). The service's side: pm decides what an over-limit task gets (pm.over_limits).
+"Resources"). The service's side: pm decides what an over-limit task gets (step.over_limits).
 
 A task's use is that of every process it owns: the processes carrying its token (runner) in
 sampling mode, those of its own cgroups in cgroup mode (where children cannot leave). One
@@ -27,7 +27,7 @@ from pathlib import Path
 import msgspec
 
 from kugetsu.service import runner
-from kugetsu.core.pm import Measured
+from kugetsu.core.step import Measured
 from kugetsu.paths import Home, atomic_write
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")

@@ -54,7 +54,7 @@ def writer() -> str:
 
 def mark_writer(txn: Txn) -> None:
     """A transaction that records events signs the index with its clock (Index.clock): a time
-    from a wrong clock can then be traced to the command that wrote it (pm.correct_clock).
+    from a wrong clock can then be traced to the command that wrote it (skew.correct_clock).
     Only then: a transaction that changes nothing else must not rewrite the index."""
     if txn.events:
         txn.index.clock = ClockMark(at=txn.now, by=writer())

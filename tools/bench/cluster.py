@@ -24,7 +24,7 @@ The cluster store's own cost by queue length (issue 26: "a cluster store that gr
 queue"), in-process on PgStore, with N queued tasks (and 200 finished): `commit`, one
 change by a long-lived client (a service) after its own last commit; `other`, the same
 right after another client committed (what every machine does after each NOTIFY); `read`,
-a new client's read of the state (a CLI call); `admit`, pm.admit of one task in a
+a new client's read of the state (a CLI call); `admit`, admission.admit of one task in a
 transaction. Medians in ms. With --before DIR (a checkout of an older kugetsu, e.g.
 `git worktree add /tmp/kg-before <commit>`), the same run on it, side by side.
 """
@@ -176,7 +176,7 @@ def measure(admin: str, quick: bool) -> dict:
 SCALE_WORKER = r"""
 import json, statistics, sys, time
 from datetime import datetime, timezone
-from kugetsu.core import pm
+from kugetsu.core import admission as admission_rules  # the name `admission` is this bench's scenario
 from kugetsu.store.postgres import PgStore
 from kugetsu.config.model import Config
 from kugetsu.core.models import Task, TaskState
@@ -219,7 +219,7 @@ def fresh():
 
 def admit():
     with a.transaction() as txn:
-        pm.admit(txn.index, cfg, txn.now, pm.Request(cwd="/", command=["true"]))
+        admission_rules.admit(txn.index, cfg, txn.now, admission_rules.Request(cwd="/", command=["true"]))
 
 out = {"commit": med(lambda: change(a), 15), "other": med(other, 9), "read": med(fresh, 5), "admit": med(admit, 9)}
 out["other"] = round(out["other"] - out["commit"], 2)  # b's commit is not a's cost

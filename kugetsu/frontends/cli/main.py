@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 from kugetsu.app import control, ops
 
-from kugetsu.core import pm
+from kugetsu.core import admission, selection
 
 from kugetsu.service import runner
 from kugetsu.config.keys import get_value, parse_value
@@ -550,7 +550,7 @@ def _undo_dashdash(args: argparse.Namespace) -> None:
 def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     cfg = load_config(home)
     req = _request(args)
-    unused = pm.unused_prompt_text(cfg, req, "the command after --")
+    unused = admission.unused_prompt_text(cfg, req, "the command after --")
     if unused:
         print(f"kugetsu: warning: {unused}", file=sys.stderr)
     adm = ops.delegate(home, cfg, req)
@@ -572,10 +572,10 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     return OK
 
 
-def _request(args: argparse.Namespace) -> pm.Request:
+def _request(args: argparse.Namespace) -> admission.Request:
     """delegate's options as a request (delegate, schedule add)."""
     prompt = _read_prompt(args)
-    return pm.Request(
+    return admission.Request(
         cwd=os.path.abspath(args.cwd or os.getcwd()),
         name=args.name,
         command=args.argv_command or None,
@@ -642,7 +642,7 @@ def _read_prompt(args: argparse.Namespace) -> str | None:
 
 def cmd_edit(home: Home, args: argparse.Namespace) -> int:
     prompt = _edit_prompt(home, args.task) if args.prompt_editor else _read_prompt(args)
-    change = pm.Edit(prompt=prompt, priority=args.priority, expire_after=args.expire_after,
+    change = admission.Edit(prompt=prompt, priority=args.priority, expire_after=args.expire_after,
                      timeout=args.timeout, group=args.group, name=args.name, cwd=args.cwd, agent=args.agent,
                      command=args.argv_command or None, start_at=ops.start_time(args.at, args.delay))
     if change.empty():
@@ -672,7 +672,7 @@ def _edit_prompt(home: Home, ref: str) -> str | None:
     import tempfile
 
     _, index = ops.read(home)
-    task = pm.find(index, ref)
+    task = selection.find(index, ref)
     if task.state is not TaskState.QUEUED:
         raise UsageError(f"task {task.name} (#{task.id}) is {task.state.value}; only a queued task can be edited",
                          code=FAILURE)
@@ -725,7 +725,7 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
     keep = _task_filter(args.group, args.state, args.source)
-    view = ops.listing(cfg, index, finished=args.all, home=home, keep=None if keep == pm.TaskFilter() else keep)
+    view = ops.listing(cfg, index, finished=args.all, home=home, keep=None if keep == selection.TaskFilter() else keep)
     if args.json:
         _kept.append(shown := ops.queue_json(view, home))
         _print_json(shown)
@@ -834,7 +834,7 @@ def cmd_status(home: Home, args: argparse.Namespace) -> int:
 
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
-    task = pm.find(index, args.task)
+    task = selection.find(index, args.task)
     obj = ops.status_json(home, index, cfg, task)
     if args.json:
         print(to_json(obj))
@@ -874,12 +874,12 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
         if args.follow:
             raise UsageError("logs: --json prints the logs as they are now; it cannot --follow")
         cfg, index = load_config(home), store.read()
-        tasks = [pm.find(index, ref) for ref in args.tasks]
+        tasks = [selection.find(index, ref) for ref in args.tasks]
         print(to_json([ops.log_json(home, cfg, t, args.lines, logtail.WINDOW, args.raw) for t in tasks]))
         return OK
     if len(args.tasks) > 1:
         return _logs_of_several(home, args)
-    task = pm.find(store.read(), args.tasks[0])
+    task = selection.find(store.read(), args.tasks[0])
     cfg = load_config(home)
     path = ops.log_path(home, cfg, task)
     kind = "text" if args.raw else ops.output_kind(cfg, task)
@@ -907,10 +907,10 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
     out.flush()
     if args.follow and task.state is TaskState.QUEUED:  # nothing to show until it starts: say why
         cfg, index = ops.read(home)
-        position = pm.positions(index, cfg, ops.now()).get(task.id)
+        position = selection.positions(index, cfg, ops.now()).get(task.id)
         _say(f"(waiting: {task.name} is queued" + (f", position {position})" if position else ")"), file=sys.stderr)
     while args.follow:
-        task = pm.find(store.read(), str(task.id))
+        task = selection.find(store.read(), str(task.id))
         path = ops.log_path(home, cfg, task)  # in a cluster: what the task's machine shipped since
         if follower is None and path.exists():
             follower = logtail.Follower(open(path, "rb", opener=nofollow), 0)
@@ -949,7 +949,7 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
 
     store = open_store(home)
     index = store.read()
-    tasks = list({t.id: t for t in (pm.find(index, ref) for ref in args.tasks)}.values())
+    tasks = list({t.id: t for t in (selection.find(index, ref) for ref in args.tasks)}.values())
     names = [t.name for t in tasks]
     prefix = {t.id: (f"{t.name}#{t.id}" if names.count(t.name) > 1 else t.name).encode() + b" | " for t in tasks}
     out = _log_output(args)
@@ -1004,7 +1004,7 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
         live = [t for t in tasks if not t.state.final] if args.follow else []
         queued = [t for t in live if t.state is TaskState.QUEUED]
         if queued:  # nothing to show of them until they start: say why
-            positions = pm.positions(index, cfg, ops.now())
+            positions = selection.positions(index, cfg, ops.now())
             _say("(waiting: " + ", ".join(f"{t.name} is queued, position {positions.get(t.id, '-')}" for t in queued)
                  + ")", file=sys.stderr)
         while live:
@@ -1046,7 +1046,7 @@ def cmd_wait(home: Home, args: argparse.Namespace) -> int:
         return _wait_for(home, [t.id for t in tasks], args.timeout, args.json)
     # A name only one task ever bore is that task, finished or not (`delegate x; wait x`): no
     # note; a name several finished tasks bore is refused by find_to_wait (which one?).
-    tasks = [pm.find_to_wait(index, ref) for ref in args.tasks]
+    tasks = [selection.find_to_wait(index, ref) for ref in args.tasks]
     return _wait_for(home, [t.id for t in tasks], args.timeout, args.json)
 
 
@@ -1129,15 +1129,15 @@ def _pause(home: Home, args: argparse.Namespace, on: bool) -> int:
 
 
 def cmd_next(home: Home, args: argparse.Namespace) -> int:
-    return _moved(home, args, lambda index, task, now: pm.move_next(index, task, now), "moved to the front")
+    return _moved(home, args, lambda index, task, now: admission.move_next(index, task, now), "moved to the front")
 
 
 def cmd_stash(home: Home, args: argparse.Namespace) -> int:
-    return _moved(home, args, lambda index, task, now: pm.stash(task, now, True), "stashed")
+    return _moved(home, args, lambda index, task, now: admission.stash(task, now, True), "stashed")
 
 
 def cmd_unstash(home: Home, args: argparse.Namespace) -> int:
-    return _moved(home, args, lambda index, task, now: pm.stash(task, now, False), "unstashed")
+    return _moved(home, args, lambda index, task, now: admission.stash(task, now, False), "unstashed")
 
 
 def _moved(home: Home, args: argparse.Namespace, change: Callable[..., Any], verb: str) -> int:
@@ -1197,7 +1197,7 @@ def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
 
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
-    cap = pm.capacity(index, cfg, ops.now())
+    cap = selection.capacity(index, cfg, ops.now())
     if args.json:
         print(to_json(ops.capacity_json(cfg, index)))
     else:
@@ -1358,9 +1358,9 @@ def cmd_store(home: Home, args: argparse.Namespace) -> int:
     return OK
 
 
-def _task_filter(group: str | None = None, states: list[str] | None = None, source: str | None = None) -> pm.TaskFilter:
+def _task_filter(group: str | None = None, states: list[str] | None = None, source: str | None = None) -> selection.TaskFilter:
     try:
-        return pm.task_filter(group, states, source)
+        return selection.task_filter(group, states, source)
     except UsageError as err:
         raise UsageError(f"--state: {err}") from None
 

@@ -32,7 +32,7 @@ from pydantic import Field, ValidationError
 
 import kugetsu
 from kugetsu.app import control, ops, waiting
-from kugetsu.core import pm
+from kugetsu.core import admission, selection
 from kugetsu.frontends import render
 from kugetsu.config.load import load_config
 from kugetsu.config.model import Config
@@ -93,7 +93,7 @@ def _size(value: str | int | None) -> int | None:
 
 
 def _task_json(home: Home, cfg: Any, index: Index, task: Task) -> dict[str, Any]:
-    return ops.task_json(task, pm.positions(index, cfg, ops.now()).get(task.id), prompts=ops.prompts(home, [task]))
+    return ops.task_json(task, selection.positions(index, cfg, ops.now()).get(task.id), prompts=ops.prompts(home, [task]))
 
 
 class Follow:
@@ -294,7 +294,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         rejected, so send fewer or wait."""
         cfg, index = ops.read(home)
         control.ensure_service(home, cfg, index)
-        return _text(render.summary(pm.capacity(index, cfg, ops.now())), ops.capacity_json(cfg, index))
+        return _text(render.summary(selection.capacity(index, cfg, ops.now())), ops.capacity_json(cfg, index))
 
     @server.tool(annotations=ToolAnnotations(destructive_hint=False, idempotent_hint=False, open_world_hint=True))
     @answers
@@ -354,7 +354,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         at once; wait about a minute (or `wait` for one of your running tasks) and delegate again.
         A tool error means a bad argument (name taken or invalid, unknown preset, bad duration,
         cwd missing): fix it and call again."""
-        req = pm.Request(
+        req = admission.Request(
             cwd=os.path.abspath(cwd or os.getcwd()), name=name, command=command, prompt=prompt, agent=agent,
             source=source, priority=priority, group=group, expire_after=_duration(expire_after, "expire_after"),
             timeout=_duration(timeout, "timeout"), worktree=worktree, base=base, retries=retries,
@@ -375,7 +375,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         advice = (f"It runs on its own; call wait with {adm.task.name!r} (or {adm.task.id}) when you need its"
                   " result, then logs if it did not succeed.")
         text = line
-        unused = pm.unused_prompt_text(load_config(home), req, "`command`")  # as the CLI warns
+        unused = admission.unused_prompt_text(load_config(home), req, "`command`")  # as the CLI warns
         if unused:
             warning = f"warning: {unused}"
             text, advice = f"{line}\n{warning}", f"{warning}. {advice}"
@@ -398,8 +398,8 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         group, state and source keep only the tasks that match, at their true positions."""
         cfg, index = ops.read(home)
         control.ensure_service(home, cfg, index)
-        keep = pm.task_filter(group, state, source)
-        view = ops.listing(cfg, index, finished=finished, home=home, keep=None if keep == pm.TaskFilter() else keep)
+        keep = selection.task_filter(group, state, source)
+        view = ops.listing(cfg, index, finished=finished, home=home, keep=None if keep == selection.TaskFilter() else keep)
         return _text(render.queue_text(view, control.service_pid(home) is not None), ops.queue_json(view, home))
 
     @server.tool(annotations=read_only)
@@ -410,7 +410,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         branch."""
         cfg, index = ops.read(home)
         control.ensure_service(home, cfg, index)
-        obj = ops.status_json(home, index, cfg, pm.find(index, task))
+        obj = ops.status_json(home, index, cfg, selection.find(index, task))
         return _text(render.task_lines(obj), obj)
 
     @server.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=False, open_world_hint=False))
@@ -455,7 +455,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             raise UsageError("name the tasks to wait for (ids or names), or a group (not both)")
         cfg, index = await _in_thread(ops.read, home)
         await _in_thread(control.ensure_service, home, cfg, index)
-        ids = [pm.find(index, ref).id for ref in tasks] or [t.id for t in index.live() if t.group == group]
+        ids = [selection.find(index, ref).id for ref in tasks] or [t.id for t in index.live() if t.group == group]
         stop = waiting.Stop()
         looks = waiting.looks(home, ids, seconds, settle=True, stop=stop)
         shown: list[tuple[Any, ...]] | None = None
@@ -499,7 +499,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         lines within the last `max_bytes` bytes (16 KiB by default). Read it when a task
         failed, before you retry it or fix the issue yourself. A queued task has no output yet."""
         cfg, index = ops.read(home)
-        found = pm.find(index, task)
+        found = selection.find(index, task)
         obj = ops.log_json(home, cfg, found, lines, max_bytes, raw)
         shown = obj["text"] if obj["size"] else f"(no output yet: {found.name} is {found.state.value})"
         return _text(shown, obj)
@@ -541,7 +541,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
     def task_resource(task: str) -> str:
         cfg, index = ops.read(home)
         try:
-            found = pm.find(index, task)
+            found = selection.find(index, task)
         except KugetsuError as err:
             raise ResourceNotFoundError(str(err)) from None
         return _dumps(_task_json(home, cfg, index, found)).decode()
@@ -555,13 +555,13 @@ WRITERS = ("delegate", "cancel", "priority")  # the tools that change the queue 
 
 def _nesting_refusal(home: Home) -> str | None:
     """Why this server may not change the queue: it runs for an agent inside a task whose
-    preset allows no (more) nesting (pm.check_nesting). None: it may."""
+    preset allows no (more) nesting (admission.check_nesting). None: it may."""
     ref = ops.caller_task()
     if ref is None:
         return None
     try:
         _cfg, index = ops.read(home)
-        pm.check_nesting(pm.parent_task(index, ref))
+        admission.check_nesting(admission.parent_task(index, ref))
     except Nested as err:
         return str(err)
     except (KugetsuError, OSError):
@@ -681,7 +681,7 @@ class Admitter:
         self.pending: list[_Entry] = []
         self.lock = anyio.Lock()
 
-    async def admit(self, req: pm.Request) -> ops.Admission:
+    async def admit(self, req: admission.Request) -> ops.Admission:
         entry = _Entry(req)
         self.pending.append(entry)
         try:
@@ -703,12 +703,12 @@ class Admitter:
             raise entry.result
         return entry.result
 
-    def _admit(self, reqs: list[pm.Request]) -> list[Any]:
+    def _admit(self, reqs: list[admission.Request]) -> list[Any]:
         return ops.delegate_many(self.home, load_config(self.home), reqs)
 
 
 class _Entry:
-    def __init__(self, req: pm.Request):
+    def __init__(self, req: admission.Request):
         self.req = req
         self.done = False
         self.result: Any = None
@@ -727,7 +727,7 @@ async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
 
 def _awaited(cfg: Config, index: Index, ids: list[int]) -> list[tuple[Task, int | None]]:
     found = {t.id: t for t in index.all_tasks()}
-    positions = pm.positions(index, cfg, ops.now()) if index.queued else {}
+    positions = selection.positions(index, cfg, ops.now()) if index.queued else {}
     return [(found[i], positions.get(i)) for i in ids if i in found]
 
 

@@ -32,7 +32,7 @@ from telegram.ext import (
 
 from kugetsu.app import ops
 
-from kugetsu.core import pm
+from kugetsu.core import admission, selection
 from kugetsu.config.load import load_config
 from kugetsu.config.model import Config, TelegramConfig
 from kugetsu.errors import KugetsuError, redact_url
@@ -152,7 +152,7 @@ async def cmd_queue(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
 
 async def cmd_capacity(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
     cfg, index = await asyncio.to_thread(ops.read, _env(context).home)
-    await _reply(update, text.capacity(pm.capacity(index, cfg, ops.now())))
+    await _reply(update, text.capacity(selection.capacity(index, cfg, ops.now())))
 
 
 async def cmd_schedules(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
@@ -171,9 +171,9 @@ async def cmd_status(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None
     def look() -> str:
         home = _env(context).home
         cfg, index = ops.read(home)
-        task = pm.find(index, context.args[0])
+        task = selection.find(index, context.args[0])
         measured = ops.measured(home, cfg, index)  # a running task's memory now (README, "Resources")
-        return text.status(ops.task_json(task, pm.positions(index, cfg, ops.now()).get(task.id), measured=measured,
+        return text.status(ops.task_json(task, selection.positions(index, cfg, ops.now()).get(task.id), measured=measured,
                                          prompts=ops.prompts(home, [task])))
 
     await _reply(update, await asyncio.to_thread(look))
@@ -271,7 +271,7 @@ def _delegate(home: Home, name: str, prompt: str, chat_id: int) -> str:
     if not cfg.telegram.allow_delegate:
         return "Delegating from Telegram is off (config telegram.allow_delegate)."
     cwd = os.path.expanduser(cfg.telegram.delegate_cwd or "~")
-    req = pm.Request(cwd=cwd, name=name, prompt=prompt, source=f"telegram:{chat_id}")
+    req = admission.Request(cwd=cwd, name=name, prompt=prompt, source=f"telegram:{chat_id}")
     return _admitted(ops.delegate(home, cfg, req))
 
 

@@ -16,7 +16,7 @@ from kugetsu.config.keys import mask_secrets
 from kugetsu.config.model import Config
 from kugetsu.config.units import format_duration
 from kugetsu.core.models import Event, Task
-from kugetsu.core.pm import Capacity, QueueView
+from kugetsu.core.selection import Capacity, QueueView
 
 LIMIT = 4096
 _ROOM = LIMIT - 96  # headroom for the "... and N more" line and closing tags

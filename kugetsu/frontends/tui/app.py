@@ -23,7 +23,7 @@ from textual.widgets import DataTable, Footer, Static
 
 from kugetsu.app import control, ops
 
-from kugetsu.core import pm
+from kugetsu.core import step
 from kugetsu.config.load import host_name, load_config
 from kugetsu.config.model import Config
 from kugetsu.errors import KugetsuError
@@ -98,7 +98,7 @@ class Dashboard(App[None]):
         self.index = Index()
         self.events: list[Event] = []
         self.service_pid: int | None = None
-        self.measured: dict[int, pm.Measured] = {}  # the running tasks' use (usage.json), read each refresh
+        self.measured: dict[int, step.Measured] = {}  # the running tasks' use (usage.json), read each refresh
         self.error: str | None = None
         self._stamps: dict[str, Stamp] = {}
         self._selected_table: TaskTable | None = None

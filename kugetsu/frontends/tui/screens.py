@@ -16,7 +16,7 @@ from textual.widgets import Button, Footer, Input, Label, Select, Static
 
 from kugetsu.app import ops
 
-from kugetsu.core import pm
+from kugetsu.core import admission
 from kugetsu.config.load import load_config
 from kugetsu.config.units import format_duration
 from kugetsu.errors import KugetsuError
@@ -130,20 +130,20 @@ class DelegateForm(ModalScreen["ops.Admission | None"]):
         name = self.query_one("#name", Input).value.strip()
         prompt = self.query_one("#prompt", Input).value
         cwd = os.path.abspath(os.path.expanduser(self.query_one("#cwd", Input).value.strip() or self.cwd))
-        req = pm.Request(cwd=cwd, name=name or None, prompt=prompt or None,
+        req = admission.Request(cwd=cwd, name=name or None, prompt=prompt or None,
                          agent=str(self.query_one("#agent", Select).value), source=SOURCE)
         self.query_one("#error", Static).update("delegating…")
         self._delegate(req)
 
     @work(thread=True, exclusive=True, group="delegate")
-    def _delegate(self, req: pm.Request) -> None:
+    def _delegate(self, req: admission.Request) -> None:
         # A thread: admission takes the index lock and fsyncs; the UI must not wait on it.
         try:
-            admission = ops.delegate(self.home, load_config(self.home), req)
+            admitted = ops.delegate(self.home, load_config(self.home), req)
         except Exception as err:  # every failure is shown in the form, never a crash
             self.app.call_from_thread(self._show_error, describe_error(err))
         else:
-            self.app.call_from_thread(self.dismiss, admission)
+            self.app.call_from_thread(self.dismiss, admitted)
 
     def _show_error(self, message: str) -> None:
         self.query_one("#error", Static).update(plain(message))
@@ -172,7 +172,7 @@ class EditForm(ModalScreen[bool]):
                 yield Input(value=t.name, id="name", compact=True)
             with Horizontal(classes="field"):
                 yield Label("Prompt")
-                # A command given at delegation has no prompt to change (pm.edit says so).
+                # A command given at delegation has no prompt to change (admission.edit says so).
                 yield Input(value=self.prompt or "", id="prompt", compact=True, disabled=self.prompt is None)
             with Horizontal(classes="field"):
                 yield Label("Priority")
@@ -204,7 +204,7 @@ class EditForm(ModalScreen[bool]):
         name = self.query_one("#name", Input).value.strip()
         prompt = self.query_one("#prompt", Input).value
         priority = str(self.query_one("#priority", Select).value)
-        change = pm.Edit(name=name if name != t.name else None,
+        change = admission.Edit(name=name if name != t.name else None,
                          prompt=prompt if self.prompt is not None and prompt != self.prompt else None,
                          priority=priority if priority != t.priority else None)
         if change.empty():
@@ -214,7 +214,7 @@ class EditForm(ModalScreen[bool]):
         self._edit(change)
 
     @work(thread=True, exclusive=True, group="edit")
-    def _edit(self, change: pm.Edit) -> None:
+    def _edit(self, change: admission.Edit) -> None:
         try:
             ops.edit(self.home, str(self.target.id), change)
         except Exception as err:  # shown in the form, never a crash

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, tzinfo
 
-from kugetsu.core import pm
+from kugetsu.core import policy, selection, step
 from kugetsu.config.keys import mask_secrets
 from kugetsu.core.models import Event, Index, Task
 from kugetsu.frontends.render import agent_text, since, until
@@ -51,7 +51,7 @@ def task_style(task: Task) -> str:
     return "stopping" if task.stop is not None else "paused" if task.paused_at is not None else task.state.value
 
 
-def running_rows(queue: pm.QueueView, now: datetime, tz: tzinfo | None) -> list[Row]:
+def running_rows(queue: selection.QueueView, now: datetime, tz: tzinfo | None) -> list[Row]:
     return [
         Row(str(t.id), task_style(t), (str(t.id), t.name, t.source, agent_text(t.agent, t.fallback_from), clock_time(t.started_at, now, tz),
                                        since(t.started_at, now), str(t.pid) if t.pid else "starting",
@@ -60,7 +60,7 @@ def running_rows(queue: pm.QueueView, now: datetime, tz: tzinfo | None) -> list[
     ]
 
 
-def queue_rows(queue: pm.QueueView, now: datetime) -> list[Row]:
+def queue_rows(queue: selection.QueueView, now: datetime) -> list[Row]:
     """WAITING: how long it has waited; WAITING FOR: why, when it is not simply behind others
     (`starts at 02:00`, its dependencies, a group full), as `queue`'s WAITING FOR says."""
     return [
@@ -109,16 +109,16 @@ def _event_detail(e: Event) -> str:
     return e.reason or ""
 
 
-def summary(cap: pm.Capacity, service_pid: int | None, measured: dict[int, pm.Measured] | None = None) -> str:
+def summary(cap: selection.Capacity, service_pid: int | None, measured: dict[int, step.Measured] | None = None) -> str:
     service = f"service running (pid {service_pid})" if service_pid else "service not running"
     from kugetsu.frontends.render import budgets_line, holds_line, paused_note
 
     text = (f"{cap.active}/{cap.max_agents} running · {cap.queued} queued · max queue {cap.max_queue}"
             f"{paused_note(cap)} · {service}")
     if cap.max_memory:  # once a task declares memory: what is declared of the budget
-        text += f" · memory {pm.short_size(cap.memory_used or 0)} of {pm.short_size(cap.max_memory)} declared"
+        text += f" · memory {policy.short_size(cap.memory_used or 0)} of {policy.short_size(cap.max_memory)} declared"
     if measured:  # what the running tasks use, as last measured
-        text += f" · using {pm.short_size(sum(m.memory for m in measured.values()))}"
+        text += f" · using {policy.short_size(sum(m.memory for m in measured.values()))}"
     if cap.holds:  # a provider's limit, or a hold by hand: its tasks wait, and for how long
         text += " · " + holds_line(cap)
     if any(b.over for b in cap.budgets):  # a daily budget spent: its tasks wait until midnight
@@ -126,7 +126,7 @@ def summary(cap: pm.Capacity, service_pid: int | None, measured: dict[int, pm.Me
     return text
 
 
-def task_title(task: Task | None, measured: dict[int, pm.Measured] | None = None) -> str:
+def task_title(task: Task | None, measured: dict[int, step.Measured] | None = None) -> str:
     """The Output pane's title: whose output, and how that task stands (running: its memory
     now and at its peak, as last measured; final: its peak, on its record)."""
     if task is None:
@@ -140,5 +140,5 @@ def task_title(task: Task | None, measured: dict[int, pm.Measured] | None = None
 
         state += f" · {memory_cell(task, m)}"
     elif task.state.final and task.peak_memory:
-        state += f" · peak {pm.short_size(task.peak_memory)}"
+        state += f" · peak {policy.short_size(task.peak_memory)}"
     return f"Output · {task.name} (#{task.id}) · {state}"
