@@ -513,14 +513,14 @@ def test_brief_commands_exit_fast_with_all_their_output_written(kg):
     """delegate, queue, status and capacity leave without the interpreter's teardown
     (cli.run): what they printed to a pipe must all be there, and a reader that stops early
     gets no complaint."""
-    from kugetsu.app import ops
+    from kugetsu.app import transaction
     from kugetsu.core import admission
     from kugetsu.config.load import load_config
     from kugetsu.store.files import Store
 
     kg.config(max_agents=1, max_queue=5000)
     kg.ok("pause")
-    with Store(kg.home).transaction(ops.now()) as txn:  # 3,000 queued tasks in one go
+    with Store(kg.home).transaction(transaction.now()) as txn:  # 3,000 queued tasks in one go
         for i in range(3000):
             txn.emit(admission.admit(txn.index, load_config(kg.home), txn.now,
                               admission.Request(cwd="/", name=f"t{i}", command=["true"], prompt="x" * 200))[1])

@@ -9,7 +9,7 @@ import stat
 import msgspec
 import pytest
 
-from kugetsu.app import ops
+from kugetsu.app import config_change, transaction
 
 from kugetsu.core import admission, lifecycle
 from kugetsu.config.load import load_config, validate
@@ -79,17 +79,17 @@ def test_json_syntax_error_names_line_and_column(tmp_path):
 
 def test_set_config_validates_and_keeps_the_file_on_error(tmp_path):
     home = Home(tmp_path / "h")
-    ops.set_config(home, "autostart", False)  # no service needed here
-    ops.set_config(home, "max_agents", 5)
-    ops.set_config(home, "telegram.allowed_chat_ids", [1, 2])
+    config_change.set_config(home, "autostart", False)  # no service needed here
+    config_change.set_config(home, "max_agents", 5)
+    config_change.set_config(home, "telegram.allowed_chat_ids", [1, 2])
     before = home.config.read_bytes()
     with pytest.raises(FileError, match="expected a whole number at least 1, got 0"):
-        ops.set_config(home, "max_agents", 0)
+        config_change.set_config(home, "max_agents", 0)
     with pytest.raises(UsageError, match="unknown config key 'max_agnets'"):
-        ops.set_config(home, "max_agnets", 1)
+        config_change.set_config(home, "max_agnets", 1)
     assert home.config.read_bytes() == before
     assert json.loads(before) == {"autostart": False, "max_agents": 5, "telegram": {"allowed_chat_ids": [1, 2]}}
-    ops.set_config(home, "max_agents", None, remove=True)
+    config_change.set_config(home, "max_agents", None, remove=True)
     assert load_config(home).max_agents == 3
     assert stat.S_IMODE(home.config.stat().st_mode) == 0o600
     assert stat.S_IMODE(home.root.stat().st_mode) == 0o700
@@ -97,8 +97,8 @@ def test_set_config_validates_and_keeps_the_file_on_error(tmp_path):
 
 def test_token_is_masked_in_events(tmp_path):
     home = Home(tmp_path / "h")
-    ops.set_config(home, "autostart", False)
-    ops.set_config(home, "telegram.token", "123:SECRET")
+    config_change.set_config(home, "autostart", False)
+    config_change.set_config(home, "telegram.token", "123:SECRET")
     assert "SECRET" not in home.events.read_text()
     assert "SECRET" not in json.dumps(__import__("kugetsu.config.keys", fromlist=["masked"]).masked(load_config(home)))
 
@@ -107,7 +107,7 @@ def test_token_is_masked_in_events(tmp_path):
 
 
 def _admit(store, name):
-    with store.transaction(ops.now()) as txn:
+    with store.transaction(transaction.now()) as txn:
         task, events = admission.admit(txn.index, Config(), txn.now, admission.Request(cwd="/", name=name, command=["true"]))
         txn.emit(events)
     return task
@@ -130,7 +130,7 @@ def test_a_failed_transaction_writes_nothing(tmp_path):
     _admit(store, "a")
     before = store.home.index.read_bytes()
     with pytest.raises(RuntimeError):
-        with store.transaction(ops.now()) as txn:
+        with store.transaction(transaction.now()) as txn:
             txn.index.queued.clear()
             raise RuntimeError("boom")
     assert store.home.index.read_bytes() == before
@@ -201,13 +201,13 @@ def test_history_moves_out_beyond_the_limit(tmp_path):
     home.config.write_text('{"history_limit": 2, "max_agents": 5}')
     cfg = load_config(home)
     store = Store(home)
-    with store.transaction(ops.now()) as txn:
+    with store.transaction(transaction.now()) as txn:
         for n in "abcd":
             admission.admit(txn.index, cfg, txn.now, admission.Request(cwd="/", name=n, command=["true"]))
-        ops.settle(txn, cfg)
+        transaction.settle(txn, cfg)
         for task in list(txn.index.active):
             lifecycle.finish(txn.index, task, txn.now, 0)
-        ops.settle(txn, cfg)
+        transaction.settle(txn, cfg)
     assert [t.name for t in store.read().finished] == ["c", "d"]
     assert [json.loads(line)["name"] for line in home.history.read_text().splitlines()] == ["a", "b"]
 
@@ -221,7 +221,7 @@ def test_index_is_pretty_and_round_trips():
 
 def test_event_lines_omit_empty_fields(tmp_path):
     store = Store(Home(tmp_path / "h"))
-    with store.transaction(ops.now()) as txn:
+    with store.transaction(transaction.now()) as txn:
         txn.emit([Event(type="config", at=txn.now, key="max_agents", value=4)])
     line = json.loads(store.home.events.read_text())
     assert set(line) == {"seq", "type", "at", "key", "value"}
@@ -264,7 +264,7 @@ def test_open_store_is_one_store_per_home_in_the_main_thread(tmp_path):
     store = open_store(home)
     assert open_store(home) is store and open_store(Home(tmp_path / "other")) is not store
     _admit(store, "a")
-    with store.transaction(ops.now()) as txn:
+    with store.transaction(transaction.now()) as txn:
         assert txn.unchanged  # its own last commit, not decoded again
         other: list[object] = []
         t = threading.Thread(target=lambda: other.extend([open_store(home), open_store(home)]))
@@ -278,7 +278,7 @@ def test_open_store_is_one_store_per_home_in_the_main_thread(tmp_path):
         _admit(open_store(home), "b")  # waits for the lock the main thread holds
         done.set()
 
-    with store.transaction(ops.now()):
+    with store.transaction(transaction.now()):
         t = threading.Thread(target=second)
         t.start()
         assert not done.wait(0.3)

@@ -7,7 +7,7 @@ import json
 import pytest
 from dashboard_data import UTC, busy_home, empty_home, notes, settled, until
 
-from kugetsu.app import ops
+from kugetsu.app import transaction, verbs
 from kugetsu.core.models import TaskState
 from kugetsu.store.files import Store
 from kugetsu.frontends.tui.app import make_app
@@ -17,7 +17,7 @@ from kugetsu.frontends.tui.widgets import LogView, TaskTable
 
 def live_home(tmp_path):  # type: ignore[no-untyped-def]
     """The busy fixture on the real clock: the actions run ops, which expire by the real clock."""
-    return busy_home(tmp_path / "home", now=ops.now())
+    return busy_home(tmp_path / "home", now=transaction.now())
 
 
 def app_for(home, **kw):  # type: ignore[no-untyped-def]
@@ -186,7 +186,7 @@ async def test_changes_from_another_process_show_within_a_second(tmp_path):
     async with app.run_test() as pilot:
         table = app.query_one("#queue", TaskTable)
         await focus_task(pilot, "queue", 9)
-        ops.cancel(home, ["7"], reason="cancelled by cli")  # as the CLI would
+        verbs.cancel(home, ["7"], reason="cancelled by cli")  # as the CLI would
         await until(pilot, lambda: "7" not in table.keys, timeout=1.5, what="the cancel to show")
         assert table.cursor_key == "9"  # the cursor stays on its task
 

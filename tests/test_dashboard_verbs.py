@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dashboard_data import UTC, busy_home, held_home, notes, settled, until
 
-from kugetsu.app import ops
+from kugetsu.app import transaction
 from kugetsu.core.models import TaskState
 from kugetsu.store.files import Store
 from kugetsu.frontends.tui.app import make_app
@@ -16,7 +16,7 @@ from kugetsu.frontends.tui.widgets import TaskTable
 
 
 def live_home(tmp_path):  # type: ignore[no-untyped-def]
-    return busy_home(tmp_path / "home", now=ops.now())
+    return busy_home(tmp_path / "home", now=transaction.now())
 
 
 def app_for(home, **kw):  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ import os
 
 from conftest import service_in_process, wait_for_async
 
-from kugetsu.app import ops
+from kugetsu.app import delegation
 
 from kugetsu.core import admission
 from kugetsu.config.load import load_config
@@ -24,8 +24,8 @@ async def test_a_drain_of_200_tasks_at_4_slots_sends_no_signal_and_warns_nothing
     kg.config(max_agents=4, autostart=False, max_queue=TASKS + 10)
     cfg = load_config(kg.home)
     reqs = [admission.Request(name=f"t{i}", command=["true"], cwd=str(kg.home.root), source="test") for i in range(TASKS)]
-    admitted = ops.delegate_many(kg.home, cfg, reqs)
-    assert all(isinstance(a, ops.Admission) for a in admitted), admitted[:3]
+    admitted = delegation.delegate_many(kg.home, cfg, reqs)
+    assert all(isinstance(a, delegation.Admission) for a in admitted), admitted[:3]
 
     signals: list[tuple[int, int]] = []
     real_killpg = os.killpg

@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 from dashboard_data import UTC, ago, settled, until, write_config
 
-from kugetsu.app import ops
+from kugetsu.app import transaction
 from kugetsu.core.models import Event, Index, Task, TaskState
 from kugetsu.paths import Home, atomic_write
 from kugetsu.store.protocol import encode_index
@@ -46,7 +46,7 @@ def hostile_home(root: Path) -> Home:
     write_config(home, max_agents=2, groups={GROUP: {"max_agents": 1}},
                  agents={"sim": {"command": ["sh", "-c", "echo {prompt}"]},
                          PRESET: {"command": ["sh", "-c", "echo {prompt}"]}})
-    now = ops.now()
+    now = transaction.now()
     ago.now = now
     running = Task(id=1, name="run-1", state=TaskState.RUNNING, command=["sim"], cwd="/w", source=LINK,
                    agent=PRESET, created_at=ago(minutes=5), started_at=ago(minutes=4), pid=2**22 + 1, slot=1)

@@ -242,7 +242,7 @@ def test_edit_changes_only_a_queued_task_and_remakes_a_presets_command():
     later = T0 + timedelta(hours=1)
     events = admission.edit(index, cfg, task, later, admission.Edit(prompt="new {name} words", priority="urgent",
                                                       expire_after=60, timeout=0, group="gpu"))
-    assert task.command == ["echo", "--name=p", "{prompt}"] and task.prompted  # the store keeps the new text (ops.edit)
+    assert task.command == ["echo", "--name=p", "{prompt}"] and task.prompted  # the store keeps the new text (verbs.edit)
     assert commandline.argv(task, "new {name} words") == ["echo", "--name=p", "new {name} words"]
     assert (task.priority, task.group, task.expires_at) == ("urgent", "gpu", later + timedelta(seconds=60))
     assert [(e.type, e.key) for e in events] == [("edited", "prompt,priority,group,expires_at")]  # timeout was none

@@ -387,20 +387,20 @@ async def test_hostile_agent_output_is_read_everywhere_without_error(fz, tmp_pat
         assert r.returncode == 0 and b"Traceback" not in r.stderr, (args, r.stderr[-2000:])
 
     # The bot's texts: each event's notification with its log's tail, each task's /status.
-    from kugetsu.app import ops
+    from kugetsu.app import reading
     from kugetsu.config.load import load_config
     from kugetsu.core.models import Event
     from kugetsu.frontends.telegram import notify, text
 
     cfg = load_config(fz.home)
-    tasks = {t.id: t for t in ops.read(fz.home)[1].all_tasks()}
+    tasks = {t.id: t for t in reading.read(fz.home)[1].all_tasks()}
     for raw in fz.events():
         event = Event(**{k: v for k, v in raw.items() if k != "at"}, at=datetime.fromisoformat(raw["at"]))
         task = tasks.get(event.task) if event.task else None
         message = text.notification(event, task, cfg, notify._log_tail(fz.home.log(event.task)) if event.task else None)
         assert len(message) <= 4096
     for task in tasks.values():
-        assert text.status(ops.task_json(task, None))
+        assert text.status(reading.task_json(task, None))
 
     # The MCP server's status and logs tools.
     mcp = pytest.importorskip("mcp")

@@ -21,7 +21,7 @@ from hypothesis.stateful import (
 )
 
 from conftest import REPO, agent_wrappers, wait_for
-from kugetsu.app import control, ops
+from kugetsu.app import config_change, control, delegation, verbs
 from kugetsu.core import admission
 from kugetsu.config.load import load_config
 from kugetsu.errors import KugetsuError
@@ -81,7 +81,7 @@ class KugetsuMachine(RuleBasedStateMachine):
         name = f"t{len(self.model) + 1}"
         argv = ["sh", "-c", AGENT, str(self.rel / name), str(code)]
         req = admission.Request(cwd=str(self.tmp), name=name, command=argv, expire_after=0.4 if expire else None)
-        adm = ops.delegate(self.home, self.cfg, req)
+        adm = delegation.delegate(self.home, self.cfg, req)
         assert adm.task.id > self.last_id, "ids must increase"
         self.last_id = adm.task.id
         if adm.position is not None:
@@ -100,7 +100,7 @@ class KugetsuMachine(RuleBasedStateMachine):
         name = live[pick % len(live)]
         self.model[name]["cancelled"] = True
         try:
-            ops.cancel(self.home, [name])
+            verbs.cancel(self.home, [name])
         except KugetsuError as err:  # it ended between the read and the cancel
             assert err.code == 1 and "already" in str(err), err
         STATS["cancels"] += 1
@@ -108,7 +108,7 @@ class KugetsuMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 4))
     def set_max_agents(self, n: int) -> None:
         before = self.cfg.max_agents
-        self.cfg = ops.set_config(self.home, "max_agents", n)
+        self.cfg = config_change.set_config(self.home, "max_agents", n)
         assert load_config(self.home).max_agents == n
         if n < before:
             self.over = {t.id for t in self.index().active}

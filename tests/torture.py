@@ -62,7 +62,7 @@ def check_home(home: Home, max_agents: int | None = None) -> dict:
     assert all(s is not None and 1 <= s <= 64 for s in slots), slots
     from kugetsu.core import selection
     from kugetsu.config.load import load_config
-    from kugetsu.app.ops import now
+    from kugetsu.app.transaction import now
 
     pos = selection.positions(index, load_config(home), now())
     assert sorted(pos.values()) == list(range(1, len(index.queued) + 1))

@@ -15,7 +15,7 @@ import select
 import time
 from collections.abc import Iterator
 
-from kugetsu.app import control, ops
+from kugetsu.app import control, transaction, verbs
 
 from kugetsu.service import runner
 from kugetsu.core.placement import ours
@@ -101,7 +101,7 @@ def looks(home: Home, ids: list[int], timeout: float | None, settle: bool = Fals
             if left is not None and left <= 0:
                 return  # final is what was asked: a slow close is no timeout
             # A close is usually done within a second of the task's end: look closely until then.
-            soon = any(t.finished_at and (ops.now() - t.finished_at).total_seconds() < 1.0 for t in closing)
+            soon = any(t.finished_at and (transaction.now() - t.finished_at).total_seconds() < 1.0 for t in closing)
             try:
                 wait_change(home, pending, 1.0 if left is None else min(1.0, left), closing=soon and not pending,
                             stop=stop, store=store, watch=watch, before=before, looked=looked, here=here)
@@ -226,10 +226,10 @@ def wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = F
 
 def cancel(home: Home, refs: list[str], *, everything: bool = False, reason: str = "cancelled",
            stop: Stop | None = None) -> list[Task]:
-    """Cancel tasks (ops.cancel) and return them as they are once final: a running task is
+    """Cancel tasks (verbs.cancel) and return them as they are once final: a running task is
     final when its processes are gone (SIGKILL after kill_grace), so this waits for that,
     kill_grace + 5 s at most; one still stopping then is returned as it is."""
-    tasks = ops.cancel(home, refs, everything=everything, reason=reason)
+    tasks = verbs.cancel(home, refs, everything=everything, reason=reason)
     running = [t.id for t in tasks if t.state is TaskState.RUNNING]
     if running:
         wait_final(home, running, load_config(home).kill_grace_s + 5, stop=stop)

@@ -307,7 +307,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     start_at = _start_time(req.start_at, now)
     timeout = req.timeout if req.timeout is not None else cfg.run_timeout_s
     if not req.command and req.prompt_path is None and wants_prompt_file(cfg, req):
-        raise ValueError("a {prompt_file} preset needs Request.prompt_path (ops.delegate sets it)")
+        raise ValueError("a {prompt_file} preset needs Request.prompt_path (delegation.delegate sets it)")
     values = {"prompt": req.prompt or "", "prompt_file": req.prompt_path or "", "name": name, "id": str(task_id)}
     _check_argv(template if req.command else render_command(template, values), req.cwd)
     prompted = req.prompted if req.command else any(_NEEDS_PROMPT.search(a) for a in template)
@@ -566,7 +566,7 @@ def edit(index: Index, cfg: Config, task: Task, now: datetime, change: Edit) -> 
         _check_argv(command, change.cwd or task.cwd)
     changed: dict[str, object] = {}
     if change.prompt is not None:
-        # The caller stores the new text (ops.edit: txn.prompts, only when the text differs);
+        # The caller stores the new text (verbs.edit: txn.prompts, only when the text differs);
         # the index keeps the template.
         task.prompt = None
         changed["prompt"] = f"{len(change.prompt or '')} characters"

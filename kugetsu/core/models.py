@@ -57,7 +57,7 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     The first fields are the public task object of docs/architecture.md §5, in its order.
     Encoded without the fields at their defaults (index.json, history.jsonl): a queued task is
     a third of the bytes, which every CLI call reads and decodes and every change rewrites.
-    The public object (ops.public_tasks) still has every field.
+    The public object (reading.public_tasks) still has every field.
     """
 
     id: int

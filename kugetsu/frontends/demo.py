@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kugetsu.app import control, ops
+from kugetsu.app import control, delegation, transaction, verbs
 
 from kugetsu.core import admission, selection
 
@@ -92,14 +92,14 @@ def run_demo() -> int:
     try:
         _wait(lambda: control.service_pid(home) is not None, 10)
         say(f"throw-away home {home.root}, max_agents 2, seven tasks\n")
-        adm = ops.delegate(home, cfg, admission.Request(cwd=str(root), name=LIMITED[0], source="demo", agent="sim-claude",
+        adm = delegation.delegate(home, cfg, admission.Request(cwd=str(root), name=LIMITED[0], source="demo", agent="sim-claude",
                                                  prompt="fix the flaky test"))
         say(f"$ kugetsu delegate {LIMITED[0]} --source demo --agent sim-claude --prompt 'fix the flaky test'")
         _said(adm)
         for name, seconds, fail, expiry in PLAN:
             req = admission.Request(cwd=str(root), name=name, source="demo", expire_after=expiry,
                              command=[sys.executable, "-m", "kugetsu.frontends.demo", str(seconds), "fail" if fail else "ok"])
-            adm = ops.delegate(home, cfg, req)
+            adm = delegation.delegate(home, cfg, req)
             # The command as a user would type it (the simulated agent abbreviated), and what it prints.
             expire = f" --expire-after {format_duration(expiry)}" if expiry else ""
             say(f"$ kugetsu delegate {name} --source demo{expire} -- <simulated agent: {seconds}s"
@@ -120,7 +120,7 @@ def run_demo() -> int:
             if not cancelled and time.monotonic() - started >= CANCEL[1]:
                 cancelled = True
                 say(f"$ kugetsu cancel {CANCEL[0]}")
-                ops.cancel(home, [CANCEL[0]], reason="cancelled by the demo")
+                verbs.cancel(home, [CANCEL[0]], reason="cancelled by the demo")
             if cancelled and not index.live():
                 break
             if time.monotonic() - started > 45:
@@ -128,7 +128,7 @@ def run_demo() -> int:
                 break
             time.sleep(0.25)
         index = open_store(home).read()
-        print("\nSUMMARY\n" + render.finished_table(sorted(index.finished, key=lambda t: t.id), ops.now()))
+        print("\nSUMMARY\n" + render.finished_table(sorted(index.finished, key=lambda t: t.id), transaction.now()))
         counts: dict[str, int] = {}
         for t in index.finished:
             counts[t.state.value] = counts.get(t.state.value, 0) + 1
@@ -150,7 +150,7 @@ def run_demo() -> int:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _said(adm: ops.Admission) -> None:
+def _said(adm: delegation.Admission) -> None:
     """What `delegate` printed, under the command, as every delegate of the demo shows it."""
     print(" " * 9 + render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for), flush=True)
 
@@ -164,7 +164,7 @@ def _printer(started: float):
 
 def _frame(index, cfg) -> str:
     """The live queue, as `kugetsu queue` shows it, indented under the event lines."""
-    now = ops.now()
+    now = transaction.now()
     view = selection.queue_view(index, cfg, now)
     parts = [render.summary(view.capacity)]
     if view.running:

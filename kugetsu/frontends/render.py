@@ -16,7 +16,7 @@ from kugetsu.core.selection import Capacity
 from kugetsu.core.step import Measured
 
 if TYPE_CHECKING:  # render shows what ops lists; ops does not need render
-    from kugetsu.app.ops import Listing
+    from kugetsu.app.reading import Listing
 
 
 # What a terminal obeys instead of showing: C0 controls (ESC starts the sequences that set the
@@ -220,7 +220,7 @@ def worktrees_table(rows: list[dict[str, Any]], now: datetime) -> str:
 
 
 def queue_text(listed: Listing, service_running: bool = True) -> str:
-    """`kugetsu queue`, from an ops.Listing (its selection.QueueView and the finished tasks)."""
+    """`kugetsu queue`, from an reading.Listing (its selection.QueueView and the finished tasks)."""
     view, now = listed.view, listed.now
     parts = [summary(view.capacity) + ("" if service_running else " · service not running")]
     if view.groups:

@@ -29,7 +29,7 @@ import msgspec
 
 from kugetsu import agents
 
-from kugetsu.app import control, ops
+from kugetsu.app import control, machines, recurring, transaction, worktrees
 
 from kugetsu.core import lifecycle, limits, placement, policy, retries, selection, skew, step
 
@@ -260,7 +260,7 @@ class Service:
             if wrong is not None:
                 index.clock_error = wrong
                 log.warning("clock error: %s", skew.describe_clock_error(wrong))
-            obs = step.Observations(resources=ops.measure(cfg), measured=list(self.measured.values()))
+            obs = step.Observations(resources=transaction.measure(cfg), measured=list(self.measured.values()))
             committed_running = {t.id for t in index.active}
             if self.member is not None:
                 self._observe_cluster(txn, obs)
@@ -449,7 +449,7 @@ class Service:
     def _measure_job(self, tokens: dict[int, str], groups: dict[int, usage.TaskGroups | None], live: dict[int, int],
                      next_id: int) -> dict[int, step.Measured]:
         measured = self.sampler.measure(tokens, groups, live)
-        self.sampler.publish(measured, ops.now())
+        self.sampler.publish(measured, transaction.now())
         if self.cgroup_base is not None and usage.remove_finished(self.cgroup_base, live, next_id):
             self._cgroups_left = True  # a look once more, until they are gone
         return measured
@@ -514,7 +514,7 @@ class Service:
         return [t for t in self.index.active if t.log and t.ended_at is None and t.stop is None
                 and placement.ours(t, here)
                 and (daily or t.budget_usd is not None or t.max_tokens is not None or t.id in probes)
-                and ops.output_kind(self.cfg, t) == "claude"]
+                and machines.output_kind(self.cfg, t) == "claude"]
 
     def _watch_usage(self, here: str | None) -> None:
         """After each tick: while a budgeted task's agent streams its usage, its log's end is
@@ -558,7 +558,7 @@ class Service:
         """What pm reads in the end of an agent's output (a provider's limit, the session id)."""
         if not task.log or not retries.reads_output(self.cfg, task):
             return seen
-        kind = ops.output_kind(self.cfg, task)
+        kind = machines.output_kind(self.cfg, task)
         size = agents.TAIL_BYTES if kind != "text" else limits.TAIL_BYTES
         tail = logtail.tail(task.log, max_bytes=size).data
         if kind == "codex":
@@ -583,7 +583,7 @@ class Service:
         txn, self.held = self.held, None
         if txn is None:
             return self.store.begin()
-        txn.now = ops.now()  # the same transaction, a moment later
+        txn.now = transaction.now()  # the same transaction, a moment later
         return txn
 
     def _hold(self, txn: Txn) -> None:
@@ -652,7 +652,7 @@ class Service:
         if stamp == self._config_stamp:
             return False
         try:
-            self.cfg = ops.config_in(self.home, txn) if txn is not None else load_config(self.home)
+            self.cfg = transaction.config_in(self.home, txn) if txn is not None else load_config(self.home)
             self._config_stamp = stamp
         except KugetsuError as err:
             log.error("%s\nKeeping the last valid config.", err)
@@ -685,7 +685,7 @@ class Service:
             if self.exits.leftovers_possible(task):
                 return
             self.exits.clean.add(task.id)
-        at = ops.now()  # before the agent can run (see _spawn)
+        at = transaction.now()  # before the agent can run (see _spawn)
         try:
             runner.release(warm)
         except OSError:  # the wrapper is gone: the tick starts the task afresh
@@ -723,7 +723,7 @@ class Service:
                 task.token = runner.new_token()
             # Read before the agent is let go, never after: it may run (and stamp its own start)
             # before spawn returns, and a recorded run must hold all of the agent's.
-            at = self.procs.let_go[task.id].at if task.id == self._released else ops.now()
+            at = self.procs.let_go[task.id].at if task.id == self._released else transaction.now()
             try:
                 spawned = self.procs.start(task, cwd, env, released=task.id == self._released)
             except OSError as err:
@@ -824,7 +824,7 @@ class Service:
 
     def _enforce_max_disk(self, cfg: Config) -> None:
         try:
-            for done in ops.enforce_max_disk(self.home, cfg):
+            for done in worktrees.enforce_max_disk(self.home, cfg):
                 log.info("worktree %s: %s", done.entry.path, done.note)
         except Exception:
             log.exception("worktrees.max_disk check failed")
@@ -834,8 +834,8 @@ class Service:
     def _sync_jobs(self) -> None:
         """Set the deadline job (deadlines.py) at the earliest moment anything falls due:
         pm's deadlines (expiry, run timeouts, SIGKILL after the grace) and the policies'."""
-        now = ops.now()
-        self.jobs = lifecycle.policy_wakeups(self.index, self.cfg, now, ops.measure(self.cfg), self.jobs)
+        now = transaction.now()
+        self.jobs = lifecycle.policy_wakeups(self.index, self.cfg, now, transaction.measure(self.cfg), self.jobs)
         due = min(filter(None, [lifecycle.next_deadline(self.index), *self.jobs.values()]), default=None)
         self.timer.set(due, now)
         if self.index.schedules or self.schedule_jobs.rules:
@@ -852,7 +852,7 @@ class Service:
         if not self._fires_here():
             return  # a cluster: the machine holding the schedules' lease fires them
         try:
-            firing = await asyncio.to_thread(ops.fire_schedule, self.home, name, at)
+            firing = await asyncio.to_thread(recurring.fire_schedule, self.home, name, at)
         except Exception as err:
             log.error("schedule %s: firing at %s failed: %s", name, at.isoformat(), err)
             return

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from kugetsu.app import ops
+from kugetsu.app import transaction
 
 from kugetsu.core import commandline, policy, selection, step
 
@@ -133,7 +133,7 @@ class Processes:
         warmed: their working directory only exists once they start."""
         want: list[Task] = []
         if index.queued and selection.free_slots(index, cfg) == 0:
-            order = selection.start_order(index, cfg, ops.now())[:WARM_AHEAD]
+            order = selection.start_order(index, cfg, transaction.now())[:WARM_AHEAD]
             want = [t for t in order if not t.repo and t.token and not (self.confine and limited(cfg, t))]
         wanted = {t.id for t in want}
         for task_id in [i for i in self.warm if i not in wanted]:

@@ -4,7 +4,7 @@
     python tools/bench/mcp.py [--json] [--quick] [--tasks N]
 
 A PM agent that shells out pays a Python start per call; `kugetsu mcp` is one long-lived
-process. Both paths run the same admission (ops.delegate: a locked, fsync'd transaction)
+process. Both paths run the same admission (delegation.delegate: a locked, fsync'd transaction)
 on a throw-away home with autostart off, so no service and no agent competes for the CPU
 (a service would start a warm wrapper per queued task) and max_queue above the count:
 

@@ -339,13 +339,13 @@ def main(argv: list[str] | None = None) -> int:
 
     applied = None
     if args.apply:
-        from kugetsu.app import ops
+        from kugetsu.app import config_change
         from kugetsu.errors import KugetsuError
         from kugetsu.paths import default_home
 
         home = default_home()
         try:
-            cfg = ops.set_config(home, "max_agents", rec)
+            cfg = config_change.set_config(home, "max_agents", rec)
         except KugetsuError as err:
             return fail(f"could not apply max_agents {rec}: {err}")
         applied = {"config": str(home.config), "max_agents": cfg.max_agents}

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from kugetsu.app import control, ops
+from kugetsu.app import config_change, control, delegation, machines, reading, recurring, transaction, verbs, worktrees
 
 from kugetsu.core import admission, selection
 
@@ -553,7 +553,7 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
     unused = admission.unused_prompt_text(cfg, req, "the command after --")
     if unused:
         print(f"kugetsu: warning: {unused}", file=sys.stderr)
-    adm = ops.delegate(home, cfg, req)
+    adm = delegation.delegate(home, cfg, req)
     _priority_ignored(cfg.strategy, args.priority)
     if not args.json:
         from kugetsu.frontends import render
@@ -565,10 +565,10 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
             from kugetsu.store.files import open_store
 
             final = next(t for t in open_store(home).read().all_tasks() if t.id == adm.task.id)
-            print(to_json(ops.task_json(final, None, prompts=ops.prompts(home, [final]))))
+            print(to_json(reading.task_json(final, None, prompts=reading.prompts(home, [final]))))
         return code
     if args.json:
-        print(to_json(ops.task_json(adm.task, adm.position, prompts=ops.prompts(home, [adm.task]))))
+        print(to_json(reading.task_json(adm.task, adm.position, prompts=reading.prompts(home, [adm.task]))))
     return OK
 
 
@@ -592,7 +592,7 @@ def _request(args: argparse.Namespace) -> admission.Request:
         after=_after_refs(args.after),
         retries=args.retries,
         retry_delay=args.retry_delay,
-        start_at=ops.start_time(getattr(args, "at", None), getattr(args, "delay", None)),
+        start_at=delegation.start_time(getattr(args, "at", None), getattr(args, "delay", None)),
         fallback_fresh=args.fallback_fresh,
         budget_usd=args.budget_usd,
         max_tokens=args.max_tokens,
@@ -644,7 +644,7 @@ def cmd_edit(home: Home, args: argparse.Namespace) -> int:
     prompt = _edit_prompt(home, args.task) if args.prompt_editor else _read_prompt(args)
     change = admission.Edit(prompt=prompt, priority=args.priority, expire_after=args.expire_after,
                      timeout=args.timeout, group=args.group, name=args.name, cwd=args.cwd, agent=args.agent,
-                     command=args.argv_command or None, start_at=ops.start_time(args.at, args.delay))
+                     command=args.argv_command or None, start_at=delegation.start_time(args.at, args.delay))
     if change.empty():
         if args.prompt_editor:
             _say("unchanged: the prompt was saved as it was", file=sys.stderr)
@@ -652,11 +652,11 @@ def cmd_edit(home: Home, args: argparse.Namespace) -> int:
         raise UsageError("nothing to change: give --prompt, --prompt-file, --prompt-editor, --priority,"
                          " --expire-after, --timeout, --group, --name, --cwd, --agent, --at, --delay or a command"
                          " after --")
-    task, position, changed = ops.edit(home, args.task, change)
+    task, position, changed = verbs.edit(home, args.task, change)
     if args.priority:
         _priority_ignored(load_config(home).strategy, args.priority)
     if args.json:
-        print(to_json(ops.task_json(task, position, prompts=ops.prompts(home, [task]))))
+        print(to_json(reading.task_json(task, position, prompts=reading.prompts(home, [task]))))
         return OK
     where = f"position {position}" if position is not None else "started"
     _say(f"{'edited' if changed else 'unchanged'} {task.name} (#{task.id}), {where}")
@@ -671,12 +671,12 @@ def _edit_prompt(home: Home, ref: str) -> str | None:
     import subprocess
     import tempfile
 
-    _, index = ops.read(home)
+    _, index = reading.read(home)
     task = selection.find(index, ref)
     if task.state is not TaskState.QUEUED:
         raise UsageError(f"task {task.name} (#{task.id}) is {task.state.value}; only a queued task can be edited",
                          code=FAILURE)
-    before = ops.prompts(home, [task]).get(task.id, task.prompt) or ""  # kept beside the index
+    before = reading.prompts(home, [task]).get(task.id, task.prompt) or ""  # kept beside the index
     editor = os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
     fd, name = tempfile.mkstemp(prefix=f"kugetsu-{task.name}-", suffix=".md")  # 0600
     try:
@@ -714,7 +714,7 @@ _kept: list[object] = []
 
 
 def _read(home: Home) -> tuple[Config, Index]:
-    cfg, index = ops.read(home)
+    cfg, index = reading.read(home)
     _kept.append(index)
     return cfg, index
 
@@ -725,9 +725,9 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
     keep = _task_filter(args.group, args.state, args.source)
-    view = ops.listing(cfg, index, finished=args.all, home=home, keep=None if keep == selection.TaskFilter() else keep)
+    view = reading.listing(cfg, index, finished=args.all, home=home, keep=None if keep == selection.TaskFilter() else keep)
     if args.json:
-        _kept.append(shown := ops.queue_json(view, home))
+        _kept.append(shown := reading.queue_json(view, home))
         _print_json(shown)
     else:
         _say(render.queue_text(view, control.service_pid(home) is not None))
@@ -835,7 +835,7 @@ def cmd_status(home: Home, args: argparse.Namespace) -> int:
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
     task = selection.find(index, args.task)
-    obj = ops.status_json(home, index, cfg, task)
+    obj = reading.status_json(home, index, cfg, task)
     if args.json:
         print(to_json(obj))
     else:
@@ -851,7 +851,7 @@ def cmd_cancel(home: Home, args: argparse.Namespace) -> int:
     # The final states: running tasks once their processes are gone (SIGKILL after kill_grace).
     out = waiting.cancel(home, args.tasks, everything=args.all, reason="cancelled by cli")
     if args.json:
-        print(to_json(ops.tasks_json(out, prompts=ops.prompts(home, out))))
+        print(to_json(reading.tasks_json(out, prompts=reading.prompts(home, out))))
     else:
         from kugetsu.frontends import render
 
@@ -875,14 +875,14 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
             raise UsageError("logs: --json prints the logs as they are now; it cannot --follow")
         cfg, index = load_config(home), store.read()
         tasks = [selection.find(index, ref) for ref in args.tasks]
-        print(to_json([ops.log_json(home, cfg, t, args.lines, logtail.WINDOW, args.raw) for t in tasks]))
+        print(to_json([machines.log_json(home, cfg, t, args.lines, logtail.WINDOW, args.raw) for t in tasks]))
         return OK
     if len(args.tasks) > 1:
         return _logs_of_several(home, args)
     task = selection.find(store.read(), args.tasks[0])
     cfg = load_config(home)
-    path = ops.log_path(home, cfg, task)
-    kind = "text" if args.raw else ops.output_kind(cfg, task)
+    path = machines.log_path(home, cfg, task)
+    kind = "text" if args.raw else machines.output_kind(cfg, task)
     base = _log_output(args)
     out: Any = base if kind == "text" else _Rendered(base, kind)
     try:
@@ -906,12 +906,12 @@ def cmd_logs(home: Home, args: argparse.Namespace) -> int:
             out.write(chunk)
     out.flush()
     if args.follow and task.state is TaskState.QUEUED:  # nothing to show until it starts: say why
-        cfg, index = ops.read(home)
-        position = selection.positions(index, cfg, ops.now()).get(task.id)
+        cfg, index = reading.read(home)
+        position = selection.positions(index, cfg, transaction.now()).get(task.id)
         _say(f"(waiting: {task.name} is queued" + (f", position {position})" if position else ")"), file=sys.stderr)
     while args.follow:
         task = selection.find(store.read(), str(task.id))
-        path = ops.log_path(home, cfg, task)  # in a cluster: what the task's machine shipped since
+        path = machines.log_path(home, cfg, task)  # in a cluster: what the task's machine shipped since
         if follower is None and path.exists():
             follower = logtail.Follower(open(path, "rb", opener=nofollow), 0)
         if follower is not None:
@@ -980,12 +980,12 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
         return wrote
 
     cfg = load_config(home)
-    kinds = {t.id: "text" if args.raw else ops.output_kind(cfg, t) for t in tasks}
+    kinds = {t.id: "text" if args.raw else machines.output_kind(cfg, t) for t in tasks}
     from kugetsu import agents
 
     try:
         for t in tasks:
-            path = ops.log_path(home, cfg, t)
+            path = machines.log_path(home, cfg, t)
             try:
                 f = open(path, "rb", opener=nofollow)
             except FileNotFoundError:
@@ -1004,7 +1004,7 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
         live = [t for t in tasks if not t.state.final] if args.follow else []
         queued = [t for t in live if t.state is TaskState.QUEUED]
         if queued:  # nothing to show of them until they start: say why
-            positions = selection.positions(index, cfg, ops.now())
+            positions = selection.positions(index, cfg, transaction.now())
             _say("(waiting: " + ", ".join(f"{t.name} is queued, position {positions.get(t.id, '-')}" for t in queued)
                  + ")", file=sys.stderr)
         while live:
@@ -1012,7 +1012,7 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
             wrote = False
             for t in list(live):
                 state = now_index.get(t.id, t)
-                path = ops.log_path(home, cfg, state)  # in a cluster: what its machine shipped since
+                path = machines.log_path(home, cfg, state)  # in a cluster: what its machine shipped since
                 if t.id not in followers and path.exists():
                     followers[t.id] = logtail.Follower(open(path, "rb", opener=nofollow), 0)
                 data = followers[t.id].read() if t.id in followers else b""
@@ -1036,7 +1036,7 @@ def _logs_of_several(home: Home, args: argparse.Namespace) -> int:
 def cmd_wait(home: Home, args: argparse.Namespace) -> int:
     if bool(args.tasks) + args.all + (args.group is not None) != 1:
         raise UsageError("wait: give TASK..., --all or --group NAME (one of them)")
-    cfg, index = ops.read(home)
+    cfg, index = reading.read(home)
     control.ensure_service(home, cfg, index)
     if not args.tasks:  # the live tasks now: one that is admitted later is not waited for
         tasks = [t for t in index.live() if args.all or t.group == args.group]
@@ -1062,7 +1062,7 @@ def _wait_for(home: Home, ids: list[int], timeout: float | None, as_json: bool =
         return TIMED_OUT
     tasks = {t.id: t for t in open_store(home).read().all_tasks()}
     if as_json:  # only once every task is final: a timeout prints nothing on stdout
-        print(to_json(ops.tasks_json([tasks[i] for i in ids])))
+        print(to_json(reading.tasks_json([tasks[i] for i in ids])))
     bad = [tasks[i] for i in ids if tasks[i].state is not TaskState.SUCCEEDED]
     for t in bad:
         _say(f"{t.name} (#{t.id}) {t.state.value}" + (f": {t.reason}" if t.reason else ""), file=sys.stderr)
@@ -1077,10 +1077,10 @@ def _priority_ignored(cfg_strategy: str, level: str) -> None:
 
 
 def cmd_priority(home: Home, args: argparse.Namespace) -> int:
-    task, position = ops.set_priority(home, args.task, args.level)
+    task, position = verbs.set_priority(home, args.task, args.level)
     _priority_ignored(load_config(home).strategy, args.level)
     if args.json:
-        print(to_json(ops.task_json(task, position, prompts=ops.prompts(home, [task]))))
+        print(to_json(reading.task_json(task, position, prompts=reading.prompts(home, [task]))))
     else:
         from kugetsu.frontends import render
 
@@ -1100,16 +1100,16 @@ def _pause(home: Home, args: argparse.Namespace, on: bool) -> int:
     if args.task is not None:  # one running task's processes; without TASK, the queue (as before)
         if args.group is not None:
             raise UsageError(f"{'pause' if on else 'resume'}: give TASK or --group NAME, not both")
-        task, changed = ops.pause_task(home, args.task, on)
+        task, changed = verbs.pause_task(home, args.task, on)
         if args.json:
-            print(to_json(ops.task_json(task, None)))
+            print(to_json(reading.task_json(task, None)))
         elif on:
             _say(f"{task.name} (#{task.id}) {'paused' if changed else 'was already paused'}: its processes are"
                  f" stopped and keep slot {task.slot}; `kugetsu resume {task.name}` lets them go on")
         else:
             _say(f"{task.name} (#{task.id}) {'resumed' if changed else 'was not paused'}")
         return OK
-    changed, cap = ops.pause(home, args.group, on)
+    changed, cap = verbs.pause(home, args.group, on)
     if args.json:
         print(to_json(cap))
         return OK
@@ -1141,9 +1141,9 @@ def cmd_unstash(home: Home, args: argparse.Namespace) -> int:
 
 
 def _moved(home: Home, args: argparse.Namespace, change: Callable[..., Any], verb: str) -> int:
-    task, position, changed = ops.queued_change(home, args.task, change)
+    task, position, changed = verbs.queued_change(home, args.task, change)
     if args.json:
-        print(to_json(ops.task_json(task, position)))
+        print(to_json(reading.task_json(task, position)))
         return OK
     where = (f"position {position}" if position is not None else "started" if task.state is TaskState.RUNNING
              else f"set aside (`kugetsu unstash {task.name}`)" if task.stashed_at else "no position")
@@ -1155,16 +1155,16 @@ def cmd_group(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.frontends import render
 
     if args.action == "add":
-        ops.group_add(home, args.name, args.max)
+        verbs.group_add(home, args.name, args.max)
         _say(f"group {args.name} added: {args.max} slot{'s' if args.max != 1 else ''}; `kugetsu delegate --group"
              f" {args.name} ...` runs in it")
         return OK
     if args.action == "remove":
-        ops.group_remove(home, args.name)
+        verbs.group_remove(home, args.name)
         _say(f"group {args.name} removed")
         return OK
     cfg, index = _read(home)
-    rows = ops.groups_json(cfg, index)
+    rows = verbs.groups_json(cfg, index)
     if args.json:
         print(to_json(rows))
     elif not rows:
@@ -1184,9 +1184,9 @@ def cmd_kill(home: Home, args: argparse.Namespace) -> int:
         sig = signal.Signals(int(text)) if text.isdigit() else signal.Signals[text if text.startswith("SIG") else "SIG" + text]
     except (KeyError, ValueError):
         raise UsageError(f"kill -s {args.signal!r}: no such signal; e.g. TERM, INT, HUP, USR1, KILL or a number") from None
-    task, sent = ops.signal_task(home, args.task, sig)
+    task, sent = verbs.signal_task(home, args.task, sig)
     if args.json:
-        print(to_json(ops.task_json(task, None)))
+        print(to_json(reading.task_json(task, None)))
     else:
         _say(f"sent {sig.name} to {task.name} (#{task.id})" + ("" if sent else ": no process of it was left"))
     return OK
@@ -1197,9 +1197,9 @@ def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
 
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
-    cap = selection.capacity(index, cfg, ops.now())
+    cap = selection.capacity(index, cfg, transaction.now())
     if args.json:
-        print(to_json(ops.capacity_json(cfg, index)))
+        print(to_json(reading.capacity_json(cfg, index)))
     else:
         _say(render.summary(cap))
     return OK
@@ -1222,7 +1222,7 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
         return OK
     if args.action in ("set", "unset"):
         value = None if args.action == "unset" else parse_value(_stdin_value(args.key) if args.value == "-" else args.value)
-        cfg = ops.set_config(home, args.key, value, remove=args.action == "unset")
+        cfg = config_change.set_config(home, args.key, value, remove=args.action == "unset")
         if not C.has_value(cfg, args.key):  # an entry removed (agents.x): no default to show
             print(f"{args.key} removed")
         else:
@@ -1335,7 +1335,7 @@ def cmd_shutdown(home: Home, args: argparse.Namespace) -> int:
 
 
 def cmd_hosts(home: Home, args: argparse.Namespace) -> int:
-    rows = ops.hosts(home)
+    rows = machines.hosts(home)
     if args.json:
         print(to_json(rows))
         return OK
@@ -1367,17 +1367,17 @@ def _task_filter(group: str | None = None, states: list[str] | None = None, sour
 
 def cmd_clean(home: Home, args: argparse.Namespace) -> int:
     states = _task_filter(states=args.state).states
-    return _removed(ops.clean(home, args.older_than, states), args.json)
+    return _removed(verbs.clean(home, args.older_than, states), args.json)
 
 
 def cmd_remove(home: Home, args: argparse.Namespace) -> int:
-    return _removed(ops.remove(home, args.tasks), args.json, named=True)
+    return _removed(verbs.remove(home, args.tasks), args.json, named=True)
 
 
 def _removed(gone: list[Task], as_json: bool, named: bool = False) -> int:
     """What `clean` and `remove` say (`remove` names the tasks it was given)."""
     if as_json:
-        print(to_json(ops.tasks_json(gone)))
+        print(to_json(reading.tasks_json(gone)))
     else:
         _say(f"removed {_count(len(gone), 'finished task')} from the index"
              + (f": {', '.join(f'{t.name} (#{t.id})' for t in gone)}" if named else ""))
@@ -1389,7 +1389,7 @@ def cmd_worktrees(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.service import worktree
 
     if args.action == "prune":
-        done = ops.prune_worktrees(home, args.older_than, args.force)
+        done = worktrees.prune_worktrees(home, args.older_than, args.force)
         if args.json:
             print(to_json([{"path": str(p.entry.path), "task": p.entry.task.id if p.entry.task else None,
                             "branch": p.entry.branch, "removed": p.removed, "note": p.note} for p in done]))
@@ -1400,14 +1400,14 @@ def cmd_worktrees(home: Home, args: argparse.Namespace) -> int:
         if not done:
             _say("no worktrees of finished tasks to prune")
         return OK
-    index = ops.read(home)[1]
+    index = reading.read(home)[1]
     rows = [_worktree_row(e, worktree.disk_usage(e.path)) for e in worktree.entries(home, index.all_tasks())]
     if args.json:
         print(to_json(rows))
     elif not rows:
         _say(f"no worktrees (they live in {home.root / 'worktrees'})")
     else:
-        _say(render.worktrees_table(rows, ops.now()))
+        _say(render.worktrees_table(rows, transaction.now()))
     return OK
 
 
@@ -1446,9 +1446,9 @@ def cmd_dashboard(home: Home, args: argparse.Namespace) -> int:
 def cmd_stats(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.app import stats  # only this command (and the dashboard) reads the history
 
-    cfg, index = ops.read(home)
+    cfg, index = reading.read(home)
     control.ensure_service(home, cfg, index)
-    window = stats.load(home, cfg, index, args.since or stats.DEFAULT_WINDOW, ops.now())
+    window = stats.load(home, cfg, index, args.since or stats.DEFAULT_WINDOW, transaction.now())
     report = stats.summarise(window, args.by)
     if args.json:
         print(to_json(report))
@@ -1479,28 +1479,28 @@ def cmd_schedule(home: Home, args: argparse.Namespace) -> int:
 
     if args.action == "list":
         cfg, index = _read(home)
-        rows = ops.schedules_json(cfg, index)
-        print(to_json(rows) if args.json else render.schedules_table(rows, ops.now()))
+        rows = recurring.schedules_json(cfg, index)
+        print(to_json(rows) if args.json else render.schedules_table(rows, transaction.now()))
         return OK
     if args.action == "add":
         cfg = load_config(home)
         if args.source == "cli":  # not given: its tasks say where they come from
             args.source = f"schedule:{args.name}"
-        sched = ops.schedule_add(home, cfg, args.name, cron=args.cron, every=args.every, tz=args.tz,
+        sched = recurring.schedule_add(home, cfg, args.name, cron=args.cron, every=args.every, tz=args.tz,
                                  req=_request(args), overlap=args.overlap)
-        row = next(r for r in ops.schedules_json(cfg, ops.read(home)[1]) if r["name"] == sched.name)
-        print(to_json(row) if args.json else f"added schedule {sched.name}, next firing {render.when(row['next_fire'], ops.now())}")
+        row = next(r for r in recurring.schedules_json(cfg, reading.read(home)[1]) if r["name"] == sched.name)
+        print(to_json(row) if args.json else f"added schedule {sched.name}, next firing {render.when(row['next_fire'], transaction.now())}")
         return OK
     if args.action == "run":
-        firing = ops.fire_schedule(home, args.name)
+        firing = recurring.fire_schedule(home, args.name)
         assert firing is not None  # by hand: always recorded
         if args.json:
-            print(to_json({"note": firing.note, "task": ops.task_json(firing.task, firing.admission.position)
+            print(to_json({"note": firing.note, "task": reading.task_json(firing.task, firing.admission.position)
                            if firing.task and firing.admission else None}))
         else:
             _say(f"{args.name}: {firing.note}")
         return OK if firing.task is not None else FAILURE
-    events = ops.schedule_change(home, args.name, args.action)
+    events = recurring.schedule_change(home, args.name, args.action)
     past = {"pause": "paused", "resume": "resumed", "remove": "removed"}[args.action]
     _say(f"{past} schedule {args.name}" if events else f"schedule {args.name} was already {past}")
     return OK
@@ -1511,21 +1511,21 @@ def cmd_hold(home: Home, args: argparse.Namespace) -> int:
 
     until = None
     if args.until is not None:
-        until = limits.parse_until(args.until, ops.now())
+        until = limits.parse_until(args.until, transaction.now())
         if until is None:
             raise UsageError(f"--until {args.until!r} is neither a time (15:00, 3pm, 2026-11-23T15:00Z) nor a"
                              " duration (30m, 2h)")
-    return _held(home, args, ops.hold(home, args.agent, until))
+    return _held(home, args, verbs.hold(home, args.agent, until))
 
 
 def cmd_release(home: Home, args: argparse.Namespace) -> int:
-    return _held(home, args, ops.release(home, args.agent))
+    return _held(home, args, verbs.release(home, args.agent))
 
 
 def _held(home: Home, args: argparse.Namespace, events: list[Any]) -> int:
     """What `hold` and `release` say: the event's words, or (--json) the preset's hold now."""
     if args.json:
-        print(to_json(ops.hold_json(home, args.agent, [e.reason for e in events])))
+        print(to_json(verbs.hold_json(home, args.agent, [e.reason for e in events])))
         return OK
     for event in events:
         _say(event.reason)
@@ -1536,9 +1536,9 @@ def cmd_retry(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.frontends import render
 
     cfg = load_config(home)
-    adm = ops.retry(home, cfg, args.task)
+    adm = verbs.retry(home, cfg, args.task)
     if args.json:
-        print(to_json(ops.task_json(adm.task, adm.position, prompts=ops.prompts(home, [adm.task]))))
+        print(to_json(reading.task_json(adm.task, adm.position, prompts=reading.prompts(home, [adm.task]))))
     else:
         _say(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for))
     return OK

@@ -1,5 +1,5 @@
 """The schemas of the MCP tools' structured results: pydantic models of the JSON the CLI
-prints with --json (ops.task_json, ops.capacity_json, ops.queue_json), so that clients get
+prints with --json (reading.task_json, reading.capacity_json, reading.queue_json), so that clients get
 an output schema. Only validation and schema: the content itself is the CLI's dict, as is.
 
 Here, and not on the CLI path, is where pydantic belongs (the MCP SDK is built on it; the

@@ -31,7 +31,7 @@ from mcp.types import CallToolResult, SubscribeRequestParams, TextContent, ToolA
 from pydantic import Field, ValidationError
 
 import kugetsu
-from kugetsu.app import control, ops, waiting
+from kugetsu.app import control, delegation, machines, reading, recurring, transaction, verbs, waiting
 from kugetsu.core import admission, selection
 from kugetsu.frontends import render
 from kugetsu.config.load import load_config
@@ -70,7 +70,7 @@ TaskRef = Annotated[str, Field(description="a task id (7 or #7) or name (issue-1
 
 def _text(text: str, structured: dict[str, Any] | None = None, error: bool = False) -> CallToolResult:
     if structured is not None:
-        structured = msgspec.to_builtins(structured)  # ops.queue_json's tasks are structs
+        structured = msgspec.to_builtins(structured)  # reading.queue_json's tasks are structs
     return CallToolResult(content=[TextContent(type="text", text=text)], structured_content=structured, is_error=error)
 
 
@@ -93,7 +93,7 @@ def _size(value: str | int | None) -> int | None:
 
 
 def _task_json(home: Home, cfg: Any, index: Index, task: Task) -> dict[str, Any]:
-    return ops.task_json(task, selection.positions(index, cfg, ops.now()).get(task.id), prompts=ops.prompts(home, [task]))
+    return reading.task_json(task, selection.positions(index, cfg, transaction.now()).get(task.id), prompts=reading.prompts(home, [task]))
 
 
 class Follow:
@@ -122,17 +122,17 @@ class Follow:
 
     def look(self) -> dict[str, bytes]:
         """Every resource's content now (a worker thread: it reads and renders the index)."""
-        cfg, index = ops.read(self.home)
-        view = ops.listing(cfg, index)
+        cfg, index = reading.read(self.home)
+        view = reading.listing(cfg, index)
         tasks = index.finished + index.live()
         # Only a queued task's prompt can change (edit): the others' are read once.
         fresh = [t for t in tasks if t.id not in self.prompts or t.state is TaskState.QUEUED]
         self.prompts = {**{t.id: self.prompts[t.id] for t in tasks if t.id in self.prompts},
-                        **ops.prompts(self.home, fresh)}
-        out = {QUEUE_URI: _dumps(ops.queue_json(view, self.home))}
+                        **reading.prompts(self.home, fresh)}
+        out = {QUEUE_URI: _dumps(reading.queue_json(view, self.home))}
         by_name: dict[str, bytes] = {}
         for task in tasks:  # a name means its live task, else its latest finished one
-            body = _dumps(ops.task_json(task, view.positions.get(task.id), prompts=self.prompts))
+            body = _dumps(reading.task_json(task, view.positions.get(task.id), prompts=self.prompts))
             out[f"{TASK_URI}{task.id}"] = by_name[task.name] = body
         out.update((f"{TASK_URI}{name}", body) for name, body in by_name.items())
         return out
@@ -292,9 +292,9 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         tasks wait (queued) and the queue's limit (max_queue). Call it before delegating a batch:
         with free > 0 the next task starts at once; when queued reaches max_queue, delegate is
         rejected, so send fewer or wait."""
-        cfg, index = ops.read(home)
+        cfg, index = reading.read(home)
         control.ensure_service(home, cfg, index)
-        return _text(render.summary(selection.capacity(index, cfg, ops.now())), ops.capacity_json(cfg, index))
+        return _text(render.summary(selection.capacity(index, cfg, transaction.now())), reading.capacity_json(cfg, index))
 
     @server.tool(annotations=ToolAnnotations(destructive_hint=False, idempotent_hint=False, open_world_hint=True))
     @answers
@@ -360,7 +360,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             timeout=_duration(timeout, "timeout"), worktree=worktree, base=base, retries=retries,
             retry_delay=_duration(retry_delay, "retry_delay"), fallback=fallback, fallback_fresh=fallback_fresh,
             budget_usd=budget_usd, max_tokens=max_tokens, memory=_size(memory), max_procs=max_procs, slots=slots,
-            start_at=ops.start_time(at, _duration(delay, "delay"), "at"), env=dict(env or {}),
+            start_at=delegation.start_time(at, _duration(delay, "delay"), "at"), env=dict(env or {}),
         )
         try:
             adm = await admitter.admit(req)
@@ -371,7 +371,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             return _text(f"{line}. {advice}", {"admitted": False, "task": None, "rejected": str(err),
                                               "retry_after": BACK_OFF_S, "message": line, "advice": advice})
         line = render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for)
-        task = ops.task_json(adm.task, adm.position, prompts=ops.prompts(home, [adm.task]))
+        task = reading.task_json(adm.task, adm.position, prompts=reading.prompts(home, [adm.task]))
         advice = (f"It runs on its own; call wait with {adm.task.name!r} (or {adm.task.id}) when you need its"
                   " result, then logs if it did not succeed.")
         text = line
@@ -396,11 +396,11 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         will start: position 1 starts next, and `waiting_for` says why a task waits when it is
         not simply behind others (a per-source or group limit, a rate limit, the resource guard).
         group, state and source keep only the tasks that match, at their true positions."""
-        cfg, index = ops.read(home)
+        cfg, index = reading.read(home)
         control.ensure_service(home, cfg, index)
         keep = selection.task_filter(group, state, source)
-        view = ops.listing(cfg, index, finished=finished, home=home, keep=None if keep == selection.TaskFilter() else keep)
-        return _text(render.queue_text(view, control.service_pid(home) is not None), ops.queue_json(view, home))
+        view = reading.listing(cfg, index, finished=finished, home=home, keep=None if keep == selection.TaskFilter() else keep)
+        return _text(render.queue_text(view, control.service_pid(home) is not None), reading.queue_json(view, home))
 
     @server.tool(annotations=read_only)
     @answers
@@ -408,9 +408,9 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         """One task in full: state (queued, running, succeeded, failed, cancelled, expired, lost),
         its position while queued, exit code and the reason it ended, its log file, its worktree
         branch."""
-        cfg, index = ops.read(home)
+        cfg, index = reading.read(home)
         control.ensure_service(home, cfg, index)
-        obj = ops.status_json(home, index, cfg, selection.find(index, task))
+        obj = reading.status_json(home, index, cfg, selection.find(index, task))
         return _text(render.task_lines(obj), obj)
 
     @server.tool(annotations=ToolAnnotations(destructive_hint=True, idempotent_hint=False, open_world_hint=False))
@@ -431,7 +431,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
                 waiting.cancel, home, tasks, everything=all, reason="cancelled by mcp", stop=stop))
         finally:
             stop.set()
-        return _text(render.cancelled(out), {"tasks": ops.tasks_json(out, prompts=ops.prompts(home, out))})
+        return _text(render.cancelled(out), {"tasks": reading.tasks_json(out, prompts=reading.prompts(home, out))})
 
     @server.tool(annotations=read_only)
     @answers
@@ -453,7 +453,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         seconds = _duration(timeout, "timeout")
         if bool(tasks) == (group is not None):
             raise UsageError("name the tasks to wait for (ids or names), or a group (not both)")
-        cfg, index = await _in_thread(ops.read, home)
+        cfg, index = await _in_thread(reading.read, home)
         await _in_thread(control.ensure_service, home, cfg, index)
         ids = [selection.find(index, ref).id for ref in tasks] or [t.id for t in index.live() if t.group == group]
         stop = waiting.Stop()
@@ -482,7 +482,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             failed = ", ".join(t.name for t in out if t.state is not TaskState.SUCCEEDED)
             advice = f"not all succeeded: read logs (and status, for the reason) of {failed} before you retry or report"
         return _text("\n".join(lines), {"done": done, "all_succeeded": ok, "advice": advice,
-                                        "tasks": [ops.task_json(t, p, prompts=ops.prompts(home, [t])) for t, p in _awaited(cfg, index, ids)]})
+                                        "tasks": [reading.task_json(t, p, prompts=reading.prompts(home, [t])) for t, p in _awaited(cfg, index, ids)]})
 
     @server.tool(annotations=read_only)
     @answers
@@ -498,9 +498,9 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         """The end of a task's output (its agent's stdout and stderr), bounded: the last `lines`
         lines within the last `max_bytes` bytes (16 KiB by default). Read it when a task
         failed, before you retry it or fix the issue yourself. A queued task has no output yet."""
-        cfg, index = ops.read(home)
+        cfg, index = reading.read(home)
         found = selection.find(index, task)
-        obj = ops.log_json(home, cfg, found, lines, max_bytes, raw)
+        obj = machines.log_json(home, cfg, found, lines, max_bytes, raw)
         shown = obj["text"] if obj["size"] else f"(no output yet: {found.name} is {found.state.value})"
         return _text(shown, obj)
 
@@ -512,8 +512,8 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
     ) -> Annotated[CallToolResult, TaskOut]:
         """Change a queued task's priority. It moves ahead under the priority and fair
         strategies (not under fifo); the result gives its new position."""
-        changed, position = ops.set_priority(home, task, level)
-        return _text(render.priority_changed(changed, position), ops.task_json(changed, position, prompts=ops.prompts(home, [changed])))
+        changed, position = verbs.set_priority(home, task, level)
+        return _text(render.priority_changed(changed, position), reading.task_json(changed, position, prompts=reading.prompts(home, [changed])))
 
     @server.tool(annotations=read_only)
     @answers
@@ -522,9 +522,9 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
         when it fires next, the task its last firing delegated and how that task stands or
         ended, and what its last firing did (skipped while its task still ran, not delegated
         because the queue was full). Each firing delegates a task named NAME-YYYYmmdd-HHMMSS."""
-        cfg, index = ops.read(home)
-        rows = ops.schedules_json(cfg, index)
-        return _text(render.schedules_table(rows, ops.now()), {"schedules": rows})
+        cfg, index = reading.read(home)
+        rows = recurring.schedules_json(cfg, index)
+        return _text(render.schedules_table(rows, transaction.now()), {"schedules": rows})
 
     # ---- resources -----------------------------------------------------------------------
 
@@ -532,14 +532,14 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
                      description="The queue tool's JSON: running and queued tasks, positions. Subscribe to be told"
                      " when it changes.")
     def queue_resource() -> str:
-        cfg, index = ops.read(home)
-        return _dumps(ops.queue_json(ops.listing(cfg, index), home)).decode()
+        cfg, index = reading.read(home)
+        return _dumps(reading.queue_json(reading.listing(cfg, index), home)).decode()
 
     @server.resource(TASK_URI + "{task}", name="task", mime_type="application/json",
                      description="One task's JSON (the status tool's), by id or name. Subscribe to be told when it"
                      " changes (state, position, exit).")
     def task_resource(task: str) -> str:
-        cfg, index = ops.read(home)
+        cfg, index = reading.read(home)
         try:
             found = selection.find(index, task)
         except KugetsuError as err:
@@ -556,11 +556,11 @@ WRITERS = ("delegate", "cancel", "priority")  # the tools that change the queue 
 def _nesting_refusal(home: Home) -> str | None:
     """Why this server may not change the queue: it runs for an agent inside a task whose
     preset allows no (more) nesting (admission.check_nesting). None: it may."""
-    ref = ops.caller_task()
+    ref = delegation.caller_task()
     if ref is None:
         return None
     try:
-        _cfg, index = ops.read(home)
+        _cfg, index = reading.read(home)
         admission.check_nesting(admission.parent_task(index, ref))
     except Nested as err:
         return str(err)
@@ -672,7 +672,7 @@ def _invalid(err: ValidationError, props: dict[str, Any]) -> str:
 class Admitter:
     """Concurrent delegate calls share transactions: while one batch is being admitted (a
     locked, fsync'd write), the calls that arrive wait, then go in together as the next
-    batch (ops.delegate_many: each as if alone, in order of arrival). A lone call is a batch
+    batch (delegation.delegate_many: each as if alone, in order of arrival). A lone call is a batch
     of one, with no delay; a client with calls in flight pays one write per batch instead of
     one per task, which only a long-lived process can offer."""
 
@@ -681,7 +681,7 @@ class Admitter:
         self.pending: list[_Entry] = []
         self.lock = anyio.Lock()
 
-    async def admit(self, req: admission.Request) -> ops.Admission:
+    async def admit(self, req: admission.Request) -> delegation.Admission:
         entry = _Entry(req)
         self.pending.append(entry)
         try:
@@ -704,7 +704,7 @@ class Admitter:
         return entry.result
 
     def _admit(self, reqs: list[admission.Request]) -> list[Any]:
-        return ops.delegate_many(self.home, load_config(self.home), reqs)
+        return delegation.delegate_many(self.home, load_config(self.home), reqs)
 
 
 class _Entry:
@@ -727,7 +727,7 @@ async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
 
 def _awaited(cfg: Config, index: Index, ids: list[int]) -> list[tuple[Task, int | None]]:
     found = {t.id: t for t in index.all_tasks()}
-    positions = selection.positions(index, cfg, ops.now()) if index.queued else {}
+    positions = selection.positions(index, cfg, transaction.now()) if index.queued else {}
     return [(found[i], positions.get(i)) for i in ids if i in found]
 
 

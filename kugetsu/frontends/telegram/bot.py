@@ -30,7 +30,7 @@ from telegram.ext import (
     filters,
 )
 
-from kugetsu.app import ops
+from kugetsu.app import delegation, reading, recurring, transaction, verbs
 
 from kugetsu.core import admission, selection
 from kugetsu.config.load import load_config
@@ -134,9 +134,9 @@ async def cmd_help(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
 
 
 def _queue_view(home: Home) -> tuple[str, InlineKeyboardMarkup | None]:
-    cfg, index = ops.read(home)
-    now = ops.now()
-    view = ops.listing(cfg, index, at=now).view  # the CLI's own view, with its notes on why tasks wait
+    cfg, index = reading.read(home)
+    now = transaction.now()
+    view = reading.listing(cfg, index, at=now).view  # the CLI's own view, with its notes on why tasks wait
     body = text.queue(view, now)
     live = [t for t in view.running if t.stop is None] + view.queued
     buttons = [
@@ -151,14 +151,14 @@ async def cmd_queue(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
 
 
 async def cmd_capacity(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
-    cfg, index = await asyncio.to_thread(ops.read, _env(context).home)
-    await _reply(update, text.capacity(selection.capacity(index, cfg, ops.now())))
+    cfg, index = await asyncio.to_thread(reading.read, _env(context).home)
+    await _reply(update, text.capacity(selection.capacity(index, cfg, transaction.now())))
 
 
 async def cmd_schedules(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
     def look() -> str:
-        cfg, index = ops.read(_env(context).home)
-        return text.schedules(ops.schedules_json(cfg, index), ops.now())
+        cfg, index = reading.read(_env(context).home)
+        return text.schedules(recurring.schedules_json(cfg, index), transaction.now())
 
     await _reply(update, await asyncio.to_thread(look))
 
@@ -170,17 +170,17 @@ async def cmd_status(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None
 
     def look() -> str:
         home = _env(context).home
-        cfg, index = ops.read(home)
+        cfg, index = reading.read(home)
         task = selection.find(index, context.args[0])
-        measured = ops.measured(home, cfg, index)  # a running task's memory now (README, "Resources")
-        return text.status(ops.task_json(task, selection.positions(index, cfg, ops.now()).get(task.id), measured=measured,
-                                         prompts=ops.prompts(home, [task])))
+        measured = reading.measured(home, cfg, index)  # a running task's memory now (README, "Resources")
+        return text.status(reading.task_json(task, selection.positions(index, cfg, transaction.now()).get(task.id), measured=measured,
+                                         prompts=reading.prompts(home, [task])))
 
     await _reply(update, await asyncio.to_thread(look))
 
 
 def _cancel(home: Home, refs: list[str], chat_id: int) -> str:
-    tasks = ops.cancel(home, refs, reason=f"cancelled by telegram:{chat_id}")
+    tasks = verbs.cancel(home, refs, reason=f"cancelled by telegram:{chat_id}")
     lines = []
     for t in tasks:
         if t.state is TaskState.RUNNING:
@@ -222,12 +222,12 @@ async def on_button(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
 def _pause(home: Home, ref: str | None, on: bool, chat_id: int) -> str:
     """/pause, /resume: the queue's starts, or (with TASK) a running task's processes."""
     if ref is None:
-        changed, cap = ops.pause(home, None, on)
+        changed, cap = verbs.pause(home, None, on)
         if on:
             return "paused: no queued task starts, running ones go on" if changed else "already paused"
         return (f"resumed: {cap.active}/{cap.max_agents} running, {cap.queued} queued" if changed
                 else "was not paused")
-    task, changed = ops.pause_task(home, ref, on, by=f"telegram:{chat_id}")
+    task, changed = verbs.pause_task(home, ref, on, by=f"telegram:{chat_id}")
     verb = "paused" if on else "resumed"
     return f"{verb} {text.task_ref(task)}" if changed else f"{text.task_ref(task)} was {'already' if on else 'not'} paused"
 
@@ -250,7 +250,7 @@ def _retry(home: Home, ref: str) -> str:
     cfg = load_config(home)
     if not cfg.telegram.allow_delegate:  # it starts an agent, as /delegate does
         return "Retrying from Telegram is off with delegating (config telegram.allow_delegate)."
-    return _admitted(ops.retry(home, cfg, ref))
+    return _admitted(verbs.retry(home, cfg, ref))
 
 
 async def cmd_retry(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
@@ -260,7 +260,7 @@ async def cmd_retry(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
     await _reply(update, await asyncio.to_thread(_retry, _env(context).home, context.args[0]))
 
 
-def _admitted(adm: ops.Admission) -> str:
+def _admitted(adm: delegation.Admission) -> str:
     if adm.position is None:
         return f"started {text.task_ref(adm.task)}, slot {adm.task.slot}/{adm.max_agents}"
     return f"queued {text.task_ref(adm.task)}, position {adm.position} of {adm.queued}"
@@ -272,7 +272,7 @@ def _delegate(home: Home, name: str, prompt: str, chat_id: int) -> str:
         return "Delegating from Telegram is off (config telegram.allow_delegate)."
     cwd = os.path.expanduser(cfg.telegram.delegate_cwd or "~")
     req = admission.Request(cwd=cwd, name=name, prompt=prompt, source=f"telegram:{chat_id}")
-    return _admitted(ops.delegate(home, cfg, req))
+    return _admitted(delegation.delegate(home, cfg, req))
 
 
 async def cmd_delegate(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:

@@ -27,9 +27,9 @@ from telegram.error import BadRequest, Forbidden, InvalidToken, RetryAfter, Tele
 
 from kugetsu.config.model import Config
 from kugetsu.core.models import Event, Task
-from kugetsu.app import ops
+from kugetsu.app import machines
 from kugetsu.store import logtail
-from kugetsu.app.ops import now
+from kugetsu.app.transaction import now
 from kugetsu.paths import Home, atomic_write, nofollow, read_file
 from kugetsu.store.files import decode_events, open_store
 from kugetsu.frontends.telegram import text
@@ -303,8 +303,8 @@ class Notifier:
         tail = None
         if event.type in ("failed", "lost") and event.task is not None:
             cfg = self.get_cfg()
-            tail = _log_tail(self.home.log(event.task) if task is None else ops.log_path(self.home, cfg, task),
-                             "text" if task is None else ops.output_kind(cfg, task))
+            tail = _log_tail(self.home.log(event.task) if task is None else machines.log_path(self.home, cfg, task),
+                             "text" if task is None else machines.output_kind(cfg, task))
         return text.notification(event, task, self.get_cfg(), tail)
 
     def _task(self, task_id: int) -> Task | None:

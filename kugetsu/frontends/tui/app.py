@@ -21,7 +21,7 @@ from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.widgets import DataTable, Footer, Static
 
-from kugetsu.app import control, ops
+from kugetsu.app import config_change, control, delegation, machines, reading, transaction, verbs
 
 from kugetsu.core import step
 from kugetsu.config.load import host_name, load_config
@@ -85,7 +85,7 @@ class Dashboard(App[None]):
     selected: reactive[int | None] = reactive(None, init=False)
     web_tab = False  # run by `dashboard --web` for one browser tab
 
-    def __init__(self, home: Home, *, clock: Callable[[], datetime] = ops.now, tz: tzinfo | None = None,
+    def __init__(self, home: Home, *, clock: Callable[[], datetime] = transaction.now, tz: tzinfo | None = None,
                  poll: float = 1.0, cwd: str | None = None):
         super().__init__()
         self.home = home
@@ -167,7 +167,7 @@ class Dashboard(App[None]):
                 self.error = None
                 self.notify("the files read cleanly again", title="recovered")
         self.service_pid = control.service_pid(self.home)
-        self.measured = ops.measured(self.home, self.cfg, self.index) if self.cfg.store is None else {}
+        self.measured = reading.measured(self.home, self.cfg, self.index) if self.cfg.store is None else {}
         self._show()
 
     def _stamps_now(self) -> dict[str, object]:
@@ -185,7 +185,7 @@ class Dashboard(App[None]):
         date (the output pane follows the mirror file)."""
         task = self.selected_task()
         if task is not None and task.host is not None and task.host != host_name(self.cfg):
-            ops.log_path(self.home, self.cfg, task)
+            machines.log_path(self.home, self.cfg, task)
 
     def notify(self, message: str, *, title: str = "", severity: Any = "information", timeout: float | None = None,
                markup: bool = False) -> None:
@@ -203,7 +203,7 @@ class Dashboard(App[None]):
         summary = self.summary
         # Once per refresh, for every pane: the CLI's own view, with the resource guard's and
         # placement's notes (why a task waits), and the running tasks' measured use.
-        queue = ops.listing(self.cfg, self.index, at=now).view
+        queue = reading.listing(self.cfg, self.index, at=now).view
         text = view.summary(queue.capacity, self.service_pid, self.measured)
         summary.update(plain(text + (" · files unreadable: see notification" if self.error else "")))
         summary.set_class(self.service_pid is None, "-down")
@@ -291,9 +291,9 @@ class Dashboard(App[None]):
         self.refresh_bindings()  # the footer's keys follow the selected task's state
         output = self.output
         task = self.selected_task()
-        path = None if selected is None else self.home.log(selected) if task is None else ops.log_path(self.home, self.cfg, task)
+        path = None if selected is None else self.home.log(selected) if task is None else machines.log_path(self.home, self.cfg, task)
         output.follow(path, NOTHING_SELECTED if selected is None else "(no output yet)",
-                      "text" if task is None else ops.output_kind(self.cfg, task))
+                      "text" if task is None else machines.output_kind(self.cfg, task))
         output.border_title = plain(view.task_title(self.selected_task(), self.measured))
 
     # ---- actions ---------------------------------------------------------------------
@@ -343,7 +343,7 @@ class Dashboard(App[None]):
         if task is None:
             self.notify("select a task first (tab and arrow keys)", severity="warning")
             return
-        self.push_screen(LogScreen(self.home, task, self.poll, ops.output_kind(self.cfg, task)))
+        self.push_screen(LogScreen(self.home, task, self.poll, machines.output_kind(self.cfg, task)))
 
     def action_cancel(self) -> None:
         task = self.selected_task()
@@ -360,7 +360,7 @@ class Dashboard(App[None]):
         # A thread: the transaction locks and fsyncs. A running task's cancel returns right
         # after its SIGTERM; the row shows it stopping until the service records the end.
         try:
-            (task,) = ops.cancel(self.home, [str(task_id)], reason=f"cancelled by {SOURCE}")
+            (task,) = verbs.cancel(self.home, [str(task_id)], reason=f"cancelled by {SOURCE}")
         except Exception as err:
             self._done(describe_error(err), error=True)
             return
@@ -379,25 +379,25 @@ class Dashboard(App[None]):
     def action_pause_task(self, on: bool) -> None:
         task = self.selected_task()
         if task is not None:
-            self._act(lambda: ops.pause_task(self.home, str(task.id), on, by=SOURCE),
+            self._act(lambda: verbs.pause_task(self.home, str(task.id), on, by=SOURCE),
                       f"{'paused' if on else 'resumed'} {task.name} (#{task.id})")
 
     def action_pause_queue(self, on: bool) -> None:
-        self._act(lambda: ops.pause(self.home, None, on),
+        self._act(lambda: verbs.pause(self.home, None, on),
                   "paused: no queued task starts" if on else "resumed: queued tasks start again")
 
     def action_hold(self, on: bool) -> None:
         task = self.selected_task()
         if task is not None and task.agent is not None:
             agent = task.agent
-            self._act(lambda: ops.hold(self.home, agent, None) if on else ops.release(self.home, agent),
+            self._act(lambda: verbs.hold(self.home, agent, None) if on else verbs.release(self.home, agent),
                       f"{'held' if on else 'released'} {agent}" + (" until released (h)" if on else ""))
 
     def action_retry(self) -> None:
         task = self.selected_task()
         if task is not None:
             def retry() -> None:
-                adm = ops.retry(self.home, load_config(self.home), str(task.id))
+                adm = verbs.retry(self.home, load_config(self.home), str(task.id))
                 self.call_from_thread(self._delegated, adm)
 
             self._act(retry, None)
@@ -418,7 +418,7 @@ class Dashboard(App[None]):
         form = DelegateForm(self.home, sorted(self.cfg.agents), self.cfg.default_agent, self.cwd)
         self.push_screen(form, callback=self._delegated)
 
-    def _delegated(self, admission: ops.Admission | None) -> None:
+    def _delegated(self, admission: delegation.Admission | None) -> None:
         if admission is None:
             return
         t = admission.task
@@ -436,7 +436,7 @@ class Dashboard(App[None]):
         try:
             with self._config_lock:
                 value = load_config(self.home).max_agents + delta
-                cfg = ops.set_config(self.home, "max_agents", value)
+                cfg = config_change.set_config(self.home, "max_agents", value)
         except Exception as err:
             self._done(describe_error(err), error=True)
             return

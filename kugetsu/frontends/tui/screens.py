@@ -14,7 +14,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Input, Label, Select, Static
 
-from kugetsu.app import ops
+from kugetsu.app import delegation, reading, recurring, verbs
 
 from kugetsu.core import admission
 from kugetsu.config.load import load_config
@@ -75,8 +75,8 @@ class ConfirmCancel(ModalScreen[bool]):
         self.dismiss(event.button.id == "yes")
 
 
-class DelegateForm(ModalScreen["ops.Admission | None"]):
-    """Name, prompt, agent preset (and working directory). Submits through ops.delegate, the
+class DelegateForm(ModalScreen["delegation.Admission | None"]):
+    """Name, prompt, agent preset (and working directory). Submits through delegation.delegate, the
     CLI's own admission; its errors (bad name, unknown command, queue full) stay in the form."""
 
     BINDINGS = [Binding("escape", "dismiss_form", "close"), Binding("enter", "submit", "delegate", show=True,
@@ -139,7 +139,7 @@ class DelegateForm(ModalScreen["ops.Admission | None"]):
     def _delegate(self, req: admission.Request) -> None:
         # A thread: admission takes the index lock and fsyncs; the UI must not wait on it.
         try:
-            admitted = ops.delegate(self.home, load_config(self.home), req)
+            admitted = delegation.delegate(self.home, load_config(self.home), req)
         except Exception as err:  # every failure is shown in the form, never a crash
             self.app.call_from_thread(self._show_error, describe_error(err))
         else:
@@ -151,7 +151,7 @@ class DelegateForm(ModalScreen["ops.Admission | None"]):
 
 class EditForm(ModalScreen[bool]):
     """A queued task's name, prompt and priority (`e`, or `u` to start at the priority):
-    submits what changed through ops.edit, the CLI's own transaction; its errors stay here."""
+    submits what changed through verbs.edit, the CLI's own transaction; its errors stay here."""
 
     BINDINGS = [Binding("escape", "close", "close"), Binding("enter", "submit", "save", key_display="enter")]
 
@@ -161,7 +161,7 @@ class EditForm(ModalScreen[bool]):
         self.target = task
         self.start = focus
         # Its prompt, kept beside the index (None: a command given at delegation has none).
-        self.prompt = ops.prompts(home, [task]).get(task.id, task.prompt)
+        self.prompt = reading.prompts(home, [task]).get(task.id, task.prompt)
 
     def compose(self) -> ComposeResult:
         t = self.target
@@ -216,7 +216,7 @@ class EditForm(ModalScreen[bool]):
     @work(thread=True, exclusive=True, group="edit")
     def _edit(self, change: admission.Edit) -> None:
         try:
-            ops.edit(self.home, str(self.target.id), change)
+            verbs.edit(self.home, str(self.target.id), change)
         except Exception as err:  # shown in the form, never a crash
             self.app.call_from_thread(self._show_error, describe_error(err))
         else:
@@ -293,8 +293,8 @@ class SchedulesScreen(ModalScreen[None]):
         from kugetsu.frontends import render
 
         try:
-            cfg, index = ops.read(self.home)
-            body = render.schedules_table(ops.schedules_json(cfg, index), self.clock())
+            cfg, index = reading.read(self.home)
+            body = render.schedules_table(recurring.schedules_json(cfg, index), self.clock())
         except Exception as err:  # a damaged index: say it here, the dashboard says it too
             body = f"cannot read the schedules: {err}"
         self.query_one("#schedules", Static).update(Text(body))

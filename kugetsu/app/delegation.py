@@ -1,0 +1,205 @@
+"""delegate: a request checked against this machine (agents' PATH, the executable, the
+worktree), admitted in one transaction, the service woken; several at once (delegate_many).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timedelta
+
+import msgspec
+
+from kugetsu.app.control import wake
+from kugetsu.app.reading import hosts_up
+from kugetsu.app.transaction import _locked, measure, now, settle
+from kugetsu.config.model import Config
+from kugetsu.core import admission, placement, selection
+from kugetsu.core.models import Task
+from kugetsu.errors import KugetsuError, UsageError
+from kugetsu.paths import Home
+from kugetsu.service import runner
+from kugetsu.store.protocol import Txn
+
+
+# ---- delegate ----------------------------------------------------------------------------
+
+
+class Admission(msgspec.Struct):
+    task: Task
+    position: int | None  # None when it started at once
+    max_agents: int
+    queued: int
+    waiting_for: str | None = None  # why it waits when not simply behind others (selection.waiting_for)
+
+
+def start_time(at: str | None, delay: float | None, flag: str = "--at") -> datetime | None:
+    """`--at TIME` or `--delay DUR` (delegate, edit, a schedule's task; MCP's at/delay) as the
+    moment it may start; None: neither given. TIME is read as `hold --until` reads it."""
+    if at is not None and delay is not None:
+        raise UsageError(f"give {flag} or {flag.replace('at', 'delay')}, not both")
+    if delay is not None:
+        return now() + timedelta(seconds=delay)
+    if at is None:
+        return None
+    from kugetsu.core import limits
+
+    when = limits.parse_until(at, now())
+    if when is None:
+        raise UsageError(f"{flag} {at!r} is neither a time (02:00, 3pm, 2026-11-23T15:00Z) nor a duration (30m, 2h)")
+    return when
+
+
+def delegate(home: Home, cfg: Config, req: admission.Request) -> Admission:
+    out = delegate_many(home, cfg, [req])[0]
+    if isinstance(out, KugetsuError):
+        raise out
+    return out
+
+
+class _NoneAdmitted(Exception):
+    """Aborts a transaction in which every request was refused: a failed command writes nothing."""
+
+
+def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request]) -> list[Admission | KugetsuError]:
+    """Admit requests in one transaction (one read, one fsync'd write), each as `delegate`
+    would one after the other, in order: the same checks, slots, positions and events. A
+    request that is refused (bad input, queue full: KugetsuError) gets its error and the
+    others go on; any other failure (disk full) fails them all, writing nothing. A
+    long-lived front end (the MCP server) admits concurrent calls this way."""
+    out: list[Admission | KugetsuError | None] = [None] * len(reqs)
+    todo = []
+    runs_on = _agents_path(home)
+    for i, req in enumerate(reqs):
+        try:
+            _check_request(req)
+            _check_runnable(cfg, req, runs_on)
+            _check_worktree(cfg, req)
+        except KugetsuError as err:
+            out[i] = err
+            continue
+        req.token = runner.new_token()
+        req.parent = req.parent or caller_task()
+        todo.append(i)
+    if not todo:
+        return out  # type: ignore[return-value]
+    try:
+        with _locked(home) as (txn, cfg):
+            settle(txn, cfg)
+            for i in todo:
+                try:
+                    out[i] = _admit(home, txn, cfg, reqs[i])
+                except KugetsuError as err:
+                    out[i] = err
+            if not any(isinstance(a, Admission) for a in out):
+                raise _NoneAdmitted
+    except _NoneAdmitted:
+        return out  # type: ignore[return-value]
+    wake(home, cfg, txn.index)
+    return out  # type: ignore[return-value]
+
+
+def _admit(home: Home, txn: Txn, cfg: Config, req: admission.Request) -> Admission:
+    if admission.wants_prompt_file(cfg, req):
+        req.prompt_path = str(home.prompt_file(txn.index.next_id))  # the id admit gives it
+    task, events = admission.admit(txn.index, cfg, txn.now, req)
+    if req.prompt is not None:
+        # Kept by the store beside the index, committed with the task (for the file store,
+        # the very file a {prompt_file} preset's agent reads).
+        txn.prompts[task.id] = req.prompt
+    txn.emit(events)
+    settle(txn, cfg)
+    admission.started_at_once(events, task)  # still in the outbox: written with the commit
+    position = selection.position(txn.index, cfg, txn.now, task)
+    why = selection.waiting_for_one(txn.index, cfg, txn.now, task, measure(cfg)) if position else None
+    if position and task.pinned_host is not None:
+        why = placement.placement_note(task, hosts_up(cfg)) or why
+    if position == 1 and why is None:
+        why = placement.handed_over(cfg, selection.free_slots(txn.index, cfg))
+    return Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
+
+
+def caller_task() -> tuple[int, str] | None:
+    """The task this process runs in, when an agent of kugetsu's started it (or something the
+    agent started): the id and name the runner put in its environment (admission.parent_task checks
+    them against the index)."""
+    ident, name = os.environ.get("KUGETSU_TASK_ID", ""), os.environ.get("KUGETSU_TASK_NAME")
+    return (int(ident), name) if ident.isascii() and ident.isdigit() and name else None
+
+
+def _check_request(req: admission.Request) -> None:
+    if not req.command and req.prompt is None and req.agent is None and req.name is None:
+        raise UsageError("nothing to run: give --prompt TEXT (for the agent preset) or a command after --")
+    if req.source.strip() == "" or len(req.source) > 64 or not req.source.isprintable():
+        raise UsageError("--source must be 1-64 printable characters, e.g. pm or telegram:123")
+
+
+class AgentsPath(msgspec.Struct, frozen=True):
+    """The PATH agents will be looked up on: the running service's own (agents get its
+    environment), else this process's (the service it would start inherits it)."""
+
+    path: str | None
+    service_pid: int | None = None
+    readable: bool = True  # False: a service runs, but its environment is not ours to read
+
+
+def _agents_path(home: Home) -> AgentsPath:
+    from kugetsu.app.control import service_pid
+
+    pid = service_pid(home)
+    if pid is None:
+        return AgentsPath(os.environ.get("PATH"))
+    path = runner.environment_variable(pid, "PATH")
+    if path is None:  # another user's service (or it just ended): the best guess is ours
+        return AgentsPath(os.environ.get("PATH"), pid, readable=False)
+    return AgentsPath(path, pid)
+
+
+def _check_runnable(cfg: Config, req: admission.Request, runs_on: AgentsPath | None = None) -> None:
+    """Refuse at admission what could never start: a missing cwd or command. The command is
+    looked up where it will run: on the PATH of the service that starts it, not the caller's."""
+    if not os.path.isdir(req.cwd):
+        raise UsageError(f"--cwd {req.cwd!r} is not a directory")
+    agent, argv, env = admission.resolve_agent(cfg, req)
+    runs_on = runs_on or AgentsPath(os.environ.get("PATH"))
+    _check_exe(req, argv[0], env, None if req.command else agent, runs_on)
+    for other in admission.route_request(cfg, req, agent)[1:]:  # a fallback that could not start is no fallback
+        preset = cfg.agents[other]
+        _check_exe(req, preset.command[0], preset.env, other, runs_on)
+
+
+def _check_exe(req: admission.Request, exe: str, env: dict[str, str], preset: str | None, runs_on: AgentsPath) -> None:
+    path = env.get("PATH", runs_on.path)
+    found = runner.which(exe, path) if os.sep not in exe else runner.which(os.path.join(req.cwd, exe))
+    if found is not None:
+        return
+    from kugetsu.errors import CommandNotFound
+
+    here = runner.which(exe) if os.sep not in exe and "PATH" not in env else None
+    if "PATH" in env:
+        looked = "the PATH of the preset's env"
+    elif runs_on.service_pid is None:
+        looked = "the PATH here, which a service started from here inherits"
+    elif runs_on.readable:
+        looked = (f"the PATH of the kugetsu service (pid {runs_on.service_pid}), which starts agents with its own"
+                  f" environment: {path}")
+    else:
+        here = None
+        looked = (f"this PATH: the kugetsu service (pid {runs_on.service_pid}) starts agents with its own,"
+                  " which is not ours to read")
+    raise CommandNotFound(exe, preset, looked, here if runs_on.service_pid is not None else None)
+
+
+def _check_worktree(cfg: Config, req: admission.Request) -> None:
+    """A worktree task must come from a git repository; record it and the base on the request."""
+    want = req.worktree
+    if want is None:
+        preset = cfg.agents.get(req.agent or cfg.default_agent) if req.agent or not req.command else None
+        want = cfg.worktrees.enabled or bool(preset and preset.worktree)
+    if not want:
+        if req.base is not None:
+            raise UsageError("--base needs --worktree (or worktrees.enabled, or a preset with \"worktree\": true)")
+        req.repo = None
+        return
+    from kugetsu.service import worktree
+
+    req.repo, req.base = worktree.admission(req.cwd, req.name, req.base)
