@@ -19,7 +19,7 @@ from kugetsu.paths import Home
 from kugetsu.frontends.telegram import redact, text
 from kugetsu.frontends.telegram.bot import allowed
 from kugetsu.frontends.telegram.check import check
-from kugetsu.frontends.telegram.notify import EventTail
+from kugetsu.store.events import EventTail
 
 SECRET = TOKEN.split(":")[1]
 

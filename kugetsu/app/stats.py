@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -35,8 +35,8 @@ from kugetsu.agents.report import Usage
 from kugetsu.config.model import Config
 from kugetsu.config.load import host_name as config_host
 from kugetsu.core.models import Event, Index, Task
-from kugetsu.paths import Home, nofollow
-from kugetsu.store.files import decode_events
+from kugetsu.paths import Home
+from kugetsu.store.events import events_newest_first, lines_backwards
 
 FINAL = ("succeeded", "failed", "cancelled", "expired", "lost")
 RAN = ("succeeded", "failed", "lost")  # final states only a task that ran can reach
@@ -46,7 +46,6 @@ LONGEST_SHOWN = 5
 # Past the window's start, how far back the reader may look for the max_agents that the
 # window's first `config` change replaced (its event records only the new value).
 PRIOR_LOOKBACK = 1 << 20
-_CHUNK = 1 << 16
 
 
 def host_name() -> str:
@@ -55,30 +54,6 @@ def host_name() -> str:
 
 
 # ---- reading, bounded by the window ---------------------------------------------------
-
-
-def lines_backwards(path: os.PathLike[str], chunk: int = _CHUNK) -> Iterator[bytes]:
-    """The lines of a file from the last to the first, reading `chunk` bytes at a time from
-    the end: what lies before the lines a caller wants is never read. A missing file has
-    no lines."""
-    try:
-        f = open(path, "rb", opener=nofollow)
-    except FileNotFoundError:
-        return
-    with f:
-        pos = f.seek(0, os.SEEK_END)
-        rest = b""  # the start of a line whose beginning is in the chunk before
-        while pos > 0:
-            step = min(chunk, pos)
-            pos -= step
-            f.seek(pos)
-            lines = (f.read(step) + rest).split(b"\n")
-            rest = lines[0]  # maybe incomplete: joined with the next chunk read
-            for line in reversed(lines[1:]):
-                if line:
-                    yield line
-        if rest:
-            yield rest
 
 
 _task_decoder = msgspec.json.Decoder(Task)
@@ -90,27 +65,20 @@ def events_since(home: Home, start: datetime) -> tuple[list[Event], int | None]:
     PRIOR_LOOKBACK bytes (else None). Events are appended in seq order and their `at` never
     goes back against seq, so the first older event ends the read."""
     out: list[Event] = []
-    lowest = math.inf  # a rotation while we read must not show an event twice
     changed = False
     beyond: int | None = None  # bytes read past the window's start, looking for that value
-    for path in (home.events, home.events_old):
-        for line in lines_backwards(path):
-            decoded = decode_events(line)
-            if not decoded or decoded[0].seq >= lowest:
-                continue
-            event = decoded[0]
-            lowest = event.seq
-            if beyond is None and event.at >= start:
-                out.append(event)
-                changed = changed or _max_agents_change(event)
-                continue
-            if not changed:
-                return out[::-1], None
-            if _max_agents_change(event):
-                return out[::-1], _max_agents_value(event)
-            beyond = (beyond or 0) + len(line) + 1
-            if beyond > PRIOR_LOOKBACK:
-                return out[::-1], None
+    for event, size in events_newest_first(home):
+        if beyond is None and event.at >= start:
+            out.append(event)
+            changed = changed or _max_agents_change(event)
+            continue
+        if not changed:
+            return out[::-1], None
+        if _max_agents_change(event):
+            return out[::-1], _max_agents_value(event)
+        beyond = (beyond or 0) + size
+        if beyond > PRIOR_LOOKBACK:
+            return out[::-1], None
     return out[::-1], None
 
 

@@ -185,13 +185,19 @@ def resolve_agent(cfg: Config, req: Request) -> tuple[str | None, list[str], dic
     return agent, list(preset.command), {**preset.env, **req.env}
 
 
+def empty_prompt(prompt: str) -> bool:
+    """The one definition of an empty prompt: nothing but white space. check_prompt refuses one
+    at admission and edit; the CLI asks it of a --prompt-file to name the file in its message."""
+    return not prompt.strip()
+
+
 def check_prompt(cfg: Config, prompt: str | None) -> None:
     """A prompt given must say something (an agent started with nothing to do is a slot spent
     for nothing), and one over prompt_max_size is refused (a 64 MB prompt made every command
     cost a second and 200 MB). Admission and edit: every front end gets these checks."""
     if prompt is None:
         return
-    if not prompt.strip():
+    if empty_prompt(prompt):
         raise EmptyPrompt
     size, cap = len(prompt.encode("utf-8", "surrogateescape")), cfg.prompt_max_bytes
     if size > cap:

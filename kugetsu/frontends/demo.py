@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from kugetsu.app import control, delegation, transaction, verbs
+from kugetsu.app import control, delegation, reading, transaction, verbs
 
-from kugetsu.core import admission, selection
+from kugetsu.core import admission
 
 from kugetsu.frontends import render
 from kugetsu.config.load import save_raw, validate
@@ -165,7 +165,7 @@ def _printer(started: float):
 def _frame(index, cfg) -> str:
     """The live queue, as `kugetsu queue` shows it, indented under the event lines."""
     now = transaction.now()
-    view = selection.queue_view(index, cfg, now)
+    view = reading.listing(cfg, index, at=now).view  # the one queue view every front end renders
     parts = [render.summary(view.capacity)]
     if view.running:
         parts.append(render.running_table(view.running, now))

@@ -633,7 +633,7 @@ def _read_prompt(args: argparse.Namespace) -> str | None:
         raise UsageError(f"cannot read --prompt-file: {err}") from None
     except UnicodeDecodeError as err:
         raise UsageError(f"--prompt-file {args.prompt_file}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    if not text.strip():  # pm refuses an empty prompt too; here the file is what to fix
+    if admission.empty_prompt(text):  # admission refuses it too; here the file is what to fix
         where = "standard input" if args.prompt_file == "-" else f"the file {args.prompt_file}"
         raise UsageError(f"--prompt-file: {where} is empty{' (only white space)' if text else ''}: write the"
                          " task's instructions in it")
