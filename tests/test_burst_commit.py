@@ -71,8 +71,8 @@ def test_kill9_during_a_held_burst_loses_no_status_and_runs_nothing_twice(kg):
     names = [f"t{i}" for i in range(len(CODES))]
     gate = _queue_behind_a_gated_blocker(kg, names)
     held = subprocess.Popen(  # the real service, with a hold long enough to kill it inside
-        [sys.executable, "-c", "import sys; from kugetsu import service, cli; service.COMMIT_DELAY = 60;"
-         " sys.exit(cli.main(['serve']))"],
+        [sys.executable, "-c", "import sys; from kugetsu.service import daemon; from kugetsu.frontends.cli import main as cli;"
+         " daemon.COMMIT_DELAY = 60; sys.exit(cli.main(['serve']))"],
         env=kg.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
