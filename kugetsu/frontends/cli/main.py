@@ -13,12 +13,23 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from kugetsu.errors import OK, KugetsuError
-from kugetsu.frontends.cli.admin import cmd_config, cmd_dashboard, cmd_demo, cmd_doctor, cmd_hosts, cmd_mcp, cmd_schedule, cmd_serve, cmd_shutdown, cmd_stats, cmd_store, cmd_telegram, cmd_worktrees
 from kugetsu.frontends.cli.output import _drop_output, _fix, _flush_output, _kept, _say, _undo_dashdash
 from kugetsu.frontends.cli.parser import _cancel_args, _clean_args, _config_args, _dashboard_args, _delegate_args, _edit_args, _group_args, _hold_args, _json_only, _kill_args, _logs_args, _mcp_args, _no_args, _Parser, _pause_args, _priority_args, _queue_args, _release_args, _remove_args, _retry_args, _schedule_args, _serve_args, _stats_args, _status_args, _store_args, _task_json_args, _telegram_args, _wait_args, _worktrees_args
-from kugetsu.frontends.cli.tasks import cmd_cancel, cmd_clean, cmd_delegate, cmd_edit, cmd_group, cmd_hold, cmd_kill, cmd_next, cmd_pause, cmd_priority, cmd_release, cmd_remove, cmd_resume, cmd_retry, cmd_stash, cmd_status, cmd_unstash
-from kugetsu.frontends.cli.views import cmd_capacity, cmd_logs, cmd_queue, cmd_wait
 from kugetsu.paths import Home, default_home
+
+
+def _command(module: str, name: str) -> Callable[[Home, argparse.Namespace], int]:
+    """A command's function, its module imported when the command runs: `kugetsu queue` loads
+    the views and what they use, not every other command's app modules (the CLI's import time)."""
+
+    def call(home: Home, args: argparse.Namespace) -> int:
+        from importlib import import_module
+
+        return getattr(import_module(f"kugetsu.frontends.cli.{module}"), name)(home, args)  # type: ignore[no-any-return]
+
+    call.__name__ = name
+    return call
+
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -95,44 +106,44 @@ def run() -> NoReturn:
 
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[Home, argparse.Namespace], int]]] = {
-    "delegate": ("admit a task: start it in a free slot or queue it", _delegate_args, cmd_delegate),
-    "queue": ("running and queued tasks", _queue_args, cmd_queue),
-    "status": ("one task in full", _status_args, cmd_status),
-    "cancel": ("cancel queued or running tasks", _cancel_args, cmd_cancel),
-    "logs": ("a task's output", _logs_args, cmd_logs),
-    "wait": ("block until tasks are final (exit 0: all succeeded)", _wait_args, cmd_wait),
-    "priority": ("change a queued task's priority", _priority_args, cmd_priority),
+    "delegate": ("admit a task: start it in a free slot or queue it", _delegate_args, _command("tasks", "cmd_delegate")),
+    "queue": ("running and queued tasks", _queue_args, _command("views", "cmd_queue")),
+    "status": ("one task in full", _status_args, _command("tasks", "cmd_status")),
+    "cancel": ("cancel queued or running tasks", _cancel_args, _command("tasks", "cmd_cancel")),
+    "logs": ("a task's output", _logs_args, _command("views", "cmd_logs")),
+    "wait": ("block until tasks are final (exit 0: all succeeded)", _wait_args, _command("views", "cmd_wait")),
+    "priority": ("change a queued task's priority", _priority_args, _command("tasks", "cmd_priority")),
     "edit": ("change a queued task: prompt, priority, expiry, timeout, group, name, directory, preset, command",
-             _edit_args, cmd_edit),
-    "capacity": ("slots and queue: what a PM agent checks before delegating", _json_only, cmd_capacity),
+             _edit_args, _command("tasks", "cmd_edit")),
+    "capacity": ("slots and queue: what a PM agent checks before delegating", _json_only, _command("views", "cmd_capacity")),
     "pause": ("start no queued task (of --group G) until resume; running ones go on (with TASK: stop that task's"
-              " processes)", _pause_args, cmd_pause),
-    "resume": ("undo pause: queued tasks start again (with TASK: that task's processes go on)", _pause_args, cmd_resume),
-    "next": ("start this queued task before every other (limits still apply)", _task_json_args, cmd_next),
-    "stash": ("set a queued task aside: it neither starts nor expires until unstash", _task_json_args, cmd_stash),
-    "unstash": ("put a stashed task back in its place in the queue", _task_json_args, cmd_unstash),
-    "group": ("the pools of config `groups`: add NAME [--max N], remove NAME, list", _group_args, cmd_group),
-    "kill": ("send a signal to every process of a running task (-s SIGNAL, default SIGTERM)", _kill_args, cmd_kill),
-    "config": ("read and tune config.json", _config_args, cmd_config),
-    "serve": ("run the service (foreground unless --detach)", _serve_args, cmd_serve),
-    "shutdown": ("stop the service (agents keep running)", _no_args, cmd_shutdown),
-    "clean": ("drop finished tasks (and their logs) from the index", _clean_args, cmd_clean),
-    "remove": ("drop these finished tasks (and their logs) from the index", _remove_args, cmd_remove),
-    "worktrees": ("kugetsu's git worktrees: list, prune", _worktrees_args, cmd_worktrees),
+              " processes)", _pause_args, _command("tasks", "cmd_pause")),
+    "resume": ("undo pause: queued tasks start again (with TASK: that task's processes go on)", _pause_args, _command("tasks", "cmd_resume")),
+    "next": ("start this queued task before every other (limits still apply)", _task_json_args, _command("tasks", "cmd_next")),
+    "stash": ("set a queued task aside: it neither starts nor expires until unstash", _task_json_args, _command("tasks", "cmd_stash")),
+    "unstash": ("put a stashed task back in its place in the queue", _task_json_args, _command("tasks", "cmd_unstash")),
+    "group": ("the pools of config `groups`: add NAME [--max N], remove NAME, list", _group_args, _command("tasks", "cmd_group")),
+    "kill": ("send a signal to every process of a running task (-s SIGNAL, default SIGTERM)", _kill_args, _command("tasks", "cmd_kill")),
+    "config": ("read and tune config.json", _config_args, _command("admin", "cmd_config")),
+    "serve": ("run the service (foreground unless --detach)", _serve_args, _command("admin", "cmd_serve")),
+    "shutdown": ("stop the service (agents keep running)", _no_args, _command("admin", "cmd_shutdown")),
+    "clean": ("drop finished tasks (and their logs) from the index", _clean_args, _command("tasks", "cmd_clean")),
+    "remove": ("drop these finished tasks (and their logs) from the index", _remove_args, _command("tasks", "cmd_remove")),
+    "worktrees": ("kugetsu's git worktrees: list, prune", _worktrees_args, _command("admin", "cmd_worktrees")),
     "dashboard": ("the live Textual dashboard: queue, output, events, actions (--web: in a browser)", _dashboard_args,
-                  cmd_dashboard),
-    "stats": ("how it has been doing: outcomes, wait and run times, throughput, utilisation", _stats_args, cmd_stats),
+                  _command("admin", "cmd_dashboard")),
+    "stats": ("how it has been doing: outcomes, wait and run times, throughput, utilisation", _stats_args, _command("admin", "cmd_stats")),
     "doctor": ("what is wrong with this installation, each with its fix (exit 1: problems found)", _json_only,
-               cmd_doctor),
-    "demo": ("see kugetsu work on a throw-away home, with a simulated agent", _no_args, cmd_demo),
-    "telegram": ("the Telegram bot: check its set-up (docs/telegram.md)", _telegram_args, cmd_telegram),
-    "mcp": ("serve the commands as MCP tools for agents (stdio, or --http)", _mcp_args, cmd_mcp),
-    "hosts": ("cluster mode: the machines, their slots, running tasks, last heartbeat", _json_only, cmd_hosts),
+               _command("admin", "cmd_doctor")),
+    "demo": ("see kugetsu work on a throw-away home, with a simulated agent", _no_args, _command("admin", "cmd_demo")),
+    "telegram": ("the Telegram bot: check its set-up (docs/telegram.md)", _telegram_args, _command("admin", "cmd_telegram")),
+    "mcp": ("serve the commands as MCP tools for agents (stdio, or --http)", _mcp_args, _command("admin", "cmd_mcp")),
+    "hosts": ("cluster mode: the machines, their slots, running tasks, last heartbeat", _json_only, _command("admin", "cmd_hosts")),
     "store": ("cluster mode: move a file home into PostgreSQL (migrate URL), or back out (export DIR)", _store_args,
-              cmd_store),
-    "hold": ("hold an agent preset: its queued tasks wait (until a time, or release)", _hold_args, cmd_hold),
-    "release": ("release a held agent preset: its tasks may start at once", _release_args, cmd_release),
-    "retry": ("admit a finished task again, as a new task linked to it (retry_of)", _retry_args, cmd_retry),
+              _command("admin", "cmd_store")),
+    "hold": ("hold an agent preset: its queued tasks wait (until a time, or release)", _hold_args, _command("tasks", "cmd_hold")),
+    "release": ("release a held agent preset: its tasks may start at once", _release_args, _command("tasks", "cmd_release")),
+    "retry": ("admit a finished task again, as a new task linked to it (retry_of)", _retry_args, _command("tasks", "cmd_retry")),
     "schedule": ("recurring work: add (cron or every), list, pause, resume, remove, run now", _schedule_args,
-                 cmd_schedule),
+                 _command("admin", "cmd_schedule")),
 }
