@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import re
 import threading
@@ -43,6 +44,7 @@ _index_decoder = msgspec.json.Decoder(_IndexFile)
 _event_decoder = msgspec.json.Decoder(Event)
 _encoder = msgspec.json.Encoder()
 _held = threading.local()
+log = logging.getLogger(__name__)
 _stores: dict[str, Store] = {}  # open_store's file Stores of the main thread, by home
 
 
@@ -359,10 +361,13 @@ class Store(Transactions):
         """Each prompt is logs/<id>.prompt (0600), the file a {prompt_file} preset's agent reads."""
         out = {}
         for task_id in ids:
+            path = self.home.prompt_file(task_id)
             try:
-                out[task_id] = _read(self.home.prompt_file(task_id)).decode("utf-8", "replace")
+                out[task_id] = _read(path).decode("utf-8", "replace")
             except FileNotFoundError:
                 pass
+            except OSError as err:  # a planted link (ELOOP), a file made unreadable: that task's alone
+                log.warning("the prompt of task #%d cannot be read (%s): %s", task_id, path, err.strerror or err)
         return out
 
     def _write_prompts(self, prompts: dict[int, str]) -> dict[Path, bytes | None]:
