@@ -366,7 +366,9 @@ def test_logs_wait_status_and_exit_codes(kg):
     assert {"priority", "source", "agent", "command", "cwd", "created_at", "started_at", "finished_at",
             "expires_at", "exit_code", "pid", "log", "reason"} <= set(s)
     assert s["created_at"].endswith("Z") and s["log"].endswith("logs/2.log")
-    assert re.search(r"^state +failed$", kg.ok("status", "bad"), re.M)
+    text = kg.ok("status", "bad")
+    assert re.search(r"^state +failed$", text, re.M)
+    assert not re.search(r"^(fallback_fresh|paused_s) ", text, re.M)  # at their defaults they say nothing
 
 
 def test_logs_of_a_task_waiting_warm_says_there_is_no_output_yet(kg):

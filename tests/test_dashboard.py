@@ -248,3 +248,23 @@ async def test_a_structured_log_is_shown_as_text_a_line_once_it_is_whole(tmp_pat
         await pilot.press("l")
         full = app.screen.query_one(LogView)
         await until(pilot, lambda: "> Edit(/src/parse.py)" in full.lines, what="the full-screen log rendered")
+
+
+async def test_only_the_table_holding_the_selected_task_draws_its_cursor(tmp_path):
+    """Every table used to show a highlighted row (three 'selections' on the screen, the
+    Output following only one): now only the selected task's row is drawn highlighted, in
+    whichever table holds it, and that follows the selection."""
+    app = app_for(live_home(tmp_path))
+
+    def marked() -> list[str]:
+        return [str(t.id) for t in app.query(TaskTable) if t.has_class("-selected")]
+
+    async with app.run_test() as pilot:
+        await settled(pilot)
+        await until(pilot, lambda: app.selected is not None, what="a first selection")
+        holder = next(t for t in app.query(TaskTable) if str(app.selected) in t.keys)
+        assert marked() == [str(holder.id)]
+        await focus_task(pilot, "queue", 8)
+        await until(pilot, lambda: marked() == ["queue"], what="the mark to follow the selection")
+        await focus_task(pilot, "finished", 3)
+        await until(pilot, lambda: marked() == ["finished"], what="the mark to follow the selection")

@@ -256,6 +256,9 @@ def cancelled(tasks: list[Task]) -> str:
     return "\n".join(f"{t.state.value} {t.name} (#{t.id})" + ("" if t.state.final else " (still stopping)") for t in tasks)
 
 
+_QUIET_AT_DEFAULT = frozenset(("fallback_fresh", "paused_s"))  # False, 0.0: nothing happened
+
+
 def task_lines(task: dict[str, Any]) -> str:
     """`kugetsu status`: one field a line, the command as a list. The prompt is shown once
     (the command names it `{prompt}`), its further lines indented under its first; a
@@ -264,7 +267,8 @@ def task_lines(task: dict[str, Any]) -> str:
     prompt = task.get("prompt") or None
     out = []
     for key, value in task.items():
-        if value is None or value == {} or value == []:
+        # What a field says when it says nothing: left out (`status --json` has every field).
+        if value is None or value == {} or value == [] or (key in _QUIET_AT_DEFAULT and not value):
             continue
         if key == "expires_at" and task.get("state") not in ("queued", "expired"):
             continue

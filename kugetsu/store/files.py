@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import re
 import threading
@@ -33,6 +34,7 @@ from kugetsu.paths import Home, atomic_write, nofollow, open_file, read_tail
 
 
 _event_decoder = msgspec.json.Decoder(Event)
+log = logging.getLogger("kugetsu.store")  # the name its lines had before the store became a package
 _stores: dict[str, Store] = {}  # open_store's file Stores of the main thread, by home
 
 
@@ -212,10 +214,13 @@ class Store(Transactions):
         """Each prompt is logs/<id>.prompt (0600), the file a {prompt_file} preset's agent reads."""
         out = {}
         for task_id in ids:
+            path = self.home.prompt_file(task_id)
             try:
-                out[task_id] = _read(self.home.prompt_file(task_id)).decode("utf-8", "replace")
+                out[task_id] = _read(path).decode("utf-8", "replace")
             except FileNotFoundError:
                 pass
+            except OSError as err:  # a planted link (ELOOP), a file made unreadable: that task's alone
+                log.warning("the prompt of task #%d cannot be read (%s): %s", task_id, path, err.strerror or err)
         return out
 
     def _write_prompts(self, prompts: dict[int, str]) -> dict[Path, bytes | None]:

@@ -235,7 +235,8 @@ def scale(admin: str, sizes: list[int], trees: dict[str, Path]) -> dict:
         for label, tree in trees.items():
             db = Db(admin)
             try:
-                r = subprocess.run([PY, "-c", SCALE_WORKER, db.url, str(n)], capture_output=True, text=True,
+                # cwd: the tree itself (`python -c` puts the working directory first on sys.path).
+                r = subprocess.run([PY, "-c", SCALE_WORKER, db.url, str(n)], capture_output=True, text=True, cwd=tree,
                                    env={**__import__("os").environ, "PYTHONPATH": str(tree)}, timeout=1800)
                 if r.returncode:
                     raise SystemExit(f"{label} at {n}: {r.stderr[-2000:]}")

@@ -229,6 +229,7 @@ class Dashboard(App[None]):
             self._keys = keys
             self.refresh_bindings()
         self.output.border_title = plain(view.task_title(self.selected_task(), self.measured))
+        self._mark_selection()
         self.call_after_refresh(self._count_hidden)
 
     TABLE_TITLES = {"running": "Running", "queue": "Queue", "finished": "Finished"}
@@ -248,6 +249,15 @@ class Dashboard(App[None]):
 
     def selected_task(self) -> Task | None:
         return next((t for t in self.index.all_tasks() if t.id == self.selected), None)
+
+    def _mark_selection(self) -> None:
+        """One highlighted row on the screen: the selected task's (the Output shows it), in
+        whichever table holds it. The other tables keep their cursor, not drawn until they
+        are focused (app.tcss): every table showing a highlighted row read as several
+        selections."""
+        key = None if self.selected is None else str(self.selected)
+        for table in self._task_tables():
+            table.set_class(key is not None and key in table.keys, "-selected")
 
     def _select_from(self, table: TaskTable) -> None:
         key = table.cursor_key
@@ -295,6 +305,7 @@ class Dashboard(App[None]):
         output.follow(path, NOTHING_SELECTED if selected is None else "(no output yet)",
                       "text" if task is None else machines.output_kind(self.cfg, task))
         output.border_title = plain(view.task_title(self.selected_task(), self.measured))
+        self._mark_selection()
 
     # ---- actions ---------------------------------------------------------------------
 
