@@ -18,6 +18,7 @@ the others at once.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import time
@@ -38,6 +39,10 @@ _event_decoder = msgspec.json.Decoder(Event)
 _task_decoder = msgspec.json.Decoder(Task)
 INSERT_EVENTS = "INSERT INTO kugetsu.events (seq, task, at, body) VALUES (%s, %s, %s, %s)"
 INSERT_HISTORY = "INSERT INTO kugetsu.history (id, finished_at, body) VALUES (%s, %s, %s)"
+_VALUES = re.compile(r"VALUES (\(%s(?:, %s)*\))")
+ROWS_AT_ONCE = 1000  # rows a statement: under PostgreSQL's 65,535 parameters at 8 columns a row
+
+
 _SELECT_STATE = "SELECT doc, rev, next_ord, clock_timestamp(), config FROM kugetsu.state WHERE id = 1"
 _SELECT_ROWS = "SELECT id, list, ord, body FROM kugetsu.tasks"
 UPSERT_TASK = ("INSERT INTO kugetsu.tasks (id, list, ord, rev, state, name, host, body) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
@@ -98,8 +103,21 @@ class PgStore(Transactions):
             return conn.execute(sql, params)
 
     def _executemany(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
-        with self.guarded() as conn:
-            conn.cursor().executemany(sql, rows)
+        """One statement per ROWS_AT_ONCE rows (`VALUES (...), (...)`), never psycopg's
+        executemany: that pipelines the rows without a Sync until the end, and a machine cut
+        off in between left its backend waiting for the rest, inside the transaction that
+        holds the queue's lock, where idle_in_transaction_session_timeout never fires (it
+        runs only between whole statements): every other machine waited for its lock (seen
+        in tests/test_cluster_torture.py, 1 run in 4). Between these statements the backend
+        is idle in its transaction, and the server ends it after IDLE_IN_TXN."""
+        if not rows:
+            return
+        m = _VALUES.search(sql)
+        assert m is not None, sql
+        for at in range(0, len(rows), ROWS_AT_ONCE):
+            chunk = rows[at : at + ROWS_AT_ONCE]
+            many = sql[: m.start(1)] + ", ".join([m.group(1)] * len(chunk)) + sql[m.end(1) :]
+            self._execute(many, tuple(v for row in chunk for v in row))
 
     def waiting_for(self) -> float:
         """Seconds the statement under way has waited for its answer (0: none under way)."""
