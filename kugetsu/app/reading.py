@@ -96,17 +96,18 @@ def hosts_up(cfg: Config) -> set[str]:
         return {row.name for row, state in H.standing(conn, cfg.cluster.lease_s)[1] if state == "up"}
 
 
-def queue_json(listed: Listing, home: Home | None = None) -> dict[str, Any]:
+def queue_json(listed: Listing, home: Home | None = None, known: Mapping[int, str] | None = None) -> dict[str, Any]:
     """`kugetsu queue --json`: msgspec encodes it as it is (its tasks are PublicTask structs,
     the cheap way for a long queue); msgspec.to_builtins makes plain JSON values of it.
-    With `home`, each task's stored prompt is in its object (one read for those shown)."""
+    With `home`, each task's stored prompt is in its object (one read for those shown);
+    `known`: those prompts as the caller has read them already (the MCP server's look)."""
     view = listed.view
     active = listed.index.active  # in start order, as ever; a filtered view's only
     if len(view.running) != len(active):
         shown_ids = {t.id for t in view.running}
         active = [t for t in active if t.id in shown_ids]
     shown = [*active, *view.queued, *(listed.finished or [])]
-    texts = prompts(home, shown) if home is not None else None
+    texts = known if known is not None else prompts(home, shown) if home is not None else None
     out: dict[str, Any] = {
         "max_agents": view.capacity.max_agents,
         "active": public_tasks(active, here=listed.here, measured=listed.measured, prompts=texts),

@@ -308,8 +308,7 @@ class PgStore(Transactions):
             index.outbox = []  # events are rows committed with the state: nothing to recover
             assert began is not None
             rev = began.rev + 1
-            rows, upserts, next_ord = _rows_of(index, began, rev)
-            gone = [i for i in began.rows if i not in rows]
+            rows, upserts, gone, next_ord = _rows_of(index, began, rev)
             header = encoder.encode(msgspec.structs.replace(index, active=[], queued=[], finished=[]))
             changed = bool(upserts or gone) or header != began.header
             if changed:
@@ -420,9 +419,9 @@ def _take(rows: list[tuple[Any, ...]], into: dict[int, _Row], tasks: dict[int, T
         into[task_id] = (lst, ord_, data)
 
 
-def _rows_of(index: Index, began: _Seen, rev: int) -> tuple[dict[int, _Row], list[tuple[Any, ...]], int]:
-    """Every task's row after the transaction, the rows to write (new or changed), and the
-    next free place. A task keeps its place while its list's order allows it; one that moved
+def _rows_of(index: Index, began: _Seen, rev: int) -> tuple[dict[int, _Row], list[tuple[Any, ...]], list[int], int]:
+    """Every task's row after the transaction, the rows to write (new or changed), the ids
+    whose rows go (archived, cleaned), and the next free place. A task keeps its place while its list's order allows it; one that moved
     (to another list, or to the end of its own) takes the next place, so the rows sorted by
     place are the lists in their order. A list whose tasks are those it had, in that order,
     is compared body by body (each encoded in one C call for the lot): the common commit, one
@@ -453,9 +452,10 @@ def _rows_of(index: Index, began: _Seen, rev: int) -> tuple[dict[int, _Row], lis
             row = rows[task.id] = (lst, place, body)
             if row != old:
                 upserts.append((task.id, lst, place, rev, task.state.value, task.name, task.host, body))
-    for task_id in old_rows.keys() - now:  # archived or cleaned: no row any more
+    gone = list(old_rows.keys() - now)  # archived or cleaned: no row any more
+    for task_id in gone:
         del rows[task_id]
-    return rows, upserts, next_ord
+    return rows, upserts, gone, next_ord
 
 
 class PgWatch:

@@ -129,7 +129,7 @@ class Follow:
         fresh = [t for t in tasks if t.id not in self.prompts or t.state is TaskState.QUEUED]
         self.prompts = {**{t.id: self.prompts[t.id] for t in tasks if t.id in self.prompts},
                         **reading.prompts(self.home, fresh)}
-        out = {QUEUE_URI: _dumps(reading.queue_json(view, self.home))}
+        out = {QUEUE_URI: _dumps(reading.queue_json(view, known=self.prompts))}
         by_name: dict[str, bytes] = {}
         for task in tasks:  # a name means its live task, else its latest finished one
             body = _dumps(reading.task_json(task, view.positions.get(task.id), prompts=self.prompts))
