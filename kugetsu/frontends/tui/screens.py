@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 from datetime import datetime
 
 from rich.text import Text
@@ -13,6 +15,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Input, Label, Select, Static
+from textual.worker import Worker, WorkerState
 
 from kugetsu.app import delegation, reading, recurring, verbs
 
@@ -136,17 +139,33 @@ class DelegateForm(ModalScreen["delegation.Admission | None"]):
         self._delegate(req)
 
     @work(thread=True, exclusive=True, group="delegate")
-    def _delegate(self, req: admission.Request) -> None:
+    def _delegate(self, req: admission.Request) -> delegation.Admission | Refused:
         # A thread: admission takes the index lock and fsyncs; the UI must not wait on it.
+        # The form closes once this worker has finished (on_worker_state_changed): a worker
+        # that dismissed its own screen would be cancelled by that dismissal while running.
         try:
-            admitted = delegation.delegate(self.home, load_config(self.home), req)
+            return delegation.delegate(self.home, load_config(self.home), req)
         except Exception as err:  # every failure is shown in the form, never a crash
-            self.app.call_from_thread(self._show_error, describe_error(err))
-        else:
-            self.app.call_from_thread(self.dismiss, admitted)
+            return Refused(describe_error(err))
 
-    def _show_error(self, message: str) -> None:
-        self.query_one("#error", Static).update(plain(message))
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.worker.group == "delegate" and event.state is WorkerState.SUCCESS:
+            _close_or_show(self, event.worker.result)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A form's action that failed: its message stays in the form."""
+
+    message: str
+
+
+def _close_or_show(form: ModalScreen[Any], result: object) -> None:
+    """A form's worker has finished: close the form with its result, or show why not."""
+    if isinstance(result, Refused):
+        form.query_one("#error", Static).update(plain(result.message))
+    else:
+        form.dismiss(result)
 
 
 class EditForm(ModalScreen[bool]):
@@ -214,16 +233,16 @@ class EditForm(ModalScreen[bool]):
         self._edit(change)
 
     @work(thread=True, exclusive=True, group="edit")
-    def _edit(self, change: admission.Edit) -> None:
+    def _edit(self, change: admission.Edit) -> bool | Refused:
         try:
             verbs.edit(self.home, str(self.target.id), change)
         except Exception as err:  # shown in the form, never a crash
-            self.app.call_from_thread(self._show_error, describe_error(err))
-        else:
-            self.app.call_from_thread(self.dismiss, True)
+            return Refused(describe_error(err))
+        return True
 
-    def _show_error(self, message: str) -> None:
-        self.query_one("#error", Static).update(plain(message))
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.worker.group == "edit" and event.state is WorkerState.SUCCESS:
+            _close_or_show(self, event.worker.result)
 
 
 class LogScreen(Screen[None]):
