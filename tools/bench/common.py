@@ -7,6 +7,7 @@ floor.py), so that run.py can import its parts and they need nothing of run.py.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -110,6 +111,65 @@ class Sampler:
         return self.cpu / self.wall if self.wall else 0.0
 
 
+def sweep(var: str, value: str) -> int:
+    """Kill every process whose environment has var=value, and wait for them: what a scenario
+    started, found by the variable it gave them all (a kugetsu home's service, its wrappers and
+    agents carry KUGETSU_HOME; a tsp server and its jobs TS_SOCKET). A scenario's own clean-up
+    asks politely first; this is what makes sure, whatever raced it (a service still coming up
+    when `shutdown` was sent, an agent the service was stopped before it could signal).
+    Returns how many were left."""
+    me = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    left = []
+    for p in psutil.process_iter():
+        if p.pid in me:
+            continue
+        try:
+            if p.environ().get(var) == value:
+                left.append(p)
+        except psutil.Error:  # gone, a zombie, or not ours to read
+            continue
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(left, timeout=5)
+    return len(left)
+
+
+# Homes whose scenario has not cleaned up yet: swept at exit, whatever ended the bench.
+_LIVE: dict[str, str] = {}
+
+
+def track(var: str, value: str) -> None:
+    """What a scenario's processes will carry (see sweep): swept at exit if not by `finish`."""
+    _LIVE[value] = var
+
+
+def finish(var: str, value: str) -> None:
+    """The end of a tracked scenario: nothing it started is left."""
+    sweep(var, value)
+    _LIVE.pop(value, None)
+
+
+@atexit.register
+def _sweep_live() -> None:
+    for value, var in list(_LIVE.items()):
+        sweep(var, value)
+
+
+def exit_on_signals() -> None:
+    """SIGTERM and SIGHUP end the bench as Ctrl-C does (KeyboardInterrupt), so that every
+    scenario's `finally` runs and nothing it started outlives it (Python's default for them
+    is to die on the spot)."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
 def part_main(doc: str, quick_help: str, measure, rows, footer) -> int:
     """The command line of a part of this bench run on its own (deadlines.py, lockhold.py):
     `measure(quick)` -> results; `rows(results)` -> (name, ms); `footer(results)` -> a note."""
@@ -117,6 +177,7 @@ def part_main(doc: str, quick_help: str, measure, rows, footer) -> int:
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     ap.add_argument("--quick", action="store_true", help=quick_help)
     args = ap.parse_args()
+    exit_on_signals()
     res = measure(args.quick)
     if args.json:
         print(json.dumps(res, indent=1))
@@ -141,6 +202,7 @@ class Kg:
         self.env = {**os.environ, "KUGETSU_HOME": str(self.home.root), "PYTHONPATH": str(REPO)}
         # Measure kugetsu as installed: with its bytecode cache (see compile_package).
         self.env.pop("PYTHONDONTWRITEBYTECODE", None)
+        track("KUGETSU_HOME", str(self.home.root))
 
     def argv(self, *args: str) -> list[str]:
         return [PY, "-m", "kugetsu", *args]
@@ -168,12 +230,18 @@ class Kg:
             raw[part] = [task_record(t) for t in raw[part]]
         return raw
 
-    def stop(self) -> None:
+    def stop(self, cancel: bool = True) -> None:
         """End the scenario: its agents too (a service that stops leaves agents running, by
-        design; a bench's `sleep 3600` holder must not outlive it), then the service."""
-        self.run("cancel", "--all", check=False)
+        design; a bench's `sleep 3600` holder must not outlive it), then the service. Without
+        `cancel` (a queue of 50,000 takes long to cancel) the sweep below ends the agents."""
+        if cancel:
+            self.run("cancel", "--all", check=False)
         self.run("shutdown", check=False)
         try:
             os.kill(self.service_pid(), signal.SIGKILL)
         except (FileNotFoundError, ValueError, ProcessLookupError):
             pass
+        # Whatever the above raced: a service autostarted by the last command and not yet
+        # listening when `shutdown` came (cluster.py's admission left one), an agent whose
+        # cancel the service had no time to carry out (deadlines.py's `sleep 3600` holder).
+        finish("KUGETSU_HOME", str(self.home.root))

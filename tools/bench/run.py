@@ -57,7 +57,8 @@ from kugetsu.paths import Home  # noqa: E402
 from kugetsu.store.protocol import encode_index  # noqa: E402
 
 # The helpers the parts share live in common.py (run.py imports its parts; they import common).
-from common import BLOCKER_SCRIPT, PY, TASK_SCRIPT, Kg, Sampler, pct, read_stamps, release, wait_until  # noqa: E402,F401
+from common import (BLOCKER_SCRIPT, PY, TASK_SCRIPT, Kg, Sampler, exit_on_signals, finish, pct, read_stamps,  # noqa: E402,F401
+                    release, track, wait_until)
 
 
 # ---- task-spooler side -------------------------------------------------------------------
@@ -69,6 +70,7 @@ class Tsp:
         self.dir.mkdir()
         self.env = {**os.environ, "TS_SOCKET": str(self.dir / "socket"), "TMPDIR": str(self.dir)}
         self.env.pop("TS_MAXCONN", None)
+        track("TS_SOCKET", self.env["TS_SOCKET"])
 
     def run(self, *args: str) -> str:
         r = subprocess.run(["tsp", *args], env=self.env, capture_output=True, text=True, timeout=120)
@@ -89,6 +91,9 @@ class Tsp:
 
     def stop(self) -> None:
         subprocess.run(["tsp", "-K"], env=self.env, capture_output=True, timeout=30)
+        # `tsp -K` ends the server, not its running jobs (a blocker polling for a file that will
+        # never come would spin forever): they carry our TS_SOCKET.
+        finish("TS_SOCKET", self.env["TS_SOCKET"])
 
 
 # ---- scenarios ---------------------------------------------------------------------------
@@ -328,6 +333,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer tasks and repetitions (a smoke run, noisier)")
     ap.add_argument("--rounds", type=int, help="drain rounds per side (default 3, quick 1)")
     args = ap.parse_args()
+    exit_on_signals()
     have_tsp = shutil.which("tsp") is not None
     n_drain = 30 if args.quick else 100
     rounds = args.rounds or (1 if args.quick else 3)
