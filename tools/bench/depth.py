@@ -1,0 +1,244 @@
+"""The parts of the scale series (scale.py) that are not a drain: the service idle at a depth
+(start-up, CPU, RSS, its warm wrappers) beside a tsp server holding what it can, the file
+store's own transaction time, and admission from one client (CLI, MCP, tsp). Below scale.py;
+uses common.py and run.py (Tsp), and mcp.py's rates (loaded by path: its name is the SDK's).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import psutil
+
+from common import PY, REPO, Kg, Sampler, wait_until
+from run import Tsp
+
+from kugetsu.core.models import Index, Task
+from kugetsu.store.protocol import encode_index
+
+HERE = Path(__file__).resolve().parent
+TSP_FITS = 900  # jobs tsp can hold queued: it keeps a connection per job, ~1,000 at most
+# Stamps that it is up, then waits for a file to appear (10 ms polls): the task that holds
+# the slot(s) while the queue waits behind it.
+BLOCKER = 'touch "$1"; while [ ! -e "$0" ]; do sleep 0.01; done'
+
+
+def queue_home(root: Path, n: int, slots: int, go: Path, up: Path, task: list[str] | None = None, **config: object) -> Kg:
+    """A home with `slots` blockers (ids 1..slots) and n queued tasks behind them, written into
+    index.json while no service runs (n delegations would take minutes at 50,000, and admission
+    is measured on its own). Each blocker touches up/<id> when it starts. `task`: the queued
+    tasks' argv, its last element followed by the task's number (default `true`)."""
+    kg = Kg(root, max_agents=slots, max_queue=n + slots + 10, autostart=False, **config)
+    up.mkdir()
+    now = datetime.now(timezone.utc)
+    index = Index(next_id=n + slots + 1)
+    for i in range(1, n + slots + 1):
+        argv = ["sh", "-c", BLOCKER, str(go), str(up / str(i))] if i <= slots else (task or ["true"]) + ([str(i)] if task else [])
+        index.queued.append(Task(id=i, name=f"t{i}", command=argv, cwd="/", created_at=now,
+                                 expires_at=now + timedelta(hours=24), source="bench"))
+    kg.home.index.write_bytes(encode_index(index))
+    return kg
+
+
+def blockers_up(up: Path, slots: int) -> bool:
+    return sum(1 for _ in up.iterdir()) >= slots
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        p = psutil.Process(pid)
+        return [p, *p.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _memory(procs: list[psutil.Process]) -> tuple[int, int, int]:
+    """(count, RSS, PSS) of the processes still there."""
+    count = rss = pss = 0
+    for p in procs:
+        try:
+            m = p.memory_full_info()
+        except psutil.Error:
+            continue
+        count, rss, pss = count + 1, rss + m.rss, pss + m.pss
+    return count, rss, pss
+
+
+def service_idle(n: int, seconds: float) -> dict:
+    """kugetsu's service with n queued behind one running blocker (one slot): its start-up
+    (from `serve --detach` to the blocker's own start stamp: up, the index read, a task
+    running), then, idle, its CPU share and RSS over `seconds`, and its other descendants
+    (warm wrappers: count, RSS, PSS)."""
+    with tempfile.TemporaryDirectory(prefix="kgscale-") as tmp:
+        root = Path(tmp)
+        go, up = root / "go", root / "up"
+        kg = queue_home(root, n, 1, go, up)
+        t0 = time.monotonic()
+        try:
+            kg.run("serve", "--detach")
+            wait_until(lambda: blockers_up(up, 1), 120, "the blocker to start")
+            start = time.monotonic() - t0
+            pid = kg.service_pid()
+            time.sleep(1.0)  # past the start's own work
+            with Sampler(pid, every=0.5) as s:
+                time.sleep(seconds)
+            blocker = {p.pid for p in _tree(kg.index()["active"][0]["pid"])}
+            others = [p for p in _tree(pid)[1:] if p.pid not in blocker]
+            count, rss, pss = _memory(others)
+            return {"start_s": start, "cpu_share": s.cpu_share, "rss": s.peak_rss,
+                    "wrappers": count, "wrappers_rss": rss, "wrappers_pss": pss}
+        finally:
+            go.touch()
+            kg.stop(cancel=False)
+
+
+@contextmanager
+def tsp_blocked(slots: int) -> Iterator[tuple[Tsp, Path, Path, float]]:
+    """A private tsp server whose `slots` slots are held by blockers, started (their stamps are
+    there), until `go` appears or the block ends. Yields (tsp, a scratch directory, go, the
+    seconds from its first command, which starts the server, to the blockers' start)."""
+    with tempfile.TemporaryDirectory(prefix="kgscale-") as tmp:
+        root = Path(tmp)
+        ts = Tsp(root)
+        go, up = root / "go", root / "up"
+        up.mkdir()
+        try:
+            t0 = time.monotonic()
+            ts.run("-S", str(slots))
+            for i in range(slots):
+                ts.run("sh", "-c", BLOCKER, str(go), str(up / str(i)))
+            wait_until(lambda: blockers_up(up, slots), 60, "the tsp blockers to start")
+            yield ts, root, go, time.monotonic() - t0
+        finally:
+            go.touch()
+            ts.stop()
+
+
+def tsp_idle(n: int, seconds: float) -> dict:
+    """tsp with min(n, TSP_FITS) queued behind a blocker: the server's start, CPU share and RSS;
+    and its waiting clients (one process per queued job: what it keeps where kugetsu keeps
+    wrappers)."""
+    with tsp_blocked(1) as (ts, _, _, start):
+        for _ in range(min(n, TSP_FITS)):
+            ts.run("true")
+        pid = ts.server_pid()
+        time.sleep(1.0)
+        with Sampler(pid, every=0.5) as s:
+            time.sleep(seconds)
+        clients = [p for p in psutil.process_iter() if p.pid != pid and _env(p).get("TS_SOCKET") == ts.env["TS_SOCKET"]
+                   and p.name() in ("tsp", "ts")]
+        count, rss, pss = _memory(clients)
+        return {"start_s": start, "cpu_share": s.cpu_share, "rss": s.peak_rss, "queued": min(n, TSP_FITS),
+                "wrappers": count, "wrappers_rss": rss, "wrappers_pss": pss}
+
+
+def _env(p: psutil.Process) -> dict:
+    try:
+        return p.environ()
+    except psutil.Error:
+        return {}
+
+
+# In a process of its own (its memory and its imports apart from the bench's): the file
+# store's transactions with n queued tasks and 200 finished. Medians in ms.
+FILE_WORKER = r"""
+import json, statistics, sys, tempfile, timeit
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from kugetsu.config.model import Config
+from kugetsu.core import admission
+from kugetsu.core.models import Task, TaskState
+from kugetsu.paths import Home
+from kugetsu.store.files import open_store
+
+n = int(sys.argv[1])
+now = datetime.now(timezone.utc)
+cfg = Config(max_agents=4, max_queue=10**6, history_limit=10**6)
+
+def med(f, k):
+    return round(statistics.median(timeit.repeat(f, number=1, repeat=k)) * 1000, 2)
+
+with tempfile.TemporaryDirectory(prefix="kgscale-") as tmp:
+    home = Home(Path(tmp) / "home")
+    home.ensure()
+    store = open_store(home)
+    with store.transaction() as txn:
+        ix = txn.index
+        for i in range(1, n + 201):
+            t = Task(id=i, name=f"t{i}", command=["claude", "-p", "a prompt of some length " * 4], cwd="/work/repo",
+                     created_at=now, expires_at=now + timedelta(hours=24), source="bench")
+            if i <= 200:
+                t.state, t.started_at, t.finished_at, t.exit_code = TaskState.SUCCEEDED, now, now, 0
+                ix.finished.append(t)
+            else:
+                ix.queued.append(t)
+        ix.next_id = n + 201
+    store.read()
+    flip = iter(range(10**9))
+
+    def change():
+        with store.transaction() as txn:
+            txn.index.queued[next(flip) % n].priority = "high" if next(flip) % 2 else "low"
+
+    def admit():
+        with store.transaction() as txn:
+            admission.admit(txn.index, cfg, txn.now, admission.Request(cwd="/", command=["true"]))
+
+    def fresh():
+        open_store(home).read()
+
+    k = 15 if n <= 5000 else 7
+    out = {"commit": med(change, k), "admit": med(admit, k), "read": med(fresh, max(3, k // 2)),
+           "index_bytes": home.index.stat().st_size}
+    print(json.dumps(out))
+"""
+
+
+def file_store(n: int) -> dict:
+    r = subprocess.run([PY, "-c", FILE_WORKER, str(n)], capture_output=True, text=True, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=1800)
+    if r.returncode:
+        raise RuntimeError(f"file store at {n}: {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _mcp_module():
+    """tools/bench/mcp.py (its name is the SDK's: loaded by its path, as it loads run.py)."""
+    spec = importlib.util.spec_from_file_location("kugetsu_bench_mcp", HERE / "mcp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tsp_admission(n: int) -> float:
+    """One client enqueueing n jobs one after the other behind a blocker, jobs/s."""
+    with tsp_blocked(1) as (ts, _, _, _):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            ts.run("true")
+        return n / (time.perf_counter() - t0)
+
+
+def admission(n_mcp: int, n_cli: int) -> dict:
+    """Admission from one client, tasks/s: MCP (one session, sequential calls), the CLI (one
+    process after the other), tsp; and mcp.py's batch path when it has one (`batch_rate(n)`)."""
+    mcp = _mcp_module()
+    out = {"mcp": mcp.mcp_rate(n_mcp, 1), "cli": mcp.cli_rate(n_cli, 1), "tsp": tsp_admission(min(n_mcp, TSP_FITS))}
+    batch = getattr(mcp, "batch_rate", None)
+    if batch is not None:
+        out["mcp_batch"] = batch(n_mcp)
+    return out
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
