@@ -7,6 +7,7 @@ uses common.py and run.py (Tsp), and mcp.py's rates (loaded by path: its name is
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import statistics
@@ -231,12 +232,17 @@ def tsp_admission(n: int) -> float:
 
 def admission(n_mcp: int, n_cli: int) -> dict:
     """Admission from one client, tasks/s: MCP (one session, sequential calls), the CLI (one
-    process after the other), tsp; and mcp.py's batch path when it has one (`batch_rate(n)`)."""
+    process after the other), tsp; and where mcp.py has them (a kugetsu with batches), a
+    batch of 100 a call and 32 sessions at once."""
     mcp = _mcp_module()
     out = {"mcp": mcp.mcp_rate(n_mcp, 1), "cli": mcp.cli_rate(n_cli, 1), "tsp": tsp_admission(min(n_mcp, TSP_FITS))}
-    batch = getattr(mcp, "batch_rate", None)
-    if batch is not None:
-        out["mcp_batch"] = batch(n_mcp)
+    if "batch" in inspect.signature(mcp.mcp_rate).parameters:
+        batched = mcp.mcp_rate(max(n_mcp, 1000) // 100 * 100, 1, batch=100)
+        if batched is not None:  # None: this kugetsu's `delegate` takes no batch
+            out["mcp_batch"] = batched
+    sessions = getattr(mcp, "sessions_rate", None)
+    if sessions is not None:
+        out["mcp_32_sessions"] = sessions(max(n_mcp, 320), 32, http=True)
     return out
 
 
