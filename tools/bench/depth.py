@@ -12,6 +12,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -45,7 +46,9 @@ def queue_home(root: Path, n: int, slots: int, go: Path, up: Path, task: list[st
     index = Index(next_id=n + slots + 1)
     for i in range(1, n + slots + 1):
         argv = ["sh", "-c", BLOCKER, str(go), str(up / str(i))] if i <= slots else (task or ["true"]) + ([str(i)] if task else [])
-        index.queued.append(Task(id=i, name=f"t{i}", command=argv, cwd="/", created_at=now,
+        # A token as admission gives one (runner.new_token): without it the service warms no
+        # wrapper for the task, and the drain would measure cold starts only.
+        index.queued.append(Task(id=i, name=f"t{i}", command=argv, cwd="/", created_at=now, token=os.urandom(16).hex(),
                                  expires_at=now + timedelta(hours=24), source="bench"))
     kg.home.index.write_bytes(encode_index(index))
     return kg
@@ -217,7 +220,12 @@ def _mcp_module():
     """tools/bench/mcp.py (its name is the SDK's: loaded by its path, as it loads run.py)."""
     spec = importlib.util.spec_from_file_location("kugetsu_bench_mcp", HERE / "mcp.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(module)  # takes this folder off sys.path: it would shadow the SDK
+        import mcp  # noqa: F401  (the SDK, imported while nothing shadows it: its calls import it again)
+    finally:
+        sys.path[:] = path  # the bench's own imports (deadlines.py) need this folder
     return module
 
 

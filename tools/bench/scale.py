@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import TASK_SCRIPT, exit_on_signals, pct, read_stamps, wait_until  # noqa: E402
 from run import cli_latency, compile_package, machine  # noqa: E402
 
+import deadlines  # noqa: E402
 import depth  # noqa: E402
 from depth import TSP_FITS, blockers_up, queue_home  # noqa: E402
 
@@ -154,8 +155,6 @@ def measure(args: argparse.Namespace, log, res: dict) -> dict:
         res["admission"] = depth.admission(args.mcp_tasks, args.cli_tasks)
         save()
     if "deadlines" in args.only:
-        import deadlines  # tools/bench/deadlines.py
-
         log(f"deadlines at {args.deadline_queue:,} queued")
         res["deadlines"] = deadlines.measure(args.deadline_queue, args.timed)
         save()
@@ -311,10 +310,13 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smaller everything: a smoke run")
     ap.add_argument("--json", action="store_true", help="print the results and the table as JSON")
     ap.add_argument("--save", type=Path, help="also write the JSON to this file, after each step")
-    ap.add_argument("--table", type=Path, help="print the table of a --save file (of a run stopped half-way too)")
+    ap.add_argument("--table", type=Path, nargs="+", help="print the table of --save files (of runs stopped half-way"
+                    " too; parts in later files replace those in earlier ones)")
     args = ap.parse_args()
     if args.table:
-        res = json.loads(args.table.read_text())
+        res = {}
+        for path in args.table:
+            res.update(json.loads(path.read_text()))
         print(render(res, table(res)))
         return 0
     q = args.quick
