@@ -84,9 +84,11 @@ async def test_the_dashboard_answers_while_its_selected_task_floods_its_log(kg):
 
     kg.config(max_agents=1)
     gate = kg.rec / "gate"
-    # Floods its log for as long as the test looks (until the gate), a few hundred MB.
-    flood = ["sh", "-c", 'while [ ! -e "$0" ]; do yes "flooding the log, line after line" | head -c 50000000; done',
-             str(gate)]
+    # Floods its log for as long as the test looks (until the gate), a few hundred MB; and for
+    # at most 3 minutes: a test process killed before its finally (and with it the service
+    # that caps the log) once left this agent filling the disk (75 GB).
+    flood = ["sh", "-c", 'end=$(($(date +%s) + 180)); while [ ! -e "$0" ] && [ "$(date +%s)" -lt "$end" ]; do'
+             ' yes "flooding the log, line after line" | head -c 50000000; done', str(gate)]
     await asyncio.to_thread(kg.ok, "delegate", "flood", "--", *flood)
     app = make_app(kg.home, cwd=str(kg.home.root.parent))
     try:
