@@ -9,7 +9,7 @@ from pathlib import Path
 
 import msgspec
 
-from kugetsu.core.models import Event, Index, Task, TaskState
+from kugetsu.core.models import Event, Index, Run, Task, TaskState
 from kugetsu.paths import Home, atomic_write
 from kugetsu.store.files import Store
 from kugetsu.store.protocol import encode_index
@@ -68,11 +68,11 @@ def busy_index() -> Index:
     ]
     active = [
         _task(4, "issue-16", TaskState.RUNNING, source="pm", agent="opencode", started_at=ago(minutes=31),
-              pid=41001, slot=1),
+              run=Run(pid=41001, slot=1)),
         _task(5, "issue-17", TaskState.RUNNING, source="pm", agent="claude", started_at=ago(minutes=12, seconds=5),
-              pid=41002, slot=2),
+              run=Run(pid=41002, slot=2)),
         _task(6, "bot-fix", TaskState.RUNNING, source="telegram:42", agent="codex", started_at=ago(seconds=40),
-              pid=41003, slot=3),
+              run=Run(pid=41003, slot=3)),
     ]
     queued = []
     for i, (name, prio, source, minutes) in enumerate([

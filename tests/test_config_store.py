@@ -215,7 +215,7 @@ def test_history_moves_out_beyond_the_limit(tmp_path):
 def test_index_is_pretty_and_round_trips():
     index = Index()
     data = encode_index(index)
-    assert data.startswith(b'{\n  "version": 1,')
+    assert data.startswith(b'{\n  "version": 2,')
     assert msgspec.json.decode(data, type=Index) == index
 
 

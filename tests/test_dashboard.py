@@ -84,7 +84,7 @@ async def test_cancel_running_task_returns_at_once_and_shows_stopping(tmp_path):
         await pilot.press("c", "y")
         await settled(pilot)
         task = next(t for t in Store(home).read().active if t.id == 5)
-        assert task.stop is TaskState.CANCELLED  # it ends when its process is gone (the service sees to it)
+        assert task.run.stop is TaskState.CANCELLED  # it ends when its process is gone (the service sees to it)
         assert "stopping" in str(app.query_one("#output", LogView).border_title)
         assert "stopping issue-17 (#5)" in notes(app)
 

@@ -76,7 +76,7 @@ async def test_a_stopping_task_is_named_stopping_in_the_running_pane(tmp_path):
 
     home = busy_home(tmp_path / "home")
     index = Store(home).read()
-    index.active[2].stop = TaskState.CANCELLED
+    index.active[2].run.stop = TaskState.CANCELLED
     atomic_write(home.index, encode_index(index))
     app = app_for(home)
     async with app.run_test(size=(110, 36)) as pilot:

@@ -18,7 +18,7 @@ import msgspec
 from dashboard_data import UTC, ago, settled, until, write_config
 
 from kugetsu.app import transaction
-from kugetsu.core.models import Event, Index, Task, TaskState
+from kugetsu.core.models import Event, Index, Run, Task, TaskState
 from kugetsu.paths import Home, atomic_write
 from kugetsu.store.protocol import encode_index
 from kugetsu.frontends.tui.app import make_app
@@ -49,7 +49,7 @@ def hostile_home(root: Path) -> Home:
     now = transaction.now()
     ago.now = now
     running = Task(id=1, name="run-1", state=TaskState.RUNNING, command=["sim"], cwd="/w", source=LINK,
-                   agent=PRESET, created_at=ago(minutes=5), started_at=ago(minutes=4), pid=2**22 + 1, slot=1)
+                   agent=PRESET, created_at=ago(minutes=5), started_at=ago(minutes=4), run=Run(pid=2**22 + 1, slot=1))
     queued = Task(id=2, name="wait-2", state=TaskState.QUEUED, command=["sim"], cwd="/w", source="[bold]",
                   group=GROUP, created_at=ago(minutes=3))
     finished = [

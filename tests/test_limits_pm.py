@@ -106,14 +106,14 @@ def admit(index: Index, cfg: Config, name: str, agent: str = "fake", **kw: objec
 def run_all(index: Index, cfg: Config, now: datetime) -> None:
     """What the service does after a tick: every task started gets a process."""
     for task in step.tick(index, cfg, now, step.Observations()).start:
-        task.pid = 1000 + task.id
+        task.run.pid = 1000 + task.id
 
 
 def exit_(index: Index, cfg: Config, now: datetime, name: str, code: int, tail: str) -> step.Plan:
     task = next(t for t in index.active if t.name == name)
     plan = step.tick(index, cfg, now, step.Observations(exits=[step.Exit(task.id, code, tail=tail)]))
     for t in plan.start:
-        t.pid = 1000 + t.id
+        t.run.pid = 1000 + t.id
     return plan
 
 
@@ -206,7 +206,7 @@ def test_a_lost_task_is_retried_and_a_timed_out_one_too():
     admit(index, cfg, "t", "other", retries=1, timeout=10.0)
     step.tick(index, cfg, NOW, step.Observations(exits=[step.Exit(a.id, 0)]))
     [t] = index.active
-    t.pid = 7
+    t.run.pid = 7
     step.tick(index, cfg, NOW + timedelta(seconds=11), step.Observations())  # the timeout: stop it
     step.tick(index, cfg, NOW + timedelta(seconds=12), step.Observations(exits=[step.Exit(t.id, 143)]))
     assert t.state is not TaskState.FAILED and t.attempts[0].reason == "timed out after 10s"

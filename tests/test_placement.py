@@ -86,7 +86,7 @@ def test_a_machine_handles_only_its_own_processes():
     a, b = admit(index, cfg, "a"), admit(index, cfg, "b")
     step.settle(index, cfg, T0, here=Here(name="m1", max_agents=1))
     step.settle(index, cfg, T0, here=Here(name="m2", max_agents=1))
-    a.pid = b.pid = 100
+    a.run.pid = b.run.pid = 100
     # m1 sees pid 100 gone: that is m1's own a, never m2's b
     plan = step.tick(index, cfg, T0, step.Observations(here=Here(name="m1", max_agents=1),
                                                     exits=[step.Exit(a.id, 0), step.Exit(b.id, 1)]))
@@ -99,7 +99,7 @@ def test_a_cancel_made_on_another_machine_is_signalled_by_the_owner():
     a = admit(index, cfg, "a")
     m1 = Here(name="m1", max_agents=1)
     step.settle(index, cfg, T0, here=m1)
-    a.pid = 100
+    a.run.pid = 100
     lifecycle.cancel(index, a, T0, cfg.kill_grace_s)  # on some other machine: no signal from there
     later = T0 + timedelta(seconds=1)
     other = step.tick(index, cfg, later, step.Observations(here=Here(name="m2", max_agents=1)))

@@ -44,11 +44,11 @@ def test_start_takes_lowest_free_slot():
     index, cfg = Index(), Config(max_agents=3)
     a, b, c = admit_all(index, cfg, ["a", "b", "c"])
     step.settle(index, cfg, T0)
-    assert (a.slot, b.slot, c.slot) == (1, 2, 3)
+    assert (a.run.slot, b.run.slot, c.run.slot) == (1, 2, 3)
     lifecycle.finish(index, b, T0, 0)
     d, = admit_all(index, cfg, ["d"])
     step.settle(index, cfg, T0)
-    assert d.slot == 2
+    assert d.run.slot == 2
 
 
 def test_duplicate_live_name_is_refused_but_finished_name_may_return():
@@ -134,8 +134,8 @@ def test_cancel_queued_is_immediate_and_running_waits_for_the_process():
     events = lifecycle.cancel(index, b, T0, grace=10)
     assert b.state is TaskState.CANCELLED and [e.type for e in events] == ["cancelled"]
     assert lifecycle.cancel(index, a, T0, grace=10) == []
-    assert a.state is TaskState.RUNNING and a.stop is TaskState.CANCELLED
-    assert a.kill_at == T0 + timedelta(seconds=10)
+    assert a.state is TaskState.RUNNING and a.run.stop is TaskState.CANCELLED
+    assert a.run.kill_at == T0 + timedelta(seconds=10)
     assert lifecycle.kills_due(index, T0 + timedelta(seconds=9)) == []
     assert lifecycle.kills_due(index, T0 + timedelta(seconds=10)) == [a]
     lifecycle.finish(index, a, T0, 143)
@@ -284,7 +284,7 @@ def test_queue_view_is_the_one_view_every_front_end_renders():
     step.settle(ix, cfg, T0)
     ix.active.reverse()
     view = selection.queue_view(ix, cfg, T0)
-    assert [t.slot for t in view.running] == [1, 2]
+    assert [t.run.slot for t in view.running] == [1, 2]
     assert [t.name for t in view.queued] == [t.name for t in selection.start_order(ix, cfg, T0)]
     assert view.positions == selection.positions(ix, cfg, T0)
     assert view.waiting_for == selection.waiting_for(ix, cfg, T0)

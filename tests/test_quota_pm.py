@@ -79,7 +79,7 @@ def test_usage_streamed_mid_run_is_booked_once_and_a_budget_stops_the_run():
     assert index.spend.sources["pm"].input_tokens == 1200 and index.spend.agents["b"].output_tokens == 30
     # At its end, the agent's own figure replaces what was streamed: booked once.
     retries._book_run(index, task, Usage(input_tokens=1250, output_tokens=40, cost_usd=0.2), T0)
-    assert task.usage == Usage(input_tokens=1250, output_tokens=40, cost_usd=0.2) and task.run_usage is None
+    assert task.usage == Usage(input_tokens=1250, output_tokens=40, cost_usd=0.2) and task.run.usage is None
     assert index.spend.sources["pm"] == Usage(input_tokens=1250, output_tokens=40, cost_usd=0.2)
 
 
@@ -88,7 +88,7 @@ def test_a_run_over_budget_that_hit_a_limit_or_failed_is_not_run_again():
     task = admitted(index, agent="b", budget_usd=2.0, retries=3)
     step.settle(index, CFG, T0)
     task.usage = Usage(cost_usd=2.13)
-    task.limit = LimitHit()
+    task.run.limit = LimitHit()
     retries.conclude(index, CFG, task, T0, 1)
     assert task.state is TaskState.FAILED and task.reason == "budget 2.00 USD exceeded: 2.13 USD"
     assert task.attempts == [] and "b" not in index.holds

@@ -304,11 +304,11 @@ def test_over_limits_stops_with_the_reason_and_never_a_retry_for_its_last_runs_f
     seen = step.Measured(task=task.id, memory=110 * M, peak=120 * M, cpu=1.5, procs=3)
     assert step.over_limits(index, cfg, T0, [seen]) == [task]
     assert task.reason == "memory limit 100.0M exceeded (peak 120.0M)" and task.peak_memory == 120 * M
-    assert task.kill_at is not None and (task.kill_at - T0).total_seconds() == 5
+    assert task.run.kill_at is not None and (task.run.kill_at - T0).total_seconds() == 5
     assert step.over_limits(index, cfg, T0, [seen]) == []  # once: it is being stopped
     retries.conclude(index, cfg, task, T0, 137)
     step.settle(index, cfg, T0)
-    assert task.attempt == 2 and task.stop is None  # retried
+    assert task.attempt == 2 and task.run.stop is None  # retried
     assert step.over_limits(index, cfg, T0, [seen]) == []  # a figure of its first run
     storm = step.Measured(task=task.id, memory=M, peak=M, cpu=0.1, procs=20, forks_refused=7, attempt=2)
     assert step.over_limits(index, cfg, T0, [storm]) == [task]

@@ -13,7 +13,7 @@ import pytest
 
 from kugetsu.app import stats
 from kugetsu.config.model import Config
-from kugetsu.core.models import Event, Index, Task, TaskState
+from kugetsu.core.models import Event, Index, Run, Task, TaskState
 from kugetsu.paths import Home, atomic_write
 from kugetsu.store.protocol import encode_index
 
@@ -63,7 +63,7 @@ def known_history(base: datetime = NOW) -> tuple[Index, list[Task], list[Event]]
         task(5, "expired", t(11, 20), None, t(11, 40), source="alice"),
         task(7, "cancelled", t(11, 30), t(11, 45), t(11, 55), source="pm", agent="claude", exit_code=143),
     ]
-    active = [task(8, "running", t(11, 50), t(11, 50), source="pm", agent="opencode", group="gpu", slot=1)]
+    active = [task(8, "running", t(11, 50), t(11, 50), source="pm", agent="opencode", group="gpu", run=Run(slot=1))]
     queued = [task(9, "queued", t(11, 55), source="alice", expires_at=base + timedelta(hours=23))]
     index = Index(next_id=12, active=active, queued=queued, finished=finished)
     ev = []

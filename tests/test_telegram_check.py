@@ -14,7 +14,7 @@ from test_telegram_bot import ME, api, setup  # noqa: F401  (api is a fixture)
 from kugetsu.core import selection
 from kugetsu.config.model import Config, TelegramConfig
 from kugetsu.errors import KugetsuError, UsageError
-from kugetsu.core.models import Index, Task, TaskState
+from kugetsu.core.models import Index, Run, Task, TaskState
 from kugetsu.paths import Home
 from kugetsu.frontends.telegram import redact, text
 from kugetsu.frontends.telegram.bot import allowed
@@ -89,7 +89,7 @@ def _task(i: int, now: datetime, **kw: object) -> Task:
 def test_long_listings_are_cut_and_escaped():
     now = datetime.now(timezone.utc)
     queued = [_task(i, now, expires_at=now + timedelta(hours=1)) for i in range(2, 400)]
-    running = [_task(1, now, state=TaskState.RUNNING, slot=1, started_at=now)]
+    running = [_task(1, now, state=TaskState.RUNNING, run=Run(slot=1), started_at=now)]
     index = Index(next_id=400, active=running, queued=queued)
     out = text.queue(selection.queue_view(index, Config(), now), now)
     assert len(out) < 4096 and out.endswith("more") and "... and " in out

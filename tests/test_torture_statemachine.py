@@ -132,7 +132,7 @@ class KugetsuMachine(RuleBasedStateMachine):
 
         def caught_up() -> bool:
             index = self.index()
-            spawned = all(t.pid is not None for t in index.active)
+            spawned = all(t.run.pid is not None for t in index.active)
             return spawned and (not index.queued or len(index.active) >= self.cfg.max_agents)
 
         wait_for(caught_up, 10, "the service to fill free slots")
@@ -220,7 +220,7 @@ class KugetsuMachine(RuleBasedStateMachine):
                 # No pid only when a hard restart fell between the spawn and its commit and the
                 # agent ended before the next service looked: that service books the exit status
                 # its wrapper wrote (step.adopt), and there was no process left to record.
-                assert t.pid is not None or booked(t.id, t.exit_code), f"{t.name} ran without a recorded process"
+                assert t.run.pid is not None or booked(t.id, t.exit_code), f"{t.name} ran without a recorded process"
 
 
 def _alive(pid: int) -> bool:

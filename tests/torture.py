@@ -56,7 +56,7 @@ def check_home(home: Home, max_agents: int | None = None) -> dict:
     assert all(t.state is TaskState.RUNNING for t in index.active)
     assert all(t.state is TaskState.QUEUED for t in index.queued)
     assert all(t.state.final for t in index.finished)
-    slots = [t.slot for t in index.active]
+    slots = [t.run.slot for t in index.active]
     assert len(slots) == len(set(slots)), f"two running tasks share a slot: {slots}"
     # (A slot number may exceed a lowered max_agents: lowering never kills the task in it.)
     assert all(s is not None and 1 <= s <= 64 for s in slots), slots

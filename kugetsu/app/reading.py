@@ -167,12 +167,15 @@ def public_tasks(tasks: list[Task], positions: list[int | None] | None = None, h
     running = TaskState.RUNNING
     for task, raw, position in zip(tasks, raws, positions or repeat(None)):
         raw["position"] = position
+        run = raw.pop("run", None)
+        if run is not None:  # the run's record is shown flat, as the task held it before index version 2
+            raw.update(run)
         if prompts is not None and task.id in prompts:
             raw["prompt"] = prompts[task.id]
         # `pid` is the wrapper's (its process group is the task's); `agent_pid` the agent's own,
         # looked up only where it runs.
         if task.state is running and (task.host is None or task.host == here):
-            raw["agent_pid"] = runner.agent_pid(task.pid, task.pid_start)
+            raw["agent_pid"] = runner.agent_pid(task.run.pid, task.run.pid_start)
         if waiting_for is not None:
             raw["waiting_for"] = waiting_for.get(task.id)
         m = measured.get(task.id) if measured and task.state is running else None

@@ -34,7 +34,7 @@ import msgspec
 from kugetsu.agents.report import Usage
 from kugetsu.config.model import Config
 from kugetsu.config.load import host_name as config_host
-from kugetsu.core.models import Event, Index, Task
+from kugetsu.core.models import Event, Index, Task, decode_task
 from kugetsu.paths import Home
 from kugetsu.store.events import events_newest_first, lines_backwards
 
@@ -56,7 +56,6 @@ def host_name() -> str:
 # ---- reading, bounded by the window ---------------------------------------------------
 
 
-_task_decoder = msgspec.json.Decoder(Task)
 
 
 def events_since(home: Home, start: datetime) -> tuple[list[Event], int | None]:
@@ -89,7 +88,7 @@ def history_since(home: Home, start: datetime) -> list[Task]:
     out: dict[int, Task] = {}
     for line in lines_backwards(home.history):
         try:
-            task = _task_decoder.decode(line)
+            task = decode_task(line)  # a line of either index version
         except (msgspec.DecodeError, RecursionError):
             continue  # a line torn by a crash
         if task.finished_at is not None and task.finished_at < start:

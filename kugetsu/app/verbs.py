@@ -36,7 +36,7 @@ def cancel(home: Home, refs: list[str], *, everything: bool = False, reason: str
     get SIGTERM to their group now, SIGKILL after kill_grace (the service sees to it)."""
     with _locked(home) as (txn, cfg):
         tasks = list(txn.index.live()) if everything else [selection.find(txn.index, ref) for ref in refs]
-        paused = [t for t in tasks if t.paused_at is not None]
+        paused = [t for t in tasks if t.run is not None and t.run.paused_at is not None]
         for task in tasks:
             txn.emit(lifecycle.cancel(txn.index, task, txn.now, cfg.kill_grace_s, reason))
         settle(txn, cfg)
@@ -44,9 +44,9 @@ def cancel(home: Home, refs: list[str], *, everything: bool = False, reason: str
     # commit); on one machine the signal goes now, as a service may not be running.
     for task in tasks if cfg.store is None else []:
         if task.state is TaskState.RUNNING:
-            runner.kill_group(task.pid, task.pid_start, signal.SIGTERM)
+            runner.kill_group(task.run.pid, task.run.pid_start, signal.SIGTERM)
     for task in paused if cfg.store is None else []:  # a stopped process acts on its SIGTERM once it runs
-        runner.signal_tree(task.pid, task.pid_start, task.token, signal.SIGCONT)
+        runner.signal_tree(task.run.pid, task.run.pid_start, task.token, signal.SIGCONT)
     wake(home, cfg, txn.index)
     return tasks
 
@@ -69,7 +69,7 @@ def pause_task(home: Home, ref: str, on: bool, by: str = "cli") -> tuple[Task, b
         _signal_here(cfg, task)
         events = selection.pause_task(task, txn.now, on, by)
         txn.emit(events)
-    runner.signal_tree(task.pid, task.pid_start, task.token, signal.SIGSTOP if on else signal.SIGCONT)
+    runner.signal_tree(task.run.pid, task.run.pid_start, task.token, signal.SIGSTOP if on else signal.SIGCONT)
     wake(home, cfg)
     return task, bool(events)
 
@@ -81,7 +81,7 @@ def signal_task(home: Home, ref: str, sig: signal.Signals, by: str = "cli") -> t
         task = selection.find(txn.index, ref)
         _signal_here(cfg, task)
         txn.emit(selection.signal_task(task, txn.now, sig.name, by))
-    sent = runner.signal_tree(task.pid, task.pid_start, task.token, sig, spare_wrapper=True)
+    sent = runner.signal_tree(task.run.pid, task.run.pid_start, task.token, sig, spare_wrapper=True)
     wake(home, cfg)
     return task, sent
 

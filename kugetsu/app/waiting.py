@@ -177,11 +177,11 @@ def wait_change(home: Home, tasks: list[Task], timeout: float, closing: bool = F
     fds: list[int] = []
     ending = False  # a task of ours whose agent has ended, its end not booked yet
     for t in tasks:
-        if ours(t, here):
-            fd = runner.open_pidfd(t.pid, t.pid_start)
+        if ours(t, here) and t.run is not None:  # a queued task has no process yet
+            fd = runner.open_pidfd(t.run.pid, t.run.pid_start)
             if fd is not None:
                 fds.append(fd)
-            elif t.state is TaskState.RUNNING and t.ended_at is not None:
+            elif t.state is TaskState.RUNNING and t.run.ended_at is not None:
                 ending = True
     if ending and watch is None:
         # The service is ending what its agent left running (SIGKILL after the grace): no

@@ -71,9 +71,10 @@ def daily_over(what: str, budget: Budget | None, used: Usage | None, now: dateti
 
 def task_used(task: Task) -> Usage | None:
     """All a task's runs have used, the running one's so far included."""
-    if task.run_usage is None:
+    run = task.run.usage if task.run is not None else None
+    if run is None:
         return task.usage
-    return task.run_usage if task.usage is None else task.usage + task.run_usage
+    return run if task.usage is None else task.usage + run
 
 
 def task_over(task: Task) -> str | None:

@@ -12,20 +12,23 @@ from kugetsu.core.models import Event, Index, Task, TaskState
 
 def unpause(task: Task, now: datetime) -> None:
     """The paused time so far joins `paused_s` (its timeout moves by as much)."""
-    if task.paused_at is not None:
-        task.paused_s += max(0.0, (now - task.paused_at).total_seconds())
-        task.paused_at = None
+    run = task.run
+    if run is not None and run.paused_at is not None:
+        run.paused_s += max(0.0, (now - run.paused_at).total_seconds())
+        run.paused_at = None
 def _request_stop(task: Task, state: TaskState, reason: str, now: datetime, grace: float) -> None:
-    if task.stop is None:
-        task.stop, task.reason = state, reason
-        task.kill_at = now + timedelta(seconds=grace)
+    assert task.run is not None, "only a running task is stopped this way"
+    if task.run.stop is None:
+        task.run.stop, task.reason = state, reason
+        task.run.kill_at = now + timedelta(seconds=grace)
 def _close(index: Index, task: Task, state: TaskState, now: datetime, exit_code: int | None = None) -> Event:
     unpause(task, now)
     task.stashed_at = None
     task.state = state
     task.finished_at = now
     task.exit_code = exit_code
-    task.kill_at = None
+    if task.run is not None:
+        task.run.kill_at = None
     index.finished.append(task)
     # A worktree task's final event names its worktree: the service closes it just after.
     worktree = task.worktree if task.worktree_state == "active" else None

@@ -11,7 +11,7 @@ from kugetsu.config.units import format_duration
 from kugetsu.core import budgets
 from kugetsu.core.commandline import _NEEDS_PROMPT, render_command, render_template
 from kugetsu.core.common import _close, _event, _request_stop, _stands, unpause
-from kugetsu.core.models import Event, Index, SourceMark, Task, TaskState
+from kugetsu.core.models import Event, Index, Run, SourceMark, Task, TaskState
 from kugetsu.core.policy import Resources, guard_hold
 from kugetsu.core.selection import free_slots, lowest_free_slot, next_release
 from kugetsu.errors import NotFound, UsageError
@@ -32,7 +32,7 @@ def start(index: Index, task: Task, now: datetime, host: str | None = None, cfg:
     index.queued.remove(task)
     task.state = TaskState.RUNNING
     task.host = host
-    task.slot = lowest_free_slot(index)
+    task.run = Run(slot=lowest_free_slot(index))  # this run's record, from its slot on
     task.started_at = now
     index.active.append(task)
     index.starts += 1
@@ -40,7 +40,7 @@ def start(index: Index, task: Task, now: datetime, host: str | None = None, cfg:
     index.last_start[task.source] = SourceMark(at=now, n=index.starts)
     _forget_sources(index)
     note = f"fallback from {task.fallback_from}" if task.fallback_from else None
-    return [_event("started", task, now, slot=task.slot, host=host, reason=note,
+    return [_event("started", task, now, slot=task.run.slot, host=host, reason=note,
                    value={"agent": task.agent, "fallback_from": task.fallback_from} if note else None)]
 
 
@@ -81,12 +81,12 @@ def agent_ended(task: Task, now: datetime, exit_code: int | None, reason: str | 
     """The agent has ended but processes it started are still there: the task keeps its slot
     while they go (SIGTERM now, SIGKILL at kill_at; a task already being stopped keeps its
     own kill_at). `finish` follows once none is left."""
-    task.ended_at = now
+    task.run.ended_at = now
     task.exit_code = exit_code
-    if reason and task.stop is None:
+    if reason and task.run.stop is None:
         task.reason = reason
-    if task.kill_at is None:
-        task.kill_at = now + timedelta(seconds=grace)
+    if task.run.kill_at is None:
+        task.run.kill_at = now + timedelta(seconds=grace)
 
 
 def leftovers_note(count: int) -> str | None:
@@ -113,11 +113,11 @@ def _forget_sources(index: Index) -> None:
 def finish(index: Index, task: Task, now: datetime, exit_code: int | None, reason: str | None = None) -> list[Event]:
     """running -> final. A stop that was asked for (cancel, timeout) decides the state;
     else the exit code does; no exit code at all means the task is lost. Processes the
-    agent left behind and kugetsu ended (task.leftovers) are named in the reason."""
+    agent left behind and kugetsu ended (task.run.leftovers) are named in the reason."""
     index.active.remove(task)
-    task.ended_at = None
-    if task.stop is not None:
-        state = task.stop
+    task.run.ended_at = None
+    if task.run.stop is not None:
+        state = task.run.stop
     elif exit_code is None:
         state = TaskState.LOST
         task.reason = reason or "the process vanished and its exit status could not be recovered"
@@ -126,7 +126,7 @@ def finish(index: Index, task: Task, now: datetime, exit_code: int | None, reaso
     else:
         state = TaskState.FAILED
         task.reason = reason or describe_exit(exit_code)
-    note = leftovers_note(task.leftovers)
+    note = leftovers_note(task.run.leftovers)
     if note:
         task.reason = f"{task.reason}; {note}" if task.reason else note
     return [_close(index, task, state, now, exit_code)]
@@ -174,16 +174,16 @@ def expire_due(index: Index, now: datetime) -> list[Event]:
 def run_deadline(task: Task) -> datetime | None:
     """When a running task's run timeout falls due: its start, plus the timeout, plus the time
     it spent paused (`pause TASK` stops its clock too). None while paused or without a timeout."""
-    if not task.timeout or not task.started_at or task.paused_at is not None:
+    if not task.timeout or not task.started_at or task.run.paused_at is not None:
         return None
-    return task.started_at + timedelta(seconds=task.timeout + task.paused_s)
+    return task.started_at + timedelta(seconds=task.timeout + task.run.paused_s)
 
 
 def timeouts_due(index: Index, now: datetime, grace: float) -> list[Task]:
     """Running tasks past their run timeout are marked to stop (failed); returns them to signal."""
     due = []
     for task in index.active:
-        if task.stop is None and (deadline := run_deadline(task)) is not None and now >= deadline:
+        if task.run.stop is None and (deadline := run_deadline(task)) is not None and now >= deadline:
             _request_stop(task, TaskState.FAILED, f"timed out after {format_duration(task.timeout or 0)}", now, grace)
             due.append(task)
     return due
@@ -196,9 +196,9 @@ def next_deadline(index: Index) -> datetime | None:
     times = [t.expires_at for t in index.queued if t.expires_at is not None and t.stashed_at is None]
     times += [h.until for h in index.holds.values() if h.until is not None]  # released at its end
     for task in index.active:
-        if task.kill_at is not None:
-            times.append(task.kill_at)
-        elif task.stop is None and (deadline := run_deadline(task)) is not None:
+        if task.run.kill_at is not None:
+            times.append(task.run.kill_at)
+        elif task.run.stop is None and (deadline := run_deadline(task)) is not None:
             times.append(deadline)
     return min(times, default=None)
 
@@ -227,7 +227,7 @@ def policy_wakeups(index: Index, cfg: Config, now: datetime, resources: Resource
 
 def kills_due(index: Index, now: datetime) -> list[Task]:
     """Tasks asked to stop whose grace is over: their group gets SIGKILL."""
-    return [t for t in index.active if t.kill_at is not None and t.kill_at <= now]
+    return [t for t in index.active if t.run.kill_at is not None and t.run.kill_at <= now]
 
 
 def trim_history(index: Index, limit: int) -> list[Task]:

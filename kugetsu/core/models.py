@@ -16,7 +16,9 @@ import msgspec
 
 from kugetsu.agents.report import Usage
 
-INDEX_VERSION = 1
+# 2: what belongs to one run is in the task's `run` record (version 1 had it in the task
+# itself: upgrade() reads it).
+INDEX_VERSION = 2
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 _NAME_RE = re.compile(NAME_PATTERN)
@@ -74,7 +76,9 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     finished_at: Time | None = None
     expires_at: Time | None = None
     exit_code: int | None = None
-    pid: int | None = None
+    # What belongs to the current (or last) run only: None while queued, set when it starts;
+    # a requeue drops it whole. The public object shows its fields flat (reading.public_tasks).
+    run: Run | None = None
     log: str | None = None
     reason: str | None = None
     # Beyond the public core:
@@ -84,24 +88,12 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     # stored prompt goes when the agent starts (commandline.argv).
     prompt: str | None = None
     prompted: bool = False
-    slot: int | None = None
     timeout: float | None = None  # run timeout in seconds, None = no limit
-    # Identity of `pid`: its start time (clock ticks since boot), so a reused pid is never trusted.
-    pid_start: int | None = None
     # Only the preset's variables, never the caller's whole environment.
     env: dict[str, str] = {}
-    # Set while a running task is being stopped: the final state it will get, and when
-    # SIGKILL follows the SIGTERM it was sent.
-    stop: TaskState | None = None
-    kill_at: Time | None = None
     # In the agent's environment and everything it starts: how kugetsu finds the processes
     # the task owns, also those that left its process group (runner.new_token).
     token: str | None = None
-    # Set when the agent has ended (exit_code then holds its status) while processes it
-    # started still run: the task keeps its slot until they are gone (SIGTERM, SIGKILL at
-    # kill_at). `leftovers` counts the processes found and ended.
-    ended_at: Time | None = None
-    leftovers: int = 0
     # Worktree isolation (docs/worktrees.md). `repo` set = the task runs in its own worktree.
     # `base` is what it branches from: a commit pinned at admission, or the --base REF as given
     # (resolved when it starts); `base_commit` is the commit the worktree was really created at.
@@ -129,8 +121,6 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     not_before: Time | None = None
     session: str | None = None  # the agent's session id, read from its output
     first_command: list[str] | None = None  # the command before a resume replaced it
-    # The agent's exit hit its provider's limit: back to the queue once its leftovers are gone.
-    limit: LimitHit | None = None
     # Delegated by another task's agent (admission.admit): how many tasks are above it (0: delegated
     # from outside any task), and how many levels its own agent may still delegate beneath it.
     depth: int = 0
@@ -147,11 +137,9 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     fallback_from: str | None = None
     fallback_fresh: bool = False
     # Budgets (README, "Provider limits"): a run that passes one is stopped; a task over it
-    # does not start again. `run_usage`: what the running run has used so far, where its
-    # agent's stream says it mid-run (Claude Code's per-turn usage).
+    # does not start again (what the running run has used so far: `run.usage`).
     budget_usd: float | None = None
     max_tokens: int | None = None
-    run_usage: Usage | None = None
     # Resources (README, "Resources"): what it declared (bytes it may use, counted against the
     # machine's max_memory; its processes at most; the slots it takes of max_agents and its
     # group's), and what was measured of its whole process tree (the largest total RSS seen,
@@ -161,16 +149,43 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
     slots: int = 1
     peak_memory: int | None = None
     cpu_seconds: float | None = None
-    # `kugetsu pause TASK`: its processes are stopped (SIGSTOP) since then; `paused_s`: the
-    # seconds of its earlier pauses this run. Paused time does not count toward its timeout.
-    paused_at: Time | None = None
-    paused_s: float = 0.0
     # `kugetsu stash TASK`: a queued task set aside since then: never started, no position,
     # no expiry, until `unstash`.
     stashed_at: Time | None = None
     # `kugetsu next TASK`: it starts before every other task that may start (the latest
     # `next` first); 0: its place is its priority and id.
     first: int = 0
+
+
+class Run(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What belongs to one run of a task only (pueue's `Running { start }`): set when it
+    starts, kept with the finished task (its public object shows them), dropped whole when it
+    goes back to the queue. What tells the task's history (started_at, exit_code, reason,
+    attempts, usage, host...) stays in the Task. Each field has the JSON name it had in a
+    version-1 task, where it stood in the task itself (upgrade, decode_task read that)."""
+
+    slot: int | None = None
+    pid: int | None = None  # the wrapper's; its process group is the task's
+    # Identity of `pid`: its start time (clock ticks since boot), so a reused pid is never trusted.
+    pid_start: int | None = None
+    # Set while a running task is being stopped: the final state it will get, and when
+    # SIGKILL follows the SIGTERM it was sent.
+    stop: TaskState | None = None
+    kill_at: Time | None = None
+    # Set when the agent has ended (the task's exit_code then holds its status) while processes
+    # it started still run: the task keeps its slot until they are gone (SIGTERM, SIGKILL at
+    # kill_at). `leftovers` counts the processes found and ended.
+    ended_at: Time | None = None
+    leftovers: int = 0
+    # The agent's exit hit its provider's limit: back to the queue once its leftovers are gone.
+    limit: LimitHit | None = None
+    # What this run has used so far, where its agent's stream says it mid-run (Claude Code's
+    # per-turn usage); budgets count it with the task's `usage`.
+    usage: Usage | None = msgspec.field(default=None, name="run_usage")
+    # `kugetsu pause TASK`: its processes are stopped (SIGSTOP) since then; `paused_s`: the
+    # seconds of its earlier pauses this run. Paused time does not count toward its timeout.
+    paused_at: Time | None = None
+    paused_s: float = 0.0
 
 
 class Attempt(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -326,23 +341,86 @@ class Index(msgspec.Struct, kw_only=True):
         return self.active + self.queued + self.finished
 
 
+# Where a version-1 task had the fields that are its Run's now (each after the Task field
+# named): the flat shape the public task object keeps.
+_RUN_AFTER: dict[str, tuple[str, ...]] = {
+    "exit_code": ("pid",), "prompted": ("slot",), "timeout": ("pid_start",), "env": ("stop", "kill_at"),
+    "token": ("ended_at", "leftovers"), "first_command": ("limit",), "max_tokens": ("run_usage",),
+    "cpu_seconds": ("paused_at", "paused_s")}
+
+
 def _task_defaults() -> dict[str, object]:
+    runs = {f.encode_name: f for f in msgspec.structs.fields(Run)}
     out: dict[str, object] = {}
     for f in msgspec.structs.fields(Task):
+        if f.name == "run":
+            continue
         default = f.default_factory() if f.default_factory is not msgspec.NODEFAULT else f.default
         out[f.name] = None if default is msgspec.NODEFAULT else msgspec.to_builtins(default)
+        for name in _RUN_AFTER.get(f.name, ()):
+            out[name] = msgspec.to_builtins(runs.pop(name).default)
+    assert not runs, f"Run fields without a place in the flat task: {sorted(runs)}"
     return out
 
 
-# Every field of a Task at its default, as JSON values, in the Task's order (None for the
-# required ones): what the index leaves out. Shared, so never changed in place.
+# Every field of a Task at its default, as JSON values, flat (its Run's fields where a version-1
+# task had them, in that order; None for the required ones): what the index leaves out, and the
+# public task object's shape. Shared, so never changed in place.
 TASK_DEFAULTS: dict[str, object] = _task_defaults()
 
 
 def task_record(raw: dict[str, object]) -> dict[str, object]:
-    """A task as stored (JSON, defaults left out) with every field: for readers of index.json
-    or history.jsonl as plain JSON."""
+    """A task as stored (JSON, defaults left out, of either version) with every field, flat:
+    for readers of index.json or history.jsonl as plain JSON."""
+    run = raw.get("run")
+    if isinstance(run, dict):
+        raw = {k: v for k, v in raw.items() if k != "run"} | run
     return {**TASK_DEFAULTS, **raw}
+
+
+# ---- version 1: the run's fields in the task itself -------------------------------------------
+# Read wherever a task's JSON may be older than INDEX_VERSION 2: an index.json or a cluster's
+# state row of version 1 (upgrade), history.jsonl lines and history rows, and task rows under a
+# state row of version 1 (decode_task). Written back in version 2 by the next write.
+
+class _Runs(msgspec.Struct):
+    """A version-1 index's task lists, each task read as the Run its flat fields make."""
+
+    active: list[Run] = []
+    queued: list[Run] = []
+    finished: list[Run] = []
+
+
+_EMPTY_RUN = Run()
+_run_decoder = msgspec.json.Decoder(Run)
+_task_decoder = msgspec.json.Decoder(Task)
+
+
+def upgrade(index: Index, data: bytes) -> Index:
+    """`index`, decoded from `data`, as version 2: a version-1 document's tasks get the run
+    records their flat fields make (decoding as Task skipped those fields). One more C decode,
+    for an old document only; the next write writes version 2."""
+    if index.version != 1:  # this version, or one no kugetsu wrote (refused by the store)
+        return index
+    if index.active or index.queued or index.finished:
+        runs = msgspec.json.decode(data, type=_Runs)
+        for tasks, flat in ((index.active, runs.active), (index.queued, runs.queued), (index.finished, runs.finished)):
+            for task, run in zip(tasks, flat):
+                if task.run is None and (run != _EMPTY_RUN or tasks is index.active):  # a running task has one
+                    task.run = run
+    index.version = INDEX_VERSION
+    return index
+
+
+def decode_task(data: bytes, old: bool = True) -> Task:
+    """One task's JSON (a history line, a task row) of either version; `old=False` when it is
+    known to be version 2 (a task row under a version-2 state row): one decode, as before."""
+    task = _task_decoder.decode(data)
+    if old and task.run is None:
+        run = _run_decoder.decode(data)
+        if run != _EMPTY_RUN:
+            task.run = run
+    return task
 
 
 # The times kugetsu writes lie well inside what datetime holds: one at its ends (year 1, 9999:
@@ -358,11 +436,14 @@ def _bad_time(index: Index) -> str | None:
     cheap pass over them (every CLI call runs it)."""
     lo, hi = TIME_MIN, TIME_MAX
     live = index.active + index.queued
-    times = [t.created_at for t in live] + [a for t in live for a in (t.expires_at, t.started_at, t.not_before,
-                                                                       t.kill_at, t.ended_at) if a is not None]
+    runs = [t.run for t in live if t.run is not None]
+    times = [t.created_at for t in live] + [a for t in live for a in (t.expires_at, t.started_at, t.not_before)
+                                            if a is not None] + [a for r in runs for a in (r.kill_at, r.ended_at)
+                                                                 if a is not None]
     if times and (min(times) < lo or max(times) > hi):  # the common case: two passes of C
         task, at = next((t, a) for t in live for a in (t.created_at, t.expires_at, t.started_at, t.not_before,
-                                                        t.kill_at, t.ended_at) if a is not None and not lo <= a <= hi)
+                                                        *((t.run.kill_at, t.run.ended_at) if t.run else ()))
+                         if a is not None and not lo <= a <= hi)
         return f"task #{task.id} has the time {at.isoformat()}"
     for source, mark in index.last_start.items():
         if not lo <= mark.at <= hi:

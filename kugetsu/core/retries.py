@@ -13,7 +13,7 @@ from kugetsu.config.units import parse_duration
 from kugetsu.core import budgets, limits
 from kugetsu.core.admission import Request
 from kugetsu.core.commandline import PROMPT
-from kugetsu.core.common import _event, _stands, unpause
+from kugetsu.core.common import _event, _stands
 from kugetsu.core.lifecycle import describe_exit, finish
 from kugetsu.core.models import Attempt, Event, Hold, Index, LimitHit, Task, TaskState
 from kugetsu.core.times import clock
@@ -52,10 +52,10 @@ def read_output(cfg: Config, task: Task, code: int | None, tail: str | None, now
     if session:
         task.session = session
     _book_run(index, task, report.usage if report is not None else None, now)
-    if task.stop is not None:
+    if task.run.stop is not None:
         return None
     if report is not None and report.denied and not report.limited:
-        task.stop, task.reason = TaskState.FAILED, f"{task.agent} was denied permission: {', '.join(report.denied[:5])}"
+        task.run.stop, task.reason = TaskState.FAILED, f"{task.agent} was denied permission: {', '.join(report.denied[:5])}"
         return task.reason
     if not code:
         return None
@@ -68,7 +68,7 @@ def read_output(cfg: Config, task: Task, code: int | None, tail: str | None, now
     if limited or (preset.limit.enabled and (code in preset.limit.exit_codes
                                              or limits.matches(preset.limit.patterns, words))):
         until = report.reset_at if report is not None else None
-        task.limit = LimitHit(until=until or limits.reset_time(words, now))
+        task.run.limit = LimitHit(until=until or limits.reset_time(words, now))
         return None
     return f"{describe_exit(code)}: {said[:300]}" if said else None
 
@@ -76,7 +76,7 @@ def read_output(cfg: Config, task: Task, code: int | None, tail: str | None, now
 def _book_run(index: Index | None, task: Task, run: Usage | None, now: datetime) -> None:
     """A run has ended: what it used (as its agent reported at the end, else as far as its
     stream said mid-run) joins the task's total, and what was not booked yet today's spending."""
-    streamed, task.run_usage = task.run_usage, None
+    streamed, task.run.usage = task.run.usage, None
     if run is None:
         run = streamed
     if run is None:
@@ -91,13 +91,13 @@ def progress(index: Index, cfg: Config, task: Task, run: Usage, now: datetime) -
     """A running task's agent reported what its run has used so far (Claude Code's per-turn
     usage, read from its stream): booked for today's budgets; returns why it must stop when
     it has passed its own budget (the caller stops it), else None."""
-    before = task.run_usage
+    before = task.run.usage
     delta = run - before if before is not None else run
     if delta.tokens <= 0 and not delta.cost_usd:
         return None
-    task.run_usage = run
+    task.run.usage = run
     budgets.book(index, task, delta, now)
-    return budgets.task_over(task) if task.stop is None else None
+    return budgets.task_over(task) if task.run.stop is None else None
 
 
 def conclude(index: Index, cfg: Config, task: Task, now: datetime, code: int | None,
@@ -107,16 +107,16 @@ def conclude(index: Index, cfg: Config, task: Task, now: datetime, code: int | N
     after its retry delay), or it is final (`finish`). A task past its budget (known only now,
     from an agent that reports usage at the end) does not run again: it fails, saying so."""
     budgets.window_ended(index.windows, task.agent, task.id)
-    if task.run_usage is not None:  # its end was not read (no output to read): what its stream said
+    if task.run.usage is not None:  # its end was not read (no output to read): what its stream said
         _book_run(index, task, None, now)
     over = budgets.task_over(task)
-    if over is not None and (task.limit is not None or (code != 0 and task.stop in (None, TaskState.FAILED))):
-        if task.stop is None or not (task.reason or "").startswith("budget "):
-            task.stop, task.reason = TaskState.FAILED, over
+    if over is not None and (task.run.limit is not None or (code != 0 and task.run.stop in (None, TaskState.FAILED))):
+        if task.run.stop is None or not (task.reason or "").startswith("budget "):
+            task.run.stop, task.reason = TaskState.FAILED, over
         return finish(index, task, now, code, over)
-    if task.stop is None and task.limit is not None and task.agent is not None:
-        return _requeue_limited(index, cfg, task, now, code, task.limit)
-    retry = task.stop in (None, TaskState.FAILED) and code != 0  # not a cancel; a timeout is a failure
+    if task.run.stop is None and task.run.limit is not None and task.agent is not None:
+        return _requeue_limited(index, cfg, task, now, code, task.run.limit)
+    retry = task.run.stop in (None, TaskState.FAILED) and code != 0  # not a cancel; a timeout is a failure
     if retry and task.retries > sum(1 for a in task.attempts if not a.limit):
         return _requeue_retry(index, task, now, code, reason)
     if task.agent is not None and task.agent in index.strikes and code == 0:
@@ -131,13 +131,10 @@ def _requeue(index: Index, task: Task, now: datetime, code: int | None, reason: 
     task.attempts.append(Attempt(started_at=task.started_at, ended_at=now, exit_code=code, reason=reason, limit=limit,
                                  usage=_run_usage(task)))
     task.attempt += 1
-    unpause(task, now)
-    task.paused_s = 0.0  # the next run's timeout counts afresh
     task.state = TaskState.QUEUED
-    task.slot = task.pid = task.pid_start = task.started_at = task.ended_at = task.exit_code = None
-    task.kill_at = task.stop = task.limit = task.reason = task.not_before = None
+    task.run = None  # its slot, process, stop, pauses: the next run starts afresh
+    task.started_at = task.exit_code = task.reason = task.not_before = None
     task.host = None  # in a cluster it may start on any machine again (its pin, if any, stays)
-    task.leftovers = 0
     task.expires_at = None
     index.queued.append(task)
 
@@ -189,7 +186,7 @@ def _requeue_retry(index: Index, task: Task, now: datetime, code: int | None, re
     why = reason or (describe_exit(code) if code is not None else "lost")
     if task.state is TaskState.RUNNING and code is None and reason is None:
         why = "the process vanished and its exit status could not be recovered"
-    if task.stop is TaskState.FAILED and task.reason:
+    if task.run.stop is TaskState.FAILED and task.reason:
         why = task.reason  # e.g. timed out after 10m
     if task.first_command:  # a retry starts afresh, not from the session a limit interrupted
         task.command, task.first_command = task.first_command, None

@@ -273,9 +273,9 @@ def _controllable(task: Task, what: str) -> None:
         hint = " (pause without a task holds the queue's starts instead)" if what == "paused" else ""
         raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}: only a running task can be {what}{hint}",
                          code=1)
-    if task.stop is not None:
+    if task.run.stop is not None:
         raise UsageError(f"task {task.name} (#{task.id}) is being stopped ({task.reason}): it cannot be {what}", code=1)
-    if task.pid is None:
+    if task.run.pid is None:
         raise UsageError(f"task {task.name} (#{task.id}) is starting (its agent has no process yet): try again in a"
                          " moment", code=1)
 
@@ -287,10 +287,10 @@ def pause_task(task: Task, now: datetime, on: bool, by: str = "cli") -> list[Eve
     caller signals them after the commit. Its slot stays taken; its timeout's clock stops too.
     No event when nothing changes."""
     _controllable(task, "paused" if on else "resumed")
-    if (task.paused_at is not None) == on:
+    if (task.run.paused_at is not None) == on:
         return []
     if on:
-        task.paused_at = now
+        task.run.paused_at = now
     else:
         unpause(task, now)
     return [_event("paused" if on else "resumed", task, now, reason=f"{'paused' if on else 'resumed'} by {by}")]
@@ -333,7 +333,7 @@ def queue_view(index: Index, cfg: Config, now: datetime, resources: Resources | 
     order = start_order(index, cfg, now)
     stashed = [t for t in index.queued if t.stashed_at is not None] if len(order) != len(index.queued) else []
     return QueueView(
-        running=sorted(index.active, key=lambda t: (t.slot or 0, t.id)),
+        running=sorted(index.active, key=lambda t: (t.run.slot or 0, t.id)),
         queued=order + stashed,  # stashed ones last, without a position
         positions={t.id: i for i, t in enumerate(order, 1)},
         waiting_for=waiting_for(index, cfg, now, resources) if index.queued else {},
@@ -429,7 +429,7 @@ def check_group_unused(index: Index, name: str) -> None:
 
 
 def lowest_free_slot(index: Index) -> int:
-    used = {t.slot for t in index.active}
+    used = {t.run.slot for t in index.active}
     return next(n for n in range(1, len(used) + 2) if n not in used)
 
 

@@ -50,10 +50,11 @@ def correct_clock(index: Index, cfg: Config, now: datetime, before: Index | None
             task.started_at -= off(task.started_at, f"{who} started at")
         if task.finished_at is not None and task.finished_at > ahead:
             task.finished_at -= off(task.finished_at, f"{who} ended at")
-        if task.ended_at is not None and task.ended_at > ahead:
-            task.ended_at -= off(task.ended_at, f"{who}'s agent ended at")
-        if task.kill_at is not None and task.kill_at > ahead + grace:
-            task.kill_at -= off(task.kill_at, f"{who} was to be killed at") - grace  # now + grace
+        run = task.run
+        if run is not None and run.ended_at is not None and run.ended_at > ahead:
+            run.ended_at -= off(run.ended_at, f"{who}'s agent ended at")
+        if run is not None and run.kill_at is not None and run.kill_at > ahead + grace:
+            run.kill_at -= off(run.kill_at, f"{who} was to be killed at") - grace  # now + grace
         delay = timedelta(seconds=task.retry_delay or 0)
         # A retry's wait is at most its delay from now; a start time asked for (`delegate
         # --at/--delay`, a task that never ran) may lie anywhere ahead: it is the caller's.

@@ -95,7 +95,7 @@ def over_limits(index: Index, cfg: Config, now: datetime, seen: list[Measured]) 
 
 def limit_exceeded(cfg: Config, task: Task, m: Measured) -> str | None:
     """Why a running task must be stopped for what was measured of it, or None."""
-    if task.stop is not None or task.ended_at is not None or m.attempt != task.attempt:
+    if task.run.stop is not None or task.run.ended_at is not None or m.attempt != task.attempt:
         return None
     limit, procs = memory_of(cfg, task), max_procs_of(cfg, task)
     if limit and (m.memory > limit or m.oom_kills):
@@ -148,7 +148,7 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
     plan.signal_groups += [(t, 15) for t in over_limits(index, cfg, now, obs.measured) if ours(t, me)]
     for e in obs.exits:
         task = live.get(e.task)
-        if task is None or task.ended_at is not None:
+        if task is None or task.run.ended_at is not None:
             continue
         try:
             reason = e.reason or read_output(cfg, task, e.code, e.tail, now, index)
@@ -160,11 +160,11 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
             plan.events += set_aside(index, plan, task, now, e.code, err)
     for f in obs.found:
         task = live.get(f.task)
-        if task is None or task.ended_at is None:
+        if task is None or task.run.ended_at is None:
             continue
-        task.leftovers = max(task.leftovers, f.seen)
+        task.run.leftovers = max(task.run.leftovers, f.seen)
         if f.alive:
-            kill = task.kill_at is not None and now >= task.kill_at
+            kill = task.run.kill_at is not None and now >= task.run.kill_at
             plan.signal_leftovers[task.id] = 9 if kill else 15  # SIGKILL after the grace, else SIGTERM
         else:
             try:
@@ -173,7 +173,7 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
                 plan.events += set_aside(index, plan, task, now, task.exit_code, err)
     for task_id, run in obs.progress.items():
         task = live.get(task_id)
-        if task is not None and task.state is TaskState.RUNNING and task.ended_at is None:
+        if task is not None and task.state is TaskState.RUNNING and task.run.ended_at is None:
             why = progress(index, cfg, task, run, now)
             if why is not None:  # past its budget mid-run: stopped like a timeout, failed
                 _request_stop(task, TaskState.FAILED, why, now, cfg.kill_grace_s)
@@ -191,9 +191,9 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
                 plan.events += conclude(index, cfg, task, now, None, f"host {name} stopped answering (lease expired)")
     plan.signal_groups += [(t, 15) for t in timeouts_due(index, now, cfg.kill_grace_s) if ours(t, me)]
     if here is not None:  # a stop asked for on another machine (cancel there): its SIGTERM is ours to send
-        plan.signal_groups += [(t, 15) for t in live.values() if t.stop is not None and t.pid is not None
-                               and t.ended_at is None and t.kill_at is not None and now < t.kill_at]
-    plan.signal_groups += [(t, 9) for t in kills_due(index, now) if t.ended_at is None and ours(t, me)]
+        plan.signal_groups += [(t, 15) for t in live.values() if t.run.stop is not None and t.run.pid is not None
+                               and t.run.ended_at is None and t.run.kill_at is not None and now < t.run.kill_at]
+    plan.signal_groups += [(t, 9) for t in kills_due(index, now) if t.run.ended_at is None and ours(t, me)]
     settled = settle(index, cfg, now, obs.resources, here)
     plan.events += settled.events
     plan.archive = settled.archive
@@ -216,8 +216,8 @@ def adopt(index: Index, now: datetime, found: list[Adopted], cfg: Config | None 
         try:
             if task.state is TaskState.QUEUED:
                 plan.events += start(index, task, now, here.name if here else None)
-            if task.pid is None:
-                task.pid, task.pid_start, task.log = a.pid, a.pid_start, a.log
+            if task.run.pid is None:
+                task.run.pid, task.run.pid_start, task.log = a.pid, a.pid_start, a.log
                 record_spawn(index, task, min(a.at, now))
                 if a.code is not None and a.pid is None:
                     plan.events += conclude(index, cfg, task, now, a.code) if cfg else finish(index, task, now, a.code)
@@ -234,7 +234,9 @@ def set_aside(index: Index, plan: Plan, task: Task, now: datetime, code: int | N
     service's log (once: a final task is not handled again)."""
     for part in (index.active, index.queued, index.finished):
         part[:] = [t for t in part if t.id != task.id]
-    task.stop = task.limit = task.ended_at = task.kill_at = task.not_before = None
+    if task.run is not None:
+        task.run.stop = task.run.limit = task.run.ended_at = task.run.kill_at = None
+    task.not_before = None
     task.reason = f"kugetsu could not handle this task's end ({type(err).__name__}: {err}); set aside"[:500]
     plan.set_aside.append((task, err))
     return [_close(index, task, TaskState.FAILED, now, code)]
@@ -249,14 +251,14 @@ def settle(index: Index, cfg: Config, now: datetime, resources: Resources | None
     plan = Plan()
     plan.events += release_due(index, now)
     me = here.name if here else None
-    for task in [t for t in index.active if t.pid is None and t.stop is not None and ours(t, me)]:
+    for task in [t for t in index.active if t.run.pid is None and t.run.stop is not None and ours(t, me)]:
         plan.events += finish(index, task, now, None)
     plan.events += expire_due(index, now)
     plan.events += dependencies_failed(index, now)
     for task, agent in starts_now(index, cfg, now, resources, here):
         plan.events += start(index, task, now, here.name if here else None, cfg, agent)
     plan.archive = trim_history(index, cfg.history_limit)
-    plan.start = [t for t in index.active if t.pid is None and t.ended_at is None and ours(t, me)]
+    plan.start = [t for t in index.active if t.run.pid is None and t.run.ended_at is None and ours(t, me)]
     return plan
 
 

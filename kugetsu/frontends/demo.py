@@ -142,9 +142,9 @@ def run_demo() -> int:
         except subprocess.TimeoutExpired:
             service.kill()
         for task in open_store(home).read().active:  # nothing is left behind, even after Ctrl-C
-            if task.pid:
+            if task.run.pid:
                 try:
-                    os.killpg(task.pid, signal.SIGKILL)
+                    os.killpg(task.run.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
         shutil.rmtree(root, ignore_errors=True)

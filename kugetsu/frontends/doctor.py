@@ -241,7 +241,7 @@ def _unbooked_exits(home: Home, index: Index) -> str | None:
     booked it within milliseconds."""
     now = datetime.now(timezone.utc)
     for task in index.active:
-        if task.pid is None or task.ended_at is not None or runner.alive(task.pid, task.pid_start):
+        if task.run.pid is None or task.run.ended_at is not None or runner.alive(task.run.pid, task.run.pid_start):
             continue
         ended = runner.exit_time(home, task.id)
         if ended is not None and (now - ended).total_seconds() > EXITED_UNBOOKED:

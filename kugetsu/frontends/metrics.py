@@ -40,7 +40,7 @@ from kugetsu.frontends import guard
 from kugetsu.service import runner
 from kugetsu.config.model import Config, is_loopback
 from kugetsu.agents.report import Usage
-from kugetsu.core.models import Index, Task
+from kugetsu.core.models import Index, Task, decode_task
 from kugetsu.paths import read_tail
 
 if TYPE_CHECKING:  # the service starts this module, never the other way round
@@ -346,7 +346,7 @@ class Metrics:
         found: dict[int, Task] = {}
         for line in read_tail(self.service.home.history, 4096 * len(ids)).splitlines():
             try:
-                task = msgspec.json.decode(line, type=Task)
+                task = decode_task(line)
             except (msgspec.DecodeError, RecursionError):
                 continue
             if task.id in ids and task.state.final:

@@ -133,7 +133,7 @@ def memory_cell(task: Task, m: Measured | None) -> str:
 def run_state(task: Task) -> str:
     """A running task's STATE column: `stopping` while its processes end, `paused` while they
     are stopped (`pause TASK`), else `running`."""
-    return "stopping" if task.stop else "paused" if task.paused_at else "running"
+    return "stopping" if task.run.stop else "paused" if task.run.paused_at else "running"
 
 
 COMMAND_WIDTH = 40  # the queue's last column: enough to tell tasks apart; `status` shows it whole
@@ -145,8 +145,8 @@ def running_table(tasks: list[Task], now: datetime, here: str | None = None,
     wrapper's pid there (this machine's /proc knows nothing of them). `measured`: their use,
     as the service last measured it (a MEM column)."""
     rows = [
-        [str(t.slot or "-"), str(t.id), t.name, t.source, agent_text(t.agent, t.fallback_from), since(t.started_at, now),
-         str((runner.agent_pid(t.pid, t.pid_start) if t.host in (None, here) else None) or t.pid or "starting"),
+        [str(t.run.slot or "-"), str(t.id), t.name, t.source, agent_text(t.agent, t.fallback_from), since(t.started_at, now),
+         str((runner.agent_pid(t.run.pid, t.run.pid_start) if t.host in (None, here) else None) or t.run.pid or "starting"),
          run_state(t), command_text(t, COMMAND_WIDTH)]
         for t in tasks
     ]
@@ -238,7 +238,7 @@ def admitted(task: Task, position: int | None, queued: int, max_agents: int, wai
     """What `kugetsu delegate` says: started in a slot, or queued at a position."""
     branch = f", worktree on branch {task.branch}" if task.branch else ""
     if position is None:
-        return f"started {task.name} (#{task.id}), slot {task.slot}/{max_agents}{branch}"
+        return f"started {task.name} (#{task.id}), slot {task.run.slot}/{max_agents}{branch}"
     return (f"queued {task.name} (#{task.id}), position {position} of {queued}{branch}"
             + (f"; waiting for: {waiting_for}" if waiting_for else ""))
 

@@ -273,11 +273,11 @@ class Service:
             if self.exits.exited and txn.unchanged and not config_changed and self.failing is None:
                 self._release_successor(txn)
             obs.exits = [self._with_output(self.exits.seen(t, self._first_tick), t) for t in list(index.active)
-                         if t.ended_at is None and t.pid is not None and placement.ours(t, here)
-                         and (t.id in self.exits.exited or not runner.alive(t.pid, t.pid_start))]
+                         if t.run.ended_at is None and t.run.pid is not None and placement.ours(t, here)
+                         and (t.id in self.exits.exited or not runner.alive(t.run.pid, t.run.pid_start))]
             if self.cgroup_base is not None and obs.exits:
                 obs.measured += self._kernel_said(index, obs.exits)
-            if self.exits.endings or any(t.ended_at is not None for t in index.active):
+            if self.exits.endings or any(t.run.ended_at is not None for t in index.active):
                 obs.found = self.exits.look_for_leftovers(txn)
             if self._first_tick:
                 obs.adopted += self.procs.recovered(txn)
@@ -329,9 +329,9 @@ class Service:
                 if task.id in self._termed:
                     continue  # a stop asked for elsewhere is signalled once, not at every tick
                 self._termed.add(task.id)
-            runner.kill_group(task.pid, task.pid_start, signal.Signals(sig))
+            runner.kill_group(task.run.pid, task.run.pid_start, signal.Signals(sig))
             if sig == signal.SIGTERM:  # a task paused (pause TASK, SIGSTOP) acts on it once it runs again
-                runner.kill_group(task.pid, task.pid_start, signal.SIGCONT)
+                runner.kill_group(task.run.pid, task.run.pid_start, signal.SIGCONT)
         if self._termed:
             self._termed &= {t.id for t in self.index.active}
         for stray in plan.strays:
@@ -416,7 +416,7 @@ class Service:
     def _watch_resources(self, here: str | None) -> None:
         """After each tick: while this machine runs agents, measure them every
         resources.interval (usage.Sampler, in a worker thread)."""
-        if self._measure_handle is None and (self._cgroups_left or any(t.pid and placement.ours(t, here)
+        if self._measure_handle is None and (self._cgroups_left or any(t.run.pid and placement.ours(t, here)
                                                                         for t in self.index.active)):
             self._measure_handle = self.loop.call_later(self.cfg.resources.interval_s, self._measure)
 
@@ -431,7 +431,7 @@ class Service:
     def _measure(self) -> None:
         self._measure_handle = None
         here = self.member.name if self.member is not None else None
-        tasks = {t.id: t.token for t in self.index.active if t.pid and t.token and placement.ours(t, here)}
+        tasks = {t.id: t.token for t in self.index.active if t.run.pid and t.token and placement.ours(t, here)}
         if self._measuring:
             return  # the last look has not finished (a loaded machine): the next one waits for it
         if not tasks and not self.measured and not self._cgroups_left:
@@ -511,7 +511,7 @@ class Service:
         (its first turn ends the probe)."""
         daily = self.cfg.budgets.enabled
         probes = {w.probe for w in self.index.windows.values() if w.probe is not None}
-        return [t for t in self.index.active if t.log and t.ended_at is None and t.stop is None
+        return [t for t in self.index.active if t.log and t.run.ended_at is None and t.run.stop is None
                 and placement.ours(t, here)
                 and (daily or t.budget_usd is not None or t.max_tokens is not None or t.id in probes)
                 and machines.output_kind(self.cfg, t) == "claude"]
@@ -536,7 +536,7 @@ class Service:
             except OSError:
                 continue
             run = agents.progress("claude", tail)
-            if run is not None and run != task.run_usage:
+            if run is not None and run != task.run.usage:
                 self._progress[task.id] = run
         self._usage_sizes = sizes
         if self._progress:
@@ -679,7 +679,7 @@ class Service:
             # gone before the callback ran): no slot is free, and the successor must wait.
             return
         for task in ended:
-            if task.pid not in self.procs.children or task.ended_at is not None:
+            if task.run.pid not in self.procs.children or task.run.ended_at is not None:
                 return
             self.procs.reap(task)
             if self.exits.leftovers_possible(task):
@@ -740,7 +740,7 @@ class Service:
                 continue
             self.procs.let_go[task.id] = LetGo(spawned.pid, spawned.start, at)
             self.procs.children[spawned.pid] = spawned.popen
-            task.pid, task.pid_start, task.log = spawned.pid, spawned.start, str(self.home.log(task.id))
+            task.run.pid, task.run.pid_start, task.log = spawned.pid, spawned.start, str(self.home.log(task.id))
             lifecycle.record_spawn(txn.index, task, at)
             if spawned.start is None:  # it exited before we could look at it
                 self.exits.exited.add(task.id)
@@ -807,10 +807,10 @@ class Service:
         given away. Whatever of them still runs here is killed now, before anything starts."""
         assert self.member is not None
         mine = {t.id for t in txn.index.active if t.host == self.member.name}
-        stale = [t for t in self.index.active if t.host == self.member.name and t.id not in mine and t.pid]
+        stale = [t for t in self.index.active if t.host == self.member.name and t.id not in mine and t.run.pid]
         for task in stale:
             log.warning("%s (#%d) was ended as lost while this machine was away: killing it", task.name, task.id)
-            runner.kill_group(task.pid, task.pid_start, signal.SIGKILL)
+            runner.kill_group(task.run.pid, task.run.pid_start, signal.SIGKILL)
             if task.token:
                 for pid, start in runner.scan_token(task.token).items():
                     runner.signal_pid(pid, start, signal.SIGKILL)

@@ -67,7 +67,7 @@ class Exits:
     def sync_watches(self, index: Index) -> None:
         # (A task whose agent has ended while it ends its leftovers has no process to watch.)
         loop = asyncio.get_running_loop()
-        active = {t.id: t for t in index.active if t.pid is not None and t.ended_at is None and ours(t, self.host)}
+        active = {t.id: t for t in index.active if t.run.pid is not None and t.run.ended_at is None and ours(t, self.host)}
         for task_id in [i for i in self.watches if i not in active]:
             fd = self.watches.pop(task_id)
             loop.remove_reader(fd)
@@ -75,7 +75,7 @@ class Exits:
         for task_id, task in active.items():
             if task_id in self.watches:
                 continue
-            fd = runner.open_pidfd(task.pid, task.pid_start)
+            fd = runner.open_pidfd(task.run.pid, task.run.pid_start)
             if fd is None:  # already gone: an exit like any other, whose commit may wait for the burst
                 loop.call_soon(self._on_exit, task_id)
                 continue
@@ -97,7 +97,7 @@ class Exits:
         run. Ruled out in microseconds in the common case (its process group is empty, and no
         orphan carrying its token was handed to this service, the subreaper); not for a
         wrapper another service spawned (its orphans went elsewhere): that takes a look."""
-        spawned_here = task.pid in self.procs.children or task.pid in self.procs.returncodes
+        spawned_here = task.run.pid in self.procs.children or task.run.pid in self.procs.returncodes
         code, reason = self.procs.exit_status(task)
         if spawned_here:
             clean = task.id in self.clean or not self.leftovers_possible(task)
@@ -113,7 +113,7 @@ class Exits:
         return step.Exit(task.id, code, reason, leftovers=not clean)
 
     def leftovers_possible(self, task: Task) -> bool:
-        if task.pid is not None and runner.group_alive(task.pid):
+        if task.run.pid is not None and runner.group_alive(task.run.pid):
             return True
         if not task.token:
             return False
@@ -155,7 +155,7 @@ class Exits:
         """Tasks whose agent has ended while processes it started still run: look for them (a
         /proc scan by the task's token, in a worker thread) whenever nothing signalled is
         left to wait for, or the grace is over; report what each finished look found."""
-        live = {t.id: t for t in txn.index.active if t.ended_at is not None and ours(t, self.host)}
+        live = {t.id: t for t in txn.index.active if t.run.ended_at is not None and ours(t, self.host)}
         for task_id in [i for i in self.endings if i not in live]:
             self._close_ending(self.endings.pop(task_id))
         found = []
@@ -165,7 +165,7 @@ class Exits:
                 found.append(step.Found(task.id, 0, 0))
                 continue
             if ending.scan is None:
-                grace_over = task.kill_at is not None and txn.now >= task.kill_at and not ending.killed
+                grace_over = task.run.kill_at is not None and txn.now >= task.run.kill_at and not ending.killed
                 if not ending.watches or grace_over:
                     self._scan(task, ending)
                 continue
@@ -180,7 +180,7 @@ class Exits:
 
     def unlooked(self, index: Index) -> bool:
         """Is a task of ours ended, with leftovers possible, that no look has begun for?"""
-        return any(t.ended_at is not None and ours(t, self.host) and t.id not in self.endings for t in index.active)
+        return any(t.run.ended_at is not None and ours(t, self.host) and t.id not in self.endings for t in index.active)
 
     def signal_leftovers(self, plan: step.Plan, index: Index) -> None:
         """Signal what the looks found (pm chose the signal) and watch each: when all are gone,

@@ -176,7 +176,7 @@ class Processes:
     def reap(self, task: Task) -> None:
         """Reap the task's wrapper, if this service spawned it; how it ended is kept until the
         index records the task's end (should that commit fail, the next one needs it)."""
-        popen = self.children.pop(task.pid, None)  # type: ignore[arg-type]
+        popen = self.children.pop(task.run.pid, None)  # type: ignore[arg-type]
         if popen is None:
             return
         try:
@@ -193,7 +193,7 @@ class Processes:
         code = runner.read_exit(self.home, task.id)
         if code is not None:
             return code, None
-        returncode = self.returncodes.get(task.pid)  # type: ignore[arg-type]
+        returncode = self.returncodes.get(task.run.pid)  # type: ignore[arg-type]
         if returncode is not None and returncode < 0:
             name = signal.Signals(-returncode).name
             return 128 - returncode, f"killed by {name}"
@@ -217,7 +217,7 @@ class Processes:
         # A task back in the queue (a retry, a provider's limit) has the exit file of its last
         # run until it starts again: that end is booked already.
         booked = {t.id: t.attempts[-1].ended_at for t in txn.index.queued if t.attempts}
-        unrecorded = [t for t in txn.index.active if t.pid is None and t.stop is None and ours(t, self.host)]
+        unrecorded = [t for t in txn.index.active if t.run.pid is None and t.run.stop is None and ours(t, self.host)]
         candidates.update((t.id, t.token) for t in unrecorded)
         if not candidates:
             return []

@@ -27,7 +27,7 @@ import msgspec
 from kugetsu.config.explain import describe_decode_error
 from kugetsu.config.load import store_url
 from kugetsu.errors import DiskFull, FileError
-from kugetsu.core.models import INDEX_VERSION, Event, Index, check_index
+from kugetsu.core.models import INDEX_VERSION, Event, Index, check_index, upgrade
 from kugetsu.store.protocol import (StoreProtocol, Transactions, Txn, encode_index, encoder, held,
                                     index_decoder, mark_writer)
 from kugetsu.paths import Home, atomic_write, nofollow, open_file, read_tail
@@ -83,7 +83,7 @@ class Store(Transactions):
         if reuse is not None and reuse[0] == data:
             return reuse[1], data
         try:
-            index = index_decoder.decode(data)
+            index = upgrade(index_decoder.decode(data), data)  # a version-1 index: its runs
         # RecursionError: absurdly deep nesting; UnicodeDecodeError: non-UTF-8 bytes in a string
         except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
             raise FileError(_describe_index_error(self.home, data, err) + _FIX) from None

@@ -32,7 +32,7 @@ import psycopg
 
 from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, errors, process_tag, redact
 from kugetsu.errors import FileError
-from kugetsu.core.models import INDEX_VERSION, Event, Index, Task, check_index
+from kugetsu.core.models import INDEX_VERSION, Event, Index, Task, check_index, decode_task, upgrade
 from kugetsu.store.protocol import Transactions, Txn, encoder, held, index_decoder, mark_writer
 
 _event_decoder = msgspec.json.Decoder(Event)
@@ -163,6 +163,8 @@ class PgStore(Transactions):
         if seen is not None and seen.rev == rev and seen.header == header:
             return seen
         index = self._decode(header)
+        old = index.version == 1  # rows under a version-1 state row: flat runs (upgrade)
+        index = upgrade(index, header)
         if index.active or index.queued or index.finished:  # a document of schema 3: its tasks are in it
             seen = _seen(header, rev, next_ord, index, {})
             return self._checked(seen)
@@ -173,7 +175,7 @@ class PgStore(Transactions):
             count = self._execute("SELECT count(*) FROM kugetsu.tasks").fetchone()
             fresh: dict[int, _Row] = {}
             fresh_tasks: dict[int, Task] = {}
-            _take(changed, fresh, fresh_tasks, self.url)
+            _take(changed, fresh, fresh_tasks, self.url, old)
             if count is not None and count[0] == len(seen.rows) and all(
                     seen.rows.get(i, (-1, -1))[:2] == row[:2] for i, row in fresh.items()):
                 # Only bodies changed (none came, went or moved): swapped in, in place.
@@ -189,7 +191,7 @@ class PgStore(Transactions):
             if count is None or count[0] != len(rows):  # some went: look at them all
                 rows, tasks = {}, {}
         if not rows:
-            _take(self._execute(_SELECT_ROWS).fetchall(), rows, tasks, self.url)
+            _take(self._execute(_SELECT_ROWS).fetchall(), rows, tasks, self.url, old)
         order = sorted(rows, key=lambda i: rows[i][:2])
         lists: tuple[list[Task], ...] = ([], [], [])
         for task_id in order:
@@ -376,7 +378,7 @@ class PgStore(Transactions):
         """Archived tasks that finished at or after `start` (`kugetsu stats`)."""
         rows = self._execute("SELECT body FROM kugetsu.history WHERE finished_at >= %s ORDER BY id",
                              (start,)).fetchall()
-        return list({t.id: t for t in (_task_decoder.decode(bytes(r[0])) for r in rows)}.values())
+        return list({t.id: t for t in (decode_task(bytes(r[0])) for r in rows)}.values())
 
     def history(self) -> list[bytes]:
         rows = self._execute("SELECT body FROM kugetsu.history ORDER BY id").fetchall()
@@ -409,11 +411,11 @@ def _seen(header: bytes, rev: int, next_ord: int, index: Index, rows: dict[int, 
     return _Seen(header, rev, next_ord, index, rows, order)
 
 
-def _take(rows: list[tuple[Any, ...]], into: dict[int, _Row], tasks: dict[int, Task], url: str) -> None:
+def _take(rows: list[tuple[Any, ...]], into: dict[int, _Row], tasks: dict[int, Task], url: str, old: bool) -> None:
     for task_id, lst, ord_, body in rows:
         data = bytes(body)
         try:
-            tasks[task_id] = _task_decoder.decode(data)
+            tasks[task_id] = decode_task(data, old)
         except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
             raise FileError(f"{redact(url)}: task row {task_id} does not decode: {err}{_FIX}") from None
         into[task_id] = (lst, ord_, data)

@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from kugetsu.core.models import Index, Task, TaskState  # noqa: E402
+from kugetsu.core.models import Index, Run, Task, TaskState  # noqa: E402
 from kugetsu.paths import Home  # noqa: E402
 from kugetsu.store.protocol import encode_index  # noqa: E402
 
@@ -228,11 +228,11 @@ def build_index(home: Home, n: int, holder: psutil.Process) -> int:
         ))
     index = Index(next_id=total + 1)
     for t in tasks[:finished_n]:
-        t.state, t.started_at, t.finished_at, t.exit_code, t.pid = TaskState.SUCCEEDED, now, now, 0, 4242
+        t.state, t.started_at, t.finished_at, t.exit_code, t.run = TaskState.SUCCEEDED, now, now, 0, Run(pid=4242)
         index.finished.append(t)
     run = tasks[finished_n]
-    run.state, run.started_at, run.slot = TaskState.RUNNING, now, 1
-    run.pid, run.pid_start = holder.pid, int(open(f"/proc/{holder.pid}/stat").read().rsplit(")", 1)[1].split()[19])
+    run.state, run.started_at, run.run = TaskState.RUNNING, now, Run(slot=1)
+    run.run.pid, run.run.pid_start = holder.pid, int(open(f"/proc/{holder.pid}/stat").read().rsplit(")", 1)[1].split()[19])
     index.active.append(run)
     index.queued = tasks[finished_n + 1 :]
     home.ensure()

@@ -250,7 +250,7 @@ def _pause(home: Home, args: argparse.Namespace, on: bool) -> int:
             print(to_json(reading.task_json(task, None)))
         elif on:
             _say(f"{task.name} (#{task.id}) {'paused' if changed else 'was already paused'}: its processes are"
-                 f" stopped and keep slot {task.slot}; `kugetsu resume {task.name}` lets them go on")
+                 f" stopped and keep slot {task.run.slot}; `kugetsu resume {task.name}` lets them go on")
         else:
             _say(f"{task.name} (#{task.id}) {'resumed' if changed else 'was not paused'}")
         return OK

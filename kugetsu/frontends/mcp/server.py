@@ -732,7 +732,7 @@ def _awaited(cfg: Config, index: Index, ids: list[int]) -> list[tuple[Task, int 
 
 
 def _where(task: Task, position: int | None) -> tuple[Any, ...]:
-    return task.id, task.name, task.state.value, position, task.slot
+    return task.id, task.name, task.state.value, position, task.run.slot if task.run else None
 
 
 def _progress(rows: list[tuple[Any, ...]]) -> str:

@@ -138,7 +138,7 @@ def _queue_view(home: Home) -> tuple[str, InlineKeyboardMarkup | None]:
     now = transaction.now()
     view = reading.listing(cfg, index, at=now).view  # the CLI's own view, with its notes on why tasks wait
     body = text.queue(view, now)
-    live = [t for t in view.running if t.stop is None] + view.queued
+    live = [t for t in view.running if t.run.stop is None] + view.queued
     buttons = [
         [InlineKeyboardButton(f"Cancel {t.name}", callback_data=f"cancel:{t.id}")] for t in live[:MAX_BUTTONS]
     ]
@@ -262,7 +262,7 @@ async def cmd_retry(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
 
 def _admitted(adm: delegation.Admission) -> str:
     if adm.position is None:
-        return f"started {text.task_ref(adm.task)}, slot {adm.task.slot}/{adm.max_agents}"
+        return f"started {text.task_ref(adm.task)}, slot {adm.task.run.slot}/{adm.max_agents}"
     return f"queued {text.task_ref(adm.task)}, position {adm.position} of {adm.queued}"
 
 

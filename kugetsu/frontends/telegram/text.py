@@ -74,9 +74,9 @@ def queue(view: QueueView, now: datetime) -> str:
     if view.running:
         lines.append("\n<b>Running</b>")
         for t in view.running:
-            stopping = " · stopping" if t.stop else ""
+            stopping = " · stopping" if t.run.stop else ""
             lines.append(
-                f"slot {t.slot or '-'} · {task_ref(t)} · {render.since(t.started_at, now)} · {esc(t.source)}{stopping}"
+                f"slot {t.run.slot or '-'} · {task_ref(t)} · {render.since(t.started_at, now)} · {esc(t.source)}{stopping}"
             )
     if view.queued:
         lines.append("\n<b>Queued</b>")

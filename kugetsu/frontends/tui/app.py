@@ -224,7 +224,8 @@ class Dashboard(App[None]):
             self.call_after_refresh(lambda: events.scroll_y == y and events.scroll_end(animate=False, immediate=True))
         self._follow_selection()
         task = self.selected_task()
-        keys = (task and (task.state, task.stop, task.paused_at, task.agent in self.index.holds), self.index.paused)
+        run = task.run if task else None
+        keys = (task and (task.state, run and run.stop, run and run.paused_at, task.agent in self.index.holds), self.index.paused)
         if keys != self._keys:  # a state change of the selected task changes its keys (the footer)
             self._keys = keys
             self.refresh_bindings()
@@ -322,8 +323,8 @@ class Dashboard(App[None]):
         if action == "edit":
             return task is not None and task.state is TaskState.QUEUED
         if action == "pause_task":
-            return (task is not None and task.state is TaskState.RUNNING and task.stop is None
-                    and (task.paused_at is None) == parameters[0])
+            return (task is not None and task.state is TaskState.RUNNING and task.run.stop is None
+                    and (task.run.paused_at is None) == parameters[0])
         if action == "retry":
             return task is not None and task.state.final
         if action == "hold":
@@ -434,7 +435,7 @@ class Dashboard(App[None]):
             return
         t = admission.task
         if admission.position is None:
-            self.notify(f"started {t.name} (#{t.id}), slot {t.slot}/{admission.max_agents}")
+            self.notify(f"started {t.name} (#{t.id}), slot {t.run.slot}/{admission.max_agents}")
         else:
             self.notify(f"queued {t.name} (#{t.id}), position {admission.position} of {admission.queued}")
         self.refresh_view(force=True)

@@ -48,13 +48,16 @@ def clock_time(t: datetime | None, now: datetime, tz: tzinfo | None) -> str:
 def task_style(task: Task) -> str:
     if task.state.final:
         return task.state.value
-    return "stopping" if task.stop is not None else "paused" if task.paused_at is not None else task.state.value
+    run = task.run
+    if run is None:
+        return task.state.value
+    return "stopping" if run.stop is not None else "paused" if run.paused_at is not None else task.state.value
 
 
 def running_rows(queue: selection.QueueView, now: datetime, tz: tzinfo | None) -> list[Row]:
     return [
         Row(str(t.id), task_style(t), (str(t.id), t.name, t.source, agent_text(t.agent, t.fallback_from), clock_time(t.started_at, now, tz),
-                                       since(t.started_at, now), str(t.pid) if t.pid else "starting",
+                                       since(t.started_at, now), str(t.run.pid) if t.run.pid else "starting",
                                        task_style(t)))
         for t in queue.running
     ]
