@@ -32,7 +32,7 @@ from kugetsu.errors import DiskFull, FileError
 from kugetsu.core.models import INDEX_VERSION, Event, Index, QueueCounts, check_index
 from kugetsu.store.protocol import (StoreProtocol, Transactions, Txn, decode_head, encode_index, encoder, held,
                                     index_decoder, mark_writer)
-from kugetsu.paths import Home, atomic_write, nofollow, open_file, read_tail
+from kugetsu.paths import Home, atomic_write, open_file, read_file, read_tail
 
 
 _event_decoder = msgspec.json.Decoder(Event)
@@ -247,12 +247,25 @@ class Store(Transactions):
             os.close(fd)  # releases the lock
 
     def prompts(self, ids: Iterable[int]) -> dict[int, str]:
-        """Each prompt is logs/<id>.prompt (0600), the file a {prompt_file} preset's agent reads."""
+        """Each prompt is logs/<id>.prompt (0600), the file a {prompt_file} preset's agent reads.
+        For many ids (`queue --json` of a long queue) logs/ is listed once, and only the
+        prompts that are there are opened: a task without one costs no failed open."""
+        ids = list(ids)
+        logs = str(self.home.logs)
+        present: set[str] | None = None
+        if len(ids) > _LIST_PROMPTS_PAST:
+            try:
+                present = set(os.listdir(logs))
+            except OSError:
+                present = None  # look at each, as for a few
         out = {}
         for task_id in ids:
-            path = self.home.prompt_file(task_id)
+            name = f"{task_id}.prompt"
+            if present is not None and name not in present:
+                continue
+            path = os.path.join(logs, name)
             try:
-                out[task_id] = _read(path).decode("utf-8", "replace")
+                out[task_id] = read_file(path).decode("utf-8", "replace")
             except FileNotFoundError:
                 pass
             except OSError as err:  # a planted link (ELOOP), a file made unreadable: that task's alone
@@ -267,7 +280,7 @@ class Store(Transactions):
             for task_id, text in prompts.items():
                 path = self.home.prompt_file(task_id)
                 try:
-                    before[path] = _read(path)
+                    before[path] = read_file(path)
                 except FileNotFoundError:
                     before[path] = None
                 atomic_write(path, text.encode())
@@ -336,6 +349,9 @@ class Store(Transactions):
             _append_events(self.home.events, missing)
 
 
+# Past this many ids, `prompts` lists logs/ once rather than trying to open each prompt.
+_LIST_PROMPTS_PAST = 64
+
 _FIX = (
     "\nNothing was changed. Repair the file by hand, or move it away to start with an empty"
     " queue (running agents are not affected)."
@@ -365,11 +381,6 @@ def _keep_counters_ahead(home: Home, index: Index, data: bytes) -> None:
     top_id, top_seq = _high_water(home)
     index.next_id = max(index.next_id, top_id + 1)
     index.next_seq = max(index.next_seq, top_seq + 1)
-
-
-def _read(path: Path) -> bytes:
-    with open(path, "rb", opener=nofollow) as f:
-        return f.read()
 
 
 def _restore_prompts(before: dict[Path, bytes | None]) -> None:
