@@ -1,5 +1,5 @@
-"""The file store's layout (issue 31): index.json compact, `capacity` without decoding the
-queue, prompts of a long listing; through the real CLI."""
+"""The file store against a long queue (issue 31): `capacity` without decoding the queue,
+prompts of a long listing; through the real CLI."""
 
 from __future__ import annotations
 
@@ -20,15 +20,6 @@ def _queue(home, n: int, **task_fields: object) -> None:
                started_at=T0, slot=1, pid=os.getpid())
     home.ensure()
     home.index.write_bytes(encode_index(Index(next_id=n + 2, queued=tasks, active=[run])))
-
-
-def test_index_json_is_one_compact_line(kg):
-    kg.config(max_agents=1)
-    kg.delegate("a", 30)
-    kg.delegate("b", 0)
-    data = kg.home.index.read_bytes()
-    assert data.endswith(b"}\n") and data.count(b"\n") == 1 and b'"queued":[{' in data
-    assert [t["name"] for t in json.loads(data)["queued"]] == ["b"]
 
 
 def test_capacity_of_a_long_queue_counts_what_it_does_not_decode(kg):

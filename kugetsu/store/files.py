@@ -76,18 +76,18 @@ class Store(Transactions):
 
     # ---- reading (no lock) ---------------------------------------------------------
 
-    def _read_bytes(self) -> bytes:
-        """index.json's bytes; b"" when there is none yet."""
+    def _read_bytes(self) -> bytes | None:
+        """index.json's bytes; None when there is none yet (an empty file is a damaged one)."""
         try:
             fd = open_file(self.home.index, os.O_RDONLY)
         except FileNotFoundError:
-            return b""
+            return None
         with os.fdopen(fd, "rb") as f:
             return f.read()
 
     def _load(self, reuse: tuple[bytes, Index] | None = None) -> tuple[Index, bytes]:
         data = self._read_bytes()
-        if not data:
+        if data is None:
             return Index(), b""
         if reuse is not None and reuse[0] == data:
             return reuse[1], data
@@ -124,7 +124,7 @@ class Store(Transactions):
         counts: what `capacity` needs, without decoding a long queue. Its check (check_index)
         sees the running tasks and the rest; `read` checks the skipped tasks too."""
         data = self._read_bytes()
-        if not data:
+        if data is None:
             return Index(), QueueCounts(queued=0)
         index, counts = self._decoded(data, decode_head)
         if index.version != INDEX_VERSION:
