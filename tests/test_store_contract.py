@@ -291,3 +291,40 @@ def test_a_queue_document_of_schema_3_becomes_rows_at_the_first_commit(request, 
     assert [t.priority for t in fresh.read().queued] == ["high", "normal"]
     assert store.conn.execute("SELECT count(*) FROM kugetsu.tasks").fetchone() == (3,)
     assert b'"queued":[]' in bytes(store.conn.execute("SELECT doc FROM kugetsu.state").fetchone()[0])
+
+
+def test_the_head_read_counts_the_queue_as_the_whole_read_does(make_store):
+    """read_head (what `capacity` reads: the index without its queued and finished tasks, and
+    their counts) agrees with read() on every count capacity shows: how many, how many of a
+    held preset's, whether one declares memory or slots. A name that merely says "memory"
+    (the file store looks for the key in the text first) changes nothing."""
+    from kugetsu.core.models import Hold, QueueCounts
+
+    a = make_store()
+    assert a.read_head() == (a.read(), QueueCounts(queued=0))
+    with a.transaction() as txn:
+        for i in range(1, 201):
+            task = _task(i)
+            task.agent = "claude" if i % 3 else "codex"
+            task.name = 'say "memory": 1, "slots": 2' if i == 7 else task.name
+            txn.index.queued.append(task)
+        txn.index.active.append(msgspec_replace(_task(201), state=TaskState.RUNNING, started_at=T0, slots=2))
+        txn.index.finished.append(msgspec_replace(_task(202), state=TaskState.SUCCEEDED, finished_at=T0))
+        txn.index.next_id = 203
+    index, counts = make_store().read_head()
+    assert index.queued == [] and index.finished == [] and [t.id for t in index.active] == [201]
+    assert counts == QueueCounts(queued=200, accounting=False)
+    with a.transaction() as txn:
+        txn.index.holds["codex"] = Hold(reason="held by hand", since=T0)
+        txn.index.queued[5].memory = 1 << 30
+    index, counts = make_store().read_head()
+    full = make_store().read()
+    assert index.holds == full.holds and index.next_id == full.next_id == 203
+    assert counts == QueueCounts.of(full.queued, full.holds) == QueueCounts(
+        queued=200, held_agents={"codex": 66}, accounting=True)
+
+
+def msgspec_replace(task: Task, **changes: object) -> Task:
+    import msgspec
+
+    return msgspec.structs.replace(task, **changes)

@@ -54,10 +54,11 @@ def check_wakeable(home: Home) -> None:
     home.socket  # noqa: B018  (the property checks the runtime dir of a deep home)
 
 
-def ensure_service(home: Home, cfg: Config, index: Index) -> None:
+def ensure_service(home: Home, cfg: Config, index: Index, queued: int = 0) -> None:
     """For read-only commands: if there is live work (or a schedule to fire) and no service (it
-    crashed), bring it back."""
-    if index.live() or any(not s.paused for s in index.schedules.values()):
+    crashed), bring it back. `queued`: the queued tasks when `index` was read without them
+    (read_head)."""
+    if queued or index.live() or any(not s.paused for s in index.schedules.values()):
         check_wakeable(home)
         wake(home, cfg)
 

@@ -15,7 +15,7 @@ from kugetsu.app.transaction import measure, now
 from kugetsu.config.load import cluster_host, load_config
 from kugetsu.config.model import Config
 from kugetsu.core import selection, step
-from kugetsu.core.models import TASK_DEFAULTS, Index, Task, TaskState
+from kugetsu.core.models import TASK_DEFAULTS, Index, QueueCounts, Task, TaskState
 from kugetsu.paths import Home
 from kugetsu.service import runner
 from kugetsu.store.files import open_store
@@ -28,9 +28,17 @@ def read(home: Home) -> tuple[Config, Index]:
     return load_config(home), open_store(home).read()
 
 
-def capacity_json(cfg: Config, index: Index) -> dict[str, Any]:
-    """`kugetsu capacity --json`: what a PM agent checks before delegating."""
-    out: dict[str, Any] = msgspec.to_builtins(selection.capacity(index, cfg, now()))  # `holds` always there, {} when none
+def read_head(home: Home) -> tuple[Config, Index, QueueCounts]:
+    """`read` without the queued and finished tasks (the index's lists are empty), with the
+    queued tasks' counts: what `capacity` needs, cheap at any queue length."""
+    index, counts = open_store(home).read_head()
+    return load_config(home), index, counts
+
+
+def capacity_json(cfg: Config, index: Index, counts: QueueCounts | None = None) -> dict[str, Any]:
+    """`kugetsu capacity --json`: what a PM agent checks before delegating (`counts`: as
+    selection.capacity takes them)."""
+    out: dict[str, Any] = msgspec.to_builtins(selection.capacity(index, cfg, now(), counts))  # `holds` always there, {} when none
     if not out["budgets"]:
         del out["budgets"]  # there only when daily budgets are set
     return out

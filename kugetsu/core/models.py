@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import re
 from datetime import datetime, timezone
+from collections.abc import Iterable
 from typing import Annotated, Literal
 
 import msgspec
@@ -489,3 +490,31 @@ def check_index(index: Index) -> str | None:
                 return f"task id {task.id} is not below next_id {index.next_id}"
             seen.add(task.id)
     return None
+
+
+class QueueCounts(msgspec.Struct, frozen=True, kw_only=True):
+    """What `capacity` needs of the queued tasks, for a reader that did not decode them (the
+    file store's read_head): how many, how many of each held agent's (its hold's count), and
+    whether one takes more than one slot or declares memory (policy.accounts)."""
+
+    queued: int
+    held_agents: dict[str, int] = {}
+    accounting: bool = False
+
+    @classmethod
+    def of(cls, tasks: list[Task] | list[QueuedBrief], held: Iterable[str]) -> QueueCounts:
+        """The counts of decoded queued tasks (or their briefs); `held`: the agents with a hold."""
+        by_agent = dict.fromkeys(held, 0)
+        if by_agent:
+            for t in tasks:
+                if t.agent in by_agent:
+                    by_agent[t.agent] += 1
+        return cls(queued=len(tasks), held_agents=by_agent, accounting=any(t.memory or t.slots != 1 for t in tasks))
+
+
+class QueuedBrief(msgspec.Struct):
+    """Of a queued task as stored, the fields QueueCounts reads (the rest is skipped unread)."""
+
+    agent: str | None = None
+    memory: int | None = None
+    slots: int = 1

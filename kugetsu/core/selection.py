@@ -13,7 +13,7 @@ from kugetsu.config.load import cluster_host
 from kugetsu.config.model import Config
 from kugetsu.core import budgets, placement
 from kugetsu.core.common import _event, _stands, may_requeue, unpause
-from kugetsu.core.models import Event, Index, Task, TaskState, valid_host
+from kugetsu.core.models import Event, Index, QueueCounts, Task, TaskState, valid_host
 from kugetsu.core.placement import Here, starts_anywhere
 from kugetsu.core.policy import Board, Resources, accounts, guard_hold, memory_of, simple_order, task_key
 from kugetsu.errors import AmbiguousName, NoSuchTask, UnknownGroup, UsageError
@@ -218,18 +218,21 @@ class BudgetView(msgspec.Struct, frozen=True, kw_only=True):
     resets_at: datetime
 
 
-def capacity(index: Index, cfg: Config, now: datetime | None = None) -> Capacity:
+def capacity(index: Index, cfg: Config, now: datetime | None = None, counts: QueueCounts | None = None) -> Capacity:
     """Counts only: cheap at any queue length (no order is computed). While `pause` holds
     every start, no slot is free to a new task: free is 0, so that "free > 0: a task delegated
-    now starts at once" (the PM instructions) holds."""
+    now starts at once" (the PM instructions) holds. `counts`: the queued tasks' numbers when
+    `index.queued` was not decoded (read_head); None: counted from index.queued."""
+    if counts is None:
+        counts = QueueCounts.of(index.queued, index.holds)
     memory = {}
-    if accounts(index, cfg):
+    if counts.accounting or accounts(index, cfg):
         here = cluster_host(cfg)  # in a cluster, this machine's tasks against its own budget
         memory = {"max_memory": cfg.memory_budget,
                   "memory_used": sum(memory_of(cfg, t) for t in index.active if here is None or t.host == here)}
-    return Capacity(max_agents=cfg.max_agents, active=len(index.active), queued=len(index.queued),
+    return Capacity(max_agents=cfg.max_agents, active=len(index.active), queued=counts.queued,
                     free=0 if index.paused else free_slots(index, cfg), max_queue=cfg.max_queue, paused=index.paused,
-                    paused_groups=sorted(index.paused_groups), holds=holds_view(index, now),
+                    paused_groups=sorted(index.paused_groups), holds=holds_view(index, now, counts.held_agents),
                     budgets=budgets_view(index, cfg, now) if now is not None and cfg.budgets.enabled else [],
                     **memory)
 
@@ -308,12 +311,14 @@ def signal_task(task: Task, now: datetime, sig: str, by: str = "cli") -> list[Ev
     return [_event("signalled", task, now, reason=f"{sig} sent by {by}")]
 
 
-def holds_view(index: Index, now: datetime | None) -> dict[str, HoldView]:
-    """The holds in force at `now` (every recorded one when now is None), with their tasks."""
+def holds_view(index: Index, now: datetime | None, queued: dict[str, int] | None = None) -> dict[str, HoldView]:
+    """The holds in force at `now` (every recorded one when now is None), with their tasks
+    (`queued`: each held agent's queued tasks, when already counted)."""
     if not index.holds:
         return {}
-    return {agent: HoldView(until=h.until, reason=h.reason, since=h.since,
-                            queued=sum(1 for t in index.queued if t.agent == agent))
+    if queued is None:
+        queued = QueueCounts.of(index.queued, index.holds).held_agents
+    return {agent: HoldView(until=h.until, reason=h.reason, since=h.since, queued=queued.get(agent, 0))
             for agent, h in index.holds.items() if now is None or h.until is None or h.until > now}
 
 

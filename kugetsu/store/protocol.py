@@ -17,7 +17,7 @@ from typing import Protocol
 
 import msgspec
 
-from kugetsu.core.models import ClockMark, Event, Index, Task
+from kugetsu.core.models import ClockMark, Event, Index, QueueCounts, QueuedBrief, Task
 
 
 class IndexFile(Index, forbid_unknown_fields=True):
@@ -29,13 +29,37 @@ class IndexFile(Index, forbid_unknown_fields=True):
     next_id: int
 
 
+class IndexHeadFile(IndexFile, forbid_unknown_fields=True):
+    """index.json with its queued tasks left as their JSON text and its finished ones skipped:
+    what `capacity` reads. Skipping a task is ~20x cheaper than decoding it (50,000 queued)."""
+
+    queued: list[msgspec.Raw] = []
+    finished: msgspec.Raw = msgspec.Raw(b"[]")
+
+
 index_decoder = msgspec.json.Decoder(IndexFile)
+head_decoder = msgspec.json.Decoder(IndexHeadFile)
+_briefs_decoder = msgspec.json.Decoder(list[QueuedBrief])
 encoder = msgspec.json.Encoder()
 held = threading.local()
 
 
 def encode_index(index: Index) -> bytes:
     return msgspec.json.format(encoder.encode(index), indent=2) + b"\n"
+
+
+def decode_head(data: bytes) -> tuple[Index, QueueCounts]:
+    """index.json without its queued and finished tasks (the index's lists are empty), and
+    the queued tasks' counts. Raises what index_decoder raises on a damaged file."""
+    head = head_decoder.decode(data)
+    index = Index(**{f: getattr(head, f) for f in Index.__struct_fields__ if f not in ("queued", "finished")})
+    # A queued task at the defaults has no "memory" or "slots" key (defaults are left out), and
+    # in JSON text a quote inside a string is escaped: without either key anywhere, no queued
+    # task accounts. Only with one, or a hold to count for, are the briefs decoded.
+    if index.holds or b'"memory":' in data or b'"slots":' in data:
+        briefs = _briefs_decoder.decode(b"[" + b",".join(bytes(r) for r in head.queued) + b"]")
+        return index, QueueCounts.of(briefs, index.holds)
+    return index, QueueCounts(queued=len(head.queued))
 
 
 _writer: list[str] = []
@@ -107,6 +131,11 @@ class StoreProtocol(Protocol):
         """The last committed index, without waiting for a writer."""
         ...
 
+    def read_head(self) -> tuple[Index, QueueCounts]:
+        """The last committed index without its queued and finished tasks (empty lists), and
+        what `capacity` needs of the queued ones (QueueCounts)."""
+        ...
+
     def read_events(self, after: int = 0) -> list[Event]:
         """Committed events with seq > after, oldest first."""
         ...
@@ -158,6 +187,15 @@ class Transactions:
 
     def abort(self) -> None:
         raise NotImplementedError
+
+    def read(self) -> Index:
+        raise NotImplementedError
+
+    def read_head(self) -> tuple[Index, QueueCounts]:
+        """The committed index without its queued and finished tasks, and the queued tasks'
+        counts: what `capacity` needs. A store without a cheaper way reads the whole index."""
+        index = self.read()
+        return msgspec.structs.replace(index, queued=[], finished=[]), QueueCounts.of(index.queued, index.holds)
 
     @contextmanager
     def transaction(self, now: datetime | None = None) -> Iterator[Txn]:

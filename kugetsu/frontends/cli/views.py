@@ -247,11 +247,11 @@ def _wait_for(home: Home, ids: list[int], timeout: float | None, as_json: bool =
 def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
     from kugetsu.frontends import render
 
-    cfg, index = _read(home)
-    control.ensure_service(home, cfg, index)
-    cap = selection.capacity(index, cfg, transaction.now())
+    cfg, index, counts = reading.read_head(home)  # the queued tasks counted, not decoded
+    control.ensure_service(home, cfg, index, counts.queued)
+    cap = selection.capacity(index, cfg, transaction.now(), counts)
     if args.json:
-        print(to_json(reading.capacity_json(cfg, index)))
+        print(to_json(reading.capacity_json(cfg, index, counts)))
     else:
         _say(render.summary(cap))
     return OK
