@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from kugetsu.core.models import Index, Task, TaskState
+from kugetsu.core.models import Index, Run, Task, TaskState
 from kugetsu.store.protocol import encode_index
 
 from conftest import T0
@@ -17,7 +17,7 @@ def _queue(home, n: int, **task_fields: object) -> None:
     kugetsu writes it."""
     tasks = [Task(id=i, name=f"t{i}", command=["true"], cwd="/", created_at=T0, **task_fields) for i in range(1, n + 1)]
     run = Task(id=n + 1, name="run", command=["true"], cwd="/", created_at=T0, state=TaskState.RUNNING,
-               started_at=T0, slot=1, pid=os.getpid())
+               started_at=T0, run=Run(slot=1, pid=os.getpid()))
     home.ensure()
     home.index.write_bytes(encode_index(Index(next_id=n + 2, queued=tasks, active=[run])))
 
