@@ -25,7 +25,11 @@ queue"), in-process on PgStore, with N queued tasks (and 200 finished): `commit`
 change by a long-lived client (a service) after its own last commit; `other`, the same
 right after another client committed (what every machine does after each NOTIFY); `read`,
 a new client's read of the state (a CLI call); `admit`, admission.admit of one task in a
-transaction. Medians in ms. With --before DIR (a checkout of an older kugetsu, e.g.
+transaction, and `admit_rules` the same rules on a copy of the queue outside any store (their
+own share); `tick`, a transaction that finishes one running task (archiving the oldest
+finished one) and starts one queued (core.lifecycle); `tick_read`, the read by one client
+right after another's tick (what a machine does after the NOTIFY). Medians in ms; the last
+line is the largest size's cost over the smallest's. With --before DIR (a checkout of an older kugetsu, e.g.
 `git worktree add /tmp/kg-before <commit>`), the same run on it, side by side.
 """
 
@@ -179,6 +183,7 @@ from datetime import datetime, timezone
 from kugetsu.core import admission as admission_rules  # the name `admission` is this bench's scenario
 from kugetsu.store.postgres import PgStore
 from kugetsu.config.model import Config
+from kugetsu.core import lifecycle
 from kugetsu.core.models import Task, TaskState
 
 url, n = sys.argv[1], int(sys.argv[2])
@@ -221,11 +226,35 @@ def admit():
     with a.transaction() as txn:
         admission_rules.admit(txn.index, cfg, txn.now, admission_rules.Request(cwd="/", command=["true"]))
 
+def tick(store):
+    with store.transaction() as txn:
+        ix = txn.index
+        if ix.active:
+            txn.emit(lifecycle.finish(ix, ix.active[0], txn.now, 0))
+            txn.archive.extend(lifecycle.trim_history(ix, 200))
+        txn.emit(lifecycle.start(ix, ix.queued[0], txn.now))
+
+def after_tick():  # b ticks (not timed), then a reads what it did: the read after the NOTIFY
+    tick(b)
+    t = time.perf_counter(); a.read()
+    return (time.perf_counter() - t) * 1000
+
 out = {"commit": med(lambda: change(a), 15), "other": med(other, 9), "read": med(fresh, 5), "admit": med(admit, 9)}
 out["other"] = round(out["other"] - out["commit"], 2)  # b's commit is not a's cost
+a.read()
+out["tick"] = med(lambda: tick(a), 9)
+# admission's own rules on the same queue, outside any store (the share of `admit` that is not the store's)
+import msgspec
+from kugetsu.core.models import Index
+alone = msgspec.json.decode(msgspec.json.encode(a.read()), type=Index)
+out["admit_rules"] = med(lambda: admission_rules.admit(alone, cfg, now, admission_rules.Request(cwd="/", command=["true"])), 9)
+out["tick_read"] = round(statistics.median([after_tick() for _ in range(9)]), 2)
 print(json.dumps(out))
 a.close(); b.close()
 """
+
+
+KINDS = ("commit", "other", "read", "admit", "admit_rules", "tick", "tick_read")
 
 
 def scale(admin: str, sizes: list[int], trees: dict[str, Path]) -> dict:
@@ -264,11 +293,14 @@ def main() -> int:
         if args.json:
             print(json.dumps(res, indent=1))
             return 0
-        print("ms (median)      " + "".join(f"{label + ' ' + what:>15}" for what in ("commit", "other", "read", "admit")
-                                             for label in trees))
+        print("ms (median)      " + "".join(f"{label + ' ' + what:>17}" for what in KINDS for label in trees))
         for n in sizes:
-            print(f"{n:>7} queued  " + "".join(f"{res[label][n][what]:>15.1f}" for what in ("commit", "other", "read", "admit")
+            print(f"{n:>7} queued  " + "".join(f"{res[label][n].get(what, float('nan')):>17.1f}" for what in KINDS
                                                 for label in trees))
+        if len(sizes) > 1:
+            lo, hi = sizes[0], sizes[-1]
+            print(f"{hi} / {lo}      " + "".join(f"{res[label][hi].get(what, 0) / max(res[label][lo].get(what, 0), 1e-9):>16.1f}x"
+                                                 for what in KINDS for label in trees))
         return 0
     res = measure(args.pg, args.quick)
     if args.json:
