@@ -20,6 +20,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+# The cluster store encodes only the queued tasks a transaction assigned to: under test it also
+# checks that nothing changed one in place (kugetsu/store/postgres.py, _verify).
+os.environ["KUGETSU_PG_VERIFY"] = "1"
+
 from kugetsu.paths import Home  # noqa: E402
 from torture import raw_index  # noqa: E402
 from pg import pg_url  # noqa: E402,F401  (the cluster tests' real PostgreSQL)

@@ -180,7 +180,7 @@ def test_a_database_of_the_previous_schema_is_upgraded_by_the_first_command(tmp_
         k.delegate("after", 0.0, 0)
         assert k.wait_state("after", "succeeded")["host"] == "m1"
         with psycopg.connect(pg_url, autocommit=True) as db:
-            assert db.execute("SELECT schema_version FROM kugetsu.meta").fetchone() == (4,)
+            assert db.execute("SELECT schema_version FROM kugetsu.meta").fetchone() == (5,)
             assert db.execute("SELECT count(*) FROM kugetsu.prompts").fetchone() == (0,)  # made by the upgrade
             assert db.execute("SELECT machine FROM kugetsu.hosts").fetchone() == (k.home.machine_id.read_text().strip(),)
         assert oct(k.home.machine_id.stat().st_mode & 0o777) == "0o600"

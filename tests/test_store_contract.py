@@ -328,3 +328,42 @@ def msgspec_replace(task: Task, **changes: object) -> Task:
     import msgspec
 
     return msgspec.structs.replace(task, **changes)
+
+
+def test_a_machine_reads_only_what_another_changed_also_when_a_task_went(request, pg_url):
+    """Issue 26: the cluster store's cost must not grow with the queue. Another machine starts
+    one task, finishes one and archives one (a row goes) in a queue of 300; this machine's next
+    read and transaction fetch the few rows that changed, never the whole queue, and see what a
+    fresh client sees."""
+    from kugetsu.core import lifecycle
+    from kugetsu.store.postgres import PgStore
+
+    class Counting(PgStore):
+        fetched = 0
+
+        def _execute(self, sql, params=()):
+            cur = super()._execute(sql, params)
+            if "FROM kugetsu.tasks" in sql and sql.startswith("SELECT id"):
+                Counting.fetched += max(cur.rowcount, 0)
+            return cur
+
+    here, there = Counting(pg_url), PgStore(pg_url)
+    request.addfinalizer(here.close)
+    request.addfinalizer(there.close)
+    _admit(there, 300)
+    here.read()
+    for step in range(3):
+        with there.transaction() as txn:
+            index = txn.index
+            if index.active:
+                txn.emit(lifecycle.finish(index, index.active[0], txn.now, 0))
+                txn.archive.extend(lifecycle.trim_history(index, 1))
+            txn.emit(lifecycle.start(index, index.queued[len(index.queued) // 2], txn.now))
+        Counting.fetched = 0
+        seen = _lists(here.read())
+        with here.transaction() as txn:
+            txn.index.queued[-1].priority = "high"
+        assert Counting.fetched <= 4, (step, Counting.fetched)
+        fresh = PgStore(pg_url)
+        assert _lists(fresh.read()) == _lists(here.read()) and seen[0] == _lists(here.read())[0]
+        fresh.close()

@@ -16,7 +16,7 @@ import psycopg
 from kugetsu.errors import KugetsuError, Unreachable
 from kugetsu.errors import redact_url as redact
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # What brings a database of schema version N to N+1 (run under the advisory lock, in order).
 _UPGRADES = {
     # 2: each machine's row names the home that holds it (its machine id, and where it is):
@@ -44,6 +44,12 @@ CREATE INDEX IF NOT EXISTS tasks_rev ON kugetsu.tasks (rev);
 ALTER TABLE kugetsu.state ADD COLUMN IF NOT EXISTS rev bigint NOT NULL DEFAULT 0,
     ADD COLUMN IF NOT EXISTS next_ord bigint NOT NULL DEFAULT 1;
 """,
+    # 5: a task that leaves the queue (archived, cleaned) leaves a tombstone (list 3, with the
+    # revision that removed it) instead of its row going at once: a machine then learns what
+    # went from the rows changed since it last looked, without counting or re-reading them all.
+    # Tombstones older than PgStore's TOMBSTONE_REVS revisions are swept. A kugetsu of schema 4
+    # would take a tombstone for a task: it must not share the database (it refuses schema 5).
+    4: "CREATE INDEX IF NOT EXISTS tasks_gone ON kugetsu.tasks (rev) WHERE list = 3",
 }
 NOTIFY_CHANNEL = "kugetsu"
 CONNECT_TIMEOUT = 5  # seconds: a database that does not answer is reported, not waited for

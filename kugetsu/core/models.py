@@ -417,7 +417,12 @@ def decode_task(data: bytes, old: bool = True) -> Task:
     """One task's JSON (a history line, a task row) of either version; `old=False` when it is
     known to be version 2 (a task row under a version-2 state row): one decode, as before."""
     task = _task_decoder.decode(data)
-    if old and task.run is None:
+    return with_flat_run(task, data) if old else task
+
+
+def with_flat_run(task: Task, data: bytes) -> Task:
+    """`task`, decoded from `data`, with the run record a version-1 task's flat fields make."""
+    if task.run is None:
         run = _run_decoder.decode(data)
         if run != _EMPTY_RUN:
             task.run = run

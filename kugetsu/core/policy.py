@@ -14,8 +14,12 @@ pick looks at one task per lane instead of the whole queue.
 from __future__ import annotations
 
 import math
+import operator
 from collections import Counter, deque
 from datetime import datetime, timedelta
+from itertools import repeat
+from operator import attrgetter
+from typing import Any
 
 import msgspec
 
@@ -97,10 +101,21 @@ def simple_order(index: Index, cfg: Config, waits: bool = True) -> bool:
         and not index.holds
         and not cfg.budgets.enabled
         and not any(p.max_agents is not None or p.limit.window is not None for p in cfg.agents.values())
-        # one pass over the queue (delegate asks this of a long queue on every call)
-        and not any(t.after or (waits and t.not_before is not None) or (t.group is not None and t.group in cfg.groups)
-                    or t.stashed_at is not None for t in index.queued)
+        # passes over the queue in C, not a Python step a task: delegate asks this of a long
+        # queue on every call (issue 26: one admission at 20,000 queued)
+        and not any(map(_AFTER, index.queued))
+        and not (waits and _any_set(index.queued, _NOT_BEFORE))
+        and not (cfg.groups and any(map(cfg.groups.__contains__, map(_GROUP, index.queued))))
+        and not _any_set(index.queued, _STASHED_AT)
     )
+
+
+_AFTER, _NOT_BEFORE, _GROUP, _STASHED_AT = (attrgetter(name) for name in ("after", "not_before", "group", "stashed_at"))
+
+
+def _any_set(tasks: list[Task], field: attrgetter[Any]) -> bool:
+    """Whether one of `tasks` has `field` other than None."""
+    return not all(map(operator.is_, map(field, tasks), repeat(None)))
 
 
 def route_of(task: Task) -> tuple[str, ...]:

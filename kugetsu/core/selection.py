@@ -5,7 +5,10 @@ pauses, holds and groups; finding tasks by name or id.
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import datetime
+from itertools import compress
+from operator import attrgetter
 
 import msgspec
 
@@ -15,7 +18,7 @@ from kugetsu.core import budgets, placement
 from kugetsu.core.common import _event, _stands, may_requeue, unpause
 from kugetsu.core.models import Event, Index, QueueCounts, Task, TaskState, valid_host
 from kugetsu.core.placement import Here, starts_anywhere
-from kugetsu.core.policy import Board, Resources, accounts, guard_hold, memory_of, simple_order, task_key
+from kugetsu.core.policy import RANK, Board, Resources, accounts, guard_hold, memory_of, simple_order, task_key
 from kugetsu.errors import AmbiguousName, NoSuchTask, UnknownGroup, UsageError
 
 
@@ -138,9 +141,27 @@ def position(index: Index, cfg: Config, now: datetime, task: Task) -> int | None
     if task.state is not TaskState.QUEUED or task.stashed_at is not None:
         return None
     if simple_order(index, cfg):
-        key = task_key(cfg, task)
-        return 1 + sum(1 for t in index.queued if task_key(cfg, t) < key)
+        return 1 + _before(index.queued, cfg, task)
     return positions(index, cfg, now).get(task.id)
+
+
+def _before(queued: list[Task], cfg: Config, task: Task) -> int:
+    """How many of `queued` sort before `task` (task_key). When no task was put first (`next`),
+    the usual case, counted in C passes (admission asks it of a long queue on every call):
+    the tasks of a lower rank, and those of its rank with a smaller id."""
+    if task.first or any(map(_FIRST, queued)):
+        key = task_key(cfg, task)
+        return sum(1 for t in queued if task_key(cfg, t) < key)
+    smaller = map(task.id.__gt__, map(_ID, queued))
+    if cfg.strategy == "fifo":
+        return sum(smaller)
+    rank = RANK[task.priority]
+    priorities = list(map(_PRIORITY, queued))
+    counts = Counter(priorities)
+    return sum(n for p, n in counts.items() if RANK[p] < rank) + sum(compress(smaller, map(task.priority.__eq__, priorities)))
+
+
+_FIRST, _ID, _PRIORITY = attrgetter("first"), attrgetter("id"), attrgetter("priority")
 
 
 def waiting_for_one(index: Index, cfg: Config, now: datetime, task: Task, resources: Resources | None = None) -> str | None:

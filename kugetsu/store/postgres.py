@@ -9,7 +9,10 @@ writers of every machine: a global limit cannot be exceeded even for an instant,
 the writer that counts is the only one that can add (per-node limits over SKIP LOCKED rows
 are how pgqueuer #761 and Hatchet #4778 overshot). `begin` loads only the task rows changed
 since this store last looked (`rev`), `commit` writes only the rows that changed: a commit no
-longer rewrites the whole queue, nor does every machine re-read it after each change. Readers
+longer rewrites the whole queue, nor does every machine re-read it after each change. Nor does
+a transaction cost more with a longer queue: what this store last saw is kept and changed in
+place by what changed since (a task that went leaves a tombstone row), and a commit finds
+the changed tasks without encoding or comparing every task (_rows_of, _Task). Readers
 take no lock (one REPEATABLE READ snapshot). Events are rows committed in the same
 transaction, and the commit NOTIFYs every service (LISTEN), so a change on one machine wakes
 the others at once.
@@ -17,6 +20,7 @@ the others at once.
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
 import socket
@@ -32,7 +36,7 @@ import psycopg
 
 from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, errors, process_tag, redact
 from kugetsu.errors import FileError
-from kugetsu.core.models import INDEX_VERSION, Event, Index, Task, check_index, decode_task, upgrade
+from kugetsu.core.models import INDEX_VERSION, Event, Index, Task, check_index, decode_task, upgrade, with_flat_run
 from kugetsu.store.protocol import Transactions, Txn, encoder, held, index_decoder, mark_writer
 
 _event_decoder = msgspec.json.Decoder(Event)
@@ -44,7 +48,7 @@ ROWS_AT_ONCE = 1000  # rows a statement: under PostgreSQL's 65,535 parameters at
 
 
 _SELECT_STATE = "SELECT doc, rev, next_ord, clock_timestamp(), config FROM kugetsu.state WHERE id = 1"
-_SELECT_ROWS = "SELECT id, list, ord, body FROM kugetsu.tasks"
+_SELECT_ROWS = "SELECT id, list, ord, body FROM kugetsu.tasks"  # + WHERE
 UPSERT_TASK = ("INSERT INTO kugetsu.tasks (id, list, ord, rev, state, name, host, body) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
                " ON CONFLICT (id) DO UPDATE SET list = excluded.list, ord = excluded.ord, rev = excluded.rev,"
                " state = excluded.state, name = excluded.name, host = excluded.host, body = excluded.body")
@@ -156,8 +160,9 @@ class PgStore(Transactions):
 
     def _load(self, row: tuple[Any, ...]) -> _Seen:
         """The whole state as of the state row `row` (doc, rev, next_ord), read in the same
-        snapshot or under its lock: what this store saw last, plus the task rows changed
-        since (all of them the first time, or when rows went that it cannot account for)."""
+        snapshot or under its lock: what this store saw last, with the task rows changed since
+        applied to it (tombstones included: what went), or every row the first time (or when
+        this store is so far behind that tombstones it needs may be swept)."""
         header, rev, next_ord = bytes(row[0]), row[1], row[2]
         seen = self._seen
         if seen is not None and seen.rev == rev and seen.header == header:
@@ -166,41 +171,28 @@ class PgStore(Transactions):
         old = index.version == 1  # rows under a version-1 state row: flat runs (upgrade)
         index = upgrade(index, header)
         if index.active or index.queued or index.finished:  # a document of schema 3: its tasks are in it
-            seen = _seen(header, rev, next_ord, index, {})
-            return self._checked(seen)
+            return self._checked(_seen(header, rev, next_ord, index, {}), index)
+        self._seen = None  # changed in place below: never reused half done
+        if seen is not None and seen.lists is not None and seen.rev < rev <= seen.rev + TOMBSTONE_REVS:
+            changed = self._execute(_SELECT_ROWS + " WHERE rev > %s", (seen.rev,)).fetchall()
+            fresh = _apply(changed, seen, self.url)
+            index.active, index.queued, index.finished = (list(tasks) for tasks in seen.lists)
+            # Only what changed is checked (the rest was, when it came): the same rules on a
+            # small index of the changed tasks.
+            probe = msgspec.structs.replace(index, active=fresh[0], queued=fresh[1], finished=fresh[2])
+            self._checked(seen, probe)
+            return _Seen(header, rev, next_ord, index, seen.rows, seen.lists, seen.ords)
         rows: dict[int, _Row] = {}
         tasks: dict[int, Task] = {}
-        if seen is not None and rev > seen.rev and seen.order is not None:
-            changed = self._execute(_SELECT_ROWS + " WHERE rev > %s", (seen.rev,)).fetchall()
-            count = self._execute("SELECT count(*) FROM kugetsu.tasks").fetchone()
-            fresh: dict[int, _Row] = {}
-            fresh_tasks: dict[int, Task] = {}
-            _take(changed, fresh, fresh_tasks, self.url, old)
-            if count is not None and count[0] == len(seen.rows) and all(
-                    seen.rows.get(i, (-1, -1))[:2] == row[:2] for i, row in fresh.items()):
-                # Only bodies changed (none came, went or moved): swapped in, in place.
-                lists = [list(seen.index.active), list(seen.index.queued), list(seen.index.finished)]
-                where = {i: n for order in seen.order for n, i in enumerate(order)} if len(fresh) > 8 else None
-                for task_id, row in fresh.items():
-                    at = where[task_id] if where is not None else seen.order[row[0]].index(task_id)
-                    lists[row[0]][at] = fresh_tasks[task_id]
-                index.active, index.queued, index.finished = lists
-                return self._checked(_Seen(header, rev, next_ord, index, {**seen.rows, **fresh}, seen.order))
-            rows, tasks = {**seen.rows, **fresh}, {t.id: t for t in seen.index.all_tasks()}
-            tasks.update(fresh_tasks)
-            if count is None or count[0] != len(rows):  # some went: look at them all
-                rows, tasks = {}, {}
-        if not rows:
-            _take(self._execute(_SELECT_ROWS).fetchall(), rows, tasks, self.url, old)
+        _take(self._execute(_SELECT_ROWS + " WHERE list < 3").fetchall(), rows, tasks, self.url, old)
         order = sorted(rows, key=lambda i: rows[i][:2])
         lists: tuple[list[Task], ...] = ([], [], [])
         for task_id in order:
             lists[rows[task_id][0]].append(tasks[task_id])
         index.active, index.queued, index.finished = lists
-        return self._checked(_seen(header, rev, next_ord, index, rows))
+        return self._checked(_seen(header, rev, next_ord, index, rows), index)
 
-    def _checked(self, seen: _Seen) -> _Seen:
-        index = seen.index
+    def _checked(self, seen: _Seen, index: Index) -> _Seen:
         problem = check_index(index) if index.version == INDEX_VERSION else f"unknown version {index.version}"
         if problem:
             raise FileError(f"{redact(self.url)}: {problem}{_FIX}")
@@ -310,13 +302,17 @@ class PgStore(Transactions):
             index.outbox = []  # events are rows committed with the state: nothing to recover
             assert began is not None
             rev = began.rev + 1
-            rows, upserts, gone, next_ord = _rows_of(index, began, rev)
+            rows, upserts, gone, next_ord, ords = _rows_of(index, began, rev)
             header = encoder.encode(msgspec.structs.replace(index, active=[], queued=[], finished=[]))
             changed = bool(upserts or gone) or header != began.header
             if changed:
                 self._executemany(UPSERT_TASK, upserts)
-                if gone:
-                    self._execute("DELETE FROM kugetsu.tasks WHERE id = ANY(%s)", (gone,))
+                if gone:  # tombstones: what went, for the others to read with what changed
+                    self._execute("UPDATE kugetsu.tasks SET list = %s, rev = %s, body = '' WHERE id = ANY(%s)",
+                                  (GONE, rev, gone))
+                if rev % SWEEP_EVERY == 0:
+                    self._execute("DELETE FROM kugetsu.tasks WHERE list = %s AND rev <= %s",
+                                  (GONE, rev - TOMBSTONE_REVS))
                 self._execute("UPDATE kugetsu.state SET doc = %s, rev = %s, next_ord = %s WHERE id = 1",
                               (header, rev, next_ord))
             else:
@@ -334,8 +330,10 @@ class PgStore(Transactions):
             done = self._execute("COMMIT")
             if done.statusmessage != "COMMIT":  # the server rolled back (a statement failed in it)
                 raise RuntimeError(f"the transaction was rolled back by the database ({done.statusmessage})")
-            self._seen = _seen(header, rev, next_ord, index, rows)
+            lists = (index.active, index.queued, index.finished)
+            self._seen = _Seen(header, rev, next_ord, index, rows, tuple(list(tasks) for tasks in lists), ords)
         except BaseException:
+            _changed()
             self._rollback()
             raise
         finally:
@@ -344,6 +342,7 @@ class PgStore(Transactions):
 
     def abort(self) -> None:
         self._began = None
+        _changed()  # what the transaction changed is dropped with it (the next begin reloads)
         try:
             self._rollback()
         finally:
@@ -387,9 +386,13 @@ class PgStore(Transactions):
 
 _stores: dict[tuple[str, int], PgStore] = {}
 
-# A task row as this store saw it: its list (0 active, 1 queued, 2 finished), its place in
-# that list, its body.
+# A task row as this store saw it: its list (0 active, 1 queued, 2 finished; 3 a tombstone),
+# its place in that list, its body.
 _Row = tuple[int, int, bytes]
+GONE = 3
+# Revisions a tombstone is kept: a store further behind than that reads every row afresh.
+TOMBSTONE_REVS = 1000
+SWEEP_EVERY = 100  # revisions between two sweeps of old tombstones
 
 
 class _Seen(msgspec.Struct):
@@ -400,64 +403,220 @@ class _Seen(msgspec.Struct):
     next_ord: int  # the next place in a list
     index: Index
     rows: dict[int, _Row]  # task id -> its row as loaded or written
-    # The ids of each list (active, queued, finished) as loaded or written (the index itself
-    # changes under a transaction); None when its tasks have no rows yet (a schema-3 document).
-    order: tuple[list[int], ...] | None = None
+    # The tasks of each list (active, queued, finished) as loaded or written, and their
+    # places, in order (copies: the index's own lists change under a transaction); None when
+    # its tasks have no rows yet (a schema-3 document).
+    lists: tuple[list[Task], ...] | None = None
+    ords: tuple[list[int], ...] | None = None
 
 
 def _seen(header: bytes, rev: int, next_ord: int, index: Index, rows: dict[int, _Row]) -> _Seen:
-    order = tuple([t.id for t in tasks] for tasks in (index.active, index.queued, index.finished)) if rows or not (
-        index.active or index.queued or index.finished) else None
-    return _Seen(header, rev, next_ord, index, rows, order)
+    lists = (index.active, index.queued, index.finished)
+    if not rows and any(lists):
+        return _Seen(header, rev, next_ord, index, rows)
+    return _Seen(header, rev, next_ord, index, rows, tuple(list(tasks) for tasks in lists),
+                 tuple([rows[t.id][1] for t in tasks] for tasks in lists))
+
+
+class _Task(Task):
+    """A task as this store hands it out: an assignment to one of its fields marks it changed
+    (`_changed`), so a commit encodes and compares the tasks a transaction changed, not every
+    task of a long queue. The queue's rules change a queued task by assigning its fields;
+    whatever changes a task in place (a running task's records, an attempt appended when it
+    goes back to the queue) changes one that is running, or moves it to another list, and
+    those are compared in full (_rows_of). Encoded exactly as a Task."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        changed = getattr(_marks, "changed", None)
+        if changed is None:
+            changed = _marks.changed = {}
+        changed[id(self)] = self
+        msgspec.Struct.__setattr__(self, name, value)
+
+
+_marks = threading.local()  # `changed`: id -> task, the tasks this thread changed since its last commit
+_live_decoder = msgspec.json.Decoder(_Task)
+
+
+def _changed() -> list[Task]:
+    """The tasks this thread changed since its last commit (and forgets them)."""
+    changed = getattr(_marks, "changed", None)
+    _marks.changed = {}
+    return list(changed.values()) if changed else []
+
+
+def _tracked(tasks: Iterable[Task]) -> None:
+    """Tasks made elsewhere (admission's new ones, a schema-3 document's) become _Tasks: a
+    later change to them is seen like any other."""
+    for task in tasks:
+        if type(task) is not _Task:
+            task.__class__ = _Task
+
+
+def _decode_task(task_id: int, data: bytes, url: str, old: bool = False) -> Task:
+    """A task row; `old`: under a version-1 state row, where a row may hold a run's fields flat
+    (with_flat_run; assigning its record marks it changed, so the next commit rewrites it)."""
+    try:
+        task = _live_decoder.decode(data)
+        return with_flat_run(task, data) if old else task
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
+        raise FileError(f"{redact(url)}: task row {task_id} does not decode: {err}{_FIX}") from None
 
 
 def _take(rows: list[tuple[Any, ...]], into: dict[int, _Row], tasks: dict[int, Task], url: str, old: bool) -> None:
     for task_id, lst, ord_, body in rows:
         data = bytes(body)
-        try:
-            tasks[task_id] = decode_task(data, old)
-        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
-            raise FileError(f"{redact(url)}: task row {task_id} does not decode: {err}{_FIX}") from None
+        tasks[task_id] = _decode_task(task_id, data, url, old)
         into[task_id] = (lst, ord_, data)
 
 
-def _rows_of(index: Index, began: _Seen, rev: int) -> tuple[dict[int, _Row], list[tuple[Any, ...]], list[int], int]:
+def _apply(changed: list[tuple[Any, ...]], seen: _Seen, url: str) -> tuple[list[Task], ...]:
+    """Apply rows changed since `seen` (moved, new, changed, tombstones) to its rows, lists and
+    places, in place: a task found by its place (bisect), taken out, put in at its new place.
+    Returns the tasks that came or changed, by list."""
+    assert seen.lists is not None and seen.ords is not None
+    fresh: tuple[list[Task], ...] = ([], [], [])
+    for task_id, lst, ord_, body in changed:
+        old = seen.rows.pop(task_id, None)
+        if old is not None and old[0] != GONE:
+            at = bisect.bisect_left(seen.ords[old[0]], old[1])
+            assert seen.lists[old[0]][at].id == task_id, (task_id, old[:2])
+            del seen.lists[old[0]][at], seen.ords[old[0]][at]
+        if lst == GONE:
+            continue
+        data = bytes(body)
+        task = _decode_task(task_id, data, url)
+        at = bisect.bisect_left(seen.ords[lst], ord_)
+        seen.lists[lst].insert(at, task)
+        seen.ords[lst].insert(at, ord_)
+        seen.rows[task_id] = (lst, ord_, data)
+        fresh[lst].append(task)
+    return fresh
+
+
+def _kept(old: list[Task], new: list[Task], most: int = 8) -> tuple[list[int], list[Task]] | None:
+    """`new` as `old` with some tasks taken out and others added at its end (what the queue's
+    rules do to it: admission appends, a start or a cancel takes one out): the positions in
+    `old` taken out, and the tasks added. None when it is not so (or more than `most` went):
+    the caller then looks at every task. Runs of the same tasks are compared a block at a time
+    (C, by identity first), so a long queue costs a few block comparisons, not a step a task."""
+    gone: list[int] = []
+    i = j = 0
+    while True:
+        k = _same_run(old, i, new, j)
+        i, j = i + k, j + k
+        if i == len(old):
+            return gone, new[j:]
+        if len(gone) == most:
+            return None
+        gone.append(i)
+        i += 1
+
+
+def _same_run(a: list[Task], i: int, b: list[Task], j: int, block: int = 512) -> int:
+    """How many tasks a[i:] and b[j:] have in common at their start."""
+    n = 0
+    most = min(len(a) - i, len(b) - j)
+    while n < most:
+        step = min(block, most - n)
+        if a[i + n : i + n + step] == b[j + n : j + n + step]:
+            n += step
+            continue
+        while n < most and (a[i + n] is b[j + n] or a[i + n] == b[j + n]):
+            n += 1
+        return n
+    return n
+
+
+# Tests (tests/conftest.py) set KUGETSU_PG_VERIFY: every commit then also compares every queued
+# task it kept with its row, and a change the transaction made without assigning to the task
+# (in place, which _Task cannot see) fails loudly instead of being lost.
+_VERIFY = bool(os.environ.get("KUGETSU_PG_VERIFY"))
+
+
+def _verify(kept: list[Task], places: list[int], rows: dict[int, _Row], lst: int) -> None:
+    bodies = encoder.encode_lines(kept).split(b"\n") if kept else []
+    for task, place, body in zip(kept, places, bodies):
+        if rows[task.id] != (lst, place, body):
+            raise AssertionError(f"task #{task.id} was changed in place, not by assigning to a field: the cluster"
+                                 " store would not have written it")
+
+
+def _rows_of(index: Index, began: _Seen, rev: int) -> tuple[dict[int, _Row], list[tuple[Any, ...]], list[int], int,
+                                                            tuple[list[int], ...]]:
     """Every task's row after the transaction, the rows to write (new or changed), the ids
-    whose rows go (archived, cleaned), and the next free place. A task keeps its place while its list's order allows it; one that moved
-    (to another list, or to the end of its own) takes the next place, so the rows sorted by
-    place are the lists in their order. A list whose tasks are those it had, in that order,
-    is compared body by body (each encoded in one C call for the lot): the common commit, one
-    task changed in a long queue, writes one row without a Python step per task."""
-    old_rows = began.rows
-    rows: dict[int, _Row] = dict(old_rows)  # what stays as it was is not touched again
+    whose rows go (archived, cleaned), the next free place, and each list's places. A task
+    keeps its place while its list's order allows it; one that moved (to another list, or to
+    the end of its own) takes the next place, so the rows sorted by place are the lists in
+    their order. The queue (the long list) is compared to what the transaction began with:
+    taken-out tasks and tasks added at its end are found in a few block comparisons, and the
+    tasks it kept are encoded only when the transaction assigned to them (_Task). The running
+    and finished lists (short) are compared body by body."""
+    rows = began.rows  # changed in place: `began` is not used again (a failed commit reloads)
     upserts: list[tuple[Any, ...]] = []
     next_ord = began.next_ord
-    now: set[int] = set()
+    left: set[int] = set()  # ids taken out of a list
+    placed: set[int] = set()  # ids (re)placed in a list by this commit
+    ords: list[list[int]] = []
+    changed = _changed()
     for lst, tasks in enumerate((index.active, index.queued, index.finished)):
-        bodies = encoder.encode_lines(tasks).split(b"\n")
-        ids = [t.id for t in tasks]
-        now.update(ids)
-        if began.order is not None and ids == began.order[lst]:  # the same tasks in the same order: places stay
-            for i in [i for i, (task_id, body) in enumerate(zip(ids, bodies)) if old_rows[task_id][2] != body]:
-                task = tasks[i]
-                rows[task.id] = (lst, old_rows[task.id][1], bodies[i])
-                upserts.append((task.id, lst, old_rows[task.id][1], rev, task.state.value, task.name, task.host, bodies[i]))
+        kept = None
+        if lst == 1 and began.lists is not None and began.ords is not None:
+            kept = _kept(began.lists[lst], tasks)
+        if kept is not None and began.lists is not None and began.ords is not None:
+            gone_at, added = kept
+            places = list(began.ords[lst])
+            for at in reversed(gone_at):
+                left.add(began.lists[lst][at].id)
+                del places[at]
+            bodies = encoder.encode_lines(added).split(b"\n") if added else []
+            for task, body in zip(added, bodies):
+                place, next_ord = next_ord, next_ord + 1
+                places.append(place)
+                rows[task.id] = (lst, place, body)
+                placed.add(task.id)
+                upserts.append((task.id, lst, place, rev, task.state.value, task.name, task.host, body))
+            _tracked(added)
+            kept_len = len(tasks) - len(added)
+            for task in changed:  # assigned to by the transaction: written if its body changed
+                row = rows.get(task.id)
+                if row is None or row[0] != lst or task.id in placed:
+                    continue
+                at = bisect.bisect_left(places, row[1], 0, kept_len)
+                if at == kept_len or tasks[at].id != task.id:
+                    continue
+                task = tasks[at]  # the task in the list (the one changed may be a stale copy)
+                body = encoder.encode(task)
+                if body != row[2]:
+                    rows[task.id] = (lst, row[1], body)
+                    upserts.append((task.id, lst, row[1], rev, task.state.value, task.name, task.host, body))
+            if _VERIFY:
+                _verify(tasks[:kept_len], places, rows, lst)
+            ords.append(places)
             continue
+        if began.lists is not None:
+            left.update(t.id for t in began.lists[lst])
+        bodies = encoder.encode_lines(tasks).split(b"\n")
+        places = []
         last = -1
         for task, body in zip(tasks, bodies):
-            old = old_rows.get(task.id)
-            if old is not None and old[0] == lst and old[1] > last:
+            old = rows.get(task.id)
+            if old is not None and old[0] == lst and old[1] > last and task.id not in placed:
                 place = old[1]
             else:
                 place, next_ord = next_ord, next_ord + 1
             last = place
+            places.append(place)
+            placed.add(task.id)
             row = rows[task.id] = (lst, place, body)
             if row != old:
                 upserts.append((task.id, lst, place, rev, task.state.value, task.name, task.host, body))
-    gone = list(old_rows.keys() - now)  # archived or cleaned: no row any more
+        _tracked(tasks)
+        ords.append(places)
+    gone = list(left - placed)
     for task_id in gone:
-        del rows[task_id]
-    return rows, upserts, gone, next_ord
+        rows.pop(task_id, None)
+    return rows, upserts, gone, next_ord, tuple(ords)
 
 
 class PgWatch:

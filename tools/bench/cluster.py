@@ -18,14 +18,18 @@ machine's files and on PostgreSQL.
 
 A database of its own is created on the given server and dropped afterwards.
 
-    python tools/bench/cluster.py --scale [--sizes 100,1000,5000,20000] [--before DIR]
+    python tools/bench/cluster.py --scale [--sizes 100,1000,5000,20000] [--before DIR] [--min]
 
 The cluster store's own cost by queue length (issue 26: "a cluster store that grows with the
 queue"), in-process on PgStore, with N queued tasks (and 200 finished): `commit`, one
 change by a long-lived client (a service) after its own last commit; `other`, the same
 right after another client committed (what every machine does after each NOTIFY); `read`,
 a new client's read of the state (a CLI call); `admit`, admission.admit of one task in a
-transaction. Medians in ms. With --before DIR (a checkout of an older kugetsu, e.g.
+transaction, and `admit_rules` the same rules on a copy of the queue outside any store (their
+own share); `tick`, a transaction that finishes one running task (archiving the oldest
+finished one) and starts one queued (core.lifecycle); `tick_read`, the read by one client
+right after another's tick (what a machine does after the NOTIFY). Medians in ms; the last
+line is the largest size's cost over the smallest's. With --before DIR (a checkout of an older kugetsu, e.g.
 `git worktree add /tmp/kg-before <commit>`), the same run on it, side by side.
 """
 
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -174,22 +179,25 @@ def measure(admin: str, quick: bool) -> dict:
 
 
 SCALE_WORKER = r"""
-import json, statistics, sys, time
+import json, os, statistics, sys, time
 from datetime import datetime, timezone
 from kugetsu.core import admission as admission_rules  # the name `admission` is this bench's scenario
 from kugetsu.store.postgres import PgStore
 from kugetsu.config.model import Config
+from kugetsu.core import lifecycle
 from kugetsu.core.models import Task, TaskState
 
 url, n = sys.argv[1], int(sys.argv[2])
 now = datetime.now(timezone.utc)
 cfg = Config(max_agents=4, max_queue=10**6, history_limit=10**6)
 
+STAT = min if os.environ.get("KGBENCH_STAT") == "min" else statistics.median
+
 def med(f, k):
     xs = []
     for _ in range(k):
         t = time.perf_counter(); f(); xs.append((time.perf_counter() - t) * 1000)
-    return round(statistics.median(xs), 2)
+    return round(STAT(xs), 2)
 
 a, b = PgStore(url), PgStore(url)
 with a.transaction() as txn:
@@ -221,11 +229,35 @@ def admit():
     with a.transaction() as txn:
         admission_rules.admit(txn.index, cfg, txn.now, admission_rules.Request(cwd="/", command=["true"]))
 
+def tick(store):
+    with store.transaction() as txn:
+        ix = txn.index
+        if ix.active:
+            txn.emit(lifecycle.finish(ix, ix.active[0], txn.now, 0))
+            txn.archive.extend(lifecycle.trim_history(ix, 200))
+        txn.emit(lifecycle.start(ix, ix.queued[0], txn.now))
+
+def after_tick():  # b ticks (not timed), then a reads what it did: the read after the NOTIFY
+    tick(b)
+    t = time.perf_counter(); a.read()
+    return (time.perf_counter() - t) * 1000
+
 out = {"commit": med(lambda: change(a), 15), "other": med(other, 9), "read": med(fresh, 5), "admit": med(admit, 9)}
 out["other"] = round(out["other"] - out["commit"], 2)  # b's commit is not a's cost
+a.read()
+out["tick"] = med(lambda: tick(a), 9)
+# admission's own rules on the same queue, outside any store (the share of `admit` that is not the store's)
+import msgspec
+from kugetsu.core.models import Index
+alone = msgspec.json.decode(msgspec.json.encode(a.read()), type=Index)
+out["admit_rules"] = med(lambda: admission_rules.admit(alone, cfg, now, admission_rules.Request(cwd="/", command=["true"])), 9)
+out["tick_read"] = round(STAT([after_tick() for _ in range(9)]), 2)
 print(json.dumps(out))
 a.close(); b.close()
 """
+
+
+KINDS = ("commit", "other", "read", "admit", "admit_rules", "tick", "tick_read")
 
 
 def scale(admin: str, sizes: list[int], trees: dict[str, Path]) -> dict:
@@ -237,7 +269,7 @@ def scale(admin: str, sizes: list[int], trees: dict[str, Path]) -> dict:
             try:
                 # cwd: the tree itself (`python -c` puts the working directory first on sys.path).
                 r = subprocess.run([PY, "-c", SCALE_WORKER, db.url, str(n)], capture_output=True, text=True, cwd=tree,
-                                   env={**__import__("os").environ, "PYTHONPATH": str(tree)}, timeout=1800)
+                                   env={**os.environ, "PYTHONPATH": str(tree)}, timeout=1800)
                 if r.returncode:
                     raise SystemExit(f"{label} at {n}: {r.stderr[-2000:]}")
                 out[label][n] = json.loads(r.stdout.strip().splitlines()[-1])
@@ -254,21 +286,28 @@ def main() -> int:
     ap.add_argument("--scale", action="store_true", help="the store's own cost by queue length (see above)")
     ap.add_argument("--sizes", default="100,1000,5000,20000")
     ap.add_argument("--before", type=Path, help="an older checkout to measure beside this one (--scale)")
+    ap.add_argument("--min", action="store_true", help="--scale: the fastest of each series, not the median"
+                    " (on a machine others load, the median measures them)")
     args = ap.parse_args()
     if args.scale:
         trees = {"this": Path(__file__).resolve().parents[2]}
         if args.before:
             trees = {"before": args.before.resolve(), **trees}
         sizes = [int(x) for x in args.sizes.split(",")]
+        if args.min:
+            os.environ["KGBENCH_STAT"] = "min"
         res = scale(args.pg, sizes, trees)
         if args.json:
             print(json.dumps(res, indent=1))
             return 0
-        print("ms (median)      " + "".join(f"{label + ' ' + what:>15}" for what in ("commit", "other", "read", "admit")
-                                             for label in trees))
+        print(f"{'ms (min)' if args.min else 'ms (median)':<17}" + "".join(f"{label + ' ' + what:>17}" for what in KINDS for label in trees))
         for n in sizes:
-            print(f"{n:>7} queued  " + "".join(f"{res[label][n][what]:>15.1f}" for what in ("commit", "other", "read", "admit")
+            print(f"{n:>7} queued  " + "".join(f"{res[label][n].get(what, float('nan')):>17.1f}" for what in KINDS
                                                 for label in trees))
+        if len(sizes) > 1:
+            lo, hi = sizes[0], sizes[-1]
+            print(f"{hi} / {lo}      " + "".join(f"{res[label][hi].get(what, 0) / max(res[label][lo].get(what, 0), 1e-9):>16.1f}x"
+                                                 for what in KINDS for label in trees))
         return 0
     res = measure(args.pg, args.quick)
     if args.json:
