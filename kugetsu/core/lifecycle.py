@@ -146,15 +146,15 @@ def describe_exit(code: int) -> str:
 
 
 def cancel(index: Index, task: Task, now: datetime, grace: float, reason: str = "cancelled") -> list[Event]:
-    """queued: cancelled at once. running: marked to stop; the caller sends SIGTERM to its
-    process group now and SIGKILL at `kill_at`; it becomes final when its process is gone."""
+    """queued: cancelled at once. running: marked to stop; the service sends SIGTERM to its
+    process group (step.tick) and SIGKILL at `kill_at`; it becomes final when its process is gone."""
     if task.state.final:
         raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}", code=1)
     if task.state is TaskState.QUEUED:
         index.queued.remove(task)
         task.reason = reason
         return [_close(index, task, TaskState.CANCELLED, now)]
-    unpause(task, now)  # the caller sends SIGCONT after the SIGTERM: a stopped process must run to end
+    unpause(task, now)  # the service sends SIGCONT after the SIGTERM: a stopped process must run to end
     _request_stop(task, TaskState.CANCELLED, reason, now, grace)
     return []
 

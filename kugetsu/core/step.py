@@ -190,9 +190,10 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
                 # lost, or back in the queue when it has retries left (conclude)
                 plan.events += conclude(index, cfg, task, now, None, f"host {name} stopped answering (lease expired)")
     plan.signal_groups += [(t, 15) for t in timeouts_due(index, now, cfg.kill_grace_s) if ours(t, me)]
-    if here is not None:  # a stop asked for on another machine (cancel there): its SIGTERM is ours to send
-        plan.signal_groups += [(t, 15) for t in live.values() if t.stop is not None and t.pid is not None
-                               and t.ended_at is None and t.kill_at is not None and now < t.kill_at]
+    # A stop asked for by another process (a cancel, here or on another machine): its SIGTERM
+    # is the service's to send, once (the service remembers what it signalled).
+    plan.signal_groups += [(t, 15) for t in live.values() if t.stop is not None and t.pid is not None
+                           and t.ended_at is None and t.kill_at is not None and now < t.kill_at]
     plan.signal_groups += [(t, 9) for t in kills_due(index, now) if t.ended_at is None and ours(t, me)]
     settled = settle(index, cfg, now, obs.resources, here)
     plan.events += settled.events
