@@ -323,6 +323,7 @@ class Service:
             # While commits fail, nothing new is let go: what starts is committed first.
             while self.failing is None and self._spawn(txn, plan.start):
                 plan.start = self._take(txn, step.settle(index, cfg, txn.now, obs.resources)).start
+                plan.release_at = step.release_at(index, cfg, txn.now)  # a slot given again
         else:
             # A cluster: only a start already committed as this machine's is spawned. Were
             # it spawned before its commit, a commit lost with the connection would leave it
@@ -331,6 +332,7 @@ class Service:
             deferred = len(ready) < len(plan.start)
             if self.failing is None and self._spawn(txn, ready):
                 self._take(txn, step.settle(index, cfg, txn.now, obs.resources, obs.here))
+                plan.release_at = step.release_at(index, cfg, txn.now)
                 deferred = True
         unpicked = self.fast.unpicked(txn)
         if unpicked is not None:
@@ -358,7 +360,7 @@ class Service:
             # wake-up (the reconcile, up to 5 s on), so its end and the next start wait for
             # nothing.
             self.request_tick()
-        self._sync_jobs()
+        self._sync_jobs(plan.release_at)
         if self.member is None:  # in a cluster the next task may start on another machine
             self.fast.warm(self.index, self.cfg)
         else:
@@ -782,11 +784,12 @@ class Service:
 
     # ---- watching processes and deadlines --------------------------------------------
 
-    def _sync_jobs(self) -> None:
+    def _sync_jobs(self, release: datetime | None) -> None:
         """Set the deadline job (deadlines.py) at the earliest moment anything falls due:
-        pm's deadlines (expiry, run timeouts, SIGKILL after the grace) and the policies'."""
+        pm's deadlines (expiry, run timeouts, SIGKILL after the grace) and the policies'
+        (`release`: the plan's, computed by step.tick from this very index)."""
         now = transaction.now()
-        self.jobs = lifecycle.policy_wakeups(self.index, self.cfg, now, transaction.measure(self.cfg), self.jobs)
+        self.jobs = lifecycle.policy_wakeups(self.index, self.cfg, now, transaction.measure(self.cfg), self.jobs, release)
         due = min(filter(None, [lifecycle.next_deadline(self.index), *self.jobs.values()]), default=None)
         self.timer.set(due, now)
         if self.index.schedules or self.schedule_jobs.rules:
