@@ -21,7 +21,7 @@ from kugetsu.app.transaction import _locked, now, settle
 from kugetsu.config.load import cluster_host, load_config
 from kugetsu.config.model import Config
 from kugetsu.core import admission, commandline, lifecycle, retries, selection
-from kugetsu.core.models import Event, Index, Task, TaskState
+from kugetsu.core.models import Event, Index, Task
 from kugetsu.errors import UsageError
 from kugetsu.paths import Home
 from kugetsu.service import runner
@@ -33,20 +33,14 @@ from kugetsu.store.files import open_store
 
 def cancel(home: Home, refs: list[str], *, everything: bool = False, reason: str = "cancelled") -> list[Task]:
     """Cancel tasks by id or name (or every live one). Queued ones end at once; running ones
-    get SIGTERM to their group now, SIGKILL after kill_grace (the service sees to it)."""
+    are marked stopping: the service, woken by the commit (started if need be), sends SIGTERM
+    to their group (then SIGCONT), and SIGKILL after kill_grace. It is the one sender, on one
+    machine as in a cluster (there, the task's own machine's service)."""
     with _locked(home) as (txn, cfg):
         tasks = list(txn.index.live()) if everything else [selection.find(txn.index, ref) for ref in refs]
-        paused = [t for t in tasks if t.run is not None and t.run.paused_at is not None]
         for task in tasks:
             txn.emit(lifecycle.cancel(txn.index, task, txn.now, cfg.kill_grace_s, reason))
         settle(txn, cfg)
-    # In a cluster the task's own machine signals it (step.tick: its service is woken by the
-    # commit); on one machine the signal goes now, as a service may not be running.
-    for task in tasks if cfg.store is None else []:
-        if task.state is TaskState.RUNNING:
-            runner.kill_group(task.run.pid, task.run.pid_start, signal.SIGTERM)
-    for task in paused if cfg.store is None else []:  # a stopped process acts on its SIGTERM once it runs
-        runner.signal_tree(task.run.pid, task.run.pid_start, task.token, signal.SIGCONT)
     wake(home, cfg, txn.index)
     return tasks
 

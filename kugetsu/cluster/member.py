@@ -24,7 +24,7 @@ import psycopg
 
 from kugetsu.cluster import hosts, logs
 from kugetsu.cluster.db import LOCK_WAIT_MS, NOTIFY_CHANNEL, connect, process_tag
-from kugetsu.store.postgres import PgStore
+from kugetsu.store.protocol import StoreProtocol
 from kugetsu.errors import KugetsuError  # Unreachable, and a role refused its privileges (db.errors)
 from kugetsu.paths import Home
 from kugetsu.core.placement import Here, HostSeen
@@ -61,7 +61,7 @@ class Member:
         # schedules' firings), by name, when this machine wants them: on_change(True) once it
         # holds one, on_change(False) once it may no longer count on it.
         self.leases: dict[str, Lease] = {}
-        self._watched: PgStore | None = None
+        self._watched: StoreProtocol | None = None
         self._shipped: dict[int, int] = {}  # task id -> bytes of its log the database has
         self.epoch: int | None = None
         self.machine = ""  # this home's machine id (hosts.machine_id), read at join
@@ -137,7 +137,7 @@ class Member:
                         pass  # it runs out by itself
             conn.close()
 
-    def watch(self, store: PgStore) -> None:
+    def watch(self, store: StoreProtocol) -> None:
         """Guard the service's own connection (its loop waits on it): see _watchdog."""
         self._watched = store
 

@@ -5,6 +5,7 @@ and kills, deadlines, history trimming, clean and remove.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from types import EllipsisType
 
 from kugetsu.config.model import Config
 from kugetsu.config.units import format_duration
@@ -146,15 +147,15 @@ def describe_exit(code: int) -> str:
 
 
 def cancel(index: Index, task: Task, now: datetime, grace: float, reason: str = "cancelled") -> list[Event]:
-    """queued: cancelled at once. running: marked to stop; the caller sends SIGTERM to its
-    process group now and SIGKILL at `kill_at`; it becomes final when its process is gone."""
+    """queued: cancelled at once. running: marked to stop; the service sends SIGTERM to its
+    process group (step.tick) and SIGKILL at `kill_at`; it becomes final when its process is gone."""
     if task.state.final:
         raise UsageError(f"task {task.name} (#{task.id}) {_stands(task)}", code=1)
     if task.state is TaskState.QUEUED:
         index.queued.remove(task)
         task.reason = reason
         return [_close(index, task, TaskState.CANCELLED, now)]
-    unpause(task, now)  # the caller sends SIGCONT after the SIGTERM: a stopped process must run to end
+    unpause(task, now)  # the service sends SIGCONT after the SIGTERM: a stopped process must run to end
     _request_stop(task, TaskState.CANCELLED, reason, now, grace)
     return []
 
@@ -207,14 +208,17 @@ GUARD_RECHECK = 2.0  # seconds between resource readings while the guard holds q
 
 
 def policy_wakeups(index: Index, cfg: Config, now: datetime, resources: Resources | None,
-                   before: dict[str, datetime]) -> dict[str, datetime]:
+                   before: dict[str, datetime], release: datetime | None | EllipsisType = ...) -> dict[str, datetime]:
     """Wake-ups the scheduling policies need, beside next_deadline: when a rate limit that
     holds a task runs out (so it starts on time), and a fresh resource reading while the
-    guard holds. `before`: what the last call returned."""
+    guard holds. `before`: what the last call returned. `release`: next_release of this
+    index, when the caller has it already (step.Plan.release_at: the queue is played into
+    lanes once per tick)."""
     if not index.queued or free_slots(index, cfg) == 0:
         return {}
     jobs = {}
-    release = next_release(index, cfg, now)
+    if release is ...:
+        release = next_release(index, cfg, now)
     if release is not None:
         jobs["rate-limit"] = release
     if guard_hold(cfg, resources) is not None:

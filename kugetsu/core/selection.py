@@ -5,6 +5,7 @@ pauses, holds and groups; finding tasks by name or id.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from datetime import datetime
 from itertools import compress
@@ -122,12 +123,16 @@ def successor(index: Index, cfg: Config) -> Successor | None:
     return Successor(first, min(filter(None, [first.expires_at, *waits]), default=None))
 
 
-def start_order(index: Index, cfg: Config, now: datetime) -> list[Task]:
+def start_order(index: Index, cfg: Config, now: datetime, first: int | None = None) -> list[Task]:
     """Queued tasks in the order they will really start if nothing new arrives: the same
-    selection as plan_starts, played forward on a copy (policy.Board.drain)."""
+    selection as plan_starts, played forward on a copy (policy.Board.drain). `first`: only
+    that many, the first ones (a plain sort then picks them without sorting the rest)."""
     if simple_order(index, cfg):  # the same order, as a sort (property-tested against drain)
+        if first is not None and first < len(index.queued):
+            return heapq.nsmallest(first, index.queued, key=lambda t: task_key(cfg, t))  # = sorted()[:first]
         return sorted(index.queued, key=lambda t: task_key(cfg, t))
-    return Board(index, cfg, now).drain()
+    order = Board(index, cfg, now).drain()
+    return order if first is None else order[:first]
 
 
 def positions(index: Index, cfg: Config, now: datetime) -> dict[int, int]:

@@ -19,7 +19,7 @@ from kugetsu.core.models import Event, Index, Task, TaskState
 from kugetsu.core.placement import Here, ours
 from kugetsu.core.policy import Resources, memory_of, short_size
 from kugetsu.core.retries import conclude, held_events, progress, read_output, release_due
-from kugetsu.core.selection import next_release, starts_now
+from kugetsu.core.selection import free_slots, next_release, starts_now
 
 
 # ---- the step: what the service does with what it saw ----------------------------------
@@ -131,6 +131,7 @@ class Plan(msgspec.Struct, kw_only=True):
     gone: list[str] = []  # in a cluster: machines whose lease ran out (their tasks are lost now)
     set_aside: list[tuple[Task, Exception]] = []  # tasks failed because their handling raised (set_aside)
     wake_at: datetime | None = None  # the next moment something falls due
+    release_at: datetime | None = None  # when a policy that holds a task that could start lets go (release_at)
 
 
 def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
@@ -190,16 +191,27 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
                 # lost, or back in the queue when it has retries left (conclude)
                 plan.events += conclude(index, cfg, task, now, None, f"host {name} stopped answering (lease expired)")
     plan.signal_groups += [(t, 15) for t in timeouts_due(index, now, cfg.kill_grace_s) if ours(t, me)]
-    if here is not None:  # a stop asked for on another machine (cancel there): its SIGTERM is ours to send
-        plan.signal_groups += [(t, 15) for t in live.values() if t.run.stop is not None and t.run.pid is not None
-                               and t.run.ended_at is None and t.run.kill_at is not None and now < t.run.kill_at]
+    # A stop asked for by another process (a cancel, here or on another machine): its SIGTERM
+    # is the service's to send, once (the service remembers what it signalled).
+    plan.signal_groups += [(t, 15) for t in live.values() if t.run.stop is not None and t.run.pid is not None
+                           and t.run.ended_at is None and t.run.kill_at is not None and now < t.run.kill_at]
     plan.signal_groups += [(t, 9) for t in kills_due(index, now) if t.run.ended_at is None and ours(t, me)]
     settled = settle(index, cfg, now, obs.resources, here)
     plan.events += settled.events
     plan.archive = settled.archive
     plan.start = settled.start
-    plan.wake_at = min(filter(None, [next_deadline(index), next_release(index, cfg, now)]), default=None)
+    plan.release_at = release_at(index, cfg, now)
+    plan.wake_at = min(filter(None, [next_deadline(index), plan.release_at]), default=None)
     return plan
+
+
+def release_at(index: Index, cfg: Config, now: datetime) -> datetime | None:
+    """When a rate limit, a hold or a start time that holds a queued task runs out, while a
+    slot is free for it (with none free, the exit that frees one ticks anyway): the queue is
+    played into lanes (policy.Board) only then, not at every tick of a busy service."""
+    if not index.queued or free_slots(index, cfg) == 0:
+        return None
+    return next_release(index, cfg, now)
 
 
 def adopt(index: Index, now: datetime, found: list[Adopted], cfg: Config | None = None,

@@ -31,7 +31,7 @@ from kugetsu import agents
 
 from kugetsu.app import control, machines, recurring, transaction, worktrees
 
-from kugetsu.core import lifecycle, limits, placement, policy, retries, selection, skew, step
+from kugetsu.core import lifecycle, limits, placement, policy, retries, skew, step
 
 from kugetsu.service import runner, usage
 
@@ -42,6 +42,7 @@ from kugetsu.config.units import format_size
 from kugetsu.service.deadlines import DeadlineTimer, ScheduleJobs, new_scheduler
 from kugetsu.errors import DiskFull, KugetsuError, Unreachable
 from kugetsu.service.exits import Ending, Exits
+from kugetsu.service.fastpath import FastPath, HeldCommit
 from kugetsu.agents.report import Usage
 from kugetsu.core.models import Event, Index, Task, TaskState
 from kugetsu.core.lifecycle import GUARD_RECHECK
@@ -66,7 +67,7 @@ _FINAL_STATES = frozenset(s.value for s in TaskState if s.final)
 RECONCILE_EVERY = 5.0  # seconds: a safety net; exits and deadlines do not wait for it
 LOG_CHECK_EVERY = 2.0  # seconds between looks at the running agents' log sizes (log_max_size)
 USAGE_CHECK_EVERY = 1.0  # seconds between reads of the usage streaming agents report mid-run (budgets)
-COMMIT_DELAY = 0.02  # seconds an exit's transaction stays open for the exits that follow (_hold)
+COMMIT_DELAY = 0.02  # seconds an exit's transaction stays open for the exits that follow (fastpath.HeldCommit)
 RETRY_FIRST, RETRY_MAX = 0.1, 5.0  # seconds: backoff while transactions fail (a full disk)
 
 
@@ -81,8 +82,7 @@ class Service:
         self.failing: str | None = None  # why the last transaction failed, while it does
         self._retry: asyncio.TimerHandle | None = None
         self._retry_delay = RETRY_FIRST
-        self.successor: selection.Successor | None = None  # pm's pick for the next slot to free
-        self._released: int | None = None  # the successor, let go at an exit, until pm records it
+        self.fast = FastPath(home, self.procs, self.exits)  # the successor, let go early at an exit
         self.jobs: dict[str, datetime] = {}  # the policies' wake-ups (rate limit, guard re-check)
         self._reconcile_handle: asyncio.TimerHandle | None = None
         self.listeners: list[Callable[[list[Event]], None]] = []  # told of each transaction's events
@@ -92,13 +92,13 @@ class Service:
         self._last_now: datetime | None = None  # the clock of the last transaction committed (correct_clock)
         self._tick_pending = False
         self._first_tick = True
-        self.held: Txn | None = None  # a transaction kept open for a burst of exits (_hold)
-        self._flush_handle: asyncio.TimerHandle | None = None
+        # A transaction kept open for a burst of exits (fastpath.HeldCommit).
+        self.held = HeldCommit(self.store, lambda: self.loop, self._held_committed, self._failed)
         self._config_stamp: object = ...  # what config.json looked like when last read (... = never)
         self._stopping: asyncio.Event | None = None
         self._disk_check = True  # worktrees.max_disk: look at start, then whenever one is kept
         self.member: Member | None = None  # cluster mode: this machine's lease, wake-ups, shipped output
-        self._termed: set[int] = set()  # cluster mode: tasks whose stop this service has signalled
+        self._termed: set[int] = set()  # tasks whose stop this service has signalled (one SIGTERM each)
         self._watched_logs: dict[int, str] = {}  # this machine's agents' logs, for log_max_size
         # Budgets: each running run's usage so far, read from its stream, for the next tick.
         self._progress: dict[int, Usage] = {}
@@ -152,7 +152,7 @@ class Service:
             await self._stopping.wait()
             log.info("kugetsu service stopping; running agents keep running")
         finally:
-            self._flush()
+            self.held.flush()
             await self._stop_extensions()
             if self.member is not None:
                 await asyncio.to_thread(self.member.stop)
@@ -172,6 +172,11 @@ class Service:
             self.home.service_pid.unlink(missing_ok=True)
             os.close(lock_fd)
         return 0
+
+    @property
+    def here(self) -> str | None:
+        """This machine's name in a cluster (other machines' tasks are theirs); None: one machine."""
+        return self.member.name if self.member is not None else None
 
     def stop(self) -> None:
         if self._stopping is not None:
@@ -237,107 +242,116 @@ class Service:
     def tick(self, hold: bool = False) -> None:
         """One transaction that brings the world in line: gather what happened (exits,
         leftovers found, starts that no committed index records), let step.tick decide, carry
-        out its plan (spawn, signal), commit. `hold` (after an agent's exit): keep the
-        transaction open, lock and all, for COMMIT_DELAY, so that the exits that follow in a
-        burst share its commit (`_hold`)."""
+        out its plan (spawn, signal), commit, then act on what the commit made true. `hold`
+        (after an agent's exit): keep the transaction open, lock and all, for COMMIT_DELAY, so
+        that the exits that follow in a burst share its commit (fastpath.HeldCommit)."""
         self._tick_pending = False
         hold = hold and self.member is None  # a cluster's row lock is every machine's: never held
         # A held transaction already records every agent let go since the last commit (it let
         # them go): only a transaction read afresh, after a commit that failed, lacks them.
-        resumed = self.held is not None
-        txn = self._begin()
-        deferred = False
+        resumed = self.held.holding
+        txn = self.held.begin()
+        committed_running = {t.id for t in txn.index.active}
         try:
-            # Under the index lock, which `config set` holds while it writes config.json:
-            # read before it, a lowering of max_agents committed meanwhile was overshot.
-            config_changed = self._reload_config(txn)
-            cfg, index = self.cfg, txn.index
-            # Times a command wrote from a wrong clock, before anything is decided from them;
-            # against this service's previous transaction only while it has been up. Only an
-            # index another process wrote: what this service wrote is by its own clock.
-            wrong = None if txn.unchanged else skew.correct_clock(
-                index, cfg, txn.now, None if self._first_tick else self.index, self._last_now)
-            if wrong is not None:
-                index.clock_error = wrong
-                log.warning("clock error: %s", skew.describe_clock_error(wrong))
-            obs = step.Observations(resources=transaction.measure(cfg), measured=list(self.measured.values()))
-            committed_running = {t.id for t in index.active}
-            if self.member is not None:
-                self._observe_cluster(txn, obs)
-            here = self.member.name if self.member is not None else None
-            if not resumed:
-                # Only after a failed commit. Read into the held transaction, they came back as
-                # 'strays' once their task had ended in it: a SIGKILL per exit per tick for
-                # groups that were gone (21,120 for 200 tasks at 4 slots).
-                obs.adopted += self.procs.let_go_seen()
-            if self.exits.exited and txn.unchanged and not config_changed and self.failing is None:
-                self._release_successor(txn)
-            obs.exits = [self._with_output(self.exits.seen(t, self._first_tick), t) for t in list(index.active)
-                         if t.run.ended_at is None and t.run.pid is not None and placement.ours(t, here)
-                         and (t.id in self.exits.exited or not runner.alive(t.run.pid, t.run.pid_start))]
-            if self.cgroup_base is not None and obs.exits:
-                obs.measured += self._kernel_said(index, obs.exits)
-            if self.exits.endings or any(t.run.ended_at is not None for t in index.active):
-                obs.found = self.exits.look_for_leftovers(txn)
-            if self._first_tick:
-                obs.adopted += self.procs.recovered(txn)
-            if self.worktrees.closing and self.worktrees.record_closes(txn):
-                self._disk_check = True
-            obs.progress, self._progress = self._progress, {}
-            plan = step.tick(index, cfg, txn.now, obs)
-            for task, err in plan.set_aside:  # once: a task set aside is final
-                log.error("%s (#%d) set aside as failed: handling its end raised %s: %s; the other tasks go on",
-                          task.name, task.id, type(err).__name__, err, exc_info=err)
-            self._take(txn, plan)
-            if plan.gone:
-                self._declare_gone(txn, plan.gone)
-            if self.member is None:
-                # While commits fail, nothing new is let go: what starts is committed first.
-                while self.failing is None and self._spawn(txn, plan.start):
-                    plan.start = self._take(txn, step.settle(index, cfg, txn.now, obs.resources)).start
-            else:
-                # A cluster: only a start already committed as this machine's is spawned. Were
-                # it spawned before its commit, a commit lost with the connection would leave it
-                # queued in the database, for another machine to start a second time.
-                ready = [t for t in plan.start if t.id in committed_running]
-                deferred = len(ready) < len(plan.start)
-                if self.failing is None and self._spawn(txn, ready):
-                    self._take(txn, step.settle(index, cfg, txn.now, obs.resources, obs.here))
-                    deferred = True
-            if self._released is not None:
-                self._record_released(txn)
+            obs = self._gather(txn, resumed)
+            plan = step.tick(txn.index, self.cfg, txn.now, obs)
+            deferred = self._execute(txn, plan, obs, committed_running)
             if hold:
-                self._hold(txn)
+                self.held.hold(txn, COMMIT_DELAY)
             else:
-                self._cancel_flush()
-                self.store.commit(txn)
+                self.held.commit(txn)
                 self._commit_succeeded()
         except BaseException:
             self.store.abort()
             raise
+        self._after(txn, plan, hold, deferred)
+
+    def _gather(self, txn: Txn, resumed: bool) -> step.Observations:
+        """What happened since the last tick, as step.tick reads it: exits (the successor let go
+        first, when nothing else changed), leftovers found, starts no committed index records,
+        this machine's measurements and, in a cluster, every machine's lease."""
+        # Under the index lock, which `config set` holds while it writes config.json:
+        # read before it, a lowering of max_agents committed meanwhile was overshot.
+        config_changed = self._reload_config(txn)
+        cfg, index = self.cfg, txn.index
+        # Times a command wrote from a wrong clock, before anything is decided from them;
+        # against this service's previous transaction only while it has been up. Only an
+        # index another process wrote: what this service wrote is by its own clock.
+        wrong = None if txn.unchanged else skew.correct_clock(
+            index, cfg, txn.now, None if self._first_tick else self.index, self._last_now)
+        if wrong is not None:
+            index.clock_error = wrong
+            log.warning("clock error: %s", skew.describe_clock_error(wrong))
+        obs = step.Observations(resources=transaction.measure(cfg), measured=list(self.measured.values()))
+        if self.member is not None:
+            self._observe_cluster(txn, obs)
+        here = self.here
+        if not resumed:
+            # Only after a failed commit. Read into the held transaction, they came back as
+            # 'strays' once their task had ended in it: a SIGKILL per exit per tick for
+            # groups that were gone (21,120 for 200 tasks at 4 slots).
+            obs.adopted += self.procs.let_go_seen()
+        if self.exits.any_exited and txn.unchanged and not config_changed and self.failing is None:
+            self.fast.release(txn)
+        obs.exits = [self._with_output(self.exits.seen(t, self._first_tick), t) for t in list(index.active)
+                     if t.run.ended_at is None and t.run.pid is not None and placement.ours(t, here)
+                     and (self.exits.has_exited(t.id) or not runner.alive(t.run.pid, t.run.pid_start))]
+        if self.cgroup_base is not None and obs.exits:
+            obs.measured += self._kernel_said(index, obs.exits)
+        if self.exits.endings or any(t.run.ended_at is not None for t in index.active):
+            obs.found = self.exits.look_for_leftovers(txn)
+        if self._first_tick:
+            obs.adopted += self.procs.recovered(txn)
+        if self.worktrees.closing and self.worktrees.record_closes(txn):
+            self._disk_check = True
+        obs.progress, self._progress = self._progress, {}
+        return obs
+
+    def _execute(self, txn: Txn, plan: step.Plan, obs: step.Observations, committed_running: set[int]) -> bool:
+        """Carry out what must happen before the commit: the plan's events into the
+        transaction, machines gone, the starts spawned. Returns whether starts were deferred
+        to the next tick (a cluster spawns only what a commit made this machine's)."""
+        cfg, index = self.cfg, txn.index
+        for task, err in plan.set_aside:  # once: a task set aside is final
+            log.error("%s (#%d) set aside as failed: handling its end raised %s: %s; the other tasks go on",
+                      task.name, task.id, type(err).__name__, err, exc_info=err)
+        self._take(txn, plan)
+        if plan.gone:
+            self._declare_gone(txn, plan.gone)
+        deferred = False
+        if self.member is None:
+            # While commits fail, nothing new is let go: what starts is committed first.
+            while self.failing is None and self._spawn(txn, plan.start):
+                plan.start = self._take(txn, step.settle(index, cfg, txn.now, obs.resources)).start
+                plan.release_at = step.release_at(index, cfg, txn.now)  # a slot given again
+        else:
+            # A cluster: only a start already committed as this machine's is spawned. Were
+            # it spawned before its commit, a commit lost with the connection would leave it
+            # queued in the database, for another machine to start a second time.
+            ready = [t for t in plan.start if t.id in committed_running]
+            deferred = len(ready) < len(plan.start)
+            if self.failing is None and self._spawn(txn, ready):
+                self._take(txn, step.settle(index, cfg, txn.now, obs.resources, obs.here))
+                plan.release_at = step.release_at(index, cfg, txn.now)
+                deferred = True
+        unpicked = self.fast.unpicked(txn)
+        if unpicked is not None:
+            self._take(txn, unpicked)
+        return deferred
+
+    def _after(self, txn: Txn, plan: step.Plan, hold: bool, deferred: bool) -> None:
+        """After the commit (or while it is held): the signals the plan sends, the watches, the
+        deadline job, the warm wrappers of the next promotions, the periodic looks."""
         self.index = txn.index
         self._last_now = txn.now
-        self._released = None
-        self.successor = selection.successor(self.index, self.cfg)
+        here = self.here
+        self.fast.committed(self.index, self.cfg)
         self.exits.ticked()
         self.procs.forget_dropped()
         if self.worktrees.preparing:
             self.worktrees.drop_unwanted(self.index)
         self._first_tick = False
-        for task, sig in plan.signal_groups:
-            if sig == signal.SIGTERM and self.member is not None:
-                if task.id in self._termed:
-                    continue  # a stop asked for elsewhere is signalled once, not at every tick
-                self._termed.add(task.id)
-            runner.kill_group(task.run.pid, task.run.pid_start, signal.Signals(sig))
-            if sig == signal.SIGTERM:  # a task paused (pause TASK, SIGSTOP) acts on it once it runs again
-                runner.kill_group(task.run.pid, task.run.pid_start, signal.SIGCONT)
-        if self._termed:
-            self._termed &= {t.id for t in self.index.active}
-        for stray in plan.strays:
-            # Let go before a commit that failed, for a task final by now: it must not run on.
-            log.warning("task #%d was let go but is no longer queued or running; stopping it", stray.task)
-            runner.kill_group(stray.pid, stray.pid_start, signal.SIGKILL)
+        self._signal(plan)
         self.exits.signal_leftovers(plan, self.index)
         self.exits.sync_watches(self.index)
         if self.exits.unlooked(self.index):
@@ -346,9 +360,9 @@ class Service:
             # wake-up (the reconcile, up to 5 s on), so its end and the next start wait for
             # nothing.
             self.request_tick()
-        self._sync_jobs()
+        self._sync_jobs(plan.release_at)
         if self.member is None:  # in a cluster the next task may start on another machine
-            self.procs.sync_warm(self.index, self.cfg)
+            self.fast.warm(self.index, self.cfg)
         else:
             self.member.shipping({t.id: self.home.log(t.id) for t in self.index.active if t.host == self.member.name})
         self._watch_logs(here)
@@ -360,6 +374,29 @@ class Service:
             self._committed(txn.events)
         if deferred:
             self.request_tick()  # the starts this tick committed: spawned by the next one
+
+    def _signal(self, plan: step.Plan) -> None:
+        """The plan's signals to process groups. A stop's SIGTERM goes once per task, from this
+        service alone, on one machine as in a cluster (a cancel marks the task stopping and
+        wakes the service), then SIGCONT: a task paused (`pause TASK`, SIGSTOP to its whole
+        tree) acts on it once it runs again."""
+        for task, sig in plan.signal_groups:
+            if sig == signal.SIGTERM:
+                if task.id in self._termed:
+                    continue  # a stop asked for is signalled once, not at every tick
+                self._termed.add(task.id)
+            runner.kill_group(task.run.pid, task.run.pid_start, signal.Signals(sig))
+            if sig == signal.SIGTERM:
+                runner.kill_group(task.run.pid, task.run.pid_start, signal.SIGCONT)
+                if task.run.paused_s and task.token:  # was paused: what left its group was stopped too (off the loop)
+                    self.loop.run_in_executor(None, runner.signal_tree, task.run.pid, task.run.pid_start, task.token,
+                                              signal.SIGCONT)
+        if self._termed:
+            self._termed &= {t.id for t in self.index.active}
+        for stray in plan.strays:
+            # Let go before a commit that failed, for a task final by now: it must not run on.
+            log.warning("task #%d was let go but is no longer queued or running; stopping it", stray.task)
+            runner.kill_group(stray.pid, stray.pid_start, signal.SIGKILL)
 
     # ---- resources: measured use, limits (usage.py) ---------------------------------------
 
@@ -430,7 +467,7 @@ class Service:
 
     def _measure(self) -> None:
         self._measure_handle = None
-        here = self.member.name if self.member is not None else None
+        here = self.here
         tasks = {t.id: t.token for t in self.index.active if t.run.pid and t.token and placement.ours(t, here)}
         if self._measuring:
             return  # the last look has not finished (a loaded machine): the next one waits for it
@@ -576,45 +613,12 @@ class Service:
             self.worktrees.close_due = True
         return plan
 
-    # ---- held transactions: one commit for a burst of exits ---------------------------
+    # ---- after a commit ------------------------------------------------------------
 
-    def _begin(self) -> Txn:
-        """The held transaction, if there is one, else a new one."""
-        txn, self.held = self.held, None
-        if txn is None:
-            return self.store.begin()
-        txn.now = transaction.now()  # the same transaction, a moment later
-        return txn
-
-    def _hold(self, txn: Txn) -> None:
-        """Keep `txn` open until COMMIT_DELAY after the exit that opened it. Promotions do not
-        wait for it (the next agent is let go before any bookkeeping); what waits is the
-        commit, which is most of the service's work per task: with agents that end every few
-        ms, one commit per burst instead of one per exit. Meanwhile the lock is held (a CLI
-        command waits at most COMMIT_DELAY), so the index stays this service's own."""
-        txn.unchanged = True
-        self.held = txn
-        if self._flush_handle is None:
-            self._flush_handle = self.loop.call_later(COMMIT_DELAY, self._flush)
-
-    def _flush(self) -> None:
-        """Commit the held transaction."""
-        self._cancel_flush()
-        txn, self.held = self.held, None
-        if txn is None:
-            return
-        try:
-            self.store.commit(txn)
-        except Exception as err:
-            self._failed(err)  # what it let go is in let_go; exits are seen again
-            return
+    def _held_committed(self, txn: Txn) -> None:
+        """A held transaction reached the disk (fastpath.HeldCommit.flush)."""
         self._commit_succeeded()
         self._committed(txn.events)
-
-    def _cancel_flush(self) -> None:
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-            self._flush_handle = None
 
     def _committed(self, events: list[Event]) -> None:
         """After a commit: what reads the index from disk, and the listeners, see it now."""
@@ -658,54 +662,6 @@ class Service:
             log.error("%s\nKeeping the last valid config.", err)
         return True
 
-    def _release_successor(self, txn: Txn) -> None:
-        """An agent has exited and nothing changed since this service's last transaction: let
-        the task pm named for the next free slot (selection.successor) run its agent now, before the
-        bookkeeping of this transaction, which then records that very start. The write to
-        the warm wrapper's pipe comes first; reaping, the exit status and the new plan (about
-        0.2 ms of Python) after it. Still under the index lock, and only while the index is
-        the one this service committed: a cancel or a config change cannot slip in between."""
-        succ = self.successor
-        if succ is None or (succ.until is not None and txn.now >= succ.until):
-            return  # about to expire, or no answer that holds whichever task ended
-        warm = self.procs.warm.get(succ.task.id)
-        if warm is None or warm.gate is None:
-            return
-        # Only a slot that is truly free: each task that ended left nothing running (else it
-        # keeps its slot while that is ended, and the tick decides).
-        ended = [t for t in txn.index.active if t.id in self.exits.exited]
-        if not ended:
-            # A pidfd that fired late, for an agent a tick already booked (it saw the process
-            # gone before the callback ran): no slot is free, and the successor must wait.
-            return
-        for task in ended:
-            if task.run.pid not in self.procs.children or task.run.ended_at is not None:
-                return
-            self.procs.reap(task)
-            if self.exits.leftovers_possible(task):
-                return
-            self.exits.clean.add(task.id)
-        at = transaction.now()  # before the agent can run (see _spawn)
-        try:
-            runner.release(warm)
-        except OSError:  # the wrapper is gone: the tick starts the task afresh
-            return
-        self._released = succ.task.id
-        self.procs.let_go[succ.task.id] = LetGo(warm.pid, warm.start, at)
-
-    def _record_released(self, txn: Txn) -> None:
-        """selection.successor promises that the transaction starts the task let go early. Should
-        that promise ever break, its agent runs all the same: record it as running rather
-        than start it a second time later."""
-        task = next((t for t in txn.index.queued if t.id == self._released), None)
-        warm = self.procs.warm.pop(self._released, None) if task is not None else None
-        if task is None or warm is None:
-            return
-        log.error("%s (#%d) was let go early but not picked to start; recording it as running", task.name, task.id)
-        at = self.procs.let_go[task.id].at
-        self._take(txn, step.adopt(txn.index, txn.now, [step.Adopted(task.id, warm.pid, warm.start, at, str(self.home.log(task.id)))]))
-        self.procs.children[warm.pid] = warm.popen
-
     def _spawn(self, txn: Txn, tasks: list[Task]) -> bool:
         """Spawn the processes of running tasks that have none (pm's plan.start). Returns
         whether a task could not start (its slot is free again: pm settles once more)."""
@@ -721,11 +677,9 @@ class Service:
             cwd, env = workplace(task)
             if task.token is None:  # admitted by a kugetsu from before tokens
                 task.token = runner.new_token()
-            # Read before the agent is let go, never after: it may run (and stamp its own start)
-            # before spawn returns, and a recorded run must hold all of the agent's.
-            at = self.procs.let_go[task.id].at if task.id == self._released else transaction.now()
+            at = self.fast.start_time(task.id)  # before the agent is let go, never after
             try:
-                spawned = self.procs.start(task, cwd, env, released=task.id == self._released)
+                spawned = self.procs.start(task, cwd, env, released=self.fast.is_released(task.id))
             except OSError as err:
                 if err.errno in (errno.ENOSPC, errno.EDQUOT):
                     # Its exit file cannot be allocated: it must not start. The whole
@@ -738,12 +692,11 @@ class Service:
                 self._take(txn, step.Plan(events=step.start_failed(txn.index, task, txn.now, 127, f"could not start: {err}")))
                 freed = True
                 continue
-            self.procs.let_go[task.id] = LetGo(spawned.pid, spawned.start, at)
-            self.procs.children[spawned.pid] = spawned.popen
+            self.procs.started(task.id, spawned, at)
             task.run.pid, task.run.pid_start, task.log = spawned.pid, spawned.start, str(self.home.log(task.id))
             lifecycle.record_spawn(txn.index, task, at)
             if spawned.start is None:  # it exited before we could look at it
-                self.exits.exited.add(task.id)
+                self.exits.mark_exited(task.id)
         return freed
 
     # ---- cluster mode (docs/architecture.md §10) ------------------------------------------------
@@ -759,7 +712,7 @@ class Service:
         self.member = Member(cfg.store, host_name(cfg), slots, cfg.cluster.lease_s, self.home,
                              cfg.cluster.log_max_bytes, lambda: loop.call_soon_threadsafe(self.request_tick))
         self.member.start()
-        self.member.watch(self.store)  # type: ignore[arg-type]  (a PgStore in cluster mode)
+        self.member.watch(self.store)
         self.procs.host = self.exits.host = self.member.name
         from kugetsu.cluster.member import SCHEDULER_LEASE
 
@@ -786,7 +739,7 @@ class Service:
         lacks; first of all, if this machine was declared gone while it was away, fence."""
         member = self.member
         assert member is not None
-        with self.store.guarded() as conn:  # type: ignore[attr-defined]  (a PgStore: the transaction's connection)
+        with self.store.guarded() as conn:  # the transaction's connection
             obs.hosts = member.observe(conn)
             if member.fenced:
                 self._fence(txn)
@@ -819,7 +772,7 @@ class Service:
         from kugetsu.cluster import hosts
 
         log.warning("machine(s) %s stopped answering (lease expired): their running tasks are lost", ", ".join(names))
-        with self.store.guarded() as conn:  # type: ignore[attr-defined]
+        with self.store.guarded() as conn:
             hosts.mark_gone(conn, names)
 
     def _enforce_max_disk(self, cfg: Config) -> None:
@@ -831,11 +784,12 @@ class Service:
 
     # ---- watching processes and deadlines --------------------------------------------
 
-    def _sync_jobs(self) -> None:
+    def _sync_jobs(self, release: datetime | None) -> None:
         """Set the deadline job (deadlines.py) at the earliest moment anything falls due:
-        pm's deadlines (expiry, run timeouts, SIGKILL after the grace) and the policies'."""
+        pm's deadlines (expiry, run timeouts, SIGKILL after the grace) and the policies'
+        (`release`: the plan's, computed by step.tick from this very index)."""
         now = transaction.now()
-        self.jobs = lifecycle.policy_wakeups(self.index, self.cfg, now, transaction.measure(self.cfg), self.jobs)
+        self.jobs = lifecycle.policy_wakeups(self.index, self.cfg, now, transaction.measure(self.cfg), self.jobs, release)
         due = min(filter(None, [lifecycle.next_deadline(self.index), *self.jobs.values()]), default=None)
         self.timer.set(due, now)
         if self.index.schedules or self.schedule_jobs.rules:

@@ -56,6 +56,22 @@ class Exits:
         self.exited.clear()
         self.clean.clear()
 
+    def has_exited(self, task_id: int) -> bool:
+        """Has the task's pidfd fired since the last tick?"""
+        return task_id in self.exited
+
+    @property
+    def any_exited(self) -> bool:
+        return bool(self.exited)
+
+    def mark_exited(self, task_id: int) -> None:
+        """The task's agent is gone already (it exited before it could be looked at)."""
+        self.exited.add(task_id)
+
+    def mark_clean(self, task_id: int) -> None:
+        """The task's agent exited leaving nothing running (found at its early successor's release)."""
+        self.clean.add(task_id)
+
     def close(self) -> None:
         loop = asyncio.get_running_loop()
         for fd in self.watches.values():

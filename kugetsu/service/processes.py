@@ -72,6 +72,34 @@ class Processes:
         self.let_go.clear()
         self.returncodes.clear()
 
+    # ---- what the service records as it lets agents go ----------------------------------
+
+    def let_go_now(self, task_id: int, pid: int, start: int | None, at: datetime) -> None:
+        """An agent was let go (its warm wrapper released): no committed index records it yet."""
+        self.let_go[task_id] = LetGo(pid, start, at)
+
+    def let_go_at(self, task_id: int) -> datetime:
+        return self.let_go[task_id].at
+
+    def started(self, task_id: int, spawned: runner.Spawned, at: datetime) -> None:
+        """A wrapper this service spawned (or released) for a task runs its agent: reaped by
+        this service, and recorded as let go until a commit records it."""
+        self.let_go_now(task_id, spawned.pid, spawned.start, at)
+        self.adopt_child(spawned.popen)
+
+    def adopt_child(self, popen: subprocess.Popen[bytes]) -> None:
+        self.children[popen.pid] = popen
+
+    def spawned(self, pid: int | None) -> bool:
+        """Is `pid` a wrapper this service spawned and has not reaped yet?"""
+        return pid in self.children
+
+    def warm_of(self, task_id: int) -> runner.Spawned | None:
+        return self.warm.get(task_id)
+
+    def take_warm(self, task_id: int) -> runner.Spawned | None:
+        return self.warm.pop(task_id, None)
+
     def close(self) -> None:
         """The service stops: warm wrappers exit without running anything."""
         for warm in self.warm.values():
@@ -130,10 +158,11 @@ class Processes:
         promotion is then one write to a pipe, and no process is started while agents end
         in quick succession (task-spooler's waiting clients do the same). Who starts is still
         decided by pm in the tick; this only prepares the likely ones. Worktree tasks are not
-        warmed: their working directory only exists once they start."""
+        warmed: their working directory only exists once they start. The first ones are picked
+        without sorting the whole queue (start_order's `first`)."""
         want: list[Task] = []
         if index.queued and selection.free_slots(index, cfg) == 0:
-            order = selection.start_order(index, cfg, transaction.now())[:WARM_AHEAD]
+            order = selection.start_order(index, cfg, transaction.now(), WARM_AHEAD)
             want = [t for t in order if not t.repo and t.token and not (self.confine and limited(cfg, t))]
         wanted = {t.id for t in want}
         for task_id in [i for i in self.warm if i not in wanted]:

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -163,6 +163,21 @@ class StoreProtocol(Protocol):
         commits, for a waiter; None when the store has none (then it looks at `stamp`)."""
         ...
 
+    def guarded(self) -> AbstractContextManager[Any]:
+        """The store's connection, for statements beside the queue's (a cluster's hosts,
+        leases and log chunks), guarded: a lost connection is `Unreachable`, and a watchdog
+        can see how long a statement has waited (`waiting_for`). The file store has no such
+        tables: None."""
+        ...
+
+    def waiting_for(self) -> float:
+        """Seconds the statement under way has waited for its answer (0: none waits)."""
+        ...
+
+    def interrupt(self) -> None:
+        """Make the statement that waits fail at once (its connection is made afresh)."""
+        ...
+
 
 class Watch(Protocol):
     def fileno(self) -> int:
@@ -177,7 +192,8 @@ class Watch(Protocol):
 
 
 class Transactions:
-    """`transaction`, for a store that has begin, commit and abort (both stores)."""
+    """`transaction` for a store that has begin, commit and abort, and what of the protocol a
+    store without a connection has nothing to do for (both stores build on it)."""
 
     def begin(self, now: datetime | None = None) -> Txn:
         raise NotImplementedError
@@ -196,6 +212,17 @@ class Transactions:
         counts: what `capacity` needs. A store without a cheaper way reads the whole index."""
         index = self.read()
         return msgspec.structs.replace(index, queued=[], finished=[]), QueueCounts.of(index.queued, index.holds)
+
+    @contextmanager
+    def guarded(self) -> Iterator[Any]:
+        """No connection (the file store): nothing to guard. The cluster's store overrides it."""
+        yield None
+
+    def waiting_for(self) -> float:
+        return 0.0  # a file store's statements are system calls: none waits on a peer
+
+    def interrupt(self) -> None:
+        pass
 
     @contextmanager
     def transaction(self, now: datetime | None = None) -> Iterator[Txn]:
