@@ -72,7 +72,8 @@ def test_a_cluster_database_of_version_1_reads_its_runs_and_writes_version_2(req
     store = PgStore(pg_url)
     request.addfinalizer(store.close)
     doc = {**raw, "active": [], "queued": [], "finished": []}
-    rows = [(t["id"], lst, place, 1, t.get("state", "queued"), t["name"], None, json.dumps(t).encode())
+    # Each row as kugetsu wrote it (msgspec: compact), so a row left as it was reads back unchanged.
+    rows = [(t["id"], lst, place, 1, t.get("state", "queued"), t["name"], None, json.dumps(t, separators=(",", ":")).encode())
             for lst, part in enumerate(("active", "queued", "finished")) for place, t in enumerate(raw[part])]
     store.conn.execute("DELETE FROM kugetsu.tasks")
     for row in rows:
