@@ -11,7 +11,7 @@ from test_mcp import connect, start_http, text
 mcp = pytest.importorskip("mcp", reason="the MCP SDK is in the test extra: pip install -e '.[test]'")
 from mcp import Client  # noqa: E402
 from mcp.client.streamable_http import streamable_http_client  # noqa: E402
-from mcp.shared._httpx_utils import create_mcp_http_client  # noqa: E402
+import httpx2  # noqa: E402  (the SDK's HTTP client)
 
 
 def live(kg) -> list[dict]:
@@ -88,7 +88,11 @@ async def test_concurrent_sessions_of_one_server_are_all_admitted_at_distinct_po
     results: list = []
     try:
         async def session(k: int) -> None:
-            http = create_mcp_http_client(headers={"Authorization": f"Bearer {token}"})
+            # A connection a request: the server closes a kept-alive one whose next head has
+            # not come 5 s after the last response (guard.HEADER_TIMEOUT), which a client on
+            # a loaded machine can take, sending into a closing socket (ReadError).
+            http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=120,
+                                      limits=httpx2.Limits(max_keepalive_connections=0))
             async with Client(streamable_http_client(url, http_client=http), mode="legacy") as c:
                 async with anyio.create_task_group() as tg:  # each session's calls in flight at once too
                     for j in range(each):

@@ -156,11 +156,11 @@ def sessions_rate(n: int, sessions: int, http: bool) -> float:
                 import httpx2
                 from mcp.client.streamable_http import streamable_http_client
 
-                # Kept-alive connections expire here before the server closes them (5 s
-                # idle): a session idle while the others open would otherwise send its
-                # next call on a connection being closed (ReadError).
+                # A connection a request: the server closes a kept-alive one whose next head
+                # has not come 5 s after the last response (guard.HEADER_TIMEOUT), which a
+                # client on a loaded machine can take, sending into a closing socket.
                 http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120,
-                                          limits=httpx2.Limits(keepalive_expiry=1.0))
+                                          limits=httpx2.Limits(max_keepalive_connections=0))
                 transport: Any = streamable_http_client(url, http_client=http)
             else:
                 transport = StdioServerParameters(command=PY, args=["-m", "kugetsu", "mcp"], env=kg.env,
