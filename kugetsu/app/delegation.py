@@ -14,7 +14,7 @@ from kugetsu.app.reading import hosts_up
 from kugetsu.app.transaction import _locked, measure, now, settle
 from kugetsu.config.model import Config
 from kugetsu.core import admission, placement, selection
-from kugetsu.core.models import Task
+from kugetsu.core.models import Task, TaskState
 from kugetsu.errors import KugetsuError, UsageError
 from kugetsu.paths import Home
 from kugetsu.service import runner
@@ -60,12 +60,31 @@ class _NoneAdmitted(Exception):
     """Aborts a transaction in which every request was refused: a failed command writes nothing."""
 
 
-def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request]) -> list[Admission | KugetsuError]:
+class BatchRefused(KugetsuError):
+    """delegate_all: the request at `item` was refused (`error`, whose exit code it keeps), so
+    none was admitted."""
+
+    def __init__(self, item: int, error: KugetsuError):
+        super().__init__(f"tasks[{item}]: {error}", error.code)
+        self.item, self.error = item, error
+
+
+def delegate_all(home: Home, cfg: Config, reqs: list[admission.Request]) -> list[Admission]:
+    """Admit every request in one transaction, or none: the first one refused (bad input,
+    the queue full before the last) raises BatchRefused naming it, and nothing is written.
+    What a caller handing out a list (a PM agent's issues) can act on without sorting out
+    which went in."""
+    return delegate_many(home, cfg, reqs, atomic=True)  # type: ignore[return-value]
+
+
+def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request],
+                  atomic: bool = False) -> list[Admission | KugetsuError]:
     """Admit requests in one transaction (one read, one fsync'd write), each as `delegate`
     would one after the other, in order: the same checks, slots, positions and events. A
     request that is refused (bad input, queue full: KugetsuError) gets its error and the
-    others go on; any other failure (disk full) fails them all, writing nothing. A
-    long-lived front end (the MCP server) admits concurrent calls this way."""
+    others go on (atomic: BatchRefused, and none goes in); any other failure (disk full)
+    fails them all, writing nothing. A long-lived front end (the MCP server) admits
+    concurrent calls this way."""
     out: list[Admission | KugetsuError | None] = [None] * len(reqs)
     todo = []
     runs_on = _agents_path(home)
@@ -75,6 +94,8 @@ def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request]) -> lis
             _check_runnable(cfg, req, runs_on)
             _check_worktree(cfg, req)
         except KugetsuError as err:
+            if atomic:
+                raise BatchRefused(i, err) from None
             out[i] = err
             continue
         req.token = runner.new_token()
@@ -85,11 +106,20 @@ def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request]) -> lis
     try:
         with _locked(home) as (txn, cfg):
             settle(txn, cfg)
+            admitted: dict[int, Task] = {}
             for i in todo:
                 try:
-                    out[i] = _admit(home, txn, cfg, reqs[i])
+                    admitted[i] = _admit(home, txn, cfg, reqs[i])
                 except KugetsuError as err:
+                    if atomic:  # out of the transaction: it writes nothing
+                        raise BatchRefused(i, err) from None
                     out[i] = err
+            # Positions once all are in: a later one of the batch may go ahead of an earlier
+            # (priority), and one sort serves them all.
+            many = len(admitted) > 1 and any(t.state is TaskState.QUEUED for t in admitted.values())
+            positions = selection.positions(txn.index, cfg, txn.now) if many else None
+            for i, task in admitted.items():
+                out[i] = _admission(txn, cfg, task, positions)
             if not any(isinstance(a, Admission) for a in out):
                 raise _NoneAdmitted
     except _NoneAdmitted:
@@ -98,7 +128,7 @@ def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request]) -> lis
     return out  # type: ignore[return-value]
 
 
-def _admit(home: Home, txn: Txn, cfg: Config, req: admission.Request) -> Admission:
+def _admit(home: Home, txn: Txn, cfg: Config, req: admission.Request) -> Task:
     if admission.wants_prompt_file(cfg, req):
         req.prompt_path = str(home.prompt_file(txn.index.next_id))  # the id admit gives it
     task, events = admission.admit(txn.index, cfg, txn.now, req)
@@ -109,7 +139,16 @@ def _admit(home: Home, txn: Txn, cfg: Config, req: admission.Request) -> Admissi
     txn.emit(events)
     settle(txn, cfg)
     admission.started_at_once(events, task)  # still in the outbox: written with the commit
-    position = selection.position(txn.index, cfg, txn.now, task)
+    return task
+
+
+def _admission(txn: Txn, cfg: Config, task: Task, positions: dict[int, int] | None) -> Admission:
+    """What admitting `task` came to, as the transaction stands: its position (from
+    `positions` when given), why it waits."""
+    if positions is None or task.state is not TaskState.QUEUED or task.stashed_at is not None:
+        position = selection.position(txn.index, cfg, txn.now, task)
+    else:
+        position = positions.get(task.id)
     why = selection.waiting_for_one(txn.index, cfg, txn.now, task, measure(cfg)) if position else None
     if position and task.pinned_host is not None:
         why = placement.placement_note(task, hosts_up(cfg)) or why

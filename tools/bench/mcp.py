@@ -11,6 +11,18 @@ on a throw-away home with autostart off, so no service and no agent competes for
   mcp, sequential    one stdio client session (the SDK's own client, `python -m kugetsu
                      mcp`), N delegates of `true`, each awaited before the next (a PM agent)
   mcp, 8 in flight   the same session, 8 calls at a time
+  mcp, batch of 100  the same session, `delegate` with `tasks`: 100 tasks a call, one
+                     transaction each (a PM handing out its issues at once)
+  mcp, 32 in flight  the same session, 32 calls at a time: calls that arrive together
+                     share a transaction (group commit)
+  mcp, 32 sessions   32 sessions of one `kugetsu mcp --http` server (one process, as a
+                     team of agents shares it), each one call after the other, group
+                     commit across sessions. On a loaded machine the server's 5 s limit
+                     for a request's head (guard.HEADER_TIMEOUT, armed again after each
+                     response on a kept-alive connection) can close a session's connection
+                     under it (ReadError): the row is then left out, with the error
+  mcp, 32 stdio      32 stdio sessions, each its own `kugetsu mcp` process (each agent
+                     starting its own server): the processes take turns at the lock
   cli, sequential    `kugetsu delegate -- true`, one process after the other
   cli, 20 procs      20 processes delegating at once (tools/bench/run.py's admission row)
 
@@ -22,17 +34,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 
 HERE = Path(__file__).resolve().parent
 # This file is named like the SDK it drives: its folder (sys.path[0] when run) must not
-# shadow `mcp`; run.py is loaded by its path instead.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+# shadow `mcp`, so it goes last (after site-packages), where run.py finds its `common`;
+# run.py is loaded by its path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
 
 
 def _load_run():
@@ -52,37 +68,145 @@ def home(root: Path, n: int) -> Kg:
     return Kg(root, autostart=False, max_agents=1, max_queue=n + 100)
 
 
-def mcp_rate(n: int, in_flight: int) -> float:
+TOKEN = "kugetsu-bench-token-0123456789"
+
+
+def _admitted(results: list, expect: int) -> None:
+    failed = [r.content[0].text for r in results if r.is_error or not r.structured_content.get("admitted", True)]
+    assert not failed, failed[:3]
+    assert sum(len(r.structured_content.get("tasks") or [None]) for r in results) == expect
+
+
+def _check(kg: Kg, n: int) -> None:
+    index = kg.index()
+    ids = [t["id"] for t in index["active"] + index["queued"]]
+    assert len(ids) == len(set(ids)) == n, f"admission lost or duplicated tasks: {len(ids)} of {n}"
+
+
+def mcp_rate(n: int, in_flight: int, batch: int = 0) -> float | None:
+    """One stdio session; `batch` > 0: `delegate` with `tasks`, that many a call (None when
+    the server has no such argument: a kugetsu before it)."""
     from mcp import Client, StdioServerParameters
 
-    async def main() -> float:
+    async def main() -> float | None:
         with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
             kg = home(Path(tmp), n)
             params = StdioServerParameters(command=PY, args=["-m", "kugetsu", "mcp"], env=kg.env, cwd=tmp)
             async with Client(params, mode="legacy") as client:
                 first = await client.call_tool("delegate", {"command": ["true"]})  # warm: the first call's imports
                 assert not first.is_error, first.content
+                if batch:
+                    tools = {t.name: t for t in (await client.list_tools()).tools}
+                    if "tasks" not in tools["delegate"].input_schema["properties"]:
+                        return None
                 limit = anyio.Semaphore(in_flight)
-                failed = []
+                results: list = []
+                item = {"command": ["true"], "source": "bench"}
 
-                async def one() -> None:
+                async def one(k: int) -> None:
                     async with limit:
-                        r = await client.call_tool("delegate", {"command": ["true"], "source": "bench"})
-                        if r.is_error or not r.structured_content["admitted"]:
-                            failed.append(r.content[0].text)
+                        args = {"tasks": [item] * k} if batch else item
+                        results.append(await client.call_tool("delegate", args))
 
                 t0 = time.perf_counter()
                 async with anyio.create_task_group() as tg:
-                    for _ in range(n):
-                        tg.start_soon(one)
+                    for k in ([batch] * (n // batch) if batch else [1] * n):
+                        tg.start_soon(one, k)
                 wall = time.perf_counter() - t0
-            assert not failed, failed[:3]
-            index = kg.index()
-            ids = [t["id"] for t in index["active"] + index["queued"]]
-            assert len(ids) == len(set(ids)) == n + 1, "admission lost or duplicated tasks"
+            _admitted(results, n)
+            _check(kg, n + 1)
             return n / wall
 
     return anyio.run(main)
+
+
+def _http_server(kg: Kg) -> tuple[subprocess.Popen, str]:
+    """`kugetsu mcp --http` on a free port; its stderr goes to a file (a pipe nobody read
+    after the banner would stop the server once full)."""
+    env = {**kg.env, "KUGETSU_MCP_TOKEN": TOKEN}
+    log = kg.root / "mcp-http.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen([PY, "-m", "kugetsu", "mcp", "--http", "127.0.0.1:0"], env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if m := re.search(r"at (http://\S+/mcp)", log.read_text()):
+            return proc, m.group(1)
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"kugetsu mcp --http did not come up: {log.read_text()}")
+
+
+def sessions_rate(n: int, sessions: int, http: bool) -> float:
+    """`sessions` client sessions, each one call after the other, n tasks in all: of one
+    HTTP server, or each with its own stdio server process. The sessions' starts are not
+    counted: all are open before the clock starts."""
+    from mcp import Client, StdioServerParameters
+
+    each = n // sessions
+
+    async def main(kg: Kg, url: str | None) -> float:
+        ready, go, opening = [0], anyio.Event(), anyio.Lock()
+        ends: list[float] = []
+        results: list = []
+        item = {"command": ["true"], "source": "bench", "cwd": str(kg.root)}
+
+        async def session() -> None:
+            if url is not None:
+                import httpx2
+                from mcp.client.streamable_http import streamable_http_client
+
+                # A connection a request: the server closes a kept-alive one whose next head
+                # has not come 5 s after the last response (guard.HEADER_TIMEOUT), which a
+                # client on a loaded machine can take, sending into a closing socket.
+                http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120,
+                                          limits=httpx2.Limits(max_keepalive_connections=0))
+                transport: Any = streamable_http_client(url, http_client=http)
+            else:
+                transport = StdioServerParameters(command=PY, args=["-m", "kugetsu", "mcp"], env=kg.env,
+                                                  cwd=str(kg.root))
+            await opening.acquire()  # one at a time: 32 handshakes at once on 2 loaded cores fail
+            held = True
+            try:
+                async with Client(transport, mode="legacy") as c:
+                    r = await c.call_tool("capacity", {})  # warm: each session's (and server's) first call
+                    assert not r.is_error, r.content
+                    ready[0] += 1
+                    held = False
+                    opening.release()
+                    await go.wait()
+                    for _ in range(each):
+                        results.append(await c.call_tool("delegate", item))
+                    ends.append(time.perf_counter())
+            finally:
+                if held:
+                    opening.release()
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(sessions):
+                tg.start_soon(session)
+            while ready[0] < sessions:
+                await anyio.sleep(0.05)
+            t0 = time.perf_counter()
+            go.set()
+        _admitted(results, sessions * each)
+        return sessions * each / (max(ends) - t0)
+
+    with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
+        kg = home(Path(tmp), n)
+        proc, url = _http_server(kg) if http else (None, None)
+        try:
+            rate = anyio.run(main, kg, url)
+        except BaseException:
+            if proc is not None:  # what the server said about it
+                print((kg.root / "mcp-http.log").read_text()[-4000:], file=sys.stderr)
+            raise
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
+        _check(kg, sessions * each)
+        return rate
 
 
 def cli_rate(n: int, procs: int) -> float:
@@ -98,16 +222,27 @@ def cli_rate(n: int, procs: int) -> float:
 def measure(tasks: int, quick: bool) -> dict:
     load = os.getloadavg()[0]
     rounds = 1 if quick else 3
-    rows: dict[str, list[float]] = {"mcp, sequential": [], "mcp, 8 in flight": [], "cli, sequential": [],
+    rows: dict[str, list[float]] = {"mcp, sequential": [], "mcp, 8 in flight": [], "mcp, 32 in flight": [],
+                                    "mcp, batch of 100": [],
+                                    "mcp, 32 sessions": [], "mcp, 32 stdio": [], "cli, sequential": [],
                                     "cli, 20 procs": []}
     for _ in range(rounds):  # interleaved: a burst of load elsewhere falls on every row alike
         rows["mcp, sequential"].append(mcp_rate(tasks, 1))
         rows["mcp, 8 in flight"].append(mcp_rate(tasks, 8))
+        batched = mcp_rate(max(tasks, 1000) // 100 * 100, 1, batch=100)
+        if batched is not None:  # a kugetsu without batches (measuring the one before)
+            rows["mcp, batch of 100"].append(batched)
+        rows["mcp, 32 in flight"].append(mcp_rate(tasks, 32))
+        try:
+            rows["mcp, 32 sessions"].append(sessions_rate(max(tasks, 32 * 10), 32, http=True))
+        except Exception as err:  # noqa: BLE001 (see the docstring: a loaded machine)
+            print(f"mcp, 32 sessions: failed ({err!r}); see the docstring", file=sys.stderr)
+        rows["mcp, 32 stdio"].append(sessions_rate(max(tasks, 32 * 10), 32, http=False))
         rows["cli, sequential"].append(cli_rate(max(20, tasks // 10), 1))
         rows["cli, 20 procs"].append(cli_rate(100, 20))
     return {
         "tasks": tasks, "rounds": rounds, "cpus": os.cpu_count(), "load_at_start": load, "load_at_end": os.getloadavg()[0],
-        "tasks_per_s": {k: sorted(v)[len(v) // 2] for k, v in rows.items()}, "all": rows,
+        "tasks_per_s": {k: sorted(v)[len(v) // 2] for k, v in rows.items() if v}, "all": rows,
     }
 
 

@@ -177,6 +177,14 @@ class QueueOut(BaseModel):
     finished: list[TaskOut] | None = Field(None, description="the 20 latest finished tasks, latest first")
 
 
+class AdmittedOut(BaseModel):
+    """One task of a delegate call with `tasks`."""
+
+    task: TaskOut
+    message: str = Field(description="started NAME (#ID), slot N/M; or queued NAME (#ID), position N of M")
+    warning: OptStr = Field(description="what the CLI would warn (a prompt its command does not use)")
+
+
 class DelegateOut(BaseModel):
     """Admitted (started or queued) or rejected by admission (back-pressure, not an error)."""
 
@@ -189,6 +197,8 @@ class DelegateOut(BaseModel):
     message: str = Field(description="the result in one line: started NAME (#ID), slot N/M; queued ..., position N"
                          " of M; or rejected: why")
     advice: str = Field(description="what to do now (when rejected: back off, do not retry at once)")
+    tasks: list[AdmittedOut] | None = Field(None, description="with `tasks`: each one's admission, in the order"
+                                            " given (task is null then)")
 
 
 class CancelOut(BaseModel):

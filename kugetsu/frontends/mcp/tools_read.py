@@ -1,0 +1,98 @@
+"""The tools that only read: capacity, queue, status, logs, schedules. Each is the CLI's
+command through the same code: its structured content the CLI's --json, its text the
+CLI's lines."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from mcp.server import MCPServer
+from mcp.types import CallToolResult
+from pydantic import Field
+
+from kugetsu.app import control, machines, reading, recurring, transaction
+from kugetsu.core import selection
+from kugetsu.frontends import render
+from kugetsu.frontends.mcp.models import CapacityOut, LogsOut, QueueOut, SchedulesOut, TaskOut
+from kugetsu.frontends.mcp.tooling import READ_ONLY, TaskRef, answers, reply
+from kugetsu.paths import Home
+
+LOG_BYTES = 16 * 1024  # the logs tool's default cap
+LOG_BYTES_MAX = 1024 * 1024
+
+
+def register(server: MCPServer, home: Home) -> None:
+    answered = answers(home)
+
+    @server.tool(annotations=READ_ONLY)
+    @answered
+    def capacity() -> Annotated[CallToolResult, CapacityOut]:
+        """Slots and queue now: how many agents run (active), how many slots are free, how many
+        tasks wait (queued) and the queue's limit (max_queue). Call it before delegating a batch:
+        with free > 0 the next task starts at once; when queued reaches max_queue, delegate is
+        rejected, so send fewer or wait."""
+        cfg, index = reading.read(home)
+        control.ensure_service(home, cfg, index)
+        return reply(render.summary(selection.capacity(index, cfg, transaction.now())), reading.capacity_json(cfg, index))
+
+    @server.tool(annotations=READ_ONLY)
+    @answered
+    def queue(
+        finished: Annotated[bool, Field(description="also the 20 latest finished tasks")] = False,
+        group: Annotated[str | None, Field(description="only the tasks of this pool")] = None,
+        state: Annotated[list[str] | None, Field(description="only tasks in these states (queued, running, a final"
+                                                 " state, or finished for any final one)")] = None,
+        source: Annotated[str | None, Field(description="only the tasks this source delegated (e.g. your"
+                                            " own)")] = None,
+    ) -> Annotated[CallToolResult, QueueOut]:
+        """Every running task (slot, pid, elapsed time) and every queued one in the order they
+        will start: position 1 starts next, and `waiting_for` says why a task waits when it is
+        not simply behind others (a per-source or group limit, a rate limit, the resource guard).
+        group, state and source keep only the tasks that match, at their true positions."""
+        cfg, index = reading.read(home)
+        control.ensure_service(home, cfg, index)
+        keep = selection.task_filter(group, state, source)
+        view = reading.listing(cfg, index, finished=finished, home=home, keep=None if keep == selection.TaskFilter() else keep)
+        return reply(render.queue_text(view, control.service_pid(home) is not None), reading.queue_json(view, home))
+
+    @server.tool(annotations=READ_ONLY)
+    @answered
+    def status(task: TaskRef) -> Annotated[CallToolResult, TaskOut]:
+        """One task in full: state (queued, running, succeeded, failed, cancelled, expired, lost),
+        its position while queued, exit code and the reason it ended, its log file, its worktree
+        branch."""
+        cfg, index = reading.read(home)
+        control.ensure_service(home, cfg, index)
+        obj = reading.status_json(home, index, cfg, selection.find(index, task))
+        return reply(render.task_lines(obj), obj)
+
+    @server.tool(annotations=READ_ONLY)
+    @answered
+    def logs(
+        task: TaskRef,
+        lines: Annotated[int | None, Field(ge=0, description="only the last N lines (default: as much as"
+                                           " max_bytes allows)")] = None,
+        max_bytes: Annotated[int, Field(ge=1, le=LOG_BYTES_MAX, description="read at most this many bytes from"
+                                        " the end of the log")] = LOG_BYTES,
+        raw: Annotated[bool, Field(description="the agent's structured output (JSON lines) as it is, not as"
+                                   " text")] = False,
+    ) -> Annotated[CallToolResult, LogsOut]:
+        """The end of a task's output (its agent's stdout and stderr), bounded: the last `lines`
+        lines within the last `max_bytes` bytes (16 KiB by default). Read it when a task
+        failed, before you retry it or fix the issue yourself. A queued task has no output yet."""
+        cfg, index = reading.read(home)
+        found = selection.find(index, task)
+        obj = machines.log_json(home, cfg, found, lines, max_bytes, raw)
+        shown = obj["text"] if obj["size"] else f"(no output yet: {found.name} is {found.state.value})"
+        return reply(shown, obj)
+
+    @server.tool(annotations=READ_ONLY)
+    @answered
+    def schedules() -> Annotated[CallToolResult, SchedulesOut]:
+        """The recurring schedules (`kugetsu schedule add`): each one's rule (cron or every),
+        when it fires next, the task its last firing delegated and how that task stands or
+        ended, and what its last firing did (skipped while its task still ran, not delegated
+        because the queue was full). Each firing delegates a task named NAME-YYYYmmdd-HHMMSS."""
+        cfg, index = reading.read(home)
+        rows = recurring.schedules_json(cfg, index)
+        return reply(render.schedules_table(rows, transaction.now()), {"schedules": rows})
