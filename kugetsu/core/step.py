@@ -193,8 +193,10 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
     plan.signal_groups += [(t, 15) for t in timeouts_due(index, now, cfg.kill_grace_s) if ours(t, me)]
     # A stop asked for by another process (a cancel, here or on another machine): its SIGTERM
     # is the service's to send, once (the service remembers what it signalled).
-    plan.signal_groups += [(t, 15) for t in live.values() if t.run.stop is not None and t.run.pid is not None
-                           and t.run.ended_at is None and t.run.kill_at is not None and now < t.run.kill_at]
+    # (`live` was read before the exits above: a task sent back to the queue since has no run.)
+    plan.signal_groups += [(t, 15) for t in live.values() if t.run is not None and t.run.stop is not None
+                           and t.run.pid is not None and t.run.ended_at is None and t.run.kill_at is not None
+                           and now < t.run.kill_at]
     plan.signal_groups += [(t, 9) for t in kills_due(index, now) if t.run.ended_at is None and ours(t, me)]
     settled = settle(index, cfg, now, obs.resources, here)
     plan.events += settled.events
