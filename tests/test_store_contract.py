@@ -390,4 +390,4 @@ def test_what_differs_between_one_machine_and_a_cluster_is_asked_of_the_store(ma
     assert (standing is not None) == clustered == (a.machine_rows() is not None)
     if standing is not None:
         assert isinstance(standing[0], datetime) and isinstance(standing[1], list)
-    assert a.mirror_log(1, tmp_path / "mirror.log") == clustered
+    assert (a.mirror_log(1, Home(tmp_path / "home")) is not None) == clustered

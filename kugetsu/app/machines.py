@@ -80,5 +80,4 @@ def log_path(home: Home, cfg: Config, task: Task) -> Path:
     by this call: a follower calls it again for more)."""
     if task.host is None or task.host == host_name(cfg):
         return home.log(task.id)
-    path = home.mirror_log(task.id)
-    return path if store_of(cfg, home).mirror_log(task.id, path) else home.log(task.id)
+    return store_of(cfg, home).mirror_log(task.id, home) or home.log(task.id)

@@ -40,6 +40,7 @@ from kugetsu.cluster.hosts import HostRow
 from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, errors, process_tag, redact
 from kugetsu.errors import FileError
 from kugetsu.core.models import INDEX_VERSION, Event, Index, Task, check_index, decode_task, upgrade, with_flat_run
+from kugetsu.paths import Home
 from kugetsu.store.protocol import Since, Transactions, Txn, encoder, held, index_decoder, mark_writer
 
 _event_decoder = msgspec.json.Decoder(Event)
@@ -396,10 +397,11 @@ class PgStore(Transactions):
         with self.guarded() as conn:
             return hosts.rows(conn)
 
-    def mirror_log(self, task: int, path: Path) -> bool:
+    def mirror_log(self, task: int, home: Home) -> Path:
+        path = home.mirror_log(task)
         with self.guarded() as conn:
             logs.mirror(conn, task, path)
-        return True
+        return path
 
     def history(self) -> list[bytes]:
         rows = self._execute("SELECT body FROM kugetsu.history ORDER BY id").fetchall()

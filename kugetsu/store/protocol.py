@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from kugetsu.core.models import ClockMark, Event, Index, QueueCounts, QueuedBrief, Task
+from kugetsu.paths import Home
 
 if TYPE_CHECKING:  # the cluster's tables are read by its store only (psycopg is not light)
     from kugetsu.cluster.hosts import HostRow
@@ -203,9 +204,10 @@ class StoreProtocol(Protocol):
         None: a store of one machine."""
         ...
 
-    def mirror_log(self, task: int, path: Path) -> bool:
-        """Bring `path`, the local mirror of a task's output that another machine shipped, up
-        to what the store has; False: the store ships no logs (each log is where it ran)."""
+    def mirror_log(self, task: int, home: Home) -> Path | None:
+        """The local mirror of a task's output that another machine shipped (in `home`),
+        brought up to what the store has; None: the store ships no logs (each log is where
+        its task ran)."""
         ...
 
     def waiting_for(self) -> float:
@@ -270,8 +272,8 @@ class Transactions:
     def machine_rows(self) -> list[HostRow] | None:
         return None
 
-    def mirror_log(self, task: int, path: Path) -> bool:
-        return False  # each task's log is on the machine it ran on: this one
+    def mirror_log(self, task: int, home: Home) -> Path | None:
+        return None  # each task's log is on the machine it ran on: this one
 
     def waiting_for(self) -> float:
         return 0.0  # a file store's statements are system calls: none waits on a peer
