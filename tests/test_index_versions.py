@@ -9,7 +9,7 @@ import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
-from kugetsu.app import stats
+from kugetsu.store import history
 
 FIXTURE = Path(__file__).parent / "index_v1"
 
@@ -48,7 +48,7 @@ def test_a_version_1_index_reads_and_is_written_as_version_2(kg):
     assert after["paused"] and after["active"] == before["active"] and after["finished"] == before["finished"]
     assert [{**t, "waiting_for": None} for t in after["queued"]] == [{**t, "waiting_for": None} for t in before["queued"]]
     # A version-1 line of history.jsonl (never rewritten) keeps its run too.
-    archived = stats.history_since(kg.home, datetime(2000, 1, 1, tzinfo=timezone.utc))
+    archived = history.history_since(kg.home, datetime(2000, 1, 1, tzinfo=timezone.utc))
     assert [(t.name, t.run and t.run.pid, t.run and t.run.slot) for t in archived] == [("archived", 40001, 1)]
 
 

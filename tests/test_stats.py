@@ -15,6 +15,7 @@ from kugetsu.app import stats
 from kugetsu.config.model import Config
 from kugetsu.core.models import Event, Index, Run, Task, TaskState
 from kugetsu.paths import Home, atomic_write
+from kugetsu.store import history
 from kugetsu.store.protocol import encode_index
 
 UTC = timezone.utc
@@ -214,14 +215,14 @@ def write_home(home: Home, base: datetime, rotate_at: int | None = None) -> None
 def test_reader_returns_the_window_across_a_rotation(tmp_path, rotate_at):
     home = Home(tmp_path / "home")
     write_home(home, NOW, rotate_at)
-    events, prior = stats.events_since(home, NOW - timedelta(hours=1))
+    events, prior = history.events_since(home, NOW - timedelta(hours=1))
     assert [e.seq for e in events] == list(range(4, 28))  # from #10's queued at 11:00 on
     assert prior == 2  # the max_agents that the 11:30 change replaced, set at 10:00
-    assert [t.id for t in stats.history_since(home, NOW - timedelta(hours=1))] == [2]
+    assert [t.id for t in history.history_since(home, NOW - timedelta(hours=1))] == [2]
     # A torn last line (a crash mid-append) is skipped, and the rest read.
     with open(home.events, "ab") as f:
         f.write(b'{"seq":28,"type":"sta')
-    assert [e.seq for e in stats.events_since(home, NOW - timedelta(hours=1))[0]][-1] == 27
+    assert [e.seq for e in history.events_since(home, NOW - timedelta(hours=1))[0]][-1] == 27
 
 
 def bytes_read() -> int:
@@ -242,8 +243,8 @@ def test_reader_never_reads_what_lies_before_the_window(tmp_path):
             f.seek(1 << 30)
             f.write(b"\n" + data)
     before = bytes_read()
-    events, _ = stats.events_since(home, NOW - timedelta(hours=1))
-    archived = stats.history_since(home, NOW - timedelta(hours=1))
+    events, _ = history.events_since(home, NOW - timedelta(hours=1))
+    archived = history.history_since(home, NOW - timedelta(hours=1))
     assert bytes_read() - before < 1 << 20
     assert len(events) == 24 and [t.id for t in archived] == [2]
 
@@ -251,8 +252,8 @@ def test_reader_never_reads_what_lies_before_the_window(tmp_path):
 def test_prior_max_agents_is_looked_for_only_a_bounded_way_back(tmp_path, monkeypatch):
     home = Home(tmp_path / "home")
     write_home(home, NOW)
-    monkeypatch.setattr(stats, "PRIOR_LOOKBACK", 50)  # less than the events between 10:00 and 11:00
-    assert stats.events_since(home, NOW - timedelta(hours=1))[1] is None
+    monkeypatch.setattr(history, "PRIOR_LOOKBACK", 50)  # less than the events between 10:00 and 11:00
+    assert history.events_since(home, NOW - timedelta(hours=1))[1] is None
 
 
 # ---- the command ---------------------------------------------------------------------------

@@ -367,3 +367,27 @@ def test_a_machine_reads_only_what_another_changed_also_when_a_task_went(request
         fresh = PgStore(pg_url)
         assert _lists(fresh.read()) == _lists(here.read()) and seen[0] == _lists(here.read())[0]
         fresh.close()
+
+
+def test_what_differs_between_one_machine_and_a_cluster_is_asked_of_the_store(make_store, request, tmp_path):
+    """`kugetsu stats` reads its window, `hosts` and `doctor` the machines, `logs` a shipped log
+    through the store: the front ends do not branch on the mode."""
+    a = make_store()
+    start = datetime.now(timezone.utc) - timedelta(minutes=1)
+    _admit(a, 2)
+    with a.transaction() as txn:
+        done = txn.index.queued.pop(0)
+        done.state, done.finished_at = TaskState.CANCELLED, txn.now
+        txn.archive.append(done)
+        txn.emit([Event(type="cancelled", at=txn.now, task=done.id, name=done.name)])
+    window = a.since(start)
+    assert [(e.type, e.task) for e in window.events] == [("queued", 1), ("queued", 2), ("cancelled", 1)]
+    assert [t.id for t in window.archived] == [1]
+    later = a.since(datetime.now(timezone.utc) + timedelta(minutes=1))
+    assert (later.events, later.archived) == ([], [])
+    clustered = request.node.callspec.params["make_store"] == "postgresql"
+    standing = a.machines(30.0)
+    assert (standing is not None) == clustered == (a.machine_rows() is not None)
+    if standing is not None:
+        assert isinstance(standing[0], datetime) and isinstance(standing[1], list)
+    assert (a.mirror_log(1, Home(tmp_path / "home")) is not None) == clustered

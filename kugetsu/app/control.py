@@ -35,7 +35,7 @@ def wake(home: Home, cfg: Config | None = None, index: Index | None = None, mess
         return False
     # In a cluster the machines that run agents run `kugetsu serve` (docs/architecture.md §10): a
     # command on any other machine must not make it one, and the database wakes the others.
-    if cfg is not None and cfg.autostart and cfg.store is None and (index is None or index.live()):
+    if cfg is not None and cfg.autostart and not cfg.clustered and (index is None or index.live()):
         try:
             # A new service replaces whatever sits at the socket's path (it holds the lock).
             if start_service(home) is not None or sent is False:

@@ -12,6 +12,7 @@ from kugetsu.config.model import Config
 from kugetsu.core.models import Task
 from kugetsu.errors import NotClustered
 from kugetsu.paths import Home
+from kugetsu.store.files import store_of
 
 
 # ---- cluster -----------------------------------------------------------------------------
@@ -20,15 +21,12 @@ from kugetsu.paths import Home
 def hosts(home: Home) -> list[dict[str, Any]]:
     """`kugetsu hosts`: every machine of the cluster, its slots, running tasks, last heartbeat."""
     cfg = load_config(home)
-    if cfg.store is None:
+    store = store_of(cfg, home)
+    standing = store.machines(cfg.cluster.lease_s)
+    if standing is None:
         raise NotClustered("`kugetsu hosts`")
-    from kugetsu.cluster import hosts as H
-    from kugetsu.store.postgres import store_for
-
-    store = store_for(cfg.store)
+    t, machines = standing
     index = store.read()
-    with store.guarded() as conn:
-        t, machines = H.standing(conn, cfg.cluster.lease_s)
     out = []
     for row, state in machines:
         running = [x for x in index.active if x.host == row.name]
@@ -80,12 +78,6 @@ def log_path(home: Home, cfg: Config, task: Task) -> Path:
     """Where this machine reads a task's output: its log, or in a cluster, for a task that ran
     on another machine, the local mirror of what that machine shipped (brought up to date
     by this call: a follower calls it again for more)."""
-    if cfg.store is None or task.host is None or task.host == host_name(cfg):
+    if task.host is None or task.host == host_name(cfg):
         return home.log(task.id)
-    from kugetsu.cluster import logs
-    from kugetsu.store.postgres import store_for
-
-    path = home.mirror_log(task.id)
-    with store_for(cfg.store).guarded() as conn:
-        logs.mirror(conn, task.id, path)
-    return path
+    return store_of(cfg, home).mirror_log(task.id, home) or home.log(task.id)

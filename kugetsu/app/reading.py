@@ -18,7 +18,7 @@ from kugetsu.core import selection, step
 from kugetsu.core.models import TASK_DEFAULTS, Index, QueueCounts, Task, TaskState
 from kugetsu.paths import Home
 from kugetsu.service import runner
-from kugetsu.store.files import open_store
+from kugetsu.store.files import open_store, store_of
 
 
 # ---- reading -----------------------------------------------------------------------------
@@ -74,7 +74,7 @@ def listing(cfg: Config, index: Index, finished: bool = False, home: Home | None
         latest = list(reversed(done[-20:]))
     here = cluster_host(cfg)
     view = selection.queue_view(index, cfg, t, measure(cfg))
-    if cfg.store is not None and any(x.pinned_host for x in view.queued):
+    if cfg.clustered and any(x.pinned_host for x in view.queued):
         view = selection.with_placement(view, hosts_up(cfg))
     if keep is not None:
         view = selection.filter_view(view, keep)
@@ -96,12 +96,8 @@ def measured(home: Home | None, cfg: Config, index: Index) -> dict[int, step.Mea
 
 def hosts_up(cfg: Config) -> set[str]:
     """Cluster mode: the machines whose lease holds now."""
-    assert cfg.store is not None
-    from kugetsu.cluster import hosts as H
-    from kugetsu.store.postgres import store_for
-
-    with store_for(cfg.store).guarded() as conn:
-        return {row.name for row, state in H.standing(conn, cfg.cluster.lease_s)[1] if state == "up"}
+    standing = store_of(cfg).machines(cfg.cluster.lease_s)
+    return set() if standing is None else {row.name for row, state in standing[1] if state == "up"}
 
 
 def queue_json(listed: Listing, home: Home | None = None, known: Mapping[int, str] | None = None) -> dict[str, Any]:

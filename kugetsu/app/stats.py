@@ -29,23 +29,19 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-import msgspec
-
 from kugetsu.agents.report import Usage
 from kugetsu.config.model import Config
 from kugetsu.config.load import host_name as config_host
-from kugetsu.core.models import Event, Index, Task, decode_task
+from kugetsu.core.models import Event, Index, Task
 from kugetsu.paths import Home
-from kugetsu.store.events import events_newest_first, lines_backwards
+from kugetsu.store.files import store_of
+from kugetsu.store.history import max_agents_change, max_agents_value
 
 FINAL = ("succeeded", "failed", "cancelled", "expired", "lost")
 RAN = ("succeeded", "failed", "lost")  # final states only a task that ran can reach
 BY = ("source", "agent", "group", "host", "day")
 DEFAULT_WINDOW = 24 * 3600.0
 LONGEST_SHOWN = 5
-# Past the window's start, how far back the reader may look for the max_agents that the
-# window's first `config` change replaced (its event records only the new value).
-PRIOR_LOOKBACK = 1 << 20
 
 
 def host_name() -> str:
@@ -54,47 +50,6 @@ def host_name() -> str:
 
 
 # ---- reading, bounded by the window ---------------------------------------------------
-
-
-
-
-def events_since(home: Home, start: datetime) -> tuple[list[Event], int | None]:
-    """The events at or after `start`, oldest first; and, when a `config` event of the window
-    changed max_agents, the value in force at `start` if the event before it is found within
-    PRIOR_LOOKBACK bytes (else None). Events are appended in seq order and their `at` never
-    goes back against seq, so the first older event ends the read."""
-    out: list[Event] = []
-    changed = False
-    beyond: int | None = None  # bytes read past the window's start, looking for that value
-    for event, size in events_newest_first(home):
-        if beyond is None and event.at >= start:
-            out.append(event)
-            changed = changed or _max_agents_change(event)
-            continue
-        if not changed:
-            return out[::-1], None
-        if _max_agents_change(event):
-            return out[::-1], _max_agents_value(event)
-        beyond = (beyond or 0) + size
-        if beyond > PRIOR_LOOKBACK:
-            return out[::-1], None
-    return out[::-1], None
-
-
-def history_since(home: Home, start: datetime) -> list[Task]:
-    """Archived tasks (history.jsonl) that finished at or after `start`. Tasks are archived
-    in the order they finished, so the first older line ends the read; a line repeated by a
-    crash counts once (the last one, as every reader of the archive does)."""
-    out: dict[int, Task] = {}
-    for line in lines_backwards(home.history):
-        try:
-            task = decode_task(line)  # a line of either index version
-        except (msgspec.DecodeError, RecursionError):
-            continue  # a line torn by a crash
-        if task.finished_at is not None and task.finished_at < start:
-            break
-        out.setdefault(task.id, task)
-    return list(out.values())
 
 
 @dataclass
@@ -116,13 +71,8 @@ class Window:
 
 def load(home: Home, cfg: Config, index: Index, seconds: float, now: datetime) -> Window:
     start = now - timedelta(seconds=seconds)
-    if cfg.store is not None:  # a cluster: events and history are rows of the database
-        from kugetsu.store.postgres import store_for
-
-        store = store_for(cfg.store)
-        return Window(start, now, cfg, index, store.events_since(start), store.history_since(start), None)
-    events, prior = events_since(home, start)
-    return Window(start, now, cfg, index, events, history_since(home, start), prior)
+    read = store_of(cfg, home).since(start)  # the files read backwards, or a cluster's rows
+    return Window(start, now, cfg, index, read.events, read.archived, read.max_agents_at_start)
 
 
 # ---- the pure part ---------------------------------------------------------------------
@@ -301,7 +251,7 @@ def available_slot_seconds(events: list[Event], start: datetime, now: datetime, 
     """max_agents integrated over [start, now]: the value of each `config` change of
     max_agents from its moment on. Before the window's first change, the value it replaced
     (`at_start`, when the reader found it); unknown, the value that change set."""
-    changes = [(e.at, _max_agents_value(e)) for e in events if _max_agents_change(e) and start <= e.at <= now]
+    changes = [(e.at, max_agents_value(e)) for e in events if max_agents_change(e) and start <= e.at <= now]
     if not changes:
         return cfg.max_agents * (now - start).total_seconds()
     total, t, level = 0.0, start, at_start if at_start is not None else changes[0][1]
@@ -311,21 +261,14 @@ def available_slot_seconds(events: list[Event], start: datetime, now: datetime, 
     return total + level * (now - t).total_seconds()
 
 
-def _max_agents_change(e: Event) -> bool:
-    return e.type == "config" and e.key == "max_agents"
-
-
-def _max_agents_value(e: Event) -> int:
-    value = e.value
-    return value if isinstance(value, int) and not isinstance(value, bool) else Config().max_agents  # unset: default
 
 
 def summarise(window: Window, by: str | None = None, host: str | None = None) -> dict[str, Any]:
     """The report of `kugetsu stats --json`."""
     start, now, cfg = window.start, window.now, window.cfg
-    host = host or (config_host(cfg) if cfg.store else host_name())
+    host = host or (config_host(cfg) if cfg.clustered else host_name())
     # Where a task that carries no host ran: here on one machine; in a cluster it never started.
-    nowhere = "-" if cfg.store else host
+    nowhere = "-" if cfg.clustered else host
     seconds = (now - start).total_seconds()
     available = available_slot_seconds(window.events, start, now, cfg, window.max_agents_at_start)
     recs = records(window.events, window.tasks, start)

@@ -15,12 +15,12 @@ from datetime import datetime
 import msgspec
 
 from kugetsu.cluster.db import connect, redact
-from kugetsu.store.postgres import INSERT_EVENTS, INSERT_HISTORY, UPSERT_PROMPT, PgStore, _task_decoder, event_rows
+from kugetsu.store.postgres import INSERT_EVENTS, INSERT_HISTORY, UPSERT_PROMPT, PgStore, event_rows
 from kugetsu.config.load import read_raw, save_raw, validate
 from kugetsu.config.model import LOCAL_KEYS
 from kugetsu.app.control import service_holds_lock
 from kugetsu.errors import KugetsuError, UsageError
-from kugetsu.core.models import Index
+from kugetsu.core.models import Index, decode_task
 from kugetsu.paths import Home, atomic_write
 from kugetsu.store.files import Store
 from kugetsu.store.protocol import encode_index, encoder
@@ -89,7 +89,7 @@ def _history_lines(home: Home) -> list[tuple[int, datetime | None, bytes]]:
                 if not line:
                     continue
                 try:
-                    task = _task_decoder.decode(line)
+                    task = decode_task(line, old=False)  # its id and finish time: the same in both versions
                 except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
                     continue  # a line torn by a crash
                 out.append((task.id, task.finished_at, line))

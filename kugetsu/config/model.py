@@ -391,6 +391,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     memory_reserve: str | int = "1GiB"
     resources: ResourcesConfig = msgspec.field(default_factory=ResourcesConfig)
 
+    @property
+    def clustered(self) -> bool:
+        """Whether this machine is one of a cluster (config `store` names its database): the
+        one predicate the pure rules ask (placement, admission, selection); what else differs
+        between one machine and a cluster the store answers (store/protocol.py)."""
+        return self.store is not None
+
     def __post_init__(self) -> None:
         if self.store is not None and not re.match(r"^postgres(ql)?://", self.store):
             raise ValueError(f"store must be a PostgreSQL URL (postgresql://user@host/db), not {redact_url(self.store)!r}")

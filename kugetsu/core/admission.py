@@ -273,7 +273,7 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
         raise UsageError(f"invalid priority {req.priority!r}; choose one of {', '.join(PRIORITIES)}")
     if req.group is not None and req.group not in cfg.groups:
         raise UnknownGroup(req.group, sorted(cfg.groups))
-    if req.pinned_host is not None and cfg.store is None:
+    if req.pinned_host is not None and not cfg.clustered:
         raise NotClustered("a task pinned to a host")
     if req.pinned_host is not None and not valid_host(req.pinned_host):
         raise InvalidHost(req.pinned_host)
@@ -382,7 +382,7 @@ def declared(cfg: Config, req: Request, agent: str | None) -> tuple[int | None, 
         cap = cfg.groups[req.group].max_agents
         raise UsageError(f"a task of {slots} slots could never start in group {req.group}, which has {cap}")
     need = memory if memory is not None else cfg.resources.default_memory_bytes
-    if need and cfg.store is None and need > (budget := cfg.memory_budget):
+    if need and not cfg.clustered and need > (budget := cfg.memory_budget):
         raise UsageError(f"a task of {short_size(need)} could never start: max_memory is {short_size(budget)};"
                          " declare less memory, or raise max_memory")
     return memory, max_procs, slots

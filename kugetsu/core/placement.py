@@ -53,7 +53,7 @@ def candidates(index: Index, here: Here) -> Index:
 def starts_anywhere(cfg: Config, here: Here | None) -> bool:
     """Whether this transaction may start tasks: always on one machine; in a cluster only a
     machine's service, for itself (a CLI anywhere cannot know where a task can run)."""
-    return cfg.store is None or here is not None
+    return not cfg.clustered or here is not None
 
 
 def ours(task: Task, host: str | None) -> bool:
@@ -74,7 +74,7 @@ def handed_over(cfg: Config, free: int) -> str | None:
     """Why a task admitted in a cluster with a slot free is queued: a CLI starts nothing
     there (starts_anywhere), a machine's service starts it a moment later. None on one
     machine, or when no slot is free (then it waits like any other)."""
-    if cfg.store is None or free <= 0:
+    if not cfg.clustered or free <= 0:
         return None
     return "a machine to start it (a slot is free: within a moment)"
 

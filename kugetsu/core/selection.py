@@ -102,7 +102,7 @@ def successor(index: Index, cfg: Config) -> Successor | None:
     waiting for its time that sorts before it bounds `until`."""
     if (
         not index.queued
-        or cfg.store is not None  # a cluster: the next slot may free on another machine
+        or cfg.clustered  # a cluster: the next slot may free on another machine
         or index.paused
         or len(index.active) != cfg.max_agents
         or cfg.resource_guard.enabled

@@ -23,7 +23,7 @@ from kugetsu.config.units import format_duration, format_size
 from kugetsu.errors import KugetsuError, Unreachable
 from kugetsu.core.models import Index
 from kugetsu.paths import Home, read_file
-from kugetsu.store.files import open_store
+from kugetsu.store.files import open_store, store_at
 
 DISK_MIN = 64 << 20  # free bytes below which the home's disk is a problem (a tenth of a small disk)
 CLOCK_SLACK = 5.0  # seconds a recorded time may lie ahead of the clock (another machine, NTP slew)
@@ -47,7 +47,7 @@ def run(home: Home, env: dict[str, str] | None = None) -> list[Check]:
     checks = [_home(home)]
     url = store_url(home)
     if url is not None:  # cluster mode: the database first, everything else depends on it
-        checks.append(_cluster(url))
+        checks.append(_cluster(home, url))
     cfg, cfg_check = _config(home)
     checks.append(cfg_check)
     index, index_check = _index(home)
@@ -92,16 +92,13 @@ def _home(home: Home) -> Check:
     return Check("home", True, f"{root}, mode {mode:04o}{note}")
 
 
-def _cluster(url: str) -> Check:
+def _cluster(home: Home, url: str) -> Check:
     """Cluster mode: the database answers, and how its machines stand."""
-    from kugetsu.cluster import hosts as H
     from kugetsu.cluster.db import redact
-    from kugetsu.store.postgres import store_for
     from kugetsu.errors import Unreachable
 
     try:
-        with store_for(url).guarded() as conn:
-            rows = H.rows(conn)
+        rows = store_at(home, url).machine_rows() or []
     except Unreachable as err:
         return Check("cluster", False, str(err).split(". Running agents")[0],
                      "start PostgreSQL (or reach it: network, firewall), or fix the URL:"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kugetsu.core.models import Event
 from kugetsu.paths import Home, nofollow, read_file
-from kugetsu.store.files import decode_events
+from kugetsu.store.protocol import decode_events
 
 _CHUNK = 1 << 16
 

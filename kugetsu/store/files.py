@@ -28,14 +28,14 @@ import msgspec
 
 from kugetsu.config.explain import describe_decode_error
 from kugetsu.config.load import store_url
+from kugetsu.config.model import Config
 from kugetsu.errors import DiskFull, FileError
 from kugetsu.core.models import INDEX_VERSION, Event, Index, QueueCounts, check_index, upgrade
-from kugetsu.store.protocol import (StoreProtocol, Transactions, Txn, decode_head, encode_index, encoder, held,
-                                    index_decoder, mark_writer)
+from kugetsu.store.protocol import (Since, StoreProtocol, Transactions, Txn, decode_events, decode_head, encode_index,
+                                    encoder, held, index_decoder, mark_writer)
 from kugetsu.paths import Home, atomic_write, open_file, read_file, read_tail
 
 
-_event_decoder = msgspec.json.Decoder(Event)
 _Decoded = TypeVar("_Decoded", Index, tuple[Index, QueueCounts])
 log = logging.getLogger("kugetsu.store")  # the name its lines had before the store became a package
 _stores: dict[str, Store] = {}  # open_store's file Stores of the main thread, by home
@@ -44,8 +44,20 @@ _stores: dict[str, Store] = {}  # open_store's file Stores of the main thread, b
 def open_store(home: Home) -> StoreProtocol:
     """The store of this home: the cluster's database when config `store` (or KUGETSU_STORE)
     names one, else the file store."""
-    url = store_url(home)
+    return store_at(home, store_url(home))
+
+
+def store_of(cfg: Config, home: Home | None = None) -> StoreProtocol:
+    """The store a loaded config names (without reading the config again). `home` is needed
+    for the file store only: a caller without one asks what only a cluster has."""
+    return store_at(home, cfg.store)
+
+
+def store_at(home: Home | None, url: str | None) -> StoreProtocol:
+    """The cluster's database at `url`, or (None) this home's file store."""
     if url is None:
+        if home is None:
+            raise ValueError("the file store is a home's: a caller without one asks what only a cluster has")
         # The main thread keeps one Store per home: a brief CLI command keeps what it
         # committed to its fast exit instead of freeing it task by task, and a process that
         # commits again skips decoding its own last write. Other threads (a server's worker
@@ -169,6 +181,13 @@ class Store(Transactions):
         return events[-count:]
 
     # ---- writing -------------------------------------------------------------------
+
+    def since(self, start: datetime) -> Since:
+        """events.jsonl and history.jsonl read backwards to `start` (store/history.py)."""
+        from kugetsu.store import history  # `kugetsu stats` only
+
+        events, prior = history.events_since(self.home, start)
+        return Since(events, history.history_since(self.home, start), prior)
 
     def begin(self, now: datetime | None = None) -> Txn:
         """Lock and load: a transaction that `commit` or `abort` ends. Between the two the lock
@@ -449,17 +468,6 @@ def _append_events(path: os.PathLike[str], events: list[Event]) -> None:
         os.write(fd, data)
     finally:
         os.close(fd)
-
-
-def decode_events(data: bytes) -> list[Event]:
-    """The events of events.jsonl lines; a line torn by a crash is skipped."""
-    events = []
-    for line in data.splitlines():
-        try:
-            events.append(_event_decoder.decode(line))
-        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
-            continue  # a line torn by a crash mid-append; its event is still in the outbox
-    return events
 
 
 def _last_seq(home: Home) -> int:

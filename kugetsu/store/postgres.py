@@ -29,18 +29,21 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import psycopg
 
+from kugetsu.cluster import hosts, logs
+from kugetsu.cluster.hosts import HostRow
 from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, errors, process_tag, redact
 from kugetsu.errors import FileError
 from kugetsu.core.models import INDEX_VERSION, Event, Index, Task, check_index, decode_task, upgrade, with_flat_run
-from kugetsu.store.protocol import Transactions, Txn, encoder, held, index_decoder, mark_writer
+from kugetsu.paths import Home
+from kugetsu.store.protocol import Since, Transactions, Txn, encoder, held, index_decoder, mark_writer
 
 _event_decoder = msgspec.json.Decoder(Event)
-_task_decoder = msgspec.json.Decoder(Task)
 INSERT_EVENTS = "INSERT INTO kugetsu.events (seq, task, at, body) VALUES (%s, %s, %s, %s)"
 INSERT_HISTORY = "INSERT INTO kugetsu.history (id, finished_at, body) VALUES (%s, %s, %s)"
 _VALUES = re.compile(r"VALUES (\(%s(?:, %s)*\))")
@@ -378,6 +381,27 @@ class PgStore(Transactions):
         rows = self._execute("SELECT body FROM kugetsu.history WHERE finished_at >= %s ORDER BY id",
                              (start,)).fetchall()
         return list({t.id: t for t in (decode_task(bytes(r[0])) for r in rows)}.values())
+
+    def since(self, start: datetime) -> Since:
+        """The window's events and archived tasks are rows; max_agents at its start is not
+        looked for (the rows of a config change record only the new value)."""
+        return Since(self.events_since(start), self.history_since(start), None)
+
+    # ---- the cluster's machines and shipped logs (beside the queue) -------------------------
+
+    def machines(self, lease_s: float) -> tuple[datetime, list[tuple[HostRow, str]]]:
+        with self.guarded() as conn:
+            return hosts.standing(conn, lease_s)
+
+    def machine_rows(self) -> list[HostRow]:
+        with self.guarded() as conn:
+            return hosts.rows(conn)
+
+    def mirror_log(self, task: int, home: Home) -> Path:
+        path = home.mirror_log(task)
+        with self.guarded() as conn:
+            logs.mirror(conn, task, path)
+        return path
 
     def history(self) -> list[bytes]:
         rows = self._execute("SELECT body FROM kugetsu.history ORDER BY id").fetchall()

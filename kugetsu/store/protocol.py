@@ -13,11 +13,18 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
 from kugetsu.core.models import ClockMark, Event, Index, QueueCounts, QueuedBrief, Task
+from kugetsu.paths import Home
+
+if TYPE_CHECKING:  # the cluster's tables are read by its store only (psycopg is not light)
+    from kugetsu.cluster.hosts import HostRow
+
+    Standing = tuple[datetime, list[tuple[HostRow, str]]]
 
 
 class IndexFile(Index, forbid_unknown_fields=True):
@@ -42,6 +49,7 @@ head_decoder = msgspec.json.Decoder(IndexHeadFile)
 _briefs_decoder = msgspec.json.Decoder(list[QueuedBrief])
 encoder = msgspec.json.Encoder()
 held = threading.local()
+_event_decoder = msgspec.json.Decoder(Event)
 
 
 def encode_index(index: Index) -> bytes:
@@ -60,6 +68,17 @@ def decode_head(data: bytes) -> tuple[Index, QueueCounts]:
         briefs = _briefs_decoder.decode(b"[" + b",".join(bytes(r) for r in head.queued) + b"]")
         return index, QueueCounts.of(briefs, index.holds)
     return index, QueueCounts(queued=len(head.queued))
+
+
+def decode_events(data: bytes) -> list[Event]:
+    """The events of events.jsonl lines; a line torn by a crash is skipped."""
+    events = []
+    for line in data.splitlines():
+        try:
+            events.append(_event_decoder.decode(line))
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
+            continue  # a line torn by a crash mid-append; its event is still in the outbox
+    return events
 
 
 _writer: list[str] = []
@@ -170,6 +189,27 @@ class StoreProtocol(Protocol):
         tables: None."""
         ...
 
+    def since(self, start: datetime) -> Since:
+        """What `kugetsu stats` reads of a window [start, now]: the events and the archived
+        tasks at or after `start`, and max_agents at `start` when known."""
+        ...
+
+    def machines(self, lease_s: float) -> Standing | None:
+        """The cluster's machines with how each stands (up, silent, gone) by the database's
+        clock, which is returned too; None: a store of one machine, which has no others."""
+        ...
+
+    def machine_rows(self) -> list[HostRow] | None:
+        """The cluster's machines as they are recorded, without judging their leases (`doctor`);
+        None: a store of one machine."""
+        ...
+
+    def mirror_log(self, task: int, home: Home) -> Path | None:
+        """The local mirror of a task's output that another machine shipped (in `home`),
+        brought up to what the store has; None: the store ships no logs (each log is where
+        its task ran)."""
+        ...
+
     def waiting_for(self) -> float:
         """Seconds the statement under way has waited for its answer (0: none waits)."""
         ...
@@ -177,6 +217,14 @@ class StoreProtocol(Protocol):
     def interrupt(self) -> None:
         """Make the statement that waits fail at once (its connection is made afresh)."""
         ...
+
+
+class Since(msgspec.Struct, frozen=True):
+    """A stats window as a store read it (StoreProtocol.since)."""
+
+    events: list[Event]
+    archived: list[Task]
+    max_agents_at_start: int | None = None  # unknown: the value the window's first change set
 
 
 class Watch(Protocol):
@@ -217,6 +265,15 @@ class Transactions:
     def guarded(self) -> Iterator[Any]:
         """No connection (the file store): nothing to guard. The cluster's store overrides it."""
         yield None
+
+    def machines(self, lease_s: float) -> Standing | None:
+        return None  # one machine: no cluster to stand in
+
+    def machine_rows(self) -> list[HostRow] | None:
+        return None
+
+    def mirror_log(self, task: int, home: Home) -> Path | None:
+        return None  # each task's log is on the machine it ran on: this one
 
     def waiting_for(self) -> float:
         return 0.0  # a file store's statements are system calls: none waits on a peer

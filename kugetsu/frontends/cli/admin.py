@@ -43,9 +43,9 @@ def cmd_config(home: Home, args: argparse.Namespace) -> int:
             print(f"{args.key} removed")
         else:
             print(f"{args.key} = {to_json(C.mask_secrets(get_value(cfg, args.key), args.key))}")
-        if C.applies_at_start(args.key) and (cfg.store is not None or control.service_holds_lock(home)):
-            which = "each machine's service reads" if cfg.store else "the running service read"
-            _say(f"kugetsu: note: {which} {args.key} when it starts: restart {'each' if cfg.store else 'it'} to apply"
+        if C.applies_at_start(args.key) and (cfg.clustered or control.service_holds_lock(home)):
+            which = "each machine's service reads" if cfg.clustered else "the running service read"
+            _say(f"kugetsu: note: {which} {args.key} when it starts: restart {'each' if cfg.clustered else 'it'} to apply"
                  " (`kugetsu shutdown && kugetsu serve --detach`)", file=sys.stderr)
         return OK
     cfg = load_config(home)

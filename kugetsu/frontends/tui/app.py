@@ -167,13 +167,13 @@ class Dashboard(App[None]):
                 self.error = None
                 self.notify("the files read cleanly again", title="recovered")
         self.service_pid = control.service_pid(self.home)
-        self.measured = reading.measured(self.home, self.cfg, self.index) if self.cfg.store is None else {}
+        self.measured = reading.measured(self.home, self.cfg, self.index) if not self.cfg.clustered else {}
         self._show()
 
     def _stamps_now(self) -> dict[str, object]:
         """What tells that the index, the config or the events changed since the last look."""
         row = self.store.stamp()  # index.json's identity, or the cluster's queue row's version
-        if self.cfg.store is None:
+        if not self.cfg.clustered:
             return {"index": row, "config": _stamp(self.home.config), "events": _stamp(self.home.events)}
         # A cluster: the row's version stands for all three (events and the shared config are
         # committed with it).
