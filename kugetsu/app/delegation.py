@@ -142,6 +142,12 @@ def _admit(home: Home, txn: Txn, cfg: Config, req: admission.Request) -> Task:
     return task
 
 
+def admit_in(home: Home, txn: Txn, cfg: Config, req: admission.Request) -> Admission:
+    """Admit one checked request inside a transaction the caller holds (a schedule's firing,
+    which records itself in the same commit): the task and what its admission came to."""
+    return _admission(txn, cfg, _admit(home, txn, cfg, req), None)
+
+
 def _admission(txn: Txn, cfg: Config, task: Task, positions: dict[int, int] | None) -> Admission:
     """What admitting `task` came to, as the transaction stands: its position (from
     `positions` when given), why it waits."""

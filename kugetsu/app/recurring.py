@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 
 from kugetsu.app.control import wake
-from kugetsu.app.delegation import _admit, _agents_path, _check_request, _check_runnable, _check_worktree, Admission
+from kugetsu.app.delegation import admit_in, _agents_path, _check_request, _check_runnable, _check_worktree, Admission
 from kugetsu.app.reading import read
 from kugetsu.app.transaction import _locked, now, settle
 from kugetsu.config.model import Config
@@ -110,7 +110,7 @@ def fire_schedule(home: Home, name: str, at: datetime | None = None) -> Firing |
         elif why is None:
             req.name = schedules.free_name(txn.index, req.name or "")
             try:
-                adm = _admit(home, txn, cfg, req)  # its prompt is kept with this commit (txn.prompts)
+                adm = admit_in(home, txn, cfg, req)  # its prompt is kept with this commit (txn.prompts)
             except KugetsuError as err:
                 out.note = schedules.refused(err)
             else:

@@ -153,6 +153,10 @@ class ScheduleJobs:
                 continue
             first = rules.missed(sched, now) if missed == "one" and self.catch_up else None
             extra = {"next_run_time": first} if first is not None else {}
+            if self.catch_up and (lost := rules.missed(sched, now)) is not None:
+                # Said once, at the start: what the service found missed while it was down.
+                log.info("schedule %s: missed firings since %s: %s", name, lost.isoformat(timespec="seconds"),
+                         "one runs now (schedule_missed one)" if first is not None else "skipped (schedule_missed skip)")
             self.scheduler.add_job(self._run, trigger, args=(name,), id=PREFIX + name, replace_existing=True,
                                    name=PREFIX + name, **JOB_DEFAULTS, **extra)
             self.rules[name] = rule
