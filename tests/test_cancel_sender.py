@@ -58,6 +58,6 @@ def test_a_cancel_from_a_process_in_the_callers_place_leaves_the_signal_to_the_s
 
     rec, service = _recording(kg)
     (task,) = verbs.cancel(kg.home, ["held"], reason="cancelled by a test")  # returns at once
-    assert task.stop is not None
+    assert task.run is not None and task.run.stop is not None
     wait_for(lambda: kg.task("held")["state"] == "cancelled", timeout=10, what="the cancel to be final")
     assert _senders(rec) == [service]

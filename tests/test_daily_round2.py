@@ -345,9 +345,12 @@ def test_delegate_in_a_cluster_says_a_machine_starts_it_when_a_slot_is_free(tmp_
 
 def test_retry_of_a_task_whose_dependency_failed_waits_for_the_dependencys_retry(kg):
     kg.config(max_agents=2)
-    flag = kg.rec / "fixed"
-    # impl fails until `fixed` exists; review runs after it.
-    kg.ok("delegate", "impl", "--", "sh", "-c", f"sleep 0.3; test -e {flag}")
+    flag, gate = kg.rec / "fixed", kg.rec / "gate"
+    # impl fails until `fixed` exists, then succeeds once `gate` does (so that its retry is
+    # still running when review's retry is admitted, however slow the machine); review runs
+    # after it.
+    kg.ok("delegate", "impl", "--", "sh", "-c",
+          f'sleep 0.3; test -e {flag} || exit 1; while [ ! -e {gate} ]; do sleep 0.05; done')
     kg.delegate("review", 0, 0, "--after", "impl")
     assert kg.wait_state("review", "cancelled")["reason"] == "dependency impl failed"
     r = kg.run("retry", "review")  # impl has not run again: review could never start
@@ -357,6 +360,7 @@ def test_retry_of_a_task_whose_dependency_failed_waits_for_the_dependencys_retry
     kg.ok("retry", "impl")
     out = kg.ok("retry", "review")
     assert "waiting for: impl" in out, out
+    gate.touch()
     kg.wait_state("#4", "succeeded")
     assert kg.task("#4")["after"] == [3]
     assert kg.times("review")["start"] >= datetime_of(kg.task("#3")["finished_at"])
