@@ -77,12 +77,12 @@ async def test_p_pauses_and_resumes_the_selected_running_task(tmp_path):
     app = app_for(home)
     async with app.run_test(size=(80, 24)) as pilot:
         await press_on(pilot, "running", 5, "p")
-        assert task(home, 5).paused_at is not None and "paused issue-17 (#5)" in notes(app)
+        assert task(home, 5).run.paused_at is not None and "paused issue-17 (#5)" in notes(app)
         assert "paused" in [str(c) for c in app.query_one("#running", TaskTable).get_row("5")]
         await until(pilot, lambda: "p resume" in footer(app), what="the footer to offer resume")
         await pilot.press("p")
         await settled(pilot)
-        assert task(home, 5).paused_at is None and "resumed issue-17 (#5)" in notes(app)
+        assert task(home, 5).run.paused_at is None and "resumed issue-17 (#5)" in notes(app)
 
 
 async def test_shift_p_pauses_the_queue_and_the_header_says_so(tmp_path):

@@ -83,13 +83,13 @@ _ORPHANS = """
 import json, subprocess, sys
 from datetime import datetime, timezone
 from kugetsu.service.exits import Exits
-from kugetsu.core.models import Task
+from kugetsu.core.models import Run, Task
 from kugetsu.paths import Home
 from kugetsu.service.processes import Processes
 from kugetsu.service.runner import TOKEN_VAR
 
 exits = Exits(Processes(Home(sys.argv[1]), lambda ids: {}), lambda: None, lambda: None)
-task = Task(id=1, name="t", command=["true"], cwd="/", created_at=datetime.now(timezone.utc), token="tok-1")
+task = Task(id=1, name="t", command=["true"], cwd="/", created_at=datetime.now(timezone.utc), token="tok-1", run=Run())
 seen = {"none": exits.leftovers_possible(task)}
 for label, env in (("another's", {"PATH": "/bin", TOKEN_VAR: "tok-2"}), ("no token", {"PATH": "/bin"}),
                    ("its token", {TOKEN_VAR: "tok-1"}), ("blank", {})):
