@@ -30,7 +30,7 @@ from kugetsu.config.explain import describe_decode_error
 from kugetsu.config.load import store_url
 from kugetsu.config.model import Config
 from kugetsu.errors import DiskFull, FileError
-from kugetsu.core.models import INDEX_VERSION, Event, Index, QueueCounts, check_index, upgrade
+from kugetsu.core.models import INDEX_VERSION, Event, Index, QueueCounts, Task, check_index, upgrade
 from kugetsu.store.protocol import (Since, StoreProtocol, Transactions, Txn, decode_events, decode_head, encode_index,
                                     encoder, held, index_decoder, mark_writer)
 from kugetsu.paths import Home, atomic_write, open_file, read_file, read_tail
@@ -84,6 +84,17 @@ class Store(Transactions):
         # The index this Store last committed, with its bytes: a long-lived writer (the
         # service) skips decoding a file that is byte for byte what it wrote.
         self._committed: tuple[bytes, Index] | None = None
+        # What that index was when committed (_Snapshot): a transaction on it that changed
+        # nothing is found without encoding the queue, and writes nothing.
+        self._snapshot: _Snapshot | None = None
+        self._began: _Snapshot | None = None  # the snapshot of the transaction under way
+        # Each queued task of the last committed index with its bytes in index.json (by id();
+        # the task is kept, so the id stays its own): a commit on that same index encodes the
+        # tasks assigned to since (_stale) and joins the rest. An index decoded afresh (a
+        # one-shot CLI command's, the service's after another writer) is encoded whole.
+        self._chunks: dict[int, bytes] = {}
+        self._cached: list[Task] = []
+        self._warm = False  # the transaction under way is on the index this Store committed
         self._lock_fd: int | None = None  # index.lock, open and locked while a transaction runs
 
     # ---- reading (no lock) ---------------------------------------------------------
@@ -201,8 +212,11 @@ class Store(Transactions):
             # Taken out while the transaction runs: a failed one may leave the object half
             # changed, and it must never be reused.
             reuse, self._committed = self._committed, None
+            snapshot, self._snapshot = self._snapshot, None
             index, before = self._load(reuse)
             unchanged = reuse is not None and index is reuse[1]
+            self._began = snapshot if unchanged else None
+            self._warm = unchanged
             if not unchanged:
                 _keep_counters_ahead(self.home, index, before)
             self._recover_outbox(index)
@@ -215,7 +229,15 @@ class Store(Transactions):
         """Write what the transaction changed, and let go of the lock. A disk that is full
         raises DiskFull, and the index on disk is the one before the transaction."""
         try:
-            self._committed = (self._commit(txn), txn.index)
+            began, self._began = self._began, None
+            if began is not None and not (txn.prompts or txn.archive or txn.events) and began.same(txn.index):
+                # Nothing changed: nothing encoded, nothing written (the service's safety-net
+                # tick at a long queue). The index stays the one committed, and its snapshot.
+                self._committed, self._snapshot = (txn.before, txn.index), began
+                return
+            data = self._commit(txn)
+            self._committed = (data, txn.index)
+            self._snapshot = _Snapshot.of(txn.index)
         except OSError as err:
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 what = Path(err.filename).name if isinstance(err.filename, str) else self.home.index.name
@@ -229,6 +251,7 @@ class Store(Transactions):
 
     def abort(self) -> None:
         """Let go of the lock, writing nothing."""
+        self._began = None
         self._unlock()
 
     @contextmanager
@@ -331,7 +354,7 @@ class Store(Transactions):
             # Before the index write: a crash in between repeats lines (readers keep the
             # last line of an id), it never loses one.
             _append(self.home.history, b"".join(encoder.encode(t) + b"\n" for t in txn.archive), sync=True)
-        data = encode_index(index)
+        data = self._encode(index)
         if data != txn.before:
             atomic_write(self.home.index, data)
         if txn.events:
@@ -340,6 +363,40 @@ class Store(Transactions):
                 self._appended = txn.events[-1].seq
             except OSError:
                 pass  # committed all the same: the outbox holds them, the next transaction appends them
+        return data
+
+    def _encode(self, index: Index) -> bytes:
+        """encode_index(index), byte for byte, encoding only the queued tasks that are new or
+        were assigned to since the last commit (the queue of a long-lived writer at depth);
+        the cache is kept for the next commit. Whole-queue steps are C's (map, zip, sets):
+        a step per task in Python would cost what the encoding saves."""
+        queued = index.queued
+        if not (self._warm and self._chunks):  # a first commit, or an index decoded afresh
+            data = encode_index(index)
+            self._chunks = _chunks_of(index, data)
+            self._cached = list(queued) if self._chunks else []
+            return data
+        ids = list(map(id, queued))
+        parts: list[bytes | None] = list(map(self._chunks.get, ids))
+        redo = set()
+        if None in parts:
+            redo.update(i for i, part in enumerate(parts) if part is None)
+        stale = _stale.intersection(ids)
+        if stale:
+            redo.update(i for i, key in enumerate(ids) if key in stale)
+        for i in redo:
+            task = queued[i]
+            if type(task) is not _Tracked:
+                task.__class__ = _Tracked
+            parts[i] = _chunk(task)
+        _stale.difference_update(stale)
+        _stale.difference_update(map(id, index.active + index.finished))  # not cached: its mark no longer matters
+        self._chunks = dict(zip(ids, parts))  # type: ignore[arg-type]
+        self._cached = list(queued)  # keeps each cached task, so its id() stays its own
+        data = _with_queue(index, parts)  # type: ignore[arg-type]
+        if _VERIFY and data != encode_index(index):
+            raise AssertionError("the index was changed in a way the file store's cache does not see"
+                                 " (a queued task changed in place, not by assigning to a field)")
         return data
 
     def rotate_events(self, limit: int) -> int | None:
@@ -366,6 +423,105 @@ class Store(Transactions):
         missing = [e for e in index.outbox if e.seq > last]
         if missing:
             _append_events(self.home.events, missing)
+
+
+class _Tracked(Task):
+    """A queued task as a long-lived file Store keeps it: an assignment to one of its fields
+    counts (`_assignments`), so a transaction that assigned to none of them, kept the queue's
+    list as it was and left the rest of the index (encoded: short) alone changed nothing, and
+    the queue is not encoded to find that out. The queue's rules change a queued task by
+    assigning its fields (the cluster store relies on the same, and its tests verify it; so do
+    this store's, _VERIFY). Encoded exactly as a Task."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        global _assignments
+        _assignments += 1  # any thread's: counted too many at worst, never too few
+        _stale.add(id(self))  # its cached bytes (Store._chunks), if any, are no longer its own
+        msgspec.Struct.__setattr__(self, name, value)
+
+
+_assignments = 0
+_stale: set[int] = set()
+
+# Tests (tests/conftest.py) set KUGETSU_PG_VERIFY: a transaction _Snapshot finds unchanged is
+# then encoded all the same, and a change it missed (made in place) fails loudly.
+_VERIFY = bool(os.environ.get("KUGETSU_PG_VERIFY"))
+
+
+class _Snapshot:
+    """A committed index as it was: its queue (the list's tasks, by identity), the assignment
+    count, and the encoding of everything else (running and finished tasks, counters, the
+    outbox...), which is short."""
+
+    __slots__ = ("index", "queued", "assignments", "rest", "data")
+
+    def __init__(self, index: Index, queued: list[Task], assignments: int, rest: bytes, data: bytes | None):
+        self.index = index
+        self.queued = queued
+        self.assignments = assignments
+        self.rest = rest
+        self.data = data  # the whole encoding, kept only under _VERIFY
+
+    @classmethod
+    def of(cls, index: Index) -> _Snapshot:
+        """Of an index just committed: Store._encode made its queued tasks _Tracked."""
+        return cls(index, list(index.queued), _assignments, _encode_rest(index),
+                   encode_index(index) if _VERIFY else None)
+
+    def same(self, index: Index) -> bool:
+        """Whether `index` is this snapshot's, unchanged."""
+        same = (index is self.index and _assignments == self.assignments and index.queued == self.queued
+                and _encode_rest(index) == self.rest)
+        if same and self.data is not None and encode_index(index) != self.data:
+            raise AssertionError("the index was changed in a way the file store's snapshot does not see"
+                                 " (a queued task changed in place, not by assigning to a field)")
+        return same
+
+
+# index.json is formatted with an indent of 2: each queued task is an object at indent 4 in
+# the top-level "queued" list, whose lines are found by their indent alone (a JSON string
+# holds no raw newline).
+_QUEUE_OPEN, _QUEUE_EMPTY, _QUEUE_CLOSE = b'\n  "queued": [\n', b'\n  "queued": [],\n', b"\n  ],\n"
+_TASK_SEP = b",\n    {\n"
+
+
+def _chunk(task: Task) -> bytes:
+    """The task as encode_index writes it inside the queue."""
+    return b"    " + msgspec.json.format(encoder.encode(task), indent=2).replace(b"\n", b"\n    ")
+
+
+def _with_queue(index: Index, parts: list[bytes]) -> bytes:
+    """encode_index(index) from its queued tasks' chunks."""
+    rest = msgspec.json.format(encoder.encode(msgspec.structs.replace(index, queued=[])), indent=2) + b"\n"
+    if not parts:
+        return rest
+    at = rest.index(_QUEUE_EMPTY)
+    return b"".join((rest[:at], _QUEUE_OPEN, b",\n".join(parts), _QUEUE_CLOSE, rest[at + len(_QUEUE_EMPTY):]))
+
+
+def _chunks_of(index: Index, data: bytes) -> dict[int, bytes]:
+    """The queued tasks' chunks, cut out of encode_index(index) (no encoding of its own);
+    empty when they cannot be told apart (the next commit then encodes the index whole).
+    Makes each queued task _Tracked (for _Snapshot too)."""
+    for task in index.queued:
+        if type(task) is not _Tracked:
+            task.__class__ = _Tracked
+    start = data.find(_QUEUE_OPEN)
+    if start < 0:
+        return {}
+    start += len(_QUEUE_OPEN)
+    end = data.find(_QUEUE_CLOSE, start)
+    pieces = data[start:end].split(_TASK_SEP)
+    if end < 0 or len(pieces) != len(index.queued):
+        return {}
+    chunks = dict(zip(map(id, index.queued), [pieces[0], *map(b"    {\n".__add__, pieces[1:])]))
+    _stale.difference_update(chunks)
+    return chunks
+
+
+def _encode_rest(index: Index) -> bytes:
+    """The index without its queue, encoded."""
+    return encoder.encode(msgspec.structs.replace(index, queued=[]))
 
 
 # Past this many ids, `prompts` lists logs/ once rather than trying to open each prompt.

@@ -5,6 +5,8 @@
 
 transaction  one warm file-store transaction (the service's kind: its Store committed the
              index before) that flips `paused`, median ms, at each size
+idle txn     a warm transaction that changes nothing (the service's safety-net tick, a `wait`
+             poll): it should encode and write nothing
 cold txn     the same from a fresh Store (a CLI command's kind: it decodes the index)
 CLI          delegate, queue --json, capacity --json at --cli queued (no service), beside a bare
              `python -c pass`, interleaved; medians in ms and the ratio to python
@@ -39,15 +41,23 @@ def flip(store: Store) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def transactions(n: int, reps: int, holder: psutil.Process) -> tuple[float, float]:
+def idle(store: Store) -> float:
+    t0 = time.perf_counter()
+    with store.transaction():
+        pass
+    return (time.perf_counter() - t0) * 1000
+
+
+def transactions(n: int, reps: int, holder: psutil.Process) -> tuple[float, float, float]:
     with tempfile.TemporaryDirectory(prefix="kgbench-") as tmp:
         home = Home(Path(tmp) / "home")
         build_index(home, n, holder)
         warm = Store(home)
         flip(warm)
         hot = [flip(warm) for _ in range(reps)]
+        still = [idle(warm) for _ in range(reps)]
         cold = [flip(Store(home)) for _ in range(reps)]
-        return statistics.median(hot), statistics.median(cold)
+        return statistics.median(hot), statistics.median(still), statistics.median(cold)
 
 
 def cli(n: int, reps: int, holder: psutil.Process) -> dict[str, float]:
@@ -72,10 +82,10 @@ def main() -> None:
     holder = subprocess.Popen(["sleep", "3600"])
     try:
         proc = psutil.Process(holder.pid)
-        print(f"{'queued':>8} {'txn warm ms':>12} {'txn cold ms':>12}")
+        print(f"{'queued':>8} {'txn warm ms':>12} {'txn idle ms':>12} {'txn cold ms':>12}")
         for n in [int(s) for s in args.sizes.split(",") if s]:
-            hot, cold = transactions(n, args.reps, proc)
-            print(f"{n:>8,} {hot:>12.1f} {cold:>12.1f}", flush=True)
+            hot, still, cold = transactions(n, args.reps, proc)
+            print(f"{n:>8,} {hot:>12.1f} {still:>12.1f} {cold:>12.1f}", flush=True)
         if args.cli:
             res = cli(args.cli, args.reps, proc)
             print(f"CLI @ {args.cli:,} queued (median ms, x python)")
