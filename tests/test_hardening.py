@@ -118,7 +118,9 @@ def test_a_killed_wrapper_does_not_free_the_slot_while_its_agent_runs(kg):
     kg.config(max_agents=1, kill_grace="1s")
     kg.ok("delegate", "orphaned", "--", *kg.agent("orphaned", 60))
     kg.delegate("after", 0)
-    wrapper = kg.wait_state("orphaned", "running")["pid"]
+    kg.wait_state("orphaned", "running")
+    # Admitted as running by the CLI (a slot was free), it has a pid once the service spawned it.
+    wrapper = wait_for(lambda: kg.task("orphaned")["pid"], what="the wrapper's pid")
     wait_for(lambda: kg.times("orphaned"), what="the agent to start")
     agent = runner.scan_token(_token(kg, "orphaned"))
     os.kill(wrapper, signal.SIGKILL)  # what `kill -9 <shown pid>` did
