@@ -99,17 +99,3 @@ def test_a_cluster_database_of_version_1_reads_its_runs_and_writes_version_2(req
     assert runs(fresh.read()) == want
     assert [(t.name, t.run.pid) for t in fresh.history_since(datetime(2000, 1, 1, tzinfo=timezone.utc)) if t.run] \
         == [("archived", 40001)]
-
-
-def test_a_running_task_without_its_run_record_is_a_damaged_index_not_a_failing_service(kg):
-    """Version 2 keeps a running task's pid and slot in its run record; one edited out by hand
-    is named as damage (exit 2, nothing written), never read into a tick that raises on it."""
-    _v1_home(kg)
-    kg.ok("pause")  # written as version 2
-    raw = json.loads(kg.home.index.read_text())
-    del raw["active"][0]["run"]
-    kg.home.index.write_text(json.dumps(raw))
-    before = kg.home.index.read_bytes()
-    r = kg.run("queue")
-    assert r.returncode == 2 and "is running but has no run record" in r.stderr and "Traceback" not in r.stderr, r
-    assert kg.home.index.read_bytes() == before
