@@ -37,9 +37,10 @@ async def select(pilot, table_id: str, task_id: int) -> None:  # type: ignore[no
     table.focus()
     # Focused first: a row highlighted before the focus lands selects nothing (the app takes
     # a highlight for a selection only in the focused table).
-    await until(pilot, lambda: table.has_focus, what=f"{table_id} focused")
+    # 15 s: a 2-core machine running the suite with two workers took over 5 s (CI, once).
+    await until(pilot, lambda: table.has_focus, timeout=15, what=f"{table_id} focused")
     table.move_cursor(row=table.get_row_index(str(task_id)))
-    await until(pilot, lambda: pilot.app.selected == task_id, what=f"task {task_id} selected")
+    await until(pilot, lambda: pilot.app.selected == task_id, timeout=15, what=f"task {task_id} selected")
     await pilot.pause()
 
 
