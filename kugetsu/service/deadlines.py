@@ -151,9 +151,10 @@ class ScheduleJobs:
                 log.error("schedule %s cannot be registered: %s", name, err)
                 self.rules[name] = rule
                 continue
-            first = rules.missed(sched, now) if missed == "one" and self.catch_up else None
+            lost = rules.missed(sched, now) if self.catch_up else None
+            first = lost if missed == "one" else None
             extra = {"next_run_time": first} if first is not None else {}
-            if self.catch_up and (lost := rules.missed(sched, now)) is not None:
+            if lost is not None:
                 # Said once, at the start: what the service found missed while it was down.
                 log.info("schedule %s: missed firings since %s: %s", name, lost.isoformat(timespec="seconds"),
                          "one runs now (schedule_missed one)" if first is not None else "skipped (schedule_missed skip)")
