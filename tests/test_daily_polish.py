@@ -80,6 +80,9 @@ def test_a_stopping_task_says_so_inside_a_column_of_queue(kg):
     kg.config(kill_grace="20s")
     kg.ok("delegate", "calm", "--", "sleep", "30")
     kg.ok("delegate", "stubborn", "--", "sh", "-c", "trap '' TERM; sleep 30")
+    # Admitted as running by the CLI, it has a process once the service spawned it: cancelled
+    # before that, it ends at once (nothing to stop) and is never seen stopping (CI, once).
+    wait_for(lambda: kg.task("stubborn")["pid"], what="stubborn's process")
     canceller = subprocess.Popen([sys.executable, "-m", "kugetsu", "cancel", "stubborn"], env=kg.env,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

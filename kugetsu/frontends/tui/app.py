@@ -292,6 +292,11 @@ class Dashboard(App[None]):
                 key = was.cursor_key
                 self.selected = int(key) if key else None
             return
+        if now is was and now.has_focus:
+            # The focused table's cursor is the truth: sync kept it on its own row, and a
+            # highlight the user (or a test) just made may not have reached `selected` yet.
+            # Moving it back to `selected` here undid that move, one reload in a few hundred.
+            return
         now.select_key(key)
         if now is not was:
             self._selected_table = now
