@@ -135,9 +135,13 @@ class Processes:
         """commandline.argv of the task; a {prompt_file} preset's file is made here first, on the
         machine that runs the agent (the file store's own copy is that file already; in a
         cluster the prompt is a row of the database). ValueError: its prompt is missing."""
+        if not task.prompted:  # its command as given: sync_warm asks this of 100 tasks a tick
+            return task.command
         prompt = commandline.prompt_of(task, stored)
+        if not commandline.wants_file(task):
+            return commandline.argv(task, prompt)
         path = self.home.prompt_file(task.id)
-        if prompt is not None and commandline.wants_file(task):
+        if prompt is not None:
             data = prompt.encode()
             try:
                 with open(path, "rb", opener=nofollow) as f:
