@@ -42,13 +42,18 @@ def test_at_is_shown_everywhere_and_edit_moves_it(kg):
     assert "waiting_for     starts at 02:00" in status or "starts at" in status and "02:00" in status
     queued = json.loads(kg.ok("queue", "--json"))["queued"]
     assert queued[0]["waiting_for"].startswith("starts at") and "02:00" in queued[0]["waiting_for"]
+    kg.ok("edit", "nightly", "--at", "03:30")
+    moved = datetime.fromisoformat(kg.task("nightly")["not_before"].replace("Z", "+00:00")).astimezone()
+    assert (moved.hour, moved.minute) == (3, 30) and "03:30" in kg.task("nightly")["waiting_for"]
     kg.ok("edit", "nightly", "--delay", "1h")
-    assert kg.task("nightly")["waiting_for"].startswith("starts at")
+    assert abs(_iso(kg.task("nightly")["not_before"]) - time.time() - 3600) < 60
     bad = kg.run("delegate", "x", "--at", "soonish", "--", "true")
     assert bad.returncode == 2 and "--at 'soonish' is neither a time" in bad.stderr and "Traceback" not in bad.stderr
     far = kg.run("delegate", "x", "--at", "9999-12-31T00:00Z", "--", "true")  # no date could follow it
     assert far.returncode == 2 and "too far ahead: at most 3650d" in far.stderr and "Traceback" not in far.stderr
     assert [t["name"] for t in kg.index()["queued"]] == ["nightly"]  # nothing written
+    assert "started" in kg.ok("edit", "nightly", "--delay", "0")  # at once (a slot is free), as docs/scheduling.md says
+    assert kg.task("nightly")["not_before"] is None
 
 
 def _starts(kg, name: str) -> list[float]:
