@@ -143,6 +143,11 @@ def test_full_queue_is_recorded_on_the_schedule(kg):
     assert row["last_note"].startswith("not delegated: queue full") and row["skipped"] == 1 and row["fired"] == 0
     assert "queue full" in kg.ok("schedule", "list")
     assert [e["reason"] for e in kg.events("schedule")][-1].startswith("not delegated: queue full")
+    # The service's own firings alike: each refusal recorded with its scheduled time.
+    kg.ok("schedule", "add", "tick", "--every", "1s", "--", "true")
+    wait_for(lambda: _schedule(kg, "tick")["skipped"] >= 2, 15, "the service's firings refused")
+    row = _schedule(kg, "tick")
+    assert row["fired"] == 0 and row["last_fire"] and row["last_note"].startswith("not delegated: queue full")
 
 
 def test_schedule_bad_input_and_pause_resume_remove(kg):
