@@ -129,7 +129,13 @@ def test_overlap_is_skipped_and_said(kg):
     wait_for(lambda: _schedule(kg, "long")["skipped"] >= 2, 15, "firings skipped while its task runs")
     row = _schedule(kg, "long")
     assert "still running" in (row["last_note"] or "") or row["skipped"] >= 2
+    assert row["last_outcome"] == "running"
+    listed = kg.ok("schedule", "list")  # (a slow machine may have ended it since)
+    assert f"{row['last_task_name']} running" in listed or f"{row['last_task_name']} succeeded" in listed
     assert len(_starts(kg, "long")) == 1  # never two at once
+    kg.ok("schedule", "pause", "long")  # no new task: the last one stays its last
+    kg.wait_state(_schedule(kg, "long")["last_task_name"], "succeeded", timeout=15)
+    assert _schedule(kg, "long")["last_outcome"] == "succeeded"  # how its last task ended
     assert "still running" in "".join(e.get("reason") or "" for e in kg.events("schedule"))
 
 
