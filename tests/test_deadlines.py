@@ -113,3 +113,29 @@ async def test_a_deadline_its_own_tick_sets_already_due_still_fires():
     scheduler.shutdown(wait=False)
     assert len(fired) == 20, f"only {len(fired)} of 20 deadlines fired"
     assert max(at - due for due, at in fired) < LATE
+
+
+async def test_a_deadline_later_than_apschedulers_default_grace_still_fires():
+    """A deadline that comes while the loop is busy (here blocked for 1.5 s; a suspended
+    machine alike) fires as soon as the loop is back: APScheduler's default
+    misfire_grace_time (1 s) would drop it in silence, and the task would wait for the 5 s
+    reconcile. deadlines.JOB_DEFAULTS has no grace (docs/scheduling.md)."""
+    import asyncio
+    import time
+    from datetime import timedelta, timezone
+
+    from kugetsu.service.deadlines import DeadlineTimer, new_scheduler
+
+    scheduler = new_scheduler()
+    scheduler.start()
+    fired: list[float] = []
+    timer = DeadlineTimer(scheduler, lambda: fired.append(time.time()))
+    timer.set(datetime.now(timezone.utc) + timedelta(milliseconds=100))
+    await asyncio.sleep(0)
+    time.sleep(1.5)  # the loop is blocked past the deadline and past a 1 s grace
+    back = time.time()
+    deadline = time.monotonic() + 2
+    while not fired and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    scheduler.shutdown(wait=False)
+    assert fired and fired[0] - back < LATE, "the late deadline was dropped"

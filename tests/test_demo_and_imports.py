@@ -58,6 +58,9 @@ def test_demo_shows_the_whole_job_and_leaves_nothing_behind(kg, short_tmp):
 @pytest.mark.parametrize("command", [["capacity", "--json"], ["queue", "--json"], ["delegate", "x", "--", "true"]])
 def test_everyday_commands_do_not_import_heavy_modules(kg, command):
     kg.config(autostart=False)
+    # A home with a schedule and a task waiting for its start time: still no APScheduler.
+    kg.ok("schedule", "add", "nightly", "--cron", "0 2 * * *", "--", "true")
+    kg.ok("delegate", "later", "--delay", "1h", "--", "true")
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", "kugetsu", *command], env=kg.env,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -42,13 +42,18 @@ def test_at_is_shown_everywhere_and_edit_moves_it(kg):
     assert "waiting_for     starts at 02:00" in status or "starts at" in status and "02:00" in status
     queued = json.loads(kg.ok("queue", "--json"))["queued"]
     assert queued[0]["waiting_for"].startswith("starts at") and "02:00" in queued[0]["waiting_for"]
+    kg.ok("edit", "nightly", "--at", "03:30")
+    moved = datetime.fromisoformat(kg.task("nightly")["not_before"].replace("Z", "+00:00")).astimezone()
+    assert (moved.hour, moved.minute) == (3, 30) and "03:30" in kg.task("nightly")["waiting_for"]
     kg.ok("edit", "nightly", "--delay", "1h")
-    assert kg.task("nightly")["waiting_for"].startswith("starts at")
+    assert abs(_iso(kg.task("nightly")["not_before"]) - time.time() - 3600) < 60
     bad = kg.run("delegate", "x", "--at", "soonish", "--", "true")
     assert bad.returncode == 2 and "--at 'soonish' is neither a time" in bad.stderr and "Traceback" not in bad.stderr
     far = kg.run("delegate", "x", "--at", "9999-12-31T00:00Z", "--", "true")  # no date could follow it
     assert far.returncode == 2 and "too far ahead: at most 3650d" in far.stderr and "Traceback" not in far.stderr
     assert [t["name"] for t in kg.index()["queued"]] == ["nightly"]  # nothing written
+    assert "started" in kg.ok("edit", "nightly", "--delay", "0")  # at once (a slot is free), as docs/scheduling.md says
+    assert kg.task("nightly")["not_before"] is None
 
 
 def _starts(kg, name: str) -> list[float]:
@@ -124,7 +129,13 @@ def test_overlap_is_skipped_and_said(kg):
     wait_for(lambda: _schedule(kg, "long")["skipped"] >= 2, 15, "firings skipped while its task runs")
     row = _schedule(kg, "long")
     assert "still running" in (row["last_note"] or "") or row["skipped"] >= 2
+    assert row["last_outcome"] == "running"
+    listed = kg.ok("schedule", "list")  # (a slow machine may have ended it since)
+    assert f"{row['last_task_name']} running" in listed or f"{row['last_task_name']} succeeded" in listed
     assert len(_starts(kg, "long")) == 1  # never two at once
+    kg.ok("schedule", "pause", "long")  # no new task: the last one stays its last
+    kg.wait_state(_schedule(kg, "long")["last_task_name"], "succeeded", timeout=15)
+    assert _schedule(kg, "long")["last_outcome"] == "succeeded"  # how its last task ended
     assert "still running" in "".join(e.get("reason") or "" for e in kg.events("schedule"))
 
 
@@ -138,6 +149,11 @@ def test_full_queue_is_recorded_on_the_schedule(kg):
     assert row["last_note"].startswith("not delegated: queue full") and row["skipped"] == 1 and row["fired"] == 0
     assert "queue full" in kg.ok("schedule", "list")
     assert [e["reason"] for e in kg.events("schedule")][-1].startswith("not delegated: queue full")
+    # The service's own firings alike: each refusal recorded with its scheduled time.
+    kg.ok("schedule", "add", "tick", "--every", "1s", "--", "true")
+    wait_for(lambda: _schedule(kg, "tick")["skipped"] >= 2, 15, "the service's firings refused")
+    row = _schedule(kg, "tick")
+    assert row["fired"] == 0 and row["last_fire"] and row["last_note"].startswith("not delegated: queue full")
 
 
 def test_schedule_bad_input_and_pause_resume_remove(kg):

@@ -15,8 +15,8 @@ _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 MAX_DURATION = 3650 * 86400  # ten years: deadlines past year 9999 cannot be represented
 
 
-def parse_duration(value: object, what: str = "duration") -> float:
-    """`90s`, `15m`, `2h`, `1d` or plain seconds -> seconds (> 0)."""
+def parse_duration(value: object, what: str = "duration", zero: bool = False) -> float:
+    """`90s`, `15m`, `2h`, `1d` or plain seconds -> seconds (> 0; or 0 too with `zero`)."""
     if isinstance(value, bool):
         raise ValueError(f"{what}: expected a duration like 90s, 15m, 2h, 1d or seconds, got {value!r}")
     if isinstance(value, (int, float)):
@@ -26,7 +26,7 @@ def parse_duration(value: object, what: str = "duration") -> float:
         if not m:
             raise ValueError(f"{what}: {value!r} is not a duration; use 90s, 15m, 2h, 1d or plain seconds")
         seconds = float(m.group(1)) * _UNITS[m.group(2)]
-    if not seconds > 0:
+    if not (seconds > 0 or zero and seconds == 0):
         raise ValueError(f"{what}: must be more than 0, got {value!r}")
     if not seconds <= MAX_DURATION:  # also NaN and inf: a deadline must be a real date
         raise ValueError(f"{what}: {value!r} is too long; at most {MAX_DURATION // 86400}d")

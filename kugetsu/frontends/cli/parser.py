@@ -13,11 +13,16 @@ from kugetsu.config.units import parse_duration, parse_size
 from kugetsu.core.models import PRIORITIES
 
 
-def _duration(text: str) -> float:
+def _duration(text: str, zero: bool = False) -> float:
     try:
-        return parse_duration(text)
+        return parse_duration(text, zero=zero)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _delay(text: str) -> float:
+    """`--delay DUR`, 0 included: `edit --delay 0` ends a task's wait for its start time."""
+    return _duration(text, zero=True)
 
 
 def _size(text: str) -> int:
@@ -98,7 +103,8 @@ def _start_args(p: argparse.ArgumentParser) -> None:
     when = p.add_mutually_exclusive_group()
     when.add_argument("--at", metavar="TIME", help="start no earlier than TIME (02:00, 3pm, ISO 8601; the next one"
                       " to come); until then it waits in the queue, keeping its place")
-    when.add_argument("--delay", metavar="DUR", type=_duration, help="start no earlier than DUR from now (30m, 2h)")
+    when.add_argument("--delay", metavar="DUR", type=_delay,
+                      help="start no earlier than DUR from now (30m, 2h; 0: at once)")
 
 
 def _hold_args(h: argparse.ArgumentParser) -> None:
