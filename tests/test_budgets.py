@@ -150,6 +150,35 @@ async def test_mcp_delegates_with_a_fallback_and_a_budget_and_capacity_shows_the
     assert "budgets today: pm 1.60/1.00 USD (over" in text_of(r)
 
 
+async def test_mcp_stats_sums_usage_and_fallbacks_by_source_agent_and_day(kg):
+    """Usage totals (issue 30) where a PM agent looks: the stats tool is `kugetsu stats --json`."""
+    from test_mcp import connect
+
+    kg.config(agents={"fake": preset(kg, cost=0.5, tokens=100), "other": preset(kg, cost=0.25, tokens=7)})
+    kg.ok("hold", "fake")
+    kg.ok("delegate", "a", "--agent", "fake,other", "--source", "pm", "--prompt", "go")
+    kg.wait_state("a", "succeeded", timeout=20)
+    kg.ok("release", "fake")
+    kg.ok("delegate", "b", "--agent", "fake", "--source", "pm", "--prompt", "go")
+    kg.wait_state("b", "succeeded", timeout=20)
+    async with connect(kg) as c:
+        r = await c.call_tool("stats", {"by": "agent"})
+        assert not r.is_error, text_of(r)
+        rows = r.structured_content["rows"]
+        assert rows["other"]["fallbacks"] == 1 and rows["other"]["usage"]["input_tokens"] == 7
+        assert rows["fake"]["usage"]["cost_usd"] == 0.5 and r.structured_content["total"]["usage"]["cost_usd"] == 0.75
+        assert "TOKENS IN" in text_of(r) and "$0.75" in text_of(r)
+        r = await c.call_tool("stats", {"by": "source", "since": "1h"})
+        assert r.structured_content["rows"]["pm"]["usage"]["output_tokens"] == 20
+        assert r.structured_content["window_seconds"] == 3600
+        r = await c.call_tool("stats", {"by": "day"})
+        assert list(r.structured_content["rows"].values())[0]["usage"]["cost_usd"] == 0.75
+        r = await c.call_tool("stats", {"by": "colour"})
+        assert r.is_error
+        r = await c.call_tool("stats", {"since": "soon"})
+        assert r.is_error and "Traceback" not in text_of(r)
+
+
 def text_of(result) -> str:
     return "\n".join(c.text for c in result.content)
 

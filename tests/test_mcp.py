@@ -30,7 +30,7 @@ from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 from mcp.shared._httpx_utils import create_mcp_http_client  # noqa: E402
 from mcp.types import ResourceUpdatedNotification  # noqa: E402
 
-TOOLS = {"capacity", "delegate", "queue", "status", "cancel", "wait", "logs", "priority", "schedules"}
+TOOLS = {"capacity", "delegate", "queue", "status", "cancel", "wait", "logs", "priority", "schedules", "stats"}
 
 
 @asynccontextmanager
@@ -907,7 +907,7 @@ def _seen(kg, name: str) -> dict:
     return json.loads(path.read_text())
 
 
-READ_ONLY = ["capacity", "logs", "queue", "schedules", "status", "wait"]
+READ_ONLY = ["capacity", "logs", "queue", "schedules", "stats", "status", "wait"]
 
 
 def test_a_workers_kugetsu_mcp_is_read_only_by_default(kg, tmp_path):

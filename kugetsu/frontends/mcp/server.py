@@ -1,6 +1,6 @@
 """The MCP server: kugetsu's operations as tools for the agents that delegate (docs/architecture.md §11).
 
-`build` wires the tool groups (tools_read: capacity, queue, status, logs, schedules;
+`build` wires the tool groups (tools_read: capacity, queue, status, logs, schedules, stats;
 tools_tasks: delegate, cancel, priority; tools_wait: wait), each registering its tools, the
 resources and the followers (Follow). Every tool is the CLI's command through the same code
 (app, core, render): its structured content is the JSON the CLI prints with --json, its
