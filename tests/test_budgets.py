@@ -104,6 +104,16 @@ def test_a_source_over_its_daily_budget_starts_nothing_more_and_a_preset_over_it
     assert "TOKENS IN" in text and "$45.00" in text
 
 
+def fallback_then_own(kg) -> None:
+    """pm's a runs on other while fake is held (a fallback), then b on fake itself."""
+    kg.ok("hold", "fake")
+    kg.ok("delegate", "a", "--agent", "fake,other", "--source", "pm", "--prompt", "go")
+    kg.wait_state("a", "succeeded", timeout=20)
+    kg.ok("release", "fake")
+    kg.ok("delegate", "b", "--agent", "fake", "--source", "pm", "--prompt", "go")
+    kg.wait_state("b", "succeeded", timeout=20)
+
+
 def test_usage_and_fallbacks_are_counted_in_metrics(kg):
     from test_metrics import endpoint, scrape, value
 
@@ -111,12 +121,7 @@ def test_usage_and_fallbacks_are_counted_in_metrics(kg):
                                                          "other": preset(kg, cost=0.25, tokens=7)})
     kg.ok("serve", "--detach")  # counters count from the service's start
     url = endpoint(kg)
-    kg.ok("hold", "fake")
-    kg.ok("delegate", "a", "--agent", "fake,other", "--source", "pm", "--prompt", "go")
-    kg.wait_state("a", "succeeded", timeout=20)
-    kg.ok("release", "fake")
-    kg.ok("delegate", "b", "--agent", "fake", "--source", "pm", "--prompt", "go")
-    kg.wait_state("b", "succeeded", timeout=20)
+    fallback_then_own(kg)
     samples = wait_for(lambda: (s := scrape(url)) and value(s, "kugetsu_agent_cost_usd_total", agent="fake") and s,
                        15, "the page to count b's cost")
     assert value(samples, "kugetsu_source_tokens_total", source="pm", direction="in") == 207
@@ -155,12 +160,7 @@ async def test_mcp_stats_sums_usage_and_fallbacks_by_source_agent_and_day(kg):
     from test_mcp import connect
 
     kg.config(agents={"fake": preset(kg, cost=0.5, tokens=100), "other": preset(kg, cost=0.25, tokens=7)})
-    kg.ok("hold", "fake")
-    kg.ok("delegate", "a", "--agent", "fake,other", "--source", "pm", "--prompt", "go")
-    kg.wait_state("a", "succeeded", timeout=20)
-    kg.ok("release", "fake")
-    kg.ok("delegate", "b", "--agent", "fake", "--source", "pm", "--prompt", "go")
-    kg.wait_state("b", "succeeded", timeout=20)
+    fallback_then_own(kg)
     async with connect(kg) as c:
         r = await c.call_tool("stats", {"by": "agent"})
         assert not r.is_error, text_of(r)
