@@ -208,3 +208,19 @@ def test_failover_and_a_source_budget_across_the_machines_of_a_cluster(machines)
     for host in ("m1", "m2"):
         mine = sum(cost[n] for n in cost if a.task(n)["host"] == host)
         assert round(rows[host]["usage"]["cost_usd"] or 0, 2) == round(mine, 2), (host, rows)
+
+
+def test_a_window_quota_in_tokens_stops_starts_once_the_agents_reported_it_used_up(kg):
+    """limit.window_tokens (issue 30, "a token amount"): the tokens the preset's agents reported
+    in the window count; once they reach the quota nothing more of the preset starts until the
+    window turns, and the task waiting says so."""
+    kg.config(max_agents=1, agents={"fake": preset(kg, tokens=100, limit={"window": "1h", "window_tokens": 150}),
+                                    "other": preset(kg)})
+    for name in ("a", "b", "c"):
+        kg.ok("delegate", name, "--agent", "fake", "--prompt", "go")
+    kg.wait_state("b", "succeeded", timeout=20)  # a's 110 tokens: under 150, b starts
+    [queued] = kg.json("queue")["queued"]
+    assert queued["name"] == "c" and queued["waiting_for"].startswith("fake window quota 220/150 tokens, resets "), queued
+    kg.ok("delegate", "d", "--agent", "fake,other", "--prompt", "go")  # failover passes over it
+    assert kg.wait_state("d", "succeeded", timeout=20)["agent"] == "other"
+    assert lines(kg, "c") == [] and kg.task("c")["state"] == "queued"
