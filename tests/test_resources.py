@@ -234,6 +234,23 @@ def test_doctor_says_which_mode_is_in_force_and_config_checks_it(kg):
         assert "cgroup mode (v1): the kernel bounds each task" in kg.run("doctor").stdout
 
 
+def test_the_default_memory_budget_is_the_ram_less_the_reserve_and_a_default_is_counted(kg):
+    """max_memory unset: the machine's RAM less memory_reserve (both config); a task that
+    declares nothing counts resources.default_memory."""
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    kg.config(memory_reserve="2G", resources={"mode": "sampling", "default_memory": "100M"})
+    gate = kg.rec.parent / "gate"
+    kg.delegate("plain", 0, 0, gate=gate)
+    kg.wait_state("plain", "running")
+    cap = kg.json("capacity")
+    assert (cap["max_memory"], cap["memory_used"]) == (ram - 2 * 1024 * M, 100 * M)
+    assert "(RAM " in kg.run("doctor").stdout and "less memory_reserve)" in kg.run("doctor").stdout
+    r = kg.run("config", "set", "memory_reserve", "lots")
+    assert r.returncode == 2 and "is not a size" in r.stderr
+    gate.touch()
+    kg.wait_state("plain", "succeeded")
+
+
 def test_metrics_show_each_running_tasks_use_and_the_memory_budget(kg):
     pytest.importorskip("prometheus_client", reason="the `metrics` extra is not installed")
     from test_metrics import endpoint, scrape, value
