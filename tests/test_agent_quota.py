@@ -79,3 +79,22 @@ def test_claude_held_by_its_limit_fails_over_to_codex_and_both_usages_are_summed
     assert kg.json("stats", "--by", "source")["rows"]["pm"]["usage"]["output_tokens"] >= 40 + 25
     kg.ok("cancel", "b")
     wait_for(lambda: kg.task("b")["state"] == "cancelled", 10, "b cancelled")
+
+
+def test_claudes_reported_tokens_spend_a_sources_daily_budget_and_a_window_quota_gates_starts(kg, anthropic, tmp_path):
+    """The budgets and the window quota from what the real Claude Code reports: pm's daily
+    budget in tokens is spent by its run (nothing more of pm starts today, by name), and
+    claude's window of one start lets no second claude task start (issue 30, items 3 and 4)."""
+    env = {**claude_env(kg, anthropic, tmp_path), "ANTHROPIC_API_KEY": "test"}
+    kg.config(max_agents=2, budgets={"sources": {"pm": {"tokens": 2000}}},
+              agents={"claude": {"env": env, "limit": {"window": "1h", "window_starts": 1}}})
+    anthropic.replies.extend([text("done", input_tokens=2500, output_tokens=20)])
+    kg.ok("delegate", "a", "--agent", "claude", "--prompt", "first", "--cwd", str(kg.rec), "--source", "pm")
+    a = kg.wait_state("a", "succeeded", "failed", timeout=RUN)
+    assert a["state"] == "succeeded" and a["usage"]["input_tokens"] >= 2500, a
+    kg.ok("delegate", "b", "--agent", "claude", "--prompt", "second", "--cwd", str(kg.rec), "--source", "ops")
+    kg.ok("delegate", "c", "--source", "pm", "--", "true")
+    queued = {t["name"]: t["waiting_for"] for t in kg.json("queue")["queued"]}
+    assert queued["b"].startswith("claude window quota 1/1 starts, resets "), queued
+    assert queued["c"].startswith("budget pm 2,5") and queued["c"].endswith("/2,000 tokens, resets 00:00"), queued
+    kg.ok("cancel", "b", "c")

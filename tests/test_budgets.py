@@ -104,6 +104,16 @@ def test_a_source_over_its_daily_budget_starts_nothing_more_and_a_preset_over_it
     assert "TOKENS IN" in text and "$45.00" in text
 
 
+def fallback_then_own(kg) -> None:
+    """pm's a runs on other while fake is held (a fallback), then b on fake itself."""
+    kg.ok("hold", "fake")
+    kg.ok("delegate", "a", "--agent", "fake,other", "--source", "pm", "--prompt", "go")
+    kg.wait_state("a", "succeeded", timeout=20)
+    kg.ok("release", "fake")
+    kg.ok("delegate", "b", "--agent", "fake", "--source", "pm", "--prompt", "go")
+    kg.wait_state("b", "succeeded", timeout=20)
+
+
 def test_usage_and_fallbacks_are_counted_in_metrics(kg):
     from test_metrics import endpoint, scrape, value
 
@@ -111,12 +121,7 @@ def test_usage_and_fallbacks_are_counted_in_metrics(kg):
                                                          "other": preset(kg, cost=0.25, tokens=7)})
     kg.ok("serve", "--detach")  # counters count from the service's start
     url = endpoint(kg)
-    kg.ok("hold", "fake")
-    kg.ok("delegate", "a", "--agent", "fake,other", "--source", "pm", "--prompt", "go")
-    kg.wait_state("a", "succeeded", timeout=20)
-    kg.ok("release", "fake")
-    kg.ok("delegate", "b", "--agent", "fake", "--source", "pm", "--prompt", "go")
-    kg.wait_state("b", "succeeded", timeout=20)
+    fallback_then_own(kg)
     samples = wait_for(lambda: (s := scrape(url)) and value(s, "kugetsu_agent_cost_usd_total", agent="fake") and s,
                        15, "the page to count b's cost")
     assert value(samples, "kugetsu_source_tokens_total", source="pm", direction="in") == 207
@@ -150,6 +155,30 @@ async def test_mcp_delegates_with_a_fallback_and_a_budget_and_capacity_shows_the
     assert "budgets today: pm 1.60/1.00 USD (over" in text_of(r)
 
 
+async def test_mcp_stats_sums_usage_and_fallbacks_by_source_agent_and_day(kg):
+    """Usage totals (issue 30) where a PM agent looks: the stats tool is `kugetsu stats --json`."""
+    from test_mcp import connect
+
+    kg.config(agents={"fake": preset(kg, cost=0.5, tokens=100), "other": preset(kg, cost=0.25, tokens=7)})
+    fallback_then_own(kg)
+    async with connect(kg) as c:
+        r = await c.call_tool("stats", {"by": "agent"})
+        assert not r.is_error, text_of(r)
+        rows = r.structured_content["rows"]
+        assert rows["other"]["fallbacks"] == 1 and rows["other"]["usage"]["input_tokens"] == 7
+        assert rows["fake"]["usage"]["cost_usd"] == 0.5 and r.structured_content["total"]["usage"]["cost_usd"] == 0.75
+        assert "TOKENS IN" in text_of(r) and "$0.75" in text_of(r)
+        r = await c.call_tool("stats", {"by": "source", "since": "1h"})
+        assert r.structured_content["rows"]["pm"]["usage"]["output_tokens"] == 20
+        assert r.structured_content["window_seconds"] == 3600
+        r = await c.call_tool("stats", {"by": "day"})
+        assert list(r.structured_content["rows"].values())[0]["usage"]["cost_usd"] == 0.75
+        r = await c.call_tool("stats", {"by": "colour"})
+        assert r.is_error
+        r = await c.call_tool("stats", {"since": "soon"})
+        assert r.is_error and "Traceback" not in text_of(r)
+
+
 def text_of(result) -> str:
     return "\n".join(c.text for c in result.content)
 
@@ -179,3 +208,19 @@ def test_failover_and_a_source_budget_across_the_machines_of_a_cluster(machines)
     for host in ("m1", "m2"):
         mine = sum(cost[n] for n in cost if a.task(n)["host"] == host)
         assert round(rows[host]["usage"]["cost_usd"] or 0, 2) == round(mine, 2), (host, rows)
+
+
+def test_a_window_quota_in_tokens_stops_starts_once_the_agents_reported_it_used_up(kg):
+    """limit.window_tokens (issue 30, "a token amount"): the tokens the preset's agents reported
+    in the window count; once they reach the quota nothing more of the preset starts until the
+    window turns, and the task waiting says so."""
+    kg.config(max_agents=1, agents={"fake": preset(kg, tokens=100, limit={"window": "1h", "window_tokens": 150}),
+                                    "other": preset(kg)})
+    for name in ("a", "b", "c"):
+        kg.ok("delegate", name, "--agent", "fake", "--prompt", "go")
+    kg.wait_state("b", "succeeded", timeout=20)  # a's 110 tokens: under 150, b starts
+    [queued] = kg.json("queue")["queued"]
+    assert queued["name"] == "c" and queued["waiting_for"].startswith("fake window quota 220/150 tokens, resets "), queued
+    kg.ok("delegate", "d", "--agent", "fake,other", "--prompt", "go")  # failover passes over it
+    assert kg.wait_state("d", "succeeded", timeout=20)["agent"] == "other"
+    assert lines(kg, "c") == [] and kg.task("c")["state"] == "queued"

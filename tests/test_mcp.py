@@ -30,7 +30,7 @@ from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 from mcp.shared._httpx_utils import create_mcp_http_client  # noqa: E402
 from mcp.types import ResourceUpdatedNotification  # noqa: E402
 
-TOOLS = {"capacity", "delegate", "queue", "status", "cancel", "wait", "logs", "priority", "schedules"}
+TOOLS = {"capacity", "delegate", "queue", "status", "cancel", "wait", "logs", "priority", "schedules", "stats"}
 
 
 @asynccontextmanager
@@ -646,6 +646,27 @@ async def test_delegate_declares_memory_slots_and_max_procs(kg):
         await c.call_tool("cancel", {"tasks": ["m", "n"]})
 
 
+async def test_a_running_tasks_measured_use_in_status_queue_and_its_resource(kg):
+    """Measured use (issue 29) where an agent looks: the status and queue tools and the
+    task's resource, as `kugetsu status` has it (its rss, processes and peak)."""
+    from test_resources import grown, hog
+
+    kg.config(resources={"mode": "sampling", "interval": "0.1s"})
+    async with connect(kg) as c:
+        await c.call_tool("delegate", {"name": "m", "command": hog(kg, "m", 40, 30), "memory": "300M"})
+        await until(lambda: grown(kg, "m") >= 40, what="the hog to grow")
+        await until(lambda: (kg.task("m").get("rss") or 0) > 35 * 1024**2, what="a measurement")
+        task = (await c.call_tool("status", {"task": "m"})).structured_content
+        assert task["rss"] > 35 * 1024**2 and task["procs"] >= 1 and task["peak_memory"] >= task["rss"] - 1024**2
+        [running] = (await c.call_tool("queue", {})).structured_content["active"]
+        assert running["rss"] > 35 * 1024**2 and running["memory"] == 300 * 1024**2
+        task = json.loads((await c.read_resource("kugetsu://task/m")).contents[0].text)
+        assert task["rss"] > 35 * 1024**2 and task["procs"] >= 1, task
+        queue = json.loads((await c.read_resource("kugetsu://queue")).contents[0].text)
+        assert queue["active"][0]["rss"] > 35 * 1024**2
+        await c.call_tool("cancel", {"tasks": ["m"]})
+
+
 # ---- as real clients see it (issue 25, item 6) --------------------------------------------
 
 
@@ -886,7 +907,7 @@ def _seen(kg, name: str) -> dict:
     return json.loads(path.read_text())
 
 
-READ_ONLY = ["capacity", "logs", "queue", "schedules", "status", "wait"]
+READ_ONLY = ["capacity", "logs", "queue", "schedules", "stats", "status", "wait"]
 
 
 def test_a_workers_kugetsu_mcp_is_read_only_by_default(kg, tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
+from test_cluster import machines  # noqa: F401  (a fixture: homes sharing one PostgreSQL)
 
 from kugetsu.service import runner, usage
 from kugetsu.paths import Home
@@ -233,6 +234,23 @@ def test_doctor_says_which_mode_is_in_force_and_config_checks_it(kg):
         assert "cgroup mode (v1): the kernel bounds each task" in kg.run("doctor").stdout
 
 
+def test_the_default_memory_budget_is_the_ram_less_the_reserve_and_a_default_is_counted(kg):
+    """max_memory unset: the machine's RAM less memory_reserve (both config); a task that
+    declares nothing counts resources.default_memory."""
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    kg.config(memory_reserve="2G", resources={"mode": "sampling", "default_memory": "100M"})
+    gate = kg.rec.parent / "gate"
+    kg.delegate("plain", 0, 0, gate=gate)
+    kg.wait_state("plain", "running")
+    cap = kg.json("capacity")
+    assert (cap["max_memory"], cap["memory_used"]) == (ram - 2 * 1024 * M, 100 * M)
+    assert "(RAM " in kg.run("doctor").stdout and "less memory_reserve)" in kg.run("doctor").stdout
+    r = kg.run("config", "set", "memory_reserve", "lots")
+    assert r.returncode == 2 and "is not a size" in r.stderr
+    gate.touch()
+    kg.wait_state("plain", "succeeded")
+
+
 def test_metrics_show_each_running_tasks_use_and_the_memory_budget(kg):
     pytest.importorskip("prometheus_client", reason="the `metrics` extra is not installed")
     from test_metrics import endpoint, scrape, value
@@ -376,3 +394,31 @@ def test_cgroup_v2_delegated_subtree_is_found_and_written_as_v2_wants(tmp_path):
     (hybrid / "unified" / "me" / "cgroup.subtree_control").write_text("memory pids\n")
     found = usage.cgroup_base(home, hybrid, own="4:memory:/x\n0::/me\n")  # v1 memory, but no v1 pids
     assert found is not None and found.v2 and found.memory.parent == hybrid / "unified" / "me"
+
+
+# ---- cluster mode ------------------------------------------------------------------------------
+
+
+def test_each_machine_of_a_cluster_admits_by_its_own_memory_and_stops_its_tasks_over_their_limit(machines):
+    """Issue 29 in cluster mode: max_memory is each machine's own (a task that no longer fits
+    on one starts on the other; one that fits on neither waits, saying so), a task over its
+    limit is stopped by the machine that runs it, and every machine reads its reason and peak."""
+    a, b = machines("m1", slots=2), machines("m2", slots=2)
+    a.ok("config", "set", "max_agents", "4")
+    a.ok("config", "set", "resources", '{"mode": "sampling", "interval": "0.1s"}')
+    for k in (a, b):
+        k.ok("config", "set", "max_memory", "200M")
+    gate = a.rec.parent / "gate"
+    a.ok("delegate", "one", "--memory", "150M", "--host", "m1", "--", *a.agent("one", 0, 0, gate))
+    a.wait_state("one", "running", timeout=20)
+    a.ok("delegate", "two", "--memory", "150M", "--", *a.agent("two", 0, 0, gate))
+    assert a.wait_state("two", "running", timeout=20)["host"] == "m2"  # m1's 200M hold one of them
+    a.ok("delegate", "three", "--memory", "150M", "--", *a.agent("three", 0, 0, gate))
+    [queued] = b.json("queue")["queued"]
+    assert queued["name"] == "three" and queued["waiting_for"].startswith("memory ("), queued
+    gate.touch()
+    a.wait_state("three", "succeeded", timeout=30)
+    b.ok("delegate", "hog", "--memory", "60M", "--host", "m2", "--", *hog(b, "hog", 200))
+    t = a.wait_state("hog", "failed", timeout=30)
+    assert t["host"] == "m2" and t["reason"].startswith("memory limit 60.0M exceeded (peak "), t["reason"]
+    assert t["peak_memory"] >= 60 * M and grown(b, "hog") < 200

@@ -151,3 +151,28 @@ def test_a_refused_member_of_an_allowed_group_is_told_to_be_added_as_a_user(kg, 
     assert "telegram.allowed_user_ids does not list user 999" in line, line
     assert f"kugetsu config set telegram.allowed_user_ids '[{ME}, {STRANGER}]'" in line, line
     assert "allowed_chat_ids" not in line, line  # the group is allowed already: no advice to add it
+
+
+def test_queue_status_and_capacity_show_the_fallback_memory_and_budgets(kg, api):
+    """Issues 29 and 30 in the bot: a running task's preset (a fallback's, as the CLI words it)
+    and its measured memory in /queue, its use in /status, memory and budgets in /capacity."""
+    from test_resources import grown, hog
+
+    setup(kg, api, max_agents=2, max_memory="1G", budgets={"sources": {"pm": {"usd": 20}}},
+          resources={"mode": "sampling", "interval": "0.1s"},
+          agents={"fake": {"command": ["true", "{prompt}"]}, "other": {"command": [*hog(kg, "m", 40, 30), "{prompt}"]}})
+    bot_up(kg, api)
+    kg.ok("hold", "fake")
+    kg.ok("delegate", "m", "--agent", "fake,other", "--source", "pm", "--memory", "300M", "--prompt", "go")
+    wait_for(lambda: grown(kg, "m") >= 40, 10, "the hog to grow")
+    wait_for(lambda: (kg.task("m").get("rss") or 0) > 35 * 1024**2, 10, "a measurement")
+    api.message(ME, "/queue")
+    line = next(x for x in reply(api, ME, "Running").splitlines() if "<b>m</b>" in x)
+    assert "other (fallback from fake)" in line and "(peak " in line and "of 300.0M" in line, line
+    api.message(ME, "/status m")
+    status = reply(api, ME, "<pre>")
+    assert "other (fallback from fake)" in status and "rss " in status and "peak_memory " in status, status
+    api.message(ME, "/capacity")
+    cap = reply(api, ME, "declared")
+    assert "memory 300.0M of 1.0G declared" in cap and "budgets today: pm 0.00/20.00 USD" in cap, cap
+    kg.ok("cancel", "m")

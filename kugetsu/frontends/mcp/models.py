@@ -237,3 +237,18 @@ class ScheduleOut(BaseModel):
 
 class SchedulesOut(BaseModel):
     schedules: list[ScheduleOut]
+
+
+class StatsOut(BaseModel):
+    """`kugetsu stats --json`: the window's outcomes, times, use and spending; each of `total`
+    and `rows` has counts, `wait_seconds` and `run_seconds` (percentiles), `usage` (tokens in,
+    out, cached, cost_usd), `fallbacks`, `peak_memory`, `cpu_seconds`."""
+
+    model_config = ConfigDict(extra="allow")
+    since: str = Field(description="the window's start")
+    until: str = Field(description="the window's end: now")
+    window_seconds: float
+    by: Literal["source", "agent", "group", "host", "day"] | None = Field(description="what each row is")
+    total: dict = Field(description="the whole window")
+    rows: dict[str, dict] | None = Field(None, description="one per source, agent, group, host or local day (with by)")
+

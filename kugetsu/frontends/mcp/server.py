@@ -1,6 +1,6 @@
 """The MCP server: kugetsu's operations as tools for the agents that delegate (docs/architecture.md §11).
 
-`build` wires the tool groups (tools_read: capacity, queue, status, logs, schedules;
+`build` wires the tool groups (tools_read: capacity, queue, status, logs, schedules, stats;
 tools_tasks: delegate, cancel, priority; tools_wait: wait), each registering its tools, the
 resources and the followers (Follow). Every tool is the CLI's command through the same code
 (app, core, render): its structured content is the JSON the CLI prints with --json, its
@@ -34,7 +34,7 @@ from kugetsu.core.models import TaskState
 from kugetsu.errors import KugetsuError, Nested
 from kugetsu.frontends.mcp import tools_read, tools_tasks, tools_wait
 from kugetsu.frontends.mcp.identity import INSTRUCTIONS, NAME, TITLE, differs
-from kugetsu.frontends.mcp.tooling import dumps, reply, task_json
+from kugetsu.frontends.mcp.tooling import dumps, reply
 from kugetsu.paths import Home
 from kugetsu.store.files import open_store
 from kugetsu.store.protocol import StoreProtocol
@@ -205,7 +205,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
                      " when it changes.")
     def queue_resource() -> str:
         cfg, index = reading.read(home)
-        return dumps(reading.queue_json(reading.listing(cfg, index), home)).decode()
+        return dumps(reading.queue_json(reading.listing(cfg, index, home=home), home)).decode()
 
     @server.resource(TASK_URI + "{task}", name="task", mime_type="application/json",
                      description="One task's JSON (the status tool's), by id or name. Subscribe to be told when it"
@@ -216,7 +216,7 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             found = selection.find(index, task)
         except KugetsuError as err:
             raise ResourceNotFoundError(str(err)) from None
-        return dumps(task_json(home, cfg, index, found)).decode()
+        return dumps(reading.status_json(home, index, cfg, found)).decode()  # the status tool's, measured use included
 
     server.refuse_writers(_nesting_refusal(home))
     return server, follow

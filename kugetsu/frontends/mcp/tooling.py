@@ -16,10 +16,7 @@ import msgspec
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import Field
 
-from kugetsu.app import reading, transaction
 from kugetsu.config.units import parse_duration, parse_size
-from kugetsu.core import selection
-from kugetsu.core.models import Index, Task
 from kugetsu.errors import KugetsuError, UsageError
 from kugetsu.paths import Home, explain
 
@@ -56,8 +53,6 @@ def size(value: str | int | None) -> int | None:
         raise UsageError(str(err)) from None
 
 
-def task_json(home: Home, cfg: Any, index: Index, task: Task) -> dict[str, Any]:
-    return reading.task_json(task, selection.positions(index, cfg, transaction.now()).get(task.id), prompts=reading.prompts(home, [task]))
 
 
 def dumps(obj: Any) -> bytes:

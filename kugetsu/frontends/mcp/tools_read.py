@@ -1,10 +1,10 @@
-"""The tools that only read: capacity, queue, status, logs, schedules. Each is the CLI's
+"""The tools that only read: capacity, queue, status, logs, schedules, stats. Each is the CLI's
 command through the same code: its structured content the CLI's --json, its text the
 CLI's lines."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from mcp.server import MCPServer
 from mcp.types import CallToolResult
@@ -13,8 +13,8 @@ from pydantic import Field
 from kugetsu.app import control, machines, reading, recurring, transaction
 from kugetsu.core import selection
 from kugetsu.frontends import render
-from kugetsu.frontends.mcp.models import CapacityOut, LogsOut, QueueOut, SchedulesOut, TaskOut
-from kugetsu.frontends.mcp.tooling import READ_ONLY, TaskRef, answers, reply
+from kugetsu.frontends.mcp.models import CapacityOut, LogsOut, QueueOut, SchedulesOut, StatsOut, TaskOut
+from kugetsu.frontends.mcp.tooling import READ_ONLY, Duration, TaskRef, answers, duration, reply
 from kugetsu.paths import Home
 
 LOG_BYTES = 16 * 1024  # the logs tool's default cap
@@ -96,3 +96,23 @@ def register(server: MCPServer, home: Home) -> None:
         cfg, index = reading.read(home)
         rows = recurring.schedules_json(cfg, index)
         return reply(render.schedules_table(rows, transaction.now()), {"schedules": rows})
+
+    @server.tool(annotations=READ_ONLY)
+    @answered
+    def stats(
+        by: Annotated[Literal["source", "agent", "group", "host", "day"] | None,
+                      Field(description="one row per source, agent, group, host or local day")] = None,
+        since: Annotated[Duration, Field(description="the window: the last 90m, 24h, 7d... (default 24h)")] = None,
+    ) -> Annotated[CallToolResult, StatsOut]:
+        """How it has been doing over a window (the last 24 hours by default): tasks by outcome,
+        wait and run times, throughput, utilisation, and what the agents used: tokens in and
+        out and cost (as they reported them), runs on a fallback preset, peak memory. Call it
+        to see what your tasks cost today (by source or day) before delegating more."""
+        from kugetsu.app import stats as history  # only this tool reads the history
+
+        window = duration(since, "since") or history.DEFAULT_WINDOW
+        cfg, index = reading.read(home)
+        control.ensure_service(home, cfg, index)
+        report = history.summarise(history.load(home, cfg, index, window, transaction.now()), by)
+        return reply(history.render(report), report)
+

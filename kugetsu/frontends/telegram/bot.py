@@ -136,8 +136,9 @@ async def cmd_help(update: Update, context: ContextTypes.DEFAULT_TYPE) -> None:
 def _queue_view(home: Home) -> tuple[str, InlineKeyboardMarkup | None]:
     cfg, index = reading.read(home)
     now = transaction.now()
-    view = reading.listing(cfg, index, at=now).view  # the CLI's own view, with its notes on why tasks wait
-    body = text.queue(view, now)
+    listed = reading.listing(cfg, index, at=now, home=home)  # the CLI's own view, with its notes on why tasks wait
+    view = listed.view
+    body = text.queue(view, now, listed.measured)
     live = [t for t in view.running if t.run.stop is None] + view.queued
     buttons = [
         [InlineKeyboardButton(f"Cancel {t.name}", callback_data=f"cancel:{t.id}")] for t in live[:MAX_BUTTONS]

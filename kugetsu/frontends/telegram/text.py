@@ -17,6 +17,7 @@ from kugetsu.config.model import Config
 from kugetsu.config.units import format_duration
 from kugetsu.core.models import Event, Task
 from kugetsu.core.selection import Capacity, QueueView
+from kugetsu.core.step import Measured
 
 LIMIT = 4096
 _ROOM = LIMIT - 96  # headroom for the "... and N more" line and closing tags
@@ -67,16 +68,22 @@ def task_ref(task: Task | Event) -> str:
 # ---- listings ----------------------------------------------------------------------------
 
 
-def queue(view: QueueView, now: datetime) -> str:
-    """`/queue`: capacity, running tasks with elapsed time, queued ones with position,
-    waiting time, time left before expiry, and why they wait when it is not their turn."""
+def queue(view: QueueView, now: datetime, measured: dict[int, Measured] | None = None) -> str:
+    """`/queue`: capacity, running tasks with elapsed time, their preset (a fallback's, as
+    `kugetsu queue` words it) and memory (`measured`: as the service last measured it),
+    queued ones with position, waiting time, time left before expiry, and why they wait when
+    it is not their turn."""
     lines = [f"<b>{esc(render.summary(view.capacity))}</b>"]
     if view.running:
         lines.append("\n<b>Running</b>")
         for t in view.running:
             stopping = " · stopping" if t.run.stop else ""
+            agent = f" · {esc(render.agent_text(t.agent, t.fallback_from))}" if t.agent else ""
+            m = (measured or {}).get(t.id)
+            memory = f" · {esc(render.memory_cell(t, m))}" if m or t.memory else ""
             lines.append(
-                f"slot {t.run.slot or '-'} · {task_ref(t)} · {render.since(t.started_at, now)} · {esc(t.source)}{stopping}"
+                f"slot {t.run.slot or '-'} · {task_ref(t)} · {render.since(t.started_at, now)} · {esc(t.source)}"
+                f"{agent}{memory}{stopping}"
             )
     if view.queued:
         lines.append("\n<b>Queued</b>")
