@@ -162,4 +162,22 @@ async def settled(pilot) -> None:  # type: ignore[no-untyped-def]
 
 
 def notes(app) -> list[str]:  # type: ignore[no-untyped-def]
-    return [n.message for n in app._notifications]
+    """Every notification the app has shown, expired or not: on a loaded machine a test can
+    take longer than a note's 4 s on screen (CI, once)."""
+    return list(getattr(app, "_said", []))
+
+
+def _record_notifications() -> None:
+    """Textual's App.notify, which the dashboard's own notify ends in, also keeps the message."""
+    from textual.app import App
+
+    shown = App.notify
+
+    def notify(self, message, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.__dict__.setdefault("_said", []).append(message)
+        return shown(self, message, *args, **kwargs)
+
+    App.notify = notify  # type: ignore[method-assign]
+
+
+_record_notifications()

@@ -314,9 +314,15 @@ def test_a_wait_outlasts_a_database_outage_and_says_so_only_at_its_deadline(mach
 
             wait_for(lambda: not looking(), 10, "the CLI calls before to be gone")
             patient, hasty = wait(), wait("--timeout", "3s")
-            # Both waits in their loop: each has a connection that has looked at the queue.
-            wait_for(lambda: sum(q.startswith(("SELECT xmin", "SELECT doc")) for q in looking()) >= 2, 15,
-                     "both waits to look at the queue")
+            # Both waits in their loop: each listens (the watch is made as the loop begins: from
+            # then on an outage is ridden out) and has a connection that has looked at the queue.
+            # Counting the looks alone was met by a wait's first read, before its loop (CI, once).
+            def in_loop() -> bool:
+                queries = looking()
+                return (sum(q.startswith("LISTEN") for q in queries) >= 2
+                        and sum(q.startswith(("SELECT xmin", "SELECT doc")) for q in queries) >= 2)
+
+            wait_for(in_loop, 15, "both waits to listen and look at the queue")
         proxy.cut("refuse")
         out, err = hasty.communicate(timeout=30)
         assert hasty.returncode == 1 and "database unreachable" in err, (hasty.returncode, err)

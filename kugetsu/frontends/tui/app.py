@@ -152,6 +152,8 @@ class Dashboard(App[None]):
 
     def refresh_view(self, force: bool = False) -> None:
         """Re-read what changed on disk and bring every pane up to date (called each second)."""
+        if not self.screen_stack:  # the app is closing: its timer may fire once more (CI, once)
+            return
         try:
             stamps = self._stamps_now()
             changed = {k for k, v in stamps.items() if force or self._stamps.get(k) != v}
