@@ -124,7 +124,7 @@ def test_restart_coalesces_missed_firings_into_one_or_skips_them(kg, missed):
 
 def test_overlap_is_skipped_and_said(kg):
     kg.config(max_agents=4)
-    kg.ok("schedule", "add", "long", "--every", "1s", "--", *_recorder(kg, "long", 3.5))
+    kg.ok("schedule", "add", "long", "--every", "1s", "--", *_recorder(kg, "long", 6))  # long enough to be seen running on a loaded machine
     kg.ok("queue")
     wait_for(lambda: _schedule(kg, "long")["skipped"] >= 2, 15, "firings skipped while its task runs")
     row = _schedule(kg, "long")
