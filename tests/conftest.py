@@ -20,8 +20,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-# The cluster store encodes only the queued tasks a transaction assigned to: under test it also
-# checks that nothing changed one in place (kugetsu/store/postgres.py, _verify).
+# Both stores encode only the queued tasks a transaction assigned to (kugetsu/store/tracking.py):
+# under test they also check that against a full encoding, so a change made in place fails.
 os.environ["KUGETSU_PG_VERIFY"] = "1"
 
 from kugetsu.paths import Home  # noqa: E402

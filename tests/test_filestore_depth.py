@@ -13,7 +13,7 @@ from conftest import T0
 
 from kugetsu.core.models import Task, TaskState
 from kugetsu.paths import Home
-from kugetsu.store import files
+from kugetsu.store import files, tracking
 from kugetsu.store.files import Store
 from kugetsu.store.protocol import encode_index
 
@@ -56,7 +56,7 @@ def _count(store: Store, monkeypatch) -> dict[str, int]:
 
     monkeypatch.setattr(files, "encode_index", encode_whole)
     monkeypatch.setattr(files, "_chunk", encode_one)
-    monkeypatch.setattr(files, "_VERIFY", False)  # its own full encoding would count
+    monkeypatch.setattr(tracking, "VERIFY", False)  # its own full encoding would count
     with store.transaction() as txn:  # a commit without it (the tests' is on: conftest)
         txn.index.queued[1].name = "second"
     calls.update(index=0, task=0)

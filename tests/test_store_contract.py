@@ -269,6 +269,50 @@ def test_clients_that_take_turns_see_the_same_lists_in_the_same_order(make_store
             assert _lists(txn.index) == expected, (step, move)
 
 
+@pytest.mark.parametrize("change", ["another thread", "more than the log keeps", "run in place", "list in place"])
+def test_a_long_lived_store_writes_every_change_to_what_it_kept(make_store, monkeypatch, change):
+    """A store that keeps what it committed writes only what changed since (store/tracking.py):
+    a queued task assigned to by a thread other than the committing one, more assignments than
+    the log keeps (the store then compares every task), a running task's run record or list
+    changed in place: each reaches what a fresh client reads."""
+    from kugetsu.core.models import Attempt, Run
+    from kugetsu.store import tracking
+
+    store = make_store()
+    _admit(store, 6)
+    with store.transaction() as txn:  # one running, with its run record
+        task = txn.index.queued.pop(0)
+        task.state, task.run = TaskState.RUNNING, Run(slot=1)
+        txn.index.active.append(task)
+    with store.transaction() as txn:
+        index = txn.index
+        if change == "another thread":
+            worker = threading.Thread(target=lambda: setattr(index.queued[2], "name", "renamed"))
+            worker.start()
+            worker.join()
+        elif change == "more than the log keeps":
+            monkeypatch.setattr(tracking, "_MOST", 8)
+            for step in range(20):
+                index.queued[step % 5].priority = ["high", "low"][step % 2]
+            index.queued[1].cwd = "/elsewhere"
+        elif change == "run in place":
+            index.active[0].run.pid = 4242
+        else:
+            index.active[0].attempts.append(Attempt(ended_at=T0, exit_code=3))
+        expected = _bodies(index)
+    fresh = make_store()
+    assert _bodies(fresh.read()) == expected
+    assert _bodies(store.read()) == expected
+    if hasattr(fresh, "close"):
+        fresh.close()
+
+
+def _bodies(index) -> list[list[bytes]]:
+    from kugetsu.store.protocol import encoder
+
+    return [[encoder.encode(t) for t in tasks] for tasks in (index.active, index.queued, index.finished)]
+
+
 def test_a_queue_document_of_schema_3_becomes_rows_at_the_first_commit(request, pg_url):
     """A database an older kugetsu left (every task inside the state row's document) is read
     as it is, and its first commit moves the tasks into rows."""

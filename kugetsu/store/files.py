@@ -31,6 +31,7 @@ from kugetsu.config.load import store_url
 from kugetsu.config.model import Config
 from kugetsu.errors import DiskFull, FileError
 from kugetsu.core.models import INDEX_VERSION, Event, Index, QueueCounts, Task, check_index, upgrade
+from kugetsu.store import tracking
 from kugetsu.store.protocol import (Since, StoreProtocol, Transactions, Txn, decode_events, decode_head, encode_index,
                                     encoder, held, index_decoder, mark_writer)
 from kugetsu.paths import Home, atomic_write, open_file, read_file, read_tail
@@ -89,11 +90,13 @@ class Store(Transactions):
         self._snapshot: _Snapshot | None = None
         self._began: _Snapshot | None = None  # the snapshot of the transaction under way
         # Each queued task of the last committed index with its bytes in index.json (by id();
-        # the task is kept, so the id stays its own): a commit on that same index encodes the
-        # tasks assigned to since (_stale) and joins the rest. An index decoded afresh (a
-        # one-shot CLI command's, the service's after another writer) is encoded whole.
+        # the task is kept, so the id stays its own), as of `_since`: a commit on that same
+        # index encodes the tasks assigned to since (its take) and joins the rest. An index
+        # decoded afresh (a one-shot CLI command's, the service's after another writer) is
+        # encoded whole.
         self._chunks: dict[int, bytes] = {}
         self._cached: list[Task] = []
+        self._since = tracking.Cursor()
         self._warm = False  # the transaction under way is on the index this Store committed
         self._lock_fd: int | None = None  # index.lock, open and locked while a transaction runs
 
@@ -237,7 +240,7 @@ class Store(Transactions):
                 return
             data = self._commit(txn)
             self._committed = (data, txn.index)
-            self._snapshot = _Snapshot.of(txn.index)
+            self._snapshot = _Snapshot.of(txn.index, self._since.at)
         except OSError as err:
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 what = Path(err.filename).name if isinstance(err.filename, str) else self.home.index.name
@@ -371,7 +374,13 @@ class Store(Transactions):
         the cache is kept for the next commit. Whole-queue steps are C's (map, zip, sets):
         a step per task in Python would cost what the encoding saves."""
         queued = index.queued
-        if not (self._warm and self._chunks):  # a first commit, or an index decoded afresh
+        # Taken before encoding: an assignment from here on is the next commit's to see.
+        changed = None
+        if self._warm and self._chunks:
+            changed = self._since.take()
+        else:
+            self._since.skip()
+        if changed is None:  # a first commit, an index decoded afresh (or more assigned than the log keeps)
             data = encode_index(index)
             self._chunks = _chunks_of(index, data)
             self._cached = list(queued) if self._chunks else []
@@ -381,20 +390,16 @@ class Store(Transactions):
         redo = set()
         if None in parts:
             redo.update(i for i, part in enumerate(parts) if part is None)
-        stale = _stale.intersection(ids)
+        stale = changed.keys() & self._chunks.keys()
         if stale:
             redo.update(i for i, key in enumerate(ids) if key in stale)
+        tracking.track([queued[i] for i in redo])
         for i in redo:
-            task = queued[i]
-            if type(task) is not _Tracked:
-                task.__class__ = _Tracked
-            parts[i] = _chunk(task)
-        _stale.difference_update(stale)
-        _stale.difference_update(map(id, index.active + index.finished))  # not cached: its mark no longer matters
+            parts[i] = _chunk(queued[i])
         self._chunks = dict(zip(ids, parts))  # type: ignore[arg-type]
         self._cached = list(queued)  # keeps each cached task, so its id() stays its own
         data = _with_queue(index, parts)  # type: ignore[arg-type]
-        if _VERIFY and data != encode_index(index):
+        if tracking.VERIFY and data != encode_index(index):
             raise AssertionError("the index was changed in a way the file store's cache does not see"
                                  " (a queued task changed in place, not by assigning to a field)")
         return data
@@ -425,52 +430,32 @@ class Store(Transactions):
             _append_events(self.home.events, missing)
 
 
-class _Tracked(Task):
-    """A queued task as a long-lived file Store keeps it: an assignment to one of its fields
-    counts (`_assignments`), so a transaction that assigned to none of them, kept the queue's
-    list as it was and left the rest of the index (encoded: short) alone changed nothing, and
-    the queue is not encoded to find that out. The queue's rules change a queued task by
-    assigning its fields (the cluster store relies on the same, and its tests verify it; so do
-    this store's, _VERIFY). Encoded exactly as a Task."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        global _assignments
-        _assignments += 1  # any thread's: counted too many at worst, never too few
-        _stale.add(id(self))  # its cached bytes (Store._chunks), if any, are no longer its own
-        msgspec.Struct.__setattr__(self, name, value)
-
-
-_assignments = 0
-_stale: set[int] = set()
-
-# Tests (tests/conftest.py) set KUGETSU_PG_VERIFY: a transaction _Snapshot finds unchanged is
-# then encoded all the same, and a change it missed (made in place) fails loudly.
-_VERIFY = bool(os.environ.get("KUGETSU_PG_VERIFY"))
-
-
 class _Snapshot:
-    """A committed index as it was: its queue (the list's tasks, by identity), the assignment
-    count, and the encoding of everything else (running and finished tasks, counters, the
-    outbox...), which is short."""
+    """A committed index as it was: its queue (the list's tasks, by identity; Tracked, so an
+    assignment to any of them is seen), where the log of assignments was (tracking.mark), and the
+    encoding of everything else (running and finished tasks, counters, the outbox...), which
+    is short: compared whole, it sees a change made in place too."""
 
-    __slots__ = ("index", "queued", "assignments", "rest", "data")
+    __slots__ = ("index", "queued", "mark", "rest", "data")
 
-    def __init__(self, index: Index, queued: list[Task], assignments: int, rest: bytes, data: bytes | None):
+    def __init__(self, index: Index, queued: list[Task], mark: int, rest: bytes, data: bytes | None):
         self.index = index
         self.queued = queued
-        self.assignments = assignments
+        self.mark = mark
         self.rest = rest
-        self.data = data  # the whole encoding, kept only under _VERIFY
+        self.data = data  # the whole encoding, kept only under tracking.VERIFY
 
     @classmethod
-    def of(cls, index: Index) -> _Snapshot:
-        """Of an index just committed: Store._encode made its queued tasks _Tracked."""
-        return cls(index, list(index.queued), _assignments, _encode_rest(index),
-                   encode_index(index) if _VERIFY else None)
+    def of(cls, index: Index, mark: int) -> _Snapshot:
+        """Of an index just committed, encoded as of `mark`: Store._encode made its queued
+        tasks Tracked."""
+        return cls(index, list(index.queued), mark, _encode_rest(index),
+                   encode_index(index) if tracking.VERIFY else None)
 
     def same(self, index: Index) -> bool:
-        """Whether `index` is this snapshot's, unchanged."""
-        same = (index is self.index and _assignments == self.assignments and index.queued == self.queued
+        """Whether `index` is this snapshot's, unchanged: no Tracked task was assigned to since
+        (any task of any store: a few too many at worst, never one too few)."""
+        same = (index is self.index and tracking.mark() == self.mark and index.queued == self.queued
                 and _encode_rest(index) == self.rest)
         if same and self.data is not None and encode_index(index) != self.data:
             raise AssertionError("the index was changed in a way the file store's snapshot does not see"
@@ -502,10 +487,8 @@ def _with_queue(index: Index, parts: list[bytes]) -> bytes:
 def _chunks_of(index: Index, data: bytes) -> dict[int, bytes]:
     """The queued tasks' chunks, cut out of encode_index(index) (no encoding of its own);
     empty when they cannot be told apart (the next commit then encodes the index whole).
-    Makes each queued task _Tracked (for _Snapshot too)."""
-    for task in index.queued:
-        if type(task) is not _Tracked:
-            task.__class__ = _Tracked
+    Makes each queued task Tracked (for _Snapshot too)."""
+    tracking.track(index.queued)
     start = data.find(_QUEUE_OPEN)
     if start < 0:
         return {}
@@ -514,9 +497,7 @@ def _chunks_of(index: Index, data: bytes) -> dict[int, bytes]:
     pieces = data[start:end].split(_TASK_SEP)
     if end < 0 or len(pieces) != len(index.queued):
         return {}
-    chunks = dict(zip(map(id, index.queued), [pieces[0], *map(b"    {\n".__add__, pieces[1:])]))
-    _stale.difference_update(chunks)
-    return chunks
+    return dict(zip(map(id, index.queued), [pieces[0], *map(b"    {\n".__add__, pieces[1:])]))
 
 
 def _encode_rest(index: Index) -> bytes:

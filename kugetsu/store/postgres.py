@@ -12,7 +12,7 @@ since this store last looked (`rev`), `commit` writes only the rows that changed
 longer rewrites the whole queue, nor does every machine re-read it after each change. Nor does
 a transaction cost more with a longer queue: what this store last saw is kept and changed in
 place by what changed since (a task that went leaves a tombstone row), and a commit finds
-the changed tasks without encoding or comparing every task (_rows_of, _Task). Readers
+the changed tasks without encoding or comparing every task (_rows_of, store/tracking.py). Readers
 take no lock (one REPEATABLE READ snapshot). Events are rows committed in the same
 transaction, and the commit NOTIFYs every service (LISTEN), so a change on one machine wakes
 the others at once.
@@ -41,6 +41,7 @@ from kugetsu.cluster.db import NOTIFY_CHANNEL, Unreachable, connect, errors, pro
 from kugetsu.errors import FileError
 from kugetsu.core.models import INDEX_VERSION, Event, Index, Task, check_index, decode_task, upgrade, with_flat_run
 from kugetsu.paths import Home
+from kugetsu.store import tracking
 from kugetsu.store.protocol import Since, Transactions, Txn, encoder, held, index_decoder, mark_writer
 
 _event_decoder = msgspec.json.Decoder(Event)
@@ -77,6 +78,9 @@ class PgStore(Transactions):
         self._seen: _Seen | None = None
         self._busy: float | None = None  # time.monotonic() when the statement under way was sent
         self._began: _Seen | None = None  # the state the open transaction loaded
+        # Moved at this store's last commit (or abort), where the tasks it keeps were written (or
+        # dropped): a commit rewrites those assigned to since.
+        self._since = tracking.Cursor()
 
     @property
     def conn(self) -> psycopg.Connection:
@@ -305,7 +309,8 @@ class PgStore(Transactions):
             index.outbox = []  # events are rows committed with the state: nothing to recover
             assert began is not None
             rev = began.rev + 1
-            rows, upserts, gone, next_ord, ords = _rows_of(index, began, rev)
+            assigned = self._since.take()
+            rows, upserts, gone, next_ord, ords = _rows_of(index, began, rev, assigned)
             header = encoder.encode(msgspec.structs.replace(index, active=[], queued=[], finished=[]))
             changed = bool(upserts or gone) or header != began.header
             if changed:
@@ -336,7 +341,7 @@ class PgStore(Transactions):
             lists = (index.active, index.queued, index.finished)
             self._seen = _Seen(header, rev, next_ord, index, rows, tuple(list(tasks) for tasks in lists), ords)
         except BaseException:
-            _changed()
+            self._since.skip()  # what it changed is dropped with it (the next begin reloads)
             self._rollback()
             raise
         finally:
@@ -345,7 +350,7 @@ class PgStore(Transactions):
 
     def abort(self) -> None:
         self._began = None
-        _changed()  # what the transaction changed is dropped with it (the next begin reloads)
+        self._since.skip()  # what the transaction changed is dropped with it (the next begin reloads)
         try:
             self._rollback()
         finally:
@@ -442,44 +447,12 @@ def _seen(header: bytes, rev: int, next_ord: int, index: Index, rows: dict[int, 
                  tuple([rows[t.id][1] for t in tasks] for tasks in lists))
 
 
-class _Task(Task):
-    """A task as this store hands it out: an assignment to one of its fields marks it changed
-    (`_changed`), so a commit encodes and compares the tasks a transaction changed, not every
-    task of a long queue. The queue's rules change a queued task by assigning its fields;
-    whatever changes a task in place (a running task's records, an attempt appended when it
-    goes back to the queue) changes one that is running, or moves it to another list, and
-    those are compared in full (_rows_of). Encoded exactly as a Task."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        changed = getattr(_marks, "changed", None)
-        if changed is None:
-            changed = _marks.changed = {}
-        changed[id(self)] = self
-        msgspec.Struct.__setattr__(self, name, value)
-
-
-_marks = threading.local()  # `changed`: id -> task, the tasks this thread changed since its last commit
-_live_decoder = msgspec.json.Decoder(_Task)
-
-
-def _changed() -> list[Task]:
-    """The tasks this thread changed since its last commit (and forgets them)."""
-    changed = getattr(_marks, "changed", None)
-    _marks.changed = {}
-    return list(changed.values()) if changed else []
-
-
-def _tracked(tasks: Iterable[Task]) -> None:
-    """Tasks made elsewhere (admission's new ones, a schema-3 document's) become _Tasks: a
-    later change to them is seen like any other."""
-    for task in tasks:
-        if type(task) is not _Task:
-            task.__class__ = _Task
+_live_decoder = msgspec.json.Decoder(tracking.Tracked)  # every task it hands out is Tracked
 
 
 def _decode_task(task_id: int, data: bytes, url: str, old: bool = False) -> Task:
     """A task row; `old`: under a version-1 state row, where a row may hold a run's fields flat
-    (with_flat_run; assigning its record marks it changed, so the next commit rewrites it)."""
+    (with_flat_run; assigning its record is logged, so the next commit rewrites it)."""
     try:
         task = _live_decoder.decode(data)
         return with_flat_run(task, data) if old else task
@@ -552,12 +525,6 @@ def _same_run(a: list[Task], i: int, b: list[Task], j: int, block: int = 512) ->
     return n
 
 
-# Tests (tests/conftest.py) set KUGETSU_PG_VERIFY: every commit then also compares every queued
-# task it kept with its row, and a change the transaction made without assigning to the task
-# (in place, which _Task cannot see) fails loudly instead of being lost.
-_VERIFY = bool(os.environ.get("KUGETSU_PG_VERIFY"))
-
-
 def _verify(kept: list[Task], places: list[int], rows: dict[int, _Row], lst: int) -> None:
     bodies = encoder.encode_lines(kept).split(b"\n") if kept else []
     for task, place, body in zip(kept, places, bodies):
@@ -566,26 +533,27 @@ def _verify(kept: list[Task], places: list[int], rows: dict[int, _Row], lst: int
                                  " store would not have written it")
 
 
-def _rows_of(index: Index, began: _Seen, rev: int) -> tuple[dict[int, _Row], list[tuple[Any, ...]], list[int], int,
-                                                            tuple[list[int], ...]]:
+def _rows_of(index: Index, began: _Seen, rev: int, changed: dict[int, Task] | None
+             ) -> tuple[dict[int, _Row], list[tuple[Any, ...]], list[int], int, tuple[list[int], ...]]:
     """Every task's row after the transaction, the rows to write (new or changed), the ids
     whose rows go (archived, cleaned), the next free place, and each list's places. A task
     keeps its place while its list's order allows it; one that moved (to another list, or to
     the end of its own) takes the next place, so the rows sorted by place are the lists in
     their order. The queue (the long list) is compared to what the transaction began with:
     taken-out tasks and tasks added at its end are found in a few block comparisons, and the
-    tasks it kept are encoded only when the transaction assigned to them (_Task). The running
-    and finished lists (short) are compared body by body."""
+    tasks it kept are encoded only when they were assigned to since the last commit (`changed`,
+    tracking.Cursor.take; None: the log does not reach back that far, and the queue is compared
+    body by body too). The running and finished lists (short) are compared body by body; a change
+    made in place to a task is seen there only (tracking)."""
     rows = began.rows  # changed in place: `began` is not used again (a failed commit reloads)
     upserts: list[tuple[Any, ...]] = []
     next_ord = began.next_ord
     left: set[int] = set()  # ids taken out of a list
     placed: set[int] = set()  # ids (re)placed in a list by this commit
     ords: list[list[int]] = []
-    changed = _changed()
     for lst, tasks in enumerate((index.active, index.queued, index.finished)):
         kept = None
-        if lst == 1 and began.lists is not None and began.ords is not None:
+        if lst == 1 and changed is not None and began.lists is not None and began.ords is not None:
             kept = _kept(began.lists[lst], tasks)
         if kept is not None and began.lists is not None and began.ords is not None:
             gone_at, added = kept
@@ -600,9 +568,9 @@ def _rows_of(index: Index, began: _Seen, rev: int) -> tuple[dict[int, _Row], lis
                 rows[task.id] = (lst, place, body)
                 placed.add(task.id)
                 upserts.append((task.id, lst, place, rev, task.state.value, task.name, task.host, body))
-            _tracked(added)
+            tracking.track(added)
             kept_len = len(tasks) - len(added)
-            for task in changed:  # assigned to by the transaction: written if its body changed
+            for task in changed.values():  # assigned to since the last commit: written if its body changed
                 row = rows.get(task.id)
                 if row is None or row[0] != lst or task.id in placed:
                     continue
@@ -614,7 +582,7 @@ def _rows_of(index: Index, began: _Seen, rev: int) -> tuple[dict[int, _Row], lis
                 if body != row[2]:
                     rows[task.id] = (lst, row[1], body)
                     upserts.append((task.id, lst, row[1], rev, task.state.value, task.name, task.host, body))
-            if _VERIFY:
+            if tracking.VERIFY:
                 _verify(tasks[:kept_len], places, rows, lst)
             ords.append(places)
             continue
@@ -635,7 +603,7 @@ def _rows_of(index: Index, began: _Seen, rev: int) -> tuple[dict[int, _Row], lis
             row = rows[task.id] = (lst, place, body)
             if row != old:
                 upserts.append((task.id, lst, place, rev, task.state.value, task.name, task.host, body))
-        _tracked(tasks)
+        tracking.track(tasks)
         ords.append(places)
     gone = list(left - placed)
     for task_id in gone:
