@@ -137,6 +137,9 @@ async def test_n_moves_the_selected_queued_task_to_the_front_and_z_stashes_and_u
         await press_on(pilot, "queue", 11, "n")  # bot-docs, the last
         assert task(home, 11).first > 0 and "bot-docs (#11) moved to the front" in notes(app)
         await until(pilot, lambda: "z stash" in footer(app) and "n next" in footer(app), what="next and stash offered")
+        # At 80 columns the new keys come after `? help` and `q quit`, which stay on the screen.
+        shown = {f"{k.key_display or k.key} {k.description}": k.region.right for k in app.screen.query("FooterKey")}
+        assert shown["? help"] <= 80 and shown["q quit"] <= 80, shown
         await pilot.press("z")
         await settled(pilot)
         assert task(home, 11).stashed_at is not None and "stashed bot-docs (#11) (z puts it back)" in notes(app)

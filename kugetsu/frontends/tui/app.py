@@ -67,9 +67,6 @@ class Dashboard(App[None]):
         Binding("p", "pause_task(True)", "pause"),
         Binding("p", "pause_task(False)", "resume"),
         Binding("t", "retry", "retry"),
-        Binding("n", "next", "next"),
-        Binding("z", "stash(True)", "stash"),
-        Binding("z", "stash(False)", "unstash"),
         Binding("h", "hold(True)", "hold"),
         Binding("h", "hold(False)", "release"),
         Binding("P", "pause_queue(True)", "pause all", key_display="P"),
@@ -79,6 +76,9 @@ class Dashboard(App[None]):
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
         # Last: what 80 columns cut first when a queued task's keys take the room (`?` lists all).
+        Binding("n", "next", "next"),
+        Binding("z", "stash(True)", "stash"),
+        Binding("z", "stash(False)", "unstash"),
         Binding("s", "stats", "stats"),
         Binding("plus,equals_sign", "max_agents(1)", "agents", key_display="+/-"),  # one entry for the pair
         Binding("minus", "max_agents(-1)", "fewer agents", show=False),
