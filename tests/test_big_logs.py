@@ -67,6 +67,29 @@ def test_logs_of_a_200mb_log_reads_a_bounded_window(kg):
     assert r.stdout.endswith(b"the last line\n") and rss < 100, rss
 
 
+async def test_mcps_logs_of_a_200mb_log_reads_a_bounded_window(kg):
+    """The MCP server's `logs` (what a PM agent reads when a worker failed) holds a window
+    from the log's end too: its memory does not grow with the log."""
+    import psutil
+    import pytest
+
+    pytest.importorskip("mcp")
+    from test_mcp import connect, text
+
+    kg.config(log_max_size=None)  # no cap on disk: the whole 200 MB is there to be misread
+    kg.ok("delegate", "spam", "--", *big_agent(200 * MB))
+    kg.wait_state("spam", "succeeded", timeout=60)
+    async with connect(kg) as c:
+        (server,) = [p for p in psutil.Process().children(recursive=True) if p.cmdline()[1:4] == ["-m", "kugetsu", "mcp"]]
+        r = await c.call_tool("logs", {"task": "spam", "lines": 2})
+        assert not r.is_error and text(r) == "so\nthe last line\n", text(r)[-200:]  # `head -c` cut a line
+        r = await c.call_tool("logs", {"task": "spam", "max_bytes": 1024 * 1024})  # the most it allows
+        assert not r.is_error and r.structured_content["truncated"] and r.structured_content["size"] > 200 * MB
+        assert len(r.structured_content["text"]) <= 1024 * 1024
+        peak = int(next(line for line in open(f"/proc/{server.pid}/status") if line.startswith("VmHWM")).split()[1]) * 1024
+    assert peak < 100 * MB, peak / MB  # the server's own size (the SDK) included
+
+
 def test_a_single_100mb_line_is_shown_cut_with_a_marker(kg):
     agent = [sys.executable, "-c", "import sys; sys.stdout.write('x' * 100_000_000 + 'END\\nafter\\n')"]
     kg.ok("delegate", "oneline", "--", *agent)

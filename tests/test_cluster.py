@@ -125,6 +125,24 @@ def test_output_of_an_agent_on_another_machine_is_read_from_anywhere(machines: M
     assert a.ok("logs", "talk", "-n", "1") == "line 3\n"
 
 
+def test_a_big_log_on_another_machine_is_shipped_up_to_the_cap_and_read_within_it(machines: Machine):
+    """Hostile output in a cluster (issue 24 item 5): an agent on m2 writes 30 MB; what m2
+    ships to the database, and what m1 mirrors and reads, stop at cluster.log_max_size."""
+    from test_big_logs import MB, big_agent, measured
+
+    a = machines("m1")
+    machines("m2")
+    a.ok("config", "set", "cluster.log_max_size", "1MiB")
+    a.ok("delegate", "big", "--host", "m2", "--", *big_agent(30 * MB))
+    a.wait_state("big", "succeeded", timeout=60)
+    # m1 reads its mirror of what m2 shipped: the first MiB, then nothing more comes.
+    wait_for(lambda: len(measured(a, "logs", "big")[0].stdout) == MB, 20, "the shipped MiB to be read on m1")
+    r, rss, secs = measured(a, "logs", "big", "--lines", "2")
+    assert r.returncode == 0 and r.stdout.startswith(b"some output") and rss < 100 and secs < 5, (r, rss, secs)
+    mirrored = [p.stat().st_size for p in a.home.root.rglob("*") if p.is_file() and "mirror" in str(p)]
+    assert mirrored and max(mirrored) <= MB, mirrored
+
+
 def test_a_silent_machine_loses_its_tasks_within_the_lease_and_is_fenced_when_it_returns(machines: Machine):
     a, b = machines("m1", slots=1), machines("m2", slots=1)
     a.ok("config", "set", "cluster.lease", "3s")

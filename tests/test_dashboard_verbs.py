@@ -1,6 +1,6 @@
 """Issue 27 in the dashboard, through Pilot: the WAITING FOR and GROUP columns (from the CLI's
 own view), a header that wraps at 80x24, and the keys for pause/resume (of a task and of the
-queue), priority, retry, hold/release and edit, each shown in the footer only where it applies,
+queue), priority, retry, hold/release, edit, next and stash, each shown in the footer only where it applies,
 each going through ops like the CLI."""
 
 from __future__ import annotations
@@ -130,6 +130,28 @@ async def test_t_retries_the_selected_finished_task(tmp_path):
         assert any("refactor-db (#12)" in n for n in notes(app))
 
 
+async def test_n_moves_the_selected_queued_task_to_the_front_and_z_stashes_and_unstashes_it(tmp_path):
+    home = live_home(tmp_path)
+    app = app_for(home)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await press_on(pilot, "queue", 11, "n")  # bot-docs, the last
+        assert task(home, 11).first > 0 and "bot-docs (#11) moved to the front" in notes(app)
+        await until(pilot, lambda: "z stash" in footer(app) and "n next" in footer(app), what="next and stash offered")
+        # At 80 columns the new keys come after `? help` and `q quit`, which stay on the screen.
+        shown = {f"{k.key_display or k.key} {k.description}": k.region.right for k in app.screen.query("FooterKey")}
+        assert shown["? help"] <= 80 and shown["q quit"] <= 80, shown
+        await pilot.press("z")
+        await settled(pilot)
+        assert task(home, 11).stashed_at is not None and "stashed bot-docs (#11) (z puts it back)" in notes(app)
+        await until(pilot, lambda: "stashed" in [str(c) for c in app.query_one("#queue", TaskTable).get_row("11")],
+                    what="WAITING FOR stashed")
+        # A stashed task has no place to move to: `n` is not offered, `z` puts it back.
+        await until(pilot, lambda: "z unstash" in footer(app) and "n next" not in footer(app), what="unstash offered")
+        await pilot.press("z")
+        await settled(pilot)
+        assert task(home, 11).stashed_at is None and "unstashed bot-docs (#11)" in notes(app)
+
+
 async def test_e_and_u_edit_a_queued_task_through_ops(tmp_path):
     home = live_home(tmp_path)
     app = app_for(home)
@@ -180,6 +202,6 @@ async def test_help_lists_every_key_and_fits_80x24(tmp_path):
         await pilot.pause()
         parts = list(app.screen.query("#help Static"))
         text = " ".join(str(p.render()) for p in parts)
-        for key in ("e / u", "p  pause", "P  pause", "h  hold", "t  retry", "Colours", "paused"):
+        for key in ("e / u", "p  pause", "P  pause", "h  hold", "t  retry", "n  the selected", "z  stash", "Colours", "paused"):
             assert key in text, key
         assert all(p.region.bottom <= 23 and p.region.height for p in parts)  # inside the frame, none cut

@@ -259,6 +259,21 @@ def test_host_and_origin_must_be_ours(served, headers, status):
     assert upgrade(served.port, f"/ws?token={served.token}", headers) == status
 
 
+def test_a_malformed_request_is_one_warning_line_not_a_traceback(served):
+    """Any local user can send the dashboard's server bytes it cannot parse; aiohttp logged
+    each as an error with its traceback on the terminal of whoever serves the dashboard."""
+    for request in (b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: -1\r\n\r\n",
+                    b"GET /?token=" + served.token.encode() + b" HTTP/1.1\r\nHost: \x00\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", served.port), timeout=10) as s:
+            s.sendall(request)
+            assert s.recv(4096).split(b"\r\n", 1)[0].endswith(b" 400 Bad Request")
+    wait_for(lambda: served.log.read_text().count("refused a malformed request") == 2, 10, "two warnings")
+    said = served.log.read_text()
+    assert "Traceback" not in said and "ERROR" not in said, said
+    assert said.count(served.token) == 1  # the address it printed, never the request's bytes
+    assert upgrade(served.port, f"/ws?token={served.token}") == 101  # still serving
+
+
 def test_another_user_is_refused(served):
     """As another uid on the machine: no token, no dashboard; and the token is in no
     process's command line or environment for it to find."""

@@ -39,6 +39,13 @@ def test_demo_shows_the_whole_job_and_leaves_nothing_behind(kg, short_tmp):
                      "queued issue-6 (#7), position 5 of 5", "cancelled issue-2", "expired   issue-4",
                      "failed    issue-5", "SUMMARY", "at most 2 running at once (max_agents 2)"):
         assert expected in out, expected
+    # Every delegate, the first too, is shown the same way: the command, then on its own line
+    # what `delegate` printed (the first once read `->  started in slot 1/2`, issue 27).
+    delegates = [i for i, line in enumerate(out.splitlines()) if "] $ kugetsu delegate " in line]
+    assert len(delegates) == 7, out
+    for i in delegates:
+        assert re.fullmatch(r" {9}(started \S+ \(#\d+\), slot \d/2|queued \S+ \(#\d+\), position \d of \d)",
+                            out.splitlines()[i + 1]), out.splitlines()[i:i + 2]
     # positions move: issue-5 is position 4 at admission, position 1 after the cancel and the expiry
     assert re.search(r"^\s+1\s+6\s+issue-5", out, re.M)
     # a simulated usage limit: issue-7 back in the queue, its preset held while the others

@@ -611,6 +611,30 @@ def test_http_drops_requests_whose_headers_never_end(kg):
         proc.wait(timeout=30)
 
 
+def test_http_a_request_whose_body_cannot_be_read_is_a_400_and_no_traceback(kg):
+    """A whole head, then a body uvicorn cannot read (bad chunking), in one packet: uvicorn
+    answers 400 itself while the token check already runs for the head; that check's 401
+    then had no connection to go to, and h11's refusal was a traceback on stderr for every
+    such request (found by the listener fuzz in test_torture_fuzz)."""
+    kg.config(autostart=False)
+    kg.ok("config", "set", "mcp.token", "-", input=os.urandom(16).hex())
+    proc, url = start_http(kg, "--http", "127.0.0.1:0")
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    try:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n\r\n")
+                answer = b""
+                while chunk := s.recv(4096):
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 400 "), answer
+        assert post(url, None) == 401  # still serving
+    finally:
+        proc.terminate()
+        err = proc.communicate(timeout=30)[1]
+    assert "Traceback" not in err and "Exception in ASGI application" not in err, err
+
+
 def test_without_the_sdk_it_says_how_to_install(kg):
     hide = "import sys; sys.modules['mcp'] = None; from kugetsu.frontends.cli.main import main; sys.exit(main(['mcp']))"
     r = subprocess.run([sys.executable, "-c", hide], env=kg.env, capture_output=True, text=True, timeout=60)

@@ -195,3 +195,18 @@ def test_events_rotated_out_before_they_were_sent_are_said_not_skipped(kg, api):
     reply(api, ME, "<b>g8</b> (#10) succeeded", timeout=30)  # what was still there came after it
     assert once(api, "left the event log")
     assert "left the event log unsent" in kg.home.service_log.read_text()
+
+
+def test_a_failure_notice_of_a_200mb_log_reads_only_its_end(kg, api):
+    """Hostile output (issue 24 item 5): the bot's failure notice quotes the end of the log;
+    the service reads a window for it, whatever the log's size (uncapped here)."""
+    from test_big_logs import MB, big_agent
+
+    setup(kg, api, log_max_size=None)
+    bot_up(kg, api)
+    pid = kg.service_pid()
+    kg.ok("delegate", "spam", "--", *big_agent(200 * MB, then="exit 3"))
+    failed = reply(api, ME, "<b>spam</b> (#1) failed", timeout=60)
+    assert "the last line" in failed and len(failed) < 4096, failed  # Telegram's limit
+    peak = int(next(line for line in open(f"/proc/{pid}/status") if line.startswith("VmHWM")).split()[1]) // 1024
+    assert peak < 100, f"the service reached {peak} MB"  # the bot's library loaded: ~60 MB; a whole read: ~680

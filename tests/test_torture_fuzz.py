@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import string
 import subprocess
 import sys
@@ -445,3 +446,126 @@ async def test_hostile_agent_output_is_read_everywhere_without_error(fz, tmp_pat
                 await until(pilot, lambda: not isinstance(app.screen, LogScreen), 20, what="the log screen to close")
         assert app.is_running
     TRIED["agent_output"] = len(blobs)
+
+
+# ---- hostile clients of every listener -----------------------------------------------------
+
+# What a client of any of them might send instead of a request: nothing, no end, another
+# protocol, lines and headers past any size, a bad version, length or encoding, bytes that are
+# not text.
+HOSTILE_REQUESTS = [
+    b"", b"\r\n\r\n", b"\x00" * 100, b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + os.urandom(64),
+    b"GET / HTTP/9.9\r\n\r\n", b"GET\r\n\r\n", b"BREW / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    b"GET /" + b"A" * 70_000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX: " + b"a" * 200_000 + b"\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X: y\r\n" * 5_000 + b"\r\n",
+    b"GET / HTTP/1.1\r\nHost: \xff\xfe\x00\r\n\r\n", b"GET /?token=%ff%00%0d%0a HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: -1\r\n\r\n{}",
+    b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 99999999999999999999\r\n\r\n{}",
+    b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n\r\n",
+    b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer \xff\r\nContent-Length: 2\r\n\r\n{}",
+    b"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    b"Sec-WebSocket-Key: x\r\nSec-WebSocket-Version: 99\r\n\r\n",
+]
+
+
+def valid_requests(port: int) -> list[bytes]:
+    """Requests each listener would read, to mutate (without a token: none may be served)."""
+    body = b'{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "cancel", "arguments": {"all": true}}}'
+    return [
+        f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode(),
+        f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"Accept: application/json, text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body,
+        f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n".encode(),
+    ]
+
+
+def answer_to(port: int, request: bytes) -> int | None:
+    """Send `request` as one client, end it (EOF), and return the status the listener
+    answered (None: it closed without one)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
+        try:
+            s.sendall(request)
+            s.shutdown(socket.SHUT_WR)
+        except OSError:  # it closed on us mid-send (a request past its limits): an answer too
+            pass
+        got = b""
+        try:
+            while len(got) < 65536 and (chunk := s.recv(65536)):
+                got += chunk
+        except ConnectionResetError:
+            pass
+    if got.startswith(b"HTTP/1.") and got[8:9] == b" " and got[9:12].isdigit():
+        return int(got[9:12])
+    return None  # nothing, or an answer as to HTTP/0.9 (the metrics endpoint's http.server)
+
+
+def test_hostile_clients_of_every_listener_are_refused_and_it_serves_on(fz, tmp_path: Path):
+    """The metrics endpoint, `mcp --http` and `dashboard --web`, each fed hostile and randomly
+    mutated requests without a token: no answer serves one (MCP and the dashboard need their
+    token), none stops or wedges its listener, no traceback in what they log; afterwards each
+    serves a real client."""
+    import re
+    import urllib.request
+
+    from test_dashboard_web import Served
+    from test_mcp import post, start_http
+
+    pytest.importorskip("textual_serve")
+    rng = random.Random(SEED)
+    fz.config(metrics={"listen": "127.0.0.1:0"})
+    token = os.urandom(16).hex()
+    fz.ok("config", "set", "mcp.token", "-", input=token)
+    fz.ok("serve", "--detach")
+    metrics_url = wait_for(lambda: re.search(r"metrics on (http://\S+/metrics)", fz.home.service_log.read_text()),
+                           15, "the metrics address").group(1)
+    mcp, mcp_url = start_http(fz, "--http", "127.0.0.1:0")
+    web_log = tmp_path / "web.out"
+    web = subprocess.Popen([sys.executable, "-m", "kugetsu", "dashboard", "--web", "--bind", "127.0.0.1:0"],
+                           env=fz.env, stdout=open(web_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        web_url = wait_for(lambda: re.search(r" on (http://\S+) ", web_log.read_text()), 30, "the web address").group(1)
+        ports = {name: int(re.search(r":(\d+)/", url + "/").group(1))
+                 for name, url in (("metrics", metrics_url), ("mcp", mcp_url), ("web", web_url))}
+        tried = 0
+        for name, port in ports.items():
+            cases = HOSTILE_REQUESTS + [mutate(rng.choice(valid_requests(port)), rng) for _ in range(size(20, 300))]
+            for request in cases:
+                status = answer_to(port, request)
+                tried += 1
+                if name != "metrics":  # read-only figures, open to every local user by design
+                    assert status is None or not 200 <= status < 300 and status != 101, (name, request[:300], status)
+            assert mcp.poll() is None and web.poll() is None and fz.service_pid() is not None, name
+        TRIED["listener_requests"] = tried
+        # Each still serves its real client.
+        with urllib.request.urlopen(metrics_url, timeout=10) as r:
+            assert r.status == 200 and b"kugetsu_max_agents" in r.read()
+        assert initialize(mcp_url, token) == 200 and post(mcp_url, None) == 401
+        page = Served(web_url, web, web_log)
+        status, headers, _ = page.get(f"/?token={page.token}")
+        assert status == 303, status
+        assert page.get("/", {"Cookie": headers["Set-Cookie"].split(";", 1)[0]})[0] == 200
+        assert not fz.index()["finished"] and not fz.index()["queued"]  # nothing was acted on
+    finally:
+        mcp.terminate()
+        mcp_err = mcp.communicate(timeout=30)[1]
+        os.killpg(web.pid, signal.SIGTERM)
+        web.wait(15)
+    for said in (fz.home.service_log.read_text(), mcp_err, web_log.read_text()):
+        assert "Traceback" not in said, said[-3000:]
+
+
+
+def initialize(url: str, token: str) -> int:
+    """A real MCP client's first request over HTTP, with the token: the status it gets."""
+    import urllib.request
+
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "fuzz", "version": "1"}}}).encode()
+    headers = {"content-type": "application/json", "accept": "application/json, text/event-stream",
+               "authorization": f"Bearer {token}"}
+    with urllib.request.urlopen(urllib.request.Request(url, body, headers, method="POST"), timeout=30) as r:
+        return r.status

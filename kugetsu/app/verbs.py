@@ -107,6 +107,16 @@ def queued_change(home: Home, ref: str, change: Callable[[Index, Task, datetime]
     return task, position, bool(events)
 
 
+def next_task(home: Home, ref: str, by: str = "cli") -> tuple[Task, int | None, bool]:
+    """`next TASK` (the CLI, the dashboard's `n`): it starts before every other that may start."""
+    return queued_change(home, ref, lambda index, task, now: admission.move_next(index, task, now, by))
+
+
+def stash_task(home: Home, ref: str, on: bool, by: str = "cli") -> tuple[Task, int | None, bool]:
+    """`stash TASK` (on) / `unstash TASK` (the CLI, the dashboard's `z`)."""
+    return queued_change(home, ref, lambda index, task, now: admission.stash(task, now, on, by))
+
+
 # ---- edit --------------------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ the server) ends itself (`guard_tab`), as it does at SIGTERM even when its outpu
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import sys
@@ -69,7 +70,6 @@ def serve(home: Home, bind: str, allow_remote: bool) -> int:
     except ImportError:
         raise UsageError("--web needs textual-serve: pip install 'kugetsu[web]'") from None
     import asyncio
-    import logging
     import signal
 
     from textual_serve import server as textual_server
@@ -169,6 +169,7 @@ def serve(home: Home, bind: str, allow_remote: bool) -> int:
             # textual-serve's logs errors with each frame's locals, which would print the
             # token (a request's query, this module's closure): plain tracebacks instead.
             logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+            logging.getLogger("aiohttp.server").addFilter(malformed_in_one_line)
 
         def serve(self, debug: bool = False) -> None:
             # textual-serve's serve(), on our socket and without the access log.
@@ -186,6 +187,22 @@ def serve(home: Home, bind: str, allow_remote: bool) -> int:
     command = f"exec {shlex.quote(sys.executable)} -m kugetsu dashboard"
     DashboardServer(command, host=host, port=port, title=f"kugetsu · {home.root}").serve()
     return OK
+
+
+def malformed_in_one_line(record: logging.LogRecord) -> bool:
+    """aiohttp logs a request it cannot parse as an error with its traceback: any local user
+    could fill the terminal of whoever serves the dashboard with them, one per connection.
+    Such a request is the client's fault: one warning line saying what was wrong, without
+    the offending bytes (a request line may carry a token)."""
+    from aiohttp.http_exceptions import HttpProcessingError
+
+    err = record.exc_info[1] if record.exc_info else None
+    if isinstance(err, HttpProcessingError):
+        what = (err.message.splitlines() or [""])[0].rstrip(":") or f"status {err.code}"
+        record.msg, record.args = f"{record.getMessage()}: refused a malformed request ({what})", ()
+        record.exc_info, record.exc_text = None, None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
 
 
 def guard_tab() -> None:

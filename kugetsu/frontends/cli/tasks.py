@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from kugetsu.app import control, delegation, reading, transaction, verbs
@@ -274,19 +273,19 @@ def _pause(home: Home, args: argparse.Namespace, on: bool) -> int:
 
 
 def cmd_next(home: Home, args: argparse.Namespace) -> int:
-    return _moved(home, args, lambda index, task, now: admission.move_next(index, task, now), "moved to the front")
+    return _moved(verbs.next_task(home, args.task), args, "moved to the front")
 
 
 def cmd_stash(home: Home, args: argparse.Namespace) -> int:
-    return _moved(home, args, lambda index, task, now: admission.stash(task, now, True), "stashed")
+    return _moved(verbs.stash_task(home, args.task, True), args, "stashed")
 
 
 def cmd_unstash(home: Home, args: argparse.Namespace) -> int:
-    return _moved(home, args, lambda index, task, now: admission.stash(task, now, False), "unstashed")
+    return _moved(verbs.stash_task(home, args.task, False), args, "unstashed")
 
 
-def _moved(home: Home, args: argparse.Namespace, change: Callable[..., Any], verb: str) -> int:
-    task, position, changed = verbs.queued_change(home, args.task, change)
+def _moved(moved: tuple[Task, int | None, bool], args: argparse.Namespace, verb: str) -> int:
+    task, position, changed = moved
     if args.json:
         print(to_json(reading.task_json(task, position)))
         return OK

@@ -62,6 +62,15 @@ class HeadDeadline(H11Protocol):
         super().on_response_complete()
         self._arm()  # the next request's head
 
+    def send_400_response(self, msg: str) -> None:
+        super().send_400_response(msg)
+        # uvicorn answered a request whose head was whole but whose body it could not read
+        # (bad chunking), while the app already handles that head: what the app sends now
+        # (the token check's 401) has no response left to be. uvicorn would send it anyway,
+        # and h11's refusal was a traceback on stderr, one per such request anyone sends.
+        if self.cycle is not None:
+            self.cycle.disconnected = True
+
     def connection_lost(self, exc: Exception | None) -> None:
         if self.head_timer is not None:
             self.head_timer.cancel()

@@ -76,6 +76,9 @@ class Dashboard(App[None]):
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit"),
         # Last: what 80 columns cut first when a queued task's keys take the room (`?` lists all).
+        Binding("n", "next", "next"),
+        Binding("z", "stash(True)", "stash"),
+        Binding("z", "stash(False)", "unstash"),
         Binding("s", "stats", "stats"),
         Binding("plus,equals_sign", "max_agents(1)", "agents", key_display="+/-"),  # one entry for the pair
         Binding("minus", "max_agents(-1)", "fewer agents", show=False),
@@ -227,7 +230,8 @@ class Dashboard(App[None]):
         self._follow_selection()
         task = self.selected_task()
         run = task.run if task else None
-        keys = (task and (task.state, run and run.stop, run and run.paused_at, task.agent in self.index.holds), self.index.paused)
+        keys = (task and (task.state, run and run.stop, run and run.paused_at, task.agent in self.index.holds,
+                          task.stashed_at is None), self.index.paused)
         if keys != self._keys:  # a state change of the selected task changes its keys (the footer)
             self._keys = keys
             self.refresh_bindings()
@@ -318,7 +322,7 @@ class Dashboard(App[None]):
     # ---- actions ---------------------------------------------------------------------
 
     MAIN_ONLY = {"cancel", "delegate", "max_agents", "log", "stats", "refresh", "help", "edit", "pause_task", "retry",
-                 "hold", "pause_queue"}
+                 "hold", "pause_queue", "next", "stash"}
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # App bindings stay live under a dialog: `d` or `+` must not act behind a question.
@@ -334,6 +338,10 @@ class Dashboard(App[None]):
                     and (task.run.paused_at is None) == parameters[0])
         if action == "retry":
             return task is not None and task.state.final
+        if action == "next":
+            return task is not None and task.state is TaskState.QUEUED and task.stashed_at is None
+        if action == "stash":
+            return task is not None and task.state is TaskState.QUEUED and (task.stashed_at is None) == parameters[0]
         if action == "hold":
             return (task is not None and task.agent is not None and not task.state.final
                     and (task.agent in self.index.holds) != parameters[0])
@@ -400,6 +408,17 @@ class Dashboard(App[None]):
         if task is not None:
             self._act(lambda: verbs.pause_task(self.home, str(task.id), on, by=SOURCE),
                       f"{'paused' if on else 'resumed'} {task.name} (#{task.id})")
+
+    def action_next(self) -> None:
+        task = self.selected_task()
+        if task is not None:
+            self._act(lambda: verbs.next_task(self.home, str(task.id), by=SOURCE), f"{task.name} (#{task.id}) moved to the front")
+
+    def action_stash(self, on: bool) -> None:
+        task = self.selected_task()
+        if task is not None:
+            self._act(lambda: verbs.stash_task(self.home, str(task.id), on, by=SOURCE),
+                      f"{'stashed' if on else 'unstashed'} {task.name} (#{task.id})" + (" (z puts it back)" if on else ""))
 
     def action_pause_queue(self, on: bool) -> None:
         self._act(lambda: verbs.pause(self.home, None, on),

@@ -268,7 +268,6 @@ class LogScreen(Screen[None]):
 
 HELP = """\
 [b]kugetsu dashboard[/b] (the footer shows the keys of the selected task)
-
 [b]Running[/b]   tasks holding a slot: start time, elapsed, pid
 [b]Queue[/b]     waiting tasks in start order (position 1 starts next)
 [b]Finished[/b]  the latest finished tasks, newest first
@@ -283,6 +282,7 @@ HELP = """\
 [b]P[/b]  pause / resume the queue (no queued task starts)
 [b]h[/b]  hold / release the selected task's agent preset
 [b]t[/b]  retry the selected finished task (a new task)
+[b]n[/b]  the selected queued task starts next    [b]z[/b]  stash / unstash it (set aside)
 [b]+[/b] / [b]-[/b]  raise / lower max_agents (as `kugetsu config set` does)
 [b]l[/b]  full-screen log    [b]s[/b]  stats of the last hour    [b]w[/b]  schedules
 [b]r[/b]  refresh now (it refreshes by itself)    [b]q[/b]  quit (tasks keep running)
