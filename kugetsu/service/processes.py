@@ -157,17 +157,18 @@ class Processes:
         prompted = [t.id for t in tasks if t.prompted]
         return self.prompts(prompted) if prompted else {}
 
-    def sync_warm(self, index: Index, cfg: Config) -> None:
+    def sync_warm(self, index: Index, cfg: Config, first: list[Task] | None = None) -> None:
         """Keep the wrappers of the first WARM_AHEAD queued tasks in start order started and
         waiting, while every slot is busy (with a free slot, tasks start at once anyway): a
         promotion is then one write to a pipe, and no process is started while agents end
         in quick succession (task-spooler's waiting clients do the same). Who starts is still
         decided by pm in the tick; this only prepares the likely ones. Worktree tasks are not
         warmed: their working directory only exists once they start. The first ones are picked
-        without sorting the whole queue (start_order's `first`)."""
+        without sorting the whole queue (start_order's `first`); `first`: those, when the caller
+        has them already."""
         want: list[Task] = []
         if index.queued and selection.free_slots(index, cfg) == 0:
-            order = selection.start_order(index, cfg, transaction.now(), WARM_AHEAD)
+            order = first if first is not None else selection.start_order(index, cfg, transaction.now(), WARM_AHEAD)
             want = [t for t in order if not t.repo and t.token and not (self.confine and limited(cfg, t))]
         wanted = {t.id for t in want}
         for task_id in [i for i in self.warm if i not in wanted]:

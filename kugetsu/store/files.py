@@ -96,6 +96,10 @@ class Store(Transactions):
         self._cached: list[Task] = []
         self._warm = False  # the transaction under way is on the index this Store committed
         self._lock_fd: int | None = None  # index.lock, open and locked while a transaction runs
+        # Bumped whenever the committed queue may differ from the one committed before
+        # (queue_version): a transaction on an index decoded afresh, a commit that encoded a
+        # queued task again or changed the list.
+        self._queue_version = 0
 
     # ---- reading (no lock) ---------------------------------------------------------
 
@@ -218,12 +222,16 @@ class Store(Transactions):
             self._began = snapshot if unchanged else None
             self._warm = unchanged
             if not unchanged:
+                self._queue_version += 1
                 _keep_counters_ahead(self.home, index, before)
             self._recover_outbox(index)
         except BaseException:
             self._unlock()
             raise
         return Txn(index, now or datetime.now(timezone.utc), unchanged=unchanged, before=before)
+
+    def queue_version(self) -> int | None:
+        return self._queue_version
 
     def commit(self, txn: Txn) -> None:
         """Write what the transaction changed, and let go of the lock. A disk that is full
@@ -238,8 +246,9 @@ class Store(Transactions):
             data = self._commit(txn)
             self._committed = (data, txn.index)
             self._snapshot = _Snapshot.of(txn.index)
-        except OSError as err:
-            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        except BaseException as err:
+            self._queue_version += 1  # nothing known of what is committed: derive it afresh
+            if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
                 what = Path(err.filename).name if isinstance(err.filename, str) else self.home.index.name
                 raise DiskFull(
                     f"disk full: could not write {what}; nothing was written."
@@ -372,6 +381,7 @@ class Store(Transactions):
         a step per task in Python would cost what the encoding saves."""
         queued = index.queued
         if not (self._warm and self._chunks):  # a first commit, or an index decoded afresh
+            self._queue_version += 1
             data = encode_index(index)
             self._chunks = _chunks_of(index, data)
             self._cached = list(queued) if self._chunks else []
@@ -389,6 +399,8 @@ class Store(Transactions):
             if type(task) is not _Tracked:
                 task.__class__ = _Tracked
             parts[i] = _chunk(task)
+        if redo or list(self._chunks) != ids:
+            self._queue_version += 1  # a task new, gone, moved or assigned to
         _stale.difference_update(stale)
         _stale.difference_update(map(id, index.active + index.finished))  # not cached: its mark no longer matters
         self._chunks = dict(zip(ids, parts))  # type: ignore[arg-type]
