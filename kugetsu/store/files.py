@@ -100,6 +100,7 @@ class Store(Transactions):
         # (queue_version): a transaction on an index decoded afresh, a commit that encoded a
         # queued task again or changed the list.
         self._queue_version = 0
+        self._ahead: tuple[bytes, Index] | None = None  # read_ahead's index, for the next begin
 
     # ---- reading (no lock) ---------------------------------------------------------
 
@@ -145,6 +146,14 @@ class Store(Transactions):
     def read(self) -> Index:
         """The committed index, as a reader sees it (no lock; never half-written)."""
         return self._load()[0]
+
+    def read_ahead(self) -> None:
+        """Read (and check) the committed index and keep it for this Store's next transaction,
+        which then decodes nothing if the file is still byte for byte the same: the service's
+        start read its index twice (0.3 s each at 50,000 queued). Kept as another writer's
+        (not `unchanged`: its clock and counters are looked at as after any other writer)."""
+        index, data = self._load()
+        self._ahead = (data, index) if data else None
 
     def read_head(self) -> tuple[Index, QueueCounts]:
         """The committed index without its queued and finished tasks, and the queued tasks'
@@ -217,7 +226,8 @@ class Store(Transactions):
             # changed, and it must never be reused.
             reuse, self._committed = self._committed, None
             snapshot, self._snapshot = self._snapshot, None
-            index, before = self._load(reuse)
+            ahead, self._ahead = self._ahead, None
+            index, before = self._load(reuse or ahead)
             unchanged = reuse is not None and index is reuse[1]
             self._began = snapshot if unchanged else None
             self._warm = unchanged
