@@ -51,6 +51,17 @@ def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources |
     return [t for t, _ in _plan(index, cfg, now, resources, room, here)]
 
 
+def _heads(index: Index, cfg: Config) -> Index:
+    """The index with only the queued tasks that can start now when every pick takes the
+    smallest key of all (simple_order) and each takes one slot (no accounts): as many as
+    slots are free, found without sorting the rest into lanes (the first tick at 50,000
+    queued built a Board of every task: 0.3 s of the service's start). Else the index."""
+    free = cfg.max_agents - slots_used(index)
+    if (free >= len(index.queued) or index.paused_groups or accounts(index, cfg) or not simple_order(index, cfg)):
+        return index
+    return msgspec.structs.replace(index, queued=heapq.nsmallest(max(free, 0), index.queued, key=lambda t: task_key(cfg, t)))
+
+
 def _plan(index: Index, cfg: Config, now: datetime, resources: Resources | None, room: int | None,
           here: Here | None = None) -> list[tuple[Task, str | None]]:
     """plan_starts with the preset each task starts on (its failover order's choice).
@@ -58,7 +69,7 @@ def _plan(index: Index, cfg: Config, now: datetime, resources: Resources | None,
     if here is not None:
         board = Board(index, cfg, now, resources, host=here.name, budget=here.max_memory)
     else:
-        board = Board(index, cfg, now, resources)
+        board = Board(_heads(index, cfg), cfg, now, resources)
     started: list[tuple[Task, str | None]] = []
     while (task := board.pick()) is not None:
         if room is not None:  # this machine's own slots: the next task waits for them, as for the cluster's
