@@ -94,6 +94,7 @@ class Store(Transactions):
         # one-shot CLI command's, the service's after another writer) is encoded whole.
         self._chunks: dict[int, bytes] = {}
         self._cached: list[Task] = []
+        self._joined: bytes | None = None  # those chunks joined, as index.json has them
         self._warm = False  # the transaction under way is on the index this Store committed
         self._lock_fd: int | None = None  # index.lock, open and locked while a transaction runs
         # Bumped whenever the committed queue may differ from the one committed before
@@ -395,6 +396,7 @@ class Store(Transactions):
             data = encode_index(index)
             self._chunks = _chunks_of(index, data)
             self._cached = list(queued) if self._chunks else []
+            self._joined = None
             return data
         ids = list(map(id, queued))
         parts: list[bytes | None] = list(map(self._chunks.get, ids))
@@ -409,13 +411,15 @@ class Store(Transactions):
             if type(task) is not _Tracked:
                 task.__class__ = _Tracked
             parts[i] = _chunk(task)
-        if redo or list(self._chunks) != ids:
-            self._queue_version += 1  # a task new, gone, moved or assigned to
         _stale.difference_update(stale)
         _stale.difference_update(map(id, index.active + index.finished))  # not cached: its mark no longer matters
-        self._chunks = dict(zip(ids, parts))  # type: ignore[arg-type]
-        self._cached = list(queued)  # keeps each cached task, so its id() stays its own
-        data = _with_queue(index, parts)  # type: ignore[arg-type]
+        if redo or self._joined is None or list(self._chunks) != ids:
+            self._queue_version += 1  # a task new, gone, moved or assigned to
+            self._chunks = dict(zip(ids, parts))  # type: ignore[arg-type]
+            self._cached = list(queued)  # keeps each cached task, so its id() stays its own
+            self._joined = b",\n".join(parts)  # type: ignore[arg-type]
+        # else the queue's bytes are the last commit's (a running task's figures changed)
+        data = _with_queue(index, self._joined if queued else None)
         if _VERIFY and data != encode_index(index):
             raise AssertionError("the index was changed in a way the file store's cache does not see"
                                  " (a queued task changed in place, not by assigning to a field)")
@@ -512,13 +516,13 @@ def _chunk(task: Task) -> bytes:
     return b"    " + msgspec.json.format(encoder.encode(task), indent=2).replace(b"\n", b"\n    ")
 
 
-def _with_queue(index: Index, parts: list[bytes]) -> bytes:
-    """encode_index(index) from its queued tasks' chunks."""
+def _with_queue(index: Index, joined: bytes | None) -> bytes:
+    """encode_index(index) from its queued tasks' chunks, joined by ",\n" (None: no queue)."""
     rest = msgspec.json.format(encoder.encode(msgspec.structs.replace(index, queued=[])), indent=2) + b"\n"
-    if not parts:
+    if joined is None:
         return rest
     at = rest.index(_QUEUE_EMPTY)
-    return b"".join((rest[:at], _QUEUE_OPEN, b",\n".join(parts), _QUEUE_CLOSE, rest[at + len(_QUEUE_EMPTY):]))
+    return b"".join((rest[:at], _QUEUE_OPEN, joined, _QUEUE_CLOSE, rest[at + len(_QUEUE_EMPTY):]))
 
 
 def _chunks_of(index: Index, data: bytes) -> dict[int, bytes]:
