@@ -15,7 +15,7 @@ from kugetsu.core.commandline import _KEPT, _NEEDS_PROMPT, render_command, rende
 from kugetsu.core.common import _close, _event, _stands
 from kugetsu.core.lifecycle import cancel
 from kugetsu.core.models import PRIORITIES, Event, Index, Task, TaskState, valid_host, valid_name
-from kugetsu.core.policy import short_size
+from kugetsu.core.policy import _AFTER, short_size
 from kugetsu.core.selection import find, free_slots, position
 from kugetsu.errors import EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered, QueueFull, Rejected, UnknownDependency, UnknownGroup, UsageError
 
@@ -423,9 +423,9 @@ def dependencies_failed(index: Index, now: datetime) -> list[Event]:
     """Queued tasks one of whose dependencies ended otherwise than succeeded are cancelled,
     each with its own event (`dependency issue-16 failed`). In id order: a dependency is
     always older than its dependent, so a whole chain ends in one pass."""
-    waiting = [t for t in index.queued if t.after]
-    if not waiting:
+    if not any(map(_AFTER, index.queued)):  # C's steps: every transaction asks it of the whole queue
         return []
+    waiting = [t for t in index.queued if t.after]
     ended = {t.id: t for t in index.finished}
     events = []
     for task in sorted(waiting, key=lambda t: t.id):

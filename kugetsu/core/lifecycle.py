@@ -5,6 +5,7 @@ and kills, deadlines, history trimming, clean and remove.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from operator import attrgetter
 from types import EllipsisType
 
 from kugetsu.config.model import Config
@@ -162,9 +163,17 @@ def cancel(index: Index, task: Task, now: datetime, grace: float, reason: str = 
 
 
 
+_EXPIRES_AT = attrgetter("expires_at")
+
+
 def expire_due(index: Index, now: datetime) -> list[Event]:
-    """Queued tasks whose expires_at has come end as expired."""
-    events = []
+    """Queued tasks whose expires_at has come end as expired. Every transaction asks it: the
+    earliest expiry is found first with C's steps, and the queue walked in Python only when
+    one has come (a tick at 50,000 queued)."""
+    events: list[Event] = []
+    earliest = min(filter(None, map(_EXPIRES_AT, index.queued)), default=None)
+    if earliest is None or earliest > now:
+        return events
     for task in [t for t in index.queued if t.expires_at is not None and t.expires_at <= now and t.stashed_at is None]:
         index.queued.remove(task)
         task.reason = f"expired after {format_duration((now - task.created_at).total_seconds())} in the queue"
@@ -190,11 +199,19 @@ def timeouts_due(index: Index, now: datetime, grace: float) -> list[Task]:
     return due
 
 
-def next_deadline(index: Index) -> datetime | None:
+def queue_deadline(index: Index) -> datetime | None:
+    """The earliest expiry of a queued task (expire_due's), the one part of next_deadline that
+    grows with the queue: the service keeps it while the queue is the same."""
+    return min((t.expires_at for t in index.queued if t.expires_at is not None and t.stashed_at is None), default=None)
+
+
+def next_deadline(index: Index, queued: datetime | None | EllipsisType = ...) -> datetime | None:
     """The earliest moment something falls due: a queued task's expiry, a running task's run
     timeout, the SIGKILL that follows a stop's grace, or the end of a hold on a preset. (The service's one timer is set
-    there; what is due then is decided by expire_due, timeouts_due and kills_due.)"""
-    times = [t.expires_at for t in index.queued if t.expires_at is not None and t.stashed_at is None]
+    there; what is due then is decided by expire_due, timeouts_due and kills_due.) `queued`:
+    queue_deadline(index), when the caller has it."""
+    expiry = queue_deadline(index) if queued is ... else queued
+    times = [expiry] if expiry is not None else []
     times += [h.until for h in index.holds.values() if h.until is not None]  # released at its end
     for task in index.active:
         if task.run.kill_at is not None:

@@ -14,7 +14,7 @@ from kugetsu.config.model import Config
 from kugetsu.core import placement
 from kugetsu.core.admission import dependencies_failed
 from kugetsu.core.common import _close, _request_stop
-from kugetsu.core.lifecycle import agent_ended, expire_due, finish, kills_due, next_deadline, record_spawn, start, timeouts_due, trim_history
+from kugetsu.core.lifecycle import agent_ended, expire_due, finish, kills_due, record_spawn, start, timeouts_due, trim_history
 from kugetsu.core.models import Event, Index, Task, TaskState
 from kugetsu.core.placement import Here, ours
 from kugetsu.core.policy import Resources, memory_of, short_size
@@ -130,7 +130,6 @@ class Plan(msgspec.Struct, kw_only=True):
     strays: list[Adopted] = []  # processes let go for tasks that are final by now: end them
     gone: list[str] = []  # in a cluster: machines whose lease ran out (their tasks are lost now)
     set_aside: list[tuple[Task, Exception]] = []  # tasks failed because their handling raised (set_aside)
-    wake_at: datetime | None = None  # the next moment something falls due
     release_at: datetime | None = None  # when a policy that holds a task that could start lets go (release_at)
 
 
@@ -203,7 +202,6 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
     plan.archive = settled.archive
     plan.start = settled.start
     plan.release_at = release_at(index, cfg, now)
-    plan.wake_at = min(filter(None, [next_deadline(index), plan.release_at]), default=None)
     return plan
 
 
@@ -221,6 +219,8 @@ def adopt(index: Index, now: datetime, found: list[Adopted], cfg: Config | None 
     """Record processes no committed index knew of: a queued task's start, a running task's
     pid; a task that is final by now gets its process ended instead (a stray)."""
     plan = Plan()
+    if not found:
+        return plan  # the common case: no map of every task (a tick at 50,000 queued)
     tasks = {t.id: t for t in index.all_tasks()}
     for a in found:
         task = tasks.get(a.task)

@@ -18,27 +18,60 @@ import asyncio
 import logging
 from collections.abc import Callable
 from datetime import datetime
+from typing import Any, TypeVar
 
 from kugetsu.app import transaction
 from kugetsu.config.model import Config
-from kugetsu.core import selection, step
+from kugetsu.core import policy, selection, step
 from kugetsu.core.models import Index
 from kugetsu.paths import Home
-from kugetsu.service import runner
 from kugetsu.service.exits import Exits
+from kugetsu.service import processes, runner
 from kugetsu.service.processes import Processes
 from kugetsu.store.protocol import StoreProtocol, Txn
 
 log = logging.getLogger("kugetsu.service")
 
+T = TypeVar("T")
+
+
+class QueueMemo:
+    """What the service derives from the whole queue after a commit (the successor, the first
+    tasks in start order, the next expiry), kept while the store says the queue committed is
+    the one committed before (queue_version) and the rest it was derived from (`key`) is
+    the same: the 5 s safety-net tick at 50,000 queued re-sorted and re-scanned the queue
+    each time (4-5 % of a core, idle). A version of None (a held transaction, a store that
+    cannot tell) keeps nothing."""
+
+    def __init__(self) -> None:
+        self._version: int | None = None
+        self._values: dict[str, tuple[object, Any]] = {}
+
+    def at(self, version: int | None) -> None:
+        """After a commit (None: before it, or unknown): what was kept holds only if unchanged."""
+        if version is None or version != self._version:
+            self._values.clear()
+        self._version = version
+
+    def get(self, name: str, key: object, derive: Callable[[], T]) -> T:
+        if self._version is None:
+            return derive()
+        kept = self._values.get(name)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        value = derive()
+        self._values[name] = (key, value)
+        return value
+
 
 class FastPath:
     """The successor, its early release at an exit, and the warm wrappers it needs."""
 
-    def __init__(self, home: Home, procs: Processes, exits: Exits):
+    def __init__(self, home: Home, procs: Processes, exits: Exits, memo: QueueMemo):
         self.home = home
         self.procs = procs
         self.exits = exits
+        self.memo = memo
         self.successor: selection.Successor | None = None  # pm's pick for the next slot to free
         self.released: int | None = None  # the successor, let go at an exit, until pm records it
 
@@ -102,14 +135,25 @@ class FastPath:
         return step.adopt(txn.index, txn.now, [step.Adopted(task.id, warm.pid, warm.start, at, str(self.home.log(task.id)))])
 
     def committed(self, index: Index, cfg: Config) -> None:
-        """After a tick (its start of the released task recorded): the next successor."""
+        """After a tick (its start of the released task recorded): the next successor. Besides
+        the queue it reads the config, whether the queue is paused or presets held, and the
+        running tasks' slots, memory and retries (the key of the memo)."""
         self.released = None
-        self.successor = selection.successor(index, cfg)
+        running = tuple((t.id, t.memory, t.slots, t.retries, t.agent) for t in index.active)
+        self.successor = self.memo.get("successor", (id(cfg), index.paused, bool(index.holds), running),
+                                       lambda: selection.successor(index, cfg))
 
     def warm(self, index: Index, cfg: Config) -> None:
         """The warm wrappers of the next promotions (one machine: in a cluster the next task
-        may start on another)."""
-        self.procs.sync_warm(index, cfg)
+        may start on another). The first ones in start order are kept while the queue is the
+        same, when that order is a plain sort (it reads the config and whether presets are
+        held, besides the queue); otherwise it depends on the clock and is played again."""
+        key = (id(cfg), bool(index.holds))
+        first = None
+        ahead = processes.warm_ahead(cfg)
+        if index.queued and self.memo.get("simple", key, lambda: policy.simple_order(index, cfg)):
+            first = self.memo.get("first", (*key, ahead), lambda: selection.start_order(index, cfg, transaction.now(), ahead))
+        self.procs.sync_warm(index, cfg, first)
 
 
 class HeldCommit:

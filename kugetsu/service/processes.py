@@ -33,7 +33,17 @@ if TYPE_CHECKING:  # only for the types: runner imports it when it first spawns
 
 log = logging.getLogger("kugetsu.service")
 
-WARM_AHEAD = 100  # queued tasks whose wrapper waits, started ahead (sync_warm)
+# Queued tasks whose wrapper waits, started ahead (sync_warm): as many as the next
+# promotions can use. One burst of exits frees at most max_agents slots before the tick that
+# warms the next ones, so twice that, and a few at least; never more than WARM_AHEAD. (It was
+# 100 whatever max_agents: 100 idle `sh` at a long queue, 13 MB of PSS, and a drain of 100
+# tasks at one slot was no faster for them.)
+WARM_AHEAD = 100
+WARM_MIN, WARM_PER_SLOT = 4, 2
+
+
+def warm_ahead(cfg: Config) -> int:
+    return min(WARM_AHEAD, max(WARM_MIN, WARM_PER_SLOT * cfg.max_agents))
 
 _FINAL = frozenset(s.value for s in TaskState if s.final)
 
@@ -157,17 +167,18 @@ class Processes:
         prompted = [t.id for t in tasks if t.prompted]
         return self.prompts(prompted) if prompted else {}
 
-    def sync_warm(self, index: Index, cfg: Config) -> None:
-        """Keep the wrappers of the first WARM_AHEAD queued tasks in start order started and
+    def sync_warm(self, index: Index, cfg: Config, first: list[Task] | None = None) -> None:
+        """Keep the wrappers of the first warm_ahead(cfg) queued tasks in start order started and
         waiting, while every slot is busy (with a free slot, tasks start at once anyway): a
         promotion is then one write to a pipe, and no process is started while agents end
         in quick succession (task-spooler's waiting clients do the same). Who starts is still
         decided by pm in the tick; this only prepares the likely ones. Worktree tasks are not
         warmed: their working directory only exists once they start. The first ones are picked
-        without sorting the whole queue (start_order's `first`)."""
+        without sorting the whole queue (start_order's `first`); `first`: those, when the caller
+        has them already."""
         want: list[Task] = []
         if index.queued and selection.free_slots(index, cfg) == 0:
-            order = selection.start_order(index, cfg, transaction.now(), WARM_AHEAD)
+            order = first if first is not None else selection.start_order(index, cfg, transaction.now(), warm_ahead(cfg))
             want = [t for t in order if not t.repo and t.token and not (self.confine and limited(cfg, t))]
         wanted = {t.id for t in want}
         for task_id in [i for i in self.warm if i not in wanted]:

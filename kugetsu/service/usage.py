@@ -21,6 +21,7 @@ Modes (config `resources.mode`):
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 
@@ -70,7 +71,7 @@ class Sampler:
         self.peaks: dict[tuple[int, int], int] = {}  # (task id, attempt) -> the largest memory seen
 
     def measure(self, tokens: dict[int, str], groups: dict[int, TaskGroups | None],
-                attempts: dict[int, int]) -> dict[int, Measured]:
+                attempts: Mapping[int, int]) -> dict[int, Measured]:
         """task id -> its use now, for the tasks in `tokens` (id -> token), in their run
         `attempts` (id -> attempt: a retry's peak starts afresh)."""
         by_token = {tok: tid for tid, tok in tokens.items()}
@@ -297,7 +298,7 @@ def remove_base(base: Base) -> None:
             pass
 
 
-def remove_finished(base: Base, live: dict[int, int], next_id: int) -> int:
+def remove_finished(base: Base, live: Mapping[int, int], next_id: int) -> int:
     """Remove the cgroups of runs that are over: of tasks neither queued nor running, or of
     an earlier attempt (`live`: task id -> its attempt now). Tasks admitted since (id from
     `next_id` on) are left alone: their run may be about to join its cgroups. Only empty

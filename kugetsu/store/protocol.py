@@ -177,6 +177,18 @@ class StoreProtocol(Protocol):
         view that refreshes itself compares."""
         ...
 
+    def read_ahead(self) -> None:
+        """Read and check the committed index (raising as `read` does) for a transaction about
+        to begin: a store that can keeps it for that transaction (the service's start)."""
+        ...
+
+    def queue_version(self) -> int | None:
+        """After a commit: a number that stays the same while the queue committed is the one
+        committed before it, the same tasks in the same order, none assigned to (the service
+        then reuses what it derived from the queue: its successor, its next expiry). None:
+        the store cannot tell (derive it again)."""
+        ...
+
     def watch(self) -> Watch | None:
         """A file descriptor to select on that becomes readable as soon as any process
         commits, for a waiter; None when the store has none (then it looks at `stamp`)."""
@@ -268,6 +280,14 @@ class Transactions:
 
     def machines(self, lease_s: float) -> Standing | None:
         return None  # one machine: no cluster to stand in
+
+    def read_ahead(self) -> None:
+        """Read and check the committed index (it raises as `read` does), for a transaction
+        about to begin; a store that can keeps it for that transaction."""
+        self.read()
+
+    def queue_version(self) -> int | None:
+        return None  # no cheap way to tell: whatever is derived from the queue is derived again
 
     def machine_rows(self) -> list[HostRow] | None:
         return None
