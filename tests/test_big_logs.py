@@ -10,11 +10,20 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from conftest import wait_for
 from dashboard_data import until
 
 MB = 1024 * 1024
+
+
+@pytest.fixture
+def tmp_path(ram_path: Path) -> Path:
+    """This file's tests write 200 MB logs: in RAM (conftest.ram_path), not on the shared disk."""
+    return ram_path
 
 
 def measured(kg, *args: str) -> tuple[subprocess.CompletedProcess[bytes], float, float]:

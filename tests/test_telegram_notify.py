@@ -6,10 +6,19 @@ import json
 import os
 import signal
 import stat
+from pathlib import Path
+
+import pytest
 
 from conftest import agent_wrappers, wait_for
 from fakebot import TOKEN
 from test_telegram_bot import ME, api, bot_up, reply, setup  # noqa: F401  (api is a fixture)
+
+
+@pytest.fixture
+def tmp_path(ram_path: Path) -> Path:
+    """A test here writes a 200 MB log: in RAM (conftest.ram_path), not on the shared disk."""
+    return ram_path
 
 
 def once(api, needle: str) -> bool:
