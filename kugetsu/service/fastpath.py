@@ -150,7 +150,7 @@ class FastPath:
         held, besides the queue); otherwise it depends on the clock and is played again."""
         key = (id(cfg), bool(index.holds))
         first = None
-        ahead = processes.warm_ahead(cfg)
+        ahead = processes.WARM_AHEAD  # read at each call: tests lower it
         if index.queued and self.memo.get("simple", key, lambda: policy.simple_order(index, cfg)):
             first = self.memo.get("first", (*key, ahead), lambda: selection.start_order(index, cfg, transaction.now(), ahead))
         self.procs.sync_warm(index, cfg, first)

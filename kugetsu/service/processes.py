@@ -41,12 +41,6 @@ log = logging.getLogger("kugetsu.service")
 # promotions can use" is traded for the drain (README, Performance).
 WARM_AHEAD = 100
 
-
-def warm_ahead(cfg: Config) -> int:
-    """How many wrappers wait warm (tests lower WARM_AHEAD)."""
-    return WARM_AHEAD
-
-
 _FINAL = frozenset(s.value for s in TaskState if s.final)
 
 
@@ -170,7 +164,7 @@ class Processes:
         return self.prompts(prompted) if prompted else {}
 
     def sync_warm(self, index: Index, cfg: Config, first: list[Task] | None = None) -> None:
-        """Keep the wrappers of the first warm_ahead(cfg) queued tasks in start order started and
+        """Keep the wrappers of the first WARM_AHEAD queued tasks in start order started and
         waiting, while every slot is busy (with a free slot, tasks start at once anyway): a
         promotion is then one write to a pipe, and no process is started while agents end
         in quick succession (task-spooler's waiting clients do the same). Who starts is still
@@ -180,7 +174,7 @@ class Processes:
         has them already."""
         want: list[Task] = []
         if index.queued and selection.free_slots(index, cfg) == 0:
-            order = first if first is not None else selection.start_order(index, cfg, transaction.now(), warm_ahead(cfg))
+            order = first if first is not None else selection.start_order(index, cfg, transaction.now(), WARM_AHEAD)
             want = [t for t in order if not t.repo and t.token and not (self.confine and limited(cfg, t))]
         wanted = {t.id for t in want}
         for task_id in [i for i in self.warm if i not in wanted]:
