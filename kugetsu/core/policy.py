@@ -113,6 +113,16 @@ def simple_order(index: Index, cfg: Config, waits: bool = True) -> bool:
 _AFTER, _NOT_BEFORE, _GROUP, _STASHED_AT = (attrgetter(name) for name in ("after", "not_before", "group", "stashed_at"))
 
 
+def may_release(index: Index, cfg: Config) -> bool:
+    """Could Board.next_release find a time? Only what its branches read holds a queued task
+    until later: a rate limit, a preset's hold, a window quota, a daily budget, a task waiting
+    for its time. Asked before a Board is built (a tick with a free slot at 10,000 queued laid
+    the whole queue into lanes to find nothing)."""
+    return bool(cfg.min_start_interval_s or index.holds or cfg.budgets.enabled
+                or any(p.limit.window is not None for p in cfg.agents.values())
+                or _any_set(index.queued, _NOT_BEFORE))
+
+
 def _any_set(tasks: list[Task], field: attrgetter[Any]) -> bool:
     """Whether one of `tasks` has `field` other than None."""
     return not all(map(operator.is_, map(field, tasks), repeat(None)))

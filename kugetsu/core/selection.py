@@ -19,7 +19,7 @@ from kugetsu.core import budgets, placement
 from kugetsu.core.common import _event, _stands, may_requeue, unpause
 from kugetsu.core.models import Event, Index, QueueCounts, Task, TaskState, valid_host
 from kugetsu.core.placement import Here, starts_anywhere
-from kugetsu.core.policy import (RANK, Board, Resources, _NOT_BEFORE, _any_set, accounts, guard_hold, memory_of, simple_order,
+from kugetsu.core.policy import (RANK, Board, Resources, accounts, guard_hold, may_release, memory_of, simple_order,
                                  task_key)
 from kugetsu.errors import AmbiguousName, NoSuchTask, UnknownGroup, UsageError
 
@@ -436,13 +436,10 @@ def filter_view(view: QueueView, keep: TaskFilter) -> QueueView:
 
 
 def next_release(index: Index, cfg: Config, now: datetime) -> datetime | None:
-    """When a rate limit that holds a queued task runs out (the service wakes then). Without
-    a rate limit, a hold, a window quota, a daily budget or a queued task waiting for its
-    time there is none, and the queue is not played into lanes to find that out (each tick
-    with a free slot did, at 10,000 queued: deadlines.py's expiries came late)."""
-    if not (cfg.min_start_interval_s or index.holds or cfg.budgets.enabled
-            or any(p.limit.window is not None for p in cfg.agents.values())
-            or _any_set(index.queued, _NOT_BEFORE)):
+    """When a rate limit that holds a queued task runs out (the service wakes then). None,
+    without playing the queue into lanes, where nothing can hold one until later
+    (policy.may_release: each tick with a free slot did, at 10,000 queued)."""
+    if not may_release(index, cfg):
         return None
     return Board(index, cfg, now).next_release()
 
