@@ -251,4 +251,3 @@ class StatsOut(BaseModel):
     by: Literal["source", "agent", "group", "host", "day"] | None = Field(description="what each row is")
     total: dict = Field(description="the whole window")
     rows: dict[str, dict] | None = Field(None, description="one per source, agent, group, host or local day (with by)")
-

@@ -53,8 +53,6 @@ def size(value: str | int | None) -> int | None:
         raise UsageError(str(err)) from None
 
 
-
-
 def dumps(obj: Any) -> bytes:
     return json.dumps(msgspec.to_builtins(obj), indent=2, ensure_ascii=False).encode()
 

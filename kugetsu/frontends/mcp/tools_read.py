@@ -115,4 +115,3 @@ def register(server: MCPServer, home: Home) -> None:
         control.ensure_service(home, cfg, index)
         report = history.summarise(history.load(home, cfg, index, window, transaction.now()), by)
         return reply(history.render(report), report)
-
