@@ -175,3 +175,86 @@ async def test_a_task_let_go_early_but_not_started_by_pm_is_recorded_not_run_twi
     assert (kg.rec / "next").read_text().count("start") == 1
     assert [e["task"] for e in kg.events("started")].count(2) == 1
     assert "let go early but not picked" in caplog.text
+
+
+# ---- the successor's agent process, forked ahead (runner.prefork) ----------------------------
+
+
+def _forked_ahead(pid: int) -> list[int]:
+    """The children of wrapper `pid` that are still copies of it (forked, not yet the agent)."""
+    try:
+        own = open(f"/proc/{pid}/cmdline", "rb").read()
+        kids = [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []
+    out = []
+    for kid in kids:
+        try:
+            if open(f"/proc/{kid}/cmdline", "rb").read() == own:
+                out.append(kid)
+        except OSError:
+            continue
+    return out
+
+
+def test_the_next_task_forks_its_agent_process_ahead_and_runs_it_once_with_its_status(kg):
+    gate = _next_waits_warm_behind_a_gated_blocker(kg)
+    kg.ok("delegate", "failing", "--", *kg.agent("failing", 0, 3))
+    wait_for(lambda: _warm_for(kg, 3), what="the third task's wrapper")
+    wrapper = _warm_for(kg, 2)[0]
+    forked = wait_for(lambda: _forked_ahead(wrapper), what="next's agent process forked ahead")
+    assert kg.times("next") == {} and kg.task("next")["state"] == "queued"  # forked, not run
+    assert not _forked_ahead(_warm_for(kg, 3)[0])  # only the task that starts next
+    assert kg.wrappers()[2][0] == wrapper  # the wrapper, never its fork, is the task's process
+    gate.touch()
+    t = kg.wait_state("next", "succeeded")
+    assert t["pid"] == wrapper and kg.times("next")["start"] >= kg.times("blocker")["end"]
+    assert forked[0] not in agent_wrappers(kg.home)
+    f = kg.wait_state("failing", "failed")  # its status reaches the index through the fork too
+    assert f["exit_code"] == 3 and (kg.rec / "next").read_text().count("start") == 1
+
+
+def test_a_cancelled_task_forked_ahead_leaves_no_process_and_no_exit_file(kg):
+    _next_waits_warm_behind_a_gated_blocker(kg)
+    wrapper = _warm_for(kg, 2)[0]
+    forked = wait_for(lambda: _forked_ahead(wrapper), what="next's agent process forked ahead")
+    kg.ok("cancel", "next")
+    wait_for(lambda: not _warm_for(kg, 2) and not os.path.exists(f"/proc/{forked[0]}/cmdline"), timeout=5,
+             what="the wrapper and its fork to exit")
+    assert kg.times("next") == {} and not kg.home.exit_file(2).exists()
+    assert kg.task("next")["state"] == "cancelled"
+
+
+def test_a_fork_ahead_left_by_a_killed_service_is_not_taken_for_a_started_agent(kg):
+    gate = _next_waits_warm_behind_a_gated_blocker(kg)
+    wrapper = _warm_for(kg, 2)[0]
+    forked = wait_for(lambda: _forked_ahead(wrapper), what="next's agent process forked ahead")
+    assert not runner.agent_started(wrapper)
+    os.kill(kg.service_pid(), signal.SIGKILL)
+    wait_for(lambda: not _warm_for(kg, 2) and not os.path.exists(f"/proc/{forked[0]}/cmdline"), timeout=5,
+             what="the orphaned wrapper and its fork to exit")
+    assert kg.times("next") == {} and not kg.home.exit_file(2).read_bytes().strip()  # no status recorded
+    gate.touch()
+    kg.ok("queue")  # brings the service back
+    kg.wait_state("next", "succeeded")
+    assert (kg.rec / "next").read_text().count("start") == 1
+
+
+def test_a_cancel_of_an_agent_run_from_its_fork_records_the_agents_own_end(kg):
+    """The group's SIGTERM reaches the wrapper too: it records the status the agent ended
+    with (its own handler's), not the signal's."""
+    kg.config(max_agents=1)
+    gate = kg.rec / "go"
+    kg.delegate("blocker", 0, gate=gate)
+    script = 'trap "echo handled >> \\"$0\\"; exit 7" TERM; echo started >> "$0"; while :; do sleep 0.05; done'
+    kg.ok("delegate", "trapper", "--", "sh", "-c", script, str(kg.rec / "trapper"))
+    wrapper = wait_for(lambda: _warm_for(kg, 2), what="trapper's wrapper")[0]
+    wait_for(lambda: _forked_ahead(wrapper), what="trapper's agent process forked ahead")
+    gate.touch()
+    wait_for(lambda: "started" in (kg.rec / "trapper").read_text() if (kg.rec / "trapper").exists() else False,
+             what="trapper to run")
+    kg.ok("cancel", "trapper")
+    t = kg.wait_state("trapper", "cancelled")
+    assert "handled" in (kg.rec / "trapper").read_text()
+    assert kg.home.exit_file(2).read_text().strip() == "7"
+    assert t["pid"] == wrapper
