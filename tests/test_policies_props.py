@@ -170,6 +170,19 @@ def test_limits_hold_and_positions_are_the_real_start_order(raw, first, later, g
 
 
 @settings(max_examples=60, deadline=None)
+@given(config_st, st.lists(task_st, max_size=8), st.lists(task_st, max_size=16), st.integers(0, 6),
+       st.integers(1, 18))
+def test_a_limited_queue_view_is_the_whole_views_head(raw, first, later, gap, limit):
+    """`queue --limit N`: the first N of the whole view, at the same positions, the rest counted."""
+    cfg, index, now = build(raw, first, later, gap)
+    whole = selection.queue_view(index, cfg, now)
+    head = selection.queue_view(index, cfg, now, first=limit)
+    assert head.queued == whole.queued[:limit] and head.more == max(0, len(whole.queued) - limit)
+    assert head.positions == {t.id: whole.positions[t.id] for t in head.queued if t.id in whole.positions}
+    assert selection.limit_view(whole, limit).queued == head.queued
+
+
+@settings(max_examples=60, deadline=None)
 @given(config_st, st.lists(task_st, max_size=8), st.lists(task_st, max_size=16), st.integers(0, 6))
 def test_sort_fast_path_is_the_simulation(raw, first, later, gap):
     raw = {**raw, "strategy": raw["strategy"] if raw["strategy"] != "fair" else "priority"}

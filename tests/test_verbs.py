@@ -46,30 +46,38 @@ def test_queue_filters_keep_true_positions_and_show_the_command(kg):
 
 
 def test_wait_all_and_group_wait_for_the_live_tasks_of_now(kg):
+    import subprocess
+    import sys
+
+    from test_mcp import pidfds
+
+    def waiter(*args: str) -> subprocess.Popen:
+        """`kugetsu wait ARGS --json`, once it watches a running task (a pidfd open on it)."""
+        w = subprocess.Popen([sys.executable, "-m", "kugetsu", "wait", *args, "--json"], env=kg.env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: w.poll() is None and pidfds(w.pid) > 0, 20, f"wait {' '.join(args)} to watch")
+        return w
+
     kg.config(max_agents=3, groups={"g": {"max_agents": 1}})
-    gate = kg.rec / "gate"
+    gate, gate_b = kg.rec / "gate", kg.rec / "gate-b"
     kg.delegate("a", 0, 0, gate=gate)
-    kg.delegate("b", 0.5, 0, "--group", "g")
+    # b holds the group's slot until the group's waiter watches it (on a loaded machine b and
+    # c could both have ended before a `wait` started after them: nothing left to wait for).
+    kg.delegate("b", 0, 0, "--group", "g", gate=gate_b)
     kg.delegate("c", 0, 1, "--group", "g")
-    r = kg.run("wait", "--group", "g", "--json")
-    assert r.returncode == 1, r.stderr  # c failed
-    done = json.loads(r.stdout)
+    group = waiter("--group", "g")
+    gate_b.touch()
+    out, err = group.communicate(timeout=30)
+    assert group.returncode == 1, err  # c failed
+    done = json.loads(out)
     assert sorted(t["name"] for t in done) == ["b", "c"] and all(t["state"] != "running" for t in done)
     assert kg.task("a")["state"] == "running"
     r = kg.run("wait", "--all", "--timeout", "0.3")
     assert r.returncode == 124 and r.stdout == ""
-    import subprocess
-    import sys
-
-    waiter = subprocess.Popen([sys.executable, "-m", "kugetsu", "wait", "--all", "--json"], env=kg.env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    from test_mcp import pidfds
-
-    # It is waiting on a (a pidfd open on its process) before a may end.
-    wait_for(lambda: waiter.poll() is None and pidfds(waiter.pid) > 0, 20, "the waiter to watch a")
+    everything = waiter("--all")  # it is waiting on a before a may end
     gate.touch()
-    out, err = waiter.communicate(timeout=30)
-    assert waiter.returncode == 0, err
+    out, err = everything.communicate(timeout=30)
+    assert everything.returncode == 0, err
     assert [t["name"] for t in json.loads(out)] == ["a"]
     r = kg.run("wait", "--all")
     assert r.returncode == 0 and "nothing to wait for" in r.stderr

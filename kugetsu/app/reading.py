@@ -61,23 +61,27 @@ class Listing(msgspec.Struct):
 
 
 def listing(cfg: Config, index: Index, finished: bool = False, home: Home | None = None,
-            keep: selection.TaskFilter | None = None, at: datetime | None = None) -> Listing:
+            keep: selection.TaskFilter | None = None, at: datetime | None = None,
+            limit: int | None = None) -> Listing:
     """The queue view every front end shows (the CLI's `queue`, MCP, the dashboard), with the
     resource guard's and placement's notes and (with `home`) the running tasks' measured use;
     `keep`: only the tasks it matches, at their true positions, and (when it asks for a final
     state) the latest 20 finished that match. `at`: the time to show it at (the dashboard's
-    clock), default now."""
+    clock), default now. `limit`: the first that many queued tasks (that match), the rest
+    counted (QueueView.more)."""
     t = at or now()
     latest = None
     if finished or (keep is not None and keep.wants_finished):
         done = index.finished if keep is None else [x for x in index.finished if keep.matches(x)]
         latest = list(reversed(done[-20:]))
     here = cluster_host(cfg)
-    view = selection.queue_view(index, cfg, t, measure(cfg))
+    view = selection.queue_view(index, cfg, t, measure(cfg), first=limit if keep is None else None)
     if cfg.clustered and any(x.pinned_host for x in view.queued):
         view = selection.with_placement(view, hosts_up(cfg))
     if keep is not None:
         view = selection.filter_view(view, keep)
+        if limit is not None:
+            view = selection.limit_view(view, limit)
     return Listing(view, index, t, latest, here, measured(home, cfg, index))
 
 
@@ -122,6 +126,8 @@ def queue_json(listed: Listing, home: Home | None = None, known: Mapping[int, st
         "paused_groups": view.capacity.paused_groups,
         "holds": msgspec.to_builtins(view.capacity.holds),  # always there: {} when no preset is held
     }
+    if view.more:
+        out["more_queued"] = view.more
     if listed.finished is not None:
         out["finished"] = public_tasks(listed.finished, prompts=texts)
     return out

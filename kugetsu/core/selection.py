@@ -370,11 +370,20 @@ class QueueView(msgspec.Struct, frozen=True, kw_only=True):
     waiting_for: dict[int, str]  # queued task id -> why it waits, when not simply behind others
     capacity: Capacity
     groups: dict[str, dict[str, int]]  # per configured group: max_agents, active, queued
+    more: int = 0  # queued tasks a limit left out of `queued` (`queue --limit`): the ones after them
 
 
-def queue_view(index: Index, cfg: Config, now: datetime, resources: Resources | None = None) -> QueueView:
-    order = start_order(index, cfg, now)
-    stashed = [t for t in index.queued if t.stashed_at is not None] if len(order) != len(index.queued) else []
+def queue_view(index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
+               first: int | None = None) -> QueueView:
+    """The view of the whole queue; `first`: of its first tasks in start order alone, the rest
+    counted in `more` (a plain sort then picks them without sorting the rest: at 50,000
+    queued a `queue --limit 20` does not pay for the order of the 49,980 it does not show)."""
+    order = start_order(index, cfg, now, first)
+    if first is None:
+        stashed = [t for t in index.queued if t.stashed_at is not None] if len(order) != len(index.queued) else []
+    else:  # stashed ones come after every task with a position: shown only when those all fit
+        order = order[:first]
+        stashed = [t for t in index.queued if t.stashed_at is not None][:first - len(order)] if len(order) < first else []
     return QueueView(
         running=sorted(index.active, key=lambda t: (t.run.slot or 0, t.id)),
         queued=order + stashed,  # stashed ones last, without a position
@@ -382,7 +391,15 @@ def queue_view(index: Index, cfg: Config, now: datetime, resources: Resources | 
         waiting_for=waiting_for(index, cfg, now, resources) if index.queued else {},
         capacity=capacity(index, cfg, now),
         groups=group_usage(index, cfg),
+        more=len(index.queued) - len(order) - len(stashed),
     )
+
+
+def limit_view(view: QueueView, first: int) -> QueueView:
+    """The view with its first `first` queued tasks alone (after a filter: the first that match)."""
+    if len(view.queued) <= first:
+        return view
+    return msgspec.structs.replace(view, queued=view.queued[:first], more=view.more + len(view.queued) - first)
 
 
 def with_placement(view: QueueView, up: set[str]) -> QueueView:

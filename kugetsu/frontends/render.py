@@ -229,6 +229,8 @@ def queue_text(listed: Listing, service_running: bool = True) -> str:
         parts.append("\nRUNNING\n" + running_table(view.running, now, listed.here, listed.measured))
     if view.queued:
         parts.append("\nQUEUED\n" + queued_table(view.queued, view.positions, now, view.waiting_for))
+    if view.more:
+        parts.append(f"... and {view.more:,} more queued (`queue` without --limit lists them all)")
     if listed.finished:
         parts.append("\nFINISHED (latest first)\n" + finished_table(listed.finished, now))
     return "\n".join(parts)

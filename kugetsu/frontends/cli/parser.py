@@ -46,6 +46,13 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _at_least_one(text: str) -> int:
+    n = _positive_int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {text!r}")
+    return n
+
+
 # Each command's arguments. Only the parser of the command being run is built: argparse
 # looks up a translation catalog on disk for every help string, and building all of them
 # cost 42 ms of a call that agents make all day.
@@ -127,6 +134,8 @@ def _retry_args(r: argparse.ArgumentParser) -> None:
 def _queue_args(q: argparse.ArgumentParser) -> None:
     q.add_argument("--all", action="store_true", help="also recent finished tasks")
     _filter_args(q)
+    q.add_argument("--limit", metavar="N", type=_at_least_one,
+                   help="only the first N queued tasks (that match), in start order; the rest are counted")
     q.add_argument("--json", action="store_true")
 
 

@@ -26,7 +26,8 @@ def cmd_queue(home: Home, args: argparse.Namespace) -> int:
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
     keep = _task_filter(args.group, args.state, args.source)
-    view = reading.listing(cfg, index, finished=args.all, home=home, keep=None if keep == selection.TaskFilter() else keep)
+    view = reading.listing(cfg, index, finished=args.all, home=home, keep=None if keep == selection.TaskFilter() else keep,
+                           limit=args.limit)
     if args.json:
         _kept.append(shown := reading.queue_json(view, home))
         _print_json(shown)

@@ -174,6 +174,8 @@ class QueueOut(BaseModel):
     active: list[TaskOut] = Field(description="running tasks")
     queued: list[QueuedTaskOut] = Field(description="queued tasks, in the order they will start")
     groups: dict[str, GroupUsage] = Field(description="per pool: slots, running, queued")
+    more_queued: int = Field(0, description="queued tasks (that match) after the last one listed, left out by"
+                             " `limit`")
     finished: list[TaskOut] | None = Field(None, description="the 20 latest finished tasks, latest first")
 
 

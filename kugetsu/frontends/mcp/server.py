@@ -21,6 +21,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 from mcp.server import MCPServer
 from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
 from mcp.server.subscriptions import InMemorySubscriptionBus, ResourceUpdated
@@ -76,7 +77,8 @@ class Follow:
         fresh = [t for t in tasks if t.id not in self.prompts or t.state is TaskState.QUEUED]
         self.prompts = {**{t.id: self.prompts[t.id] for t in tasks if t.id in self.prompts},
                         **reading.prompts(self.home, fresh)}
-        out = {QUEUE_URI: dumps(reading.queue_json(view, known=self.prompts))}
+        shown = msgspec.structs.replace(view, view=selection.limit_view(view.view, tools_read.QUEUE_LIMIT))  # as queue_resource
+        out = {QUEUE_URI: dumps(reading.queue_json(shown, known=self.prompts))}
         by_name: dict[str, bytes] = {}
         for task in tasks:  # a name means its live task, else its latest finished one
             body = dumps(reading.task_json(task, view.positions.get(task.id), prompts=self.prompts))
@@ -205,7 +207,8 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
                      " when it changes.")
     def queue_resource() -> str:
         cfg, index = reading.read(home)
-        return dumps(reading.queue_json(reading.listing(cfg, index, home=home), home)).decode()
+        listed = reading.listing(cfg, index, home=home, limit=tools_read.QUEUE_LIMIT)  # as the queue tool's default
+        return dumps(reading.queue_json(listed, home)).decode()
 
     @server.resource(TASK_URI + "{task}", name="task", mime_type="application/json",
                      description="One task's JSON (the status tool's), by id or name. Subscribe to be told when it"

@@ -19,6 +19,9 @@ from kugetsu.paths import Home
 
 LOG_BYTES = 16 * 1024  # the logs tool's default cap
 LOG_BYTES_MAX = 1024 * 1024
+# The queue tool's default `limit`: what an agent reads goes into its context, and 200 tasks
+# (~100 KB of JSON) are already more than a PM acts on; the count of the rest is given.
+QUEUE_LIMIT = 200
 
 
 def register(server: MCPServer, home: Home) -> None:
@@ -44,15 +47,19 @@ def register(server: MCPServer, home: Home) -> None:
                                                  " state, or finished for any final one)")] = None,
         source: Annotated[str | None, Field(description="only the tasks this source delegated (e.g. your"
                                             " own)")] = None,
+        limit: Annotated[int, Field(ge=1, description="list at most this many queued tasks, the first in start"
+                                    " order (the rest are counted in more_queued)")] = QUEUE_LIMIT,
     ) -> Annotated[CallToolResult, QueueOut]:
         """Every running task (slot, pid, elapsed time) and every queued one in the order they
         will start: position 1 starts next, and `waiting_for` says why a task waits when it is
         not simply behind others (a per-source or group limit, a rate limit, the resource guard).
-        group, state and source keep only the tasks that match, at their true positions."""
+        group, state and source keep only the tasks that match, at their true positions; a
+        long queue is listed up to `limit` tasks, with how many more wait after them."""
         cfg, index = reading.read(home)
         control.ensure_service(home, cfg, index)
         keep = selection.task_filter(group, state, source)
-        view = reading.listing(cfg, index, finished=finished, home=home, keep=None if keep == selection.TaskFilter() else keep)
+        view = reading.listing(cfg, index, finished=finished, home=home, keep=None if keep == selection.TaskFilter() else keep,
+                               limit=limit)
         return reply(render.queue_text(view, control.service_pid(home) is not None), reading.queue_json(view, home))
 
     @server.tool(annotations=READ_ONLY)
