@@ -150,7 +150,7 @@ def test_another_user_cannot_take_over_a_queued_task_with_a_forged_marker(kg, tm
         cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        wait_for(lambda: bool(_children(forged.pid)) or _child_of_setsid(forged.pid), what="the forgery to run")
+        wait_for(lambda: runner.has_children(forged.pid) or _child_of_setsid(forged.pid), what="the forgery to run")
         kg.ok("serve", "--detach")
         victim = kg.task("victim")
         assert victim["state"] == "queued", f"adopted a forged process: {victim}"
@@ -166,7 +166,7 @@ def test_another_user_cannot_take_over_a_queued_task_with_a_forged_marker(kg, tm
 
 
 def _child_of_setsid(pid: int) -> bool:
-    return any(_children(c) for c in _children(pid))
+    return any(runner.has_children(c) for c in _children(pid))
 
 
 def _children(pid: int) -> list[int]:

@@ -154,12 +154,6 @@ class FastPath:
         if index.queued and self.memo.get("simple", key, lambda: policy.simple_order(index, cfg)):
             first = self.memo.get("first", (*key, ahead), lambda: selection.start_order(index, cfg, transaction.now(), ahead))
         self.procs.sync_warm(index, cfg, first)
-        # The successor's wrapper forks its agent's process now, while the slot's agent runs:
-        # its promotion is then a write and an exec (runner.prefork).
-        succ = self.successor
-        warm = self.procs.warm_of(succ.task.id) if succ is not None else None
-        if warm is not None:
-            runner.prefork(warm)
 
 
 class HeldCommit:

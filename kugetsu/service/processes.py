@@ -278,7 +278,7 @@ class Processes:
         out = []
         for task_id in candidates:
             found = wrappers.get(task_id)
-            running = found is not None and runner.agent_started(found[0])
+            running = found is not None and runner.has_children(found[0])
             code = runner.read_exit(self.home, task_id) if not running else None
             if not running and code is None:
                 continue

@@ -33,17 +33,6 @@ from kugetsu.paths import Home, open_file
 # A warm wrapper (`$2` = warm) is started ahead of its turn and waits for one line on its
 # stdin, a pipe from the service: promotion is then one write, not a process start-up. If
 # the pipe closes instead (task cancelled, service gone), it exits without running anything.
-# The line `fork` (sent to the task named to start next: `prefork`) makes it fork the agent's
-# process now, which waits for the next line itself and then only has to exec the agent:
-# the fork, about a third of the way from a promotion's write to the agent's first
-# instruction, happens while the slot's agent still runs. Should that pipe close instead,
-# the forked process ends the wrapper with SIGKILL (a wrapper that ended any other way
-# would record an exit status) and exits without running anything.
-# The forked process runs in the foreground, as an agent started at once does: a trapped
-# signal waits until it has ended, and `$?` is its status (a `wait` for a background job
-# would return early at the group's SIGTERM, with the signal's status instead of the agent's).
-# Until it execs, it has the wrapper's command line (its marker): `agent_started` tells it
-# from a started agent, and `find_wrappers` from the wrapper.
 # The status is written over the blanks the exit file was created with (`1<>` opens it
 # without truncating): the space is allocated when the task starts, so an agent's end is
 # recorded even on a disk that filled up while it ran.
@@ -51,12 +40,9 @@ WRAPPER = (
     'for f in $KUGETSU_CGROUP_PROCS; do echo $$ > "$f"; done; unset KUGETSU_CGROUP_PROCS; '
     's=$1; w=$2; n=$3; set --; '
     'i=0; while [ $i -lt $n ]; do eval "set -- \\"\\$@\\" \\"\\$KUGETSU_ARG_$i\\"; unset KUGETSU_ARG_$i"; i=$((i+1)); done; '
-    'h() { if [ -n "$KUGETSU_LOG_HEADER" ]; then printf "%s\\n" "$KUGETSU_LOG_HEADER"; fi; unset KUGETSU_LOG_HEADER; }; '
-    'if [ "$w" = warm ]; then read -r go || exit 0; '
-    'if [ "$go" = fork ]; then trap : TERM INT HUP; '
-    '(read -r go || { kill -KILL $$; exit 0; }; exec </dev/null; h; exec "$@"); echo $? 1<> "$s"; exit; fi; '
-    'exec </dev/null; fi; '
-    'h; trap : TERM INT HUP; "$@"; echo $? 1<> "$s"'
+    'if [ "$w" = warm ]; then read -r go || exit 0; exec </dev/null; fi; '
+    'if [ -n "$KUGETSU_LOG_HEADER" ]; then printf "%s\\n" "$KUGETSU_LOG_HEADER"; fi; unset KUGETSU_LOG_HEADER; '
+    'trap : TERM INT HUP; "$@"; echo $? 1<> "$s"'
 )
 # A run after the first begins its part of the log with a line that says so (`logs` shows the
 # attempts apart): printed by the wrapper once its agent really runs (a warm wrapper may be
@@ -122,7 +108,6 @@ class Spawned(msgspec.Struct):
     exit_file: Path | None = None
     argv: list[str] = []  # what it runs: a warm wrapper whose task's command changed since (`edit`) is stale
     env: dict[str, str] = {}  # the task's own variables it runs with (a failover changes them with the preset)
-    forked: bool = False  # sent `fork` (prefork): its agent's process waits, forked already
 
 
 def agent_env(home: Home, task_id: int, name: str, token: str | None, env: dict[str, str],
@@ -201,19 +186,6 @@ def spawn(
     return Spawned(popen.pid, process_start(popen.pid), popen, gate_w, exit_file, list(argv), dict(env))
 
 
-def prefork(spawned: Spawned) -> None:
-    """Have a warm wrapper fork its agent's process now, to be let go by `release` (WRAPPER).
-    Non-blocking: a wrapper that is gone is found by `release`, whose start then fails as
-    before (and the tick starts its task afresh)."""
-    if spawned.gate is None or spawned.forked:
-        return
-    spawned.forked = True
-    try:
-        os.write(spawned.gate, b"fork\n")
-    except OSError:
-        pass
-
-
 def release(spawned: Spawned) -> None:
     """Let a warm wrapper run its agent now."""
     assert spawned.gate is not None
@@ -234,25 +206,13 @@ def drop(spawned: Spawned) -> None:
             spawned.exit_file.unlink(missing_ok=True)
 
 
-def agent_started(pid: int) -> bool:
-    """Has the wrapper `pid` started its agent? It has a child that is no longer a copy of
-    itself: a warm wrapper's process forked ahead (prefork) keeps the wrapper's command line
-    until it is let go and execs the agent."""
+def has_children(pid: int) -> bool:
+    """Has the process a child (for a wrapper: is its agent running)?"""
     try:
         with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
-            children = f.read().split()
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            own = f.read()
+            return bool(f.read().strip())
     except OSError:
         return False
-    for child in children:
-        try:
-            with open(f"/proc/{int(child)}/cmdline", "rb") as f:
-                if f.read() != own:
-                    return True
-        except OSError:
-            continue
-    return False
 
 
 def agent_pid(wrapper: int | None, start: int | None) -> int | None:
@@ -297,14 +257,6 @@ def exit_time(home: Home, task_id: int) -> datetime | None:
 
 
 # ---- identity: a pid is never trusted without its start time and uid ----------------------
-
-
-def _leads_group(pid: int) -> bool:
-    """Is the process its group's leader (as a wrapper is: it starts a new session)?"""
-    try:
-        return os.getpgid(pid) == pid
-    except OSError:
-        return False
 
 
 def process_start(pid: int) -> int | None:
@@ -565,8 +517,8 @@ def find_wrappers(home: Home, tokens: dict[int, str | None]) -> dict[int, tuple[
             continue
         if len(argv) > 3 and argv[3].startswith(prefix) and argv[3][len(prefix):].isdigit():
             task_id, pid = int(argv[3][len(prefix):]), int(entry.name)
-            if task_id not in tokens or not owned(pid, tokens[task_id]) or not _leads_group(pid):
-                continue  # (a process the wrapper forked has its command line until it execs)
+            if task_id not in tokens or not owned(pid, tokens[task_id]):
+                continue
             start = process_start(pid)
             if start is not None:
                 found[task_id] = (pid, start)
