@@ -259,6 +259,14 @@ def exit_time(home: Home, task_id: int) -> datetime | None:
 # ---- identity: a pid is never trusted without its start time and uid ----------------------
 
 
+def _leads_group(pid: int) -> bool:
+    """Is the process its group's leader (as a wrapper is: it starts a new session)?"""
+    try:
+        return os.getpgid(pid) == pid
+    except OSError:
+        return False
+
+
 def process_start(pid: int) -> int | None:
     """The process's start time in clock ticks since boot, or None if there is no such
     (living) process. Read from /proc: the CLI cannot afford to import psutil for this."""
@@ -517,8 +525,8 @@ def find_wrappers(home: Home, tokens: dict[int, str | None]) -> dict[int, tuple[
             continue
         if len(argv) > 3 and argv[3].startswith(prefix) and argv[3][len(prefix):].isdigit():
             task_id, pid = int(argv[3][len(prefix):]), int(entry.name)
-            if task_id not in tokens or not owned(pid, tokens[task_id]):
-                continue
+            if task_id not in tokens or not owned(pid, tokens[task_id]) or not _leads_group(pid):
+                continue  # (the agent's process keeps the wrapper's command line from fork to exec)
             start = process_start(pid)
             if start is not None:
                 found[task_id] = (pid, start)
