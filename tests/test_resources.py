@@ -296,6 +296,8 @@ def test_a_running_tasks_measured_use_costs_no_index_write(kg):
     later = _running(kg)
     assert later["cpu_seconds"] > first["cpu_seconds"] and later["peak_memory"] >= first["peak_memory"]
     assert kg.task("m")["cpu_seconds"] >= later["cpu_seconds"]  # status shows them live too
+    assert kg.json("stats", "--by", "source")["rows"]["cli"]["peak_memory"] >= first["peak_memory"]
+    assert kg.json("kill", "-s", "WINCH", "m")["peak_memory"] >= first["peak_memory"]  # a verb's too (WINCH: ignored)
     gate.touch()
     t = kg.wait_state("m", "succeeded")
     assert t["peak_memory"] >= later["peak_memory"] and t["cpu_seconds"] >= later["cpu_seconds"]
