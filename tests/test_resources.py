@@ -5,7 +5,9 @@ grow a bytearray in steps (never beyond ~200 MB) and shell scripts that fork (bo
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -221,6 +223,111 @@ def test_measured_use_in_status_queue_and_the_final_record(kg):
     assert "PEAK MEM" in kg.ok("stats", "--by", "agent")
 
 
+# An agent that grows to $1 MiB (touching every page), says so in $4, holds it until $2 exists,
+# lets it go and then uses a little CPU at a time until $3 exists: its peak is behind it, its
+# CPU time grows.
+LIVE = (
+    "import os, sys, time\n"
+    "goal, drop, gate, rec = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]\n"
+    "chunks = [bytearray(10 * 1024 * 1024) for _ in range(goal // 10)]\n"
+    "open(rec, 'w').write('grown')\n"
+    "while not os.path.exists(drop):\n"
+    "    time.sleep(0.02)\n"
+    "del chunks\n"
+    "while not os.path.exists(gate):\n"
+    "    busy = time.process_time() + 0.02\n"
+    "    while time.process_time() < busy:\n"
+    "        pass\n"
+    "    time.sleep(0.05)\n"
+)
+
+
+def live(kg, name: str, mb: int) -> tuple[list[str], Path, Path]:
+    """The agent's argv, the file that makes it let its memory go, the one that ends it."""
+    script = kg.rec.parent / "live.py"
+    script.write_text(LIVE)
+    drop, gate = kg.rec / f"{name}.drop", kg.rec / f"{name}.go"
+    return [sys.executable, str(script), str(mb), str(drop), str(gate), str(kg.rec / name)], drop, gate
+
+
+def _peaked(kg, name: str, mb: int) -> dict:
+    """Once the agent has grown, and queue --json shows its peak: its object then (its memory
+    let go)."""
+    wait_for(lambda: (kg.rec / name).exists(), 15, "the agent to grow")
+    t = wait_for(lambda: (t := _running(kg)) and (t.get("peak_memory") or 0) > (mb - 10) * M and t, 10,
+                 "its peak in queue --json")
+    (kg.rec / f"{name}.drop").touch()
+    wait_for(lambda: (_running(kg) or {}).get("rss", M) < (mb - 20) * M, 10, "its memory let go")
+    return t
+
+
+def _running(kg) -> dict | None:
+    active = kg.json("queue")["active"]
+    return active[0] if active else None
+
+
+def _index_written_within(kg, seconds: float) -> bool:
+    """Whether index.json is written (a new file: atomic_write renames one over it) within
+    `seconds`."""
+    before = os.stat(kg.home.index)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        now = os.stat(kg.home.index)
+        if (now.st_ino, now.st_mtime_ns) != (before.st_ino, before.st_mtime_ns):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_running_tasks_measured_use_costs_no_index_write(kg):
+    """Issue 31: the figures of a running task are measured every resources.interval; they are
+    shown live (usage.json) and booked on its record when its run ends, not written with the
+    whole index (14 MB at 50,000 queued) at every tick while it runs."""
+    from kugetsu.service.daemon import RECONCILE_EVERY
+
+    kg.config(resources={"mode": "sampling", "interval": "0.1s"})
+    argv, _, gate = live(kg, "m", 60)
+    kg.ok("delegate", "m", "--", *argv)
+    _peaked(kg, "m", 60)
+    first = wait_for(lambda: (t := _running(kg)) and t["cpu_seconds"] and t, 10, "its CPU time in queue --json")
+    # Two safety-net ticks (and 100 measurements) go by; only the figures change, and nothing
+    # of them is written: index.json stays the same file.
+    assert not _index_written_within(kg, 2 * RECONCILE_EVERY + 1), "a measurement rewrote index.json"
+    later = _running(kg)
+    assert later["cpu_seconds"] > first["cpu_seconds"] and later["peak_memory"] >= first["peak_memory"]
+    assert kg.task("m")["cpu_seconds"] >= later["cpu_seconds"]  # status shows them live too
+    assert kg.json("stats", "--by", "source")["rows"]["cli"]["peak_memory"] >= first["peak_memory"]
+    assert kg.json("kill", "-s", "WINCH", "m")["peak_memory"] >= first["peak_memory"]  # a verb's too (WINCH: ignored)
+    gate.touch()
+    t = kg.wait_state("m", "succeeded")
+    assert t["peak_memory"] >= later["peak_memory"] and t["cpu_seconds"] >= later["cpu_seconds"]
+    stats = kg.json("stats", "--by", "source")
+    assert stats["rows"]["cli"]["peak_memory"] == t["peak_memory"]
+
+
+@pytest.mark.parametrize("stop", ["kill -9", "shutdown"])
+def test_a_service_stopped_while_a_task_runs_keeps_its_peak(kg, stop):
+    """The service stops while a task runs on: a service killed leaves its last look in
+    usage.json, one that shuts down books it on the task's record; either way the next
+    service goes on from there, and the peak the task reached before is on its final record."""
+    kg.config(resources={"mode": "sampling", "interval": "0.1s"})
+    argv, _, gate = live(kg, "m", 60)
+    kg.ok("serve", "--detach")
+    kg.ok("delegate", "m", "--", *argv)
+    _peaked(kg, "m", 60)
+    killed = kg.service_pid()
+    if stop == "shutdown":
+        kg.ok("shutdown")
+    else:
+        os.kill(killed, signal.SIGKILL)
+    kg.ok("serve", "--detach")
+    wait_for(lambda: kg.service_pid() != killed and (t := _running(kg)) and t.get("rss"), 10,
+             "a measurement by the new service")
+    gate.touch()
+    t = kg.wait_state("m", "succeeded")
+    assert t["peak_memory"] > 50 * M and t["cpu_seconds"] > 0
+
+
 def test_doctor_says_which_mode_is_in_force_and_config_checks_it(kg):
     kg.config(resources={"mode": "sampling", "interval": "1s"}, max_memory="3G")
     out = kg.run("doctor").stdout
@@ -331,6 +438,35 @@ def test_over_limits_stops_with_the_reason_and_never_a_retry_for_its_last_runs_f
     storm = step.Measured(task=task.id, memory=M, peak=M, cpu=0.1, procs=20, forks_refused=7, attempt=2)
     assert step.over_limits(index, cfg, T0, [storm]) == [task]
     assert task.reason == "process limit 20 exceeded (20 processes, 7 forks refused)"
+
+
+def test_a_runs_measured_use_is_booked_when_it_ends_not_at_every_tick():
+    """step.tick books what was measured of a running task on its record at the tick its run
+    ends (before a retry starts its next attempt), not at each tick before (each would write
+    the whole index); in a cluster, where the record is how the other machines see it, at
+    every tick."""
+    from conftest import T0
+    from kugetsu.core import admission, step
+    from kugetsu.config.model import Config
+    from kugetsu.core.models import Index
+
+    cfg = Config()
+    index = Index()
+    task, _ = admission.admit(index, cfg, T0, admission.Request(cwd="/", command=["true"], retries=1))
+    step.settle(index, cfg, T0)
+    task.run.pid = 4242
+    seen = step.Measured(task=task.id, memory=10 * M, peak=30 * M, cpu=2.5, procs=1)
+    step.tick(index, cfg, T0, step.Observations(measured=[seen]))
+    assert (task.peak_memory, task.cpu_seconds) == (None, None)
+    assert step.use_so_far(task, seen) == (30 * M, 2.5)  # what queue, status and stats show
+    step.tick(index, cfg, T0, step.Observations(measured=[seen], exits=[step.Exit(task=task.id, code=1)]))
+    assert task.attempt == 2  # retried (and started again), with its first run's figures
+    assert (task.peak_memory, task.cpu_seconds) == (30 * M, 2.5)
+    again = step.Measured(task=task.id, memory=40 * M, peak=40 * M, cpu=0.5, procs=1, attempt=2)
+    step.over_limits(index, cfg, T0, [again])
+    assert task.peak_memory == 30 * M
+    step.over_limits(index, cfg, T0, [again], every=True)  # a cluster's
+    assert (task.peak_memory, task.cpu_seconds) == (40 * M, 2.5)
 
 
 def test_pressure_is_part_of_the_same_check():

@@ -90,6 +90,11 @@ def measured(home: Home | None, cfg: Config, index: Index) -> dict[int, step.Mea
     recent: a service that is gone measures nothing."""
     if home is None or not index.active:
         return {}
+    return last_measured(home, cfg)
+
+
+def last_measured(home: Home, cfg: Config) -> dict[int, step.Measured]:
+    """measured's look, for a caller that holds no index (a verb that acted on a running task)."""
     from kugetsu.service import usage
 
     last = usage.read(home)
@@ -189,10 +194,9 @@ def public_tasks(tasks: list[Task], positions: list[int | None] | None = None, h
         if waiting_for is not None:
             raw["waiting_for"] = waiting_for.get(task.id)
         m = measured.get(task.id) if measured and task.state is running else None
-        if m is not None:  # its use now (the record's peak and CPU are as of the last transaction)
+        if m is not None:  # its use now (its record gets its peak and CPU time when the run ends)
             raw["rss"], raw["procs"] = m.memory, m.procs
-            raw["peak_memory"] = max(task.peak_memory or 0, m.peak) or None
-            raw["cpu_seconds"] = max(task.cpu_seconds or 0.0, m.cpu) or None
+            raw["peak_memory"], raw["cpu_seconds"] = step.use_so_far(task, m)
         if task.env:  # the names only: a value may be a secret (`delegate --env`, a preset's API key)
             raw["env_names"] = sorted(task.env)
     return msgspec.convert(raws, list[PublicTask])  # fills the defaults, drops what it does not name

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -32,7 +32,9 @@ from typing import Any
 from kugetsu.agents.report import Usage
 from kugetsu.config.model import Config
 from kugetsu.config.load import host_name as config_host
-from kugetsu.core.models import Event, Index, Task
+from kugetsu.app.reading import measured
+from kugetsu.core.models import Event, Index, Task, TaskState
+from kugetsu.core.step import Measured, use_so_far
 from kugetsu.paths import Home
 from kugetsu.store.files import store_of
 from kugetsu.store.history import max_agents_change, max_agents_value
@@ -63,6 +65,7 @@ class Window:
     events: list[Event]
     archived: list[Task]
     max_agents_at_start: int | None = None
+    measured: dict[int, Measured] = field(default_factory=dict)  # the running tasks' use (usage.json)
 
     @property
     def tasks(self) -> list[Task]:
@@ -72,7 +75,8 @@ class Window:
 def load(home: Home, cfg: Config, index: Index, seconds: float, now: datetime) -> Window:
     start = now - timedelta(seconds=seconds)
     read = store_of(cfg, home).since(start)  # the files read backwards, or a cluster's rows
-    return Window(start, now, cfg, index, read.events, read.archived, read.max_agents_at_start)
+    return Window(start, now, cfg, index, read.events, read.archived, read.max_agents_at_start,
+                  measured(home, cfg, index))
 
 
 # ---- the pure part ---------------------------------------------------------------------
@@ -119,8 +123,10 @@ class Record:
         return [(self.started or start, self.finished)] if self.ran else []
 
 
-def records(events: Iterable[Event], tasks: Iterable[Task], start: datetime) -> dict[int, Record]:
-    """What is known of each task that did something in the window (or runs across it)."""
+def records(events: Iterable[Event], tasks: Iterable[Task], start: datetime,
+            measured: Mapping[int, Measured] | None = None) -> dict[int, Record]:
+    """What is known of each task that did something in the window (or runs across it);
+    `measured`: the running tasks' use now (their records get it when their run ends)."""
     out: dict[int, Record] = {}
     for e in events:
         if e.task is None or e.at < start:
@@ -142,7 +148,8 @@ def records(events: Iterable[Event], tasks: Iterable[Task], start: datetime) -> 
             r = out[t.id] = Record(t.id)
         r.name, r.source, r.agent, r.group = t.name, t.source, t.agent, t.group
         r.usage, r.fallback = usage_in(t, start), t.fallback_from is not None
-        r.peak_memory, r.cpu_seconds = t.peak_memory, t.cpu_seconds
+        m = measured.get(t.id) if measured and t.state is TaskState.RUNNING else None
+        r.peak_memory, r.cpu_seconds = use_so_far(t, m)
         r.created, r.host = t.created_at, t.host or r.host
         runs = [(a.started_at, a.ended_at) for a in t.attempts if a.started_at is not None]
         if t.started_at is not None:
@@ -271,7 +278,7 @@ def summarise(window: Window, by: str | None = None, host: str | None = None) ->
     nowhere = "-" if cfg.clustered else host
     seconds = (now - start).total_seconds()
     available = available_slot_seconds(window.events, start, now, cfg, window.max_agents_at_start)
-    recs = records(window.events, window.tasks, start)
+    recs = records(window.events, window.tasks, start, window.measured)
     total, rows = _Row(), {}
     for r in sorted(recs.values(), key=lambda r: r.id):
         total.add(r, start, now)

@@ -158,6 +158,7 @@ class Service:
             log.info("kugetsu service stopping; running agents keep running")
         finally:
             self.held.flush()
+            self._book_measured()
             await self._stop_extensions()
             if self.member is not None:
                 await asyncio.to_thread(self.member.stop)
@@ -424,6 +425,12 @@ class Service:
                 log.error("resources.mode is cgroup, but %s: measuring by sampling instead", why)
             self.resource_mode = mode
         self.sampler.mode = self.resource_mode
+        last = usage.read(self.home)
+        if last is not None:
+            # A service killed while tasks ran (one that stops books their use, _book_measured):
+            # its last look holds what their records do not, the peaks above all.
+            self.measured = dict(last.tasks)
+            self.sampler.resume(last)
         self.procs.confine = self._confine if self.cgroup_base is not None else None
         # Runs that ended while the service was down leave their cgroups: the first look removes them.
         self._cgroups_left = self.cgroup_base is not None
@@ -460,6 +467,22 @@ class Service:
                                        cpu=seen.cpu if seen else 0.0, procs=0, oom_kills=oom, forks_refused=refused,
                                        attempt=attempts.get(e.task, 0)))
         return out
+
+    def _book_measured(self) -> None:
+        """The service stops, its agents run on: what it measured of them goes on their records
+        (step.over_limits books it only when a run ends), for the next service to go on from."""
+        if not self.measured or self.member is not None or self.failing is not None:
+            return  # in a cluster every tick booked it; a store that fails is not written now
+        try:
+            txn = self.store.begin()
+            try:
+                step.book_all(txn.index, list(self.measured.values()))
+            except BaseException:
+                self.store.abort()
+                raise
+            self.store.commit(txn)
+        except Exception as err:  # a full disk: the next service goes on from what /proc shows
+            log.warning("could not book the running tasks' measured use: %s", err)
 
     def _watch_resources(self, here: str | None) -> None:
         """After each tick: while this machine runs agents, measure them every

@@ -68,7 +68,16 @@ class Sampler:
         self.home = home
         self.mode = mode  # "cgroup" or "sampling": what is in force
         self.tokens: dict[tuple[int, int], str | None] = {}  # (pid, start) -> its token, read once
-        self.peaks: dict[tuple[int, int], int] = {}  # (task id, attempt) -> the largest memory seen
+        # (task id, attempt) -> the largest memory and CPU time seen of that run: a run's figures
+        # never go back (CPU time does, when a process that is not reaped in the task ends),
+        # as its record keeps them (step.book_measured, at its end).
+        self.most: dict[tuple[int, int], tuple[int, float]] = {}
+
+    def resume(self, last: Usage) -> None:
+        """Start from the last look of a service that was killed (usage.json): the runs it
+        measured keep the peak they reached before, which /proc no longer shows."""
+        for tid, m in last.tasks.items():
+            self.most[(tid, m.attempt)] = (m.peak, m.cpu)
 
     def measure(self, tokens: dict[int, str], groups: dict[int, TaskGroups | None],
                 attempts: Mapping[int, int]) -> dict[int, Measured]:
@@ -112,12 +121,12 @@ class Sampler:
             g = groups.get(tid)
             kernel = g.read() if g is not None else (0, 0, 0)
             run = (tid, attempts.get(tid, 1))
-            peak = max(self.peaks.get(run, 0), memory[tid], kernel[2])
-            self.peaks[run] = peak
-            out[tid] = Measured(task=tid, memory=memory[tid], peak=peak, cpu=round(cpu[tid], 2), procs=procs[tid],
+            peak, most = self.most.get(run, (0, 0.0))
+            peak, most = self.most[run] = max(peak, memory[tid], kernel[2]), max(most, round(cpu[tid], 2))
+            out[tid] = Measured(task=tid, memory=memory[tid], peak=peak, cpu=most, procs=procs[tid],
                                 oom_kills=kernel[0], forks_refused=kernel[1], attempt=run[1])
-        for run in [r for r in self.peaks if r[0] not in tokens]:
-            del self.peaks[run]
+        for run in [r for r in self.most if r[0] not in tokens]:
+            del self.most[run]
         return out
 
     def publish(self, measured: dict[int, Measured], at: datetime) -> None:

@@ -246,7 +246,7 @@ def _pause(home: Home, args: argparse.Namespace, on: bool) -> int:
             raise UsageError(f"{'pause' if on else 'resume'}: give TASK or --group NAME, not both")
         task, changed = verbs.pause_task(home, args.task, on)
         if args.json:
-            print(to_json(reading.task_json(task, None)))
+            print(to_json(_running_json(home, task)))
         elif on:
             _say(f"{task.name} (#{task.id}) {'paused' if changed else 'was already paused'}: its processes are"
                  f" stopped and keep slot {task.run.slot}; `kugetsu resume {task.name}` lets them go on")
@@ -320,6 +320,12 @@ def cmd_group(home: Home, args: argparse.Namespace) -> int:
     return OK
 
 
+def _running_json(home: Home, task: Task) -> dict[str, object]:
+    """The object of a task a verb acted on as it runs (pause, kill): with its use now, as
+    `status` shows it (its record gets its peak and CPU time when the run ends)."""
+    return reading.task_json(task, None, measured=reading.last_measured(home, load_config(home)))
+
+
 def cmd_kill(home: Home, args: argparse.Namespace) -> int:
     import signal
 
@@ -330,7 +336,7 @@ def cmd_kill(home: Home, args: argparse.Namespace) -> int:
         raise UsageError(f"kill -s {args.signal!r}: no such signal; e.g. TERM, INT, HUP, USR1, KILL or a number") from None
     task, sent = verbs.signal_task(home, args.task, sig)
     if args.json:
-        print(to_json(reading.task_json(task, None)))
+        print(to_json(_running_json(home, task)))
     else:
         _say(f"sent {sig.name} to {task.name} (#{task.id})" + ("" if sent else ": no process of it was left"))
     return OK
