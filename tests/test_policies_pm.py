@@ -220,6 +220,39 @@ def test_group_needs_a_slot_in_its_group_and_globally():
     assert selection.group_usage(ix, c) == {"gpu": {"max_agents": 1, "active": 1, "queued": 1}}
 
 
+def test_a_deadline_tick_behind_a_full_group_plays_no_lane_of_a_deep_queue(monkeypatch):
+    """Issue 31: 10,000 tasks queued in a full one-slot group, free slots beside it (agents
+    with run timeouts). The tick that expires a burst and stops a timed-out agent starts
+    nothing, and knows it without laying the queue into a Board's lanes (40-60 ms a tick:
+    every expiry and timeout fired that late); the tick after it, nothing due, neither."""
+    c = cfg(max_agents=4, max_queue=20_000, groups={"q": {"max_agents": 1}})
+    ix = Index()
+    add(ix, c, "holder", group="q")
+    add(ix, c, "timed")
+    assert settle(ix, c) == ["holder", "timed"]
+    ix.active[1].timeout = 60
+    for task in ix.active:  # spawned (a stop of a task without a process ends it at once)
+        task.run.pid = 1_000_000 + task.id
+    base = ix.queued  # admission at depth is not what is measured: the queue is built directly
+    for i in range(10_000):
+        base.append(msgspec.structs.replace(ix.active[0], id=ix.next_id + i, name=f"t{i}", state=TaskState.QUEUED,
+                                            run=None, started_at=None, token=None,
+                                            expires_at=T0 + timedelta(seconds=60 if i < 10 else 3600)))
+    ix.next_id += 10_000
+    builds = []
+    real = policy.Board.__init__
+    monkeypatch.setattr(policy.Board, "__init__", lambda self, *a, **kw: builds.append(1) or real(self, *a, **kw))
+    now = T0 + timedelta(seconds=60)
+    plan = step.tick(ix, c, now, step.Observations())
+    assert [e.type for e in plan.events] == ["expired"] * 10 and {t.name for t, _ in plan.signal_groups} == {"timed"}
+    assert plan.start == [] and len(ix.queued) == 9_990
+    assert step.tick(ix, c, now + timedelta(seconds=1), step.Observations()).events == []
+    assert builds == []
+    # A slot of the group frees: its next task starts, as the Board picks it.
+    finish(ix, "holder", now)
+    assert settle(ix, c, now) == ["t10"] and builds == [1]
+
+
 def test_unknown_group_is_refused_at_admission():
     c, ix = cfg(groups={"gpu": {"max_agents": 1}}), Index()
     with pytest.raises(UsageError, match="unknown group 'tpu'"):

@@ -123,6 +123,26 @@ def may_release(index: Index, cfg: Config) -> bool:
                 or _any_set(index.queued, _NOT_BEFORE))
 
 
+def groups_full(index: Index, cfg: Config) -> bool:
+    """Is every queued task in a group that is full or paused? Then Board.free refuses every
+    lane (its group's branch: a task takes at least one slot) and Board.pick starts nothing
+    until a running task ends, the config changes or the queue changes. Asked before a Board
+    is built: a deadline's tick at 10,000 queued behind a full group laid the whole queue
+    into lanes to start nothing (40-60 ms a tick: expiries and run timeouts fired that late).
+    One pass in C over the queue (its set of groups); the running tasks are few."""
+    if not cfg.groups:
+        return False
+    groups = set(map(_GROUP, index.queued))
+    if None in groups or not groups <= cfg.groups.keys():
+        return False  # a task outside every group (or in one removed from the config) may start
+    taken: Counter[str] = Counter()
+    for t in index.active:
+        if t.group in groups:
+            taken[t.group] += t.slots
+    paused = index.paused_groups
+    return all(g in paused or taken[g] >= cfg.groups[g].max_agents for g in groups)
+
+
 def _any_set(tasks: list[Task], field: attrgetter[Any]) -> bool:
     """Whether one of `tasks` has `field` other than None."""
     return not all(map(operator.is_, map(field, tasks), repeat(None)))
