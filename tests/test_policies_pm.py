@@ -253,6 +253,18 @@ def test_a_deadline_tick_behind_a_full_group_plays_no_lane_of_a_deep_queue(monke
     assert settle(ix, c, now) == ["t10"] and builds == [1]
 
 
+def test_the_queue_deadline_is_the_earliest_expiry_of_a_task_not_stashed():
+    c, ix = cfg(max_agents=1), Index()
+    for name, after in (("a", 30), ("b", 10), ("c", None), ("d", 20)):
+        admission.admit(ix, c, T0, admission.Request(cwd="/", name=name, command=["true"], expire_after=after))
+    assert lifecycle.queue_deadline(ix) == T0 + timedelta(seconds=10)
+    admission.stash(ix.queued[1], T0, True)
+    assert lifecycle.queue_deadline(ix) == T0 + timedelta(seconds=20)
+    for task in ix.queued:
+        task.expires_at = None
+    assert lifecycle.queue_deadline(ix) is None
+
+
 def test_unknown_group_is_refused_at_admission():
     c, ix = cfg(groups={"gpu": {"max_agents": 1}}), Index()
     with pytest.raises(UsageError, match="unknown group 'tpu'"):
