@@ -130,7 +130,7 @@ def groups_full(index: Index, cfg: Config) -> bool:
     lane (its group's branch: a task takes at least one slot) and Board.pick starts nothing
     until a running task ends, the config changes or the queue changes. Asked before a Board
     is built: a deadline's tick at 10,000 queued behind a full group laid the whole queue
-    into lanes to start nothing (40-60 ms a tick: expiries and run timeouts fired that late).
+    into lanes to start nothing (25 ms a tick: expiries and run timeouts fired that much later).
     One pass in C over the queue (its set of groups); the running tasks are few."""
     if not cfg.groups:
         return False
