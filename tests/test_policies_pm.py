@@ -253,6 +253,25 @@ def test_a_deadline_tick_behind_a_full_group_plays_no_lane_of_a_deep_queue(monke
     assert settle(ix, c, now) == ["t10"] and builds == [1]
 
 
+def test_the_first_tasks_in_start_order_of_a_deep_queue_play_only_those_forward(monkeypatch):
+    """The warm wrappers (every slot busy) ask for the first 100 in start order at each tick:
+    with a group that order is played forward on a Board, and only as far as those 100 (all
+    10,000 were: 30 ms of every tick)."""
+    c, ix = cfg(max_agents=1, max_queue=20_000, groups={"q": {"max_agents": 1}}), Index()
+    add(ix, c, "holder", group="q")
+    assert settle(ix, c) == ["holder"]
+    ix.queued += [msgspec.structs.replace(ix.active[0], id=ix.next_id + i, name=f"t{i}", state=TaskState.QUEUED,
+                                          run=None, started_at=None, group="q" if i % 2 else None)
+                  for i in range(10_000)]
+    ix.next_id += 10_000
+    picks = []
+    real = policy.Board.pick
+    monkeypatch.setattr(policy.Board, "pick", lambda self: picks.append(1) or real(self))
+    first = selection.start_order(ix, c, T0, 100)
+    assert [t.name for t in first] == [f"t{i}" for i in range(100)]
+    assert len(picks) <= 2 * 100
+
+
 def test_the_queue_deadline_is_the_earliest_expiry_of_a_task_not_stashed():
     c, ix = cfg(max_agents=1), Index()
     for name, after in (("a", 30), ("b", 10), ("c", None), ("d", 20)):

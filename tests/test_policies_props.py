@@ -166,7 +166,10 @@ def test_limits_hold_and_positions_are_the_real_start_order(raw, first, later, g
     positions = selection.positions(index, cfg, now)
     assert sorted(positions.values()) == list(range(1, len(index.queued) + 1))
     assert [i for i, _ in sorted(positions.items(), key=lambda kv: kv[1])] == predicted
-    assert drain(cfg, index, now) == predicted
+    for ahead in range(len(predicted) + 2):  # the warm wrappers' first ones: the drain stops there
+        assert [t.id for t in selection.start_order(index, cfg, now, ahead)] == predicted[:ahead]
+        assert [t.id for t in Board(index, cfg, now).drain(ahead)][:ahead] == predicted[:ahead]
+    assert drain(cfg, index, now) == predicted  # (drains the index itself)
 
 
 @settings(max_examples=60, deadline=None)

@@ -474,16 +474,19 @@ class Board:
 
     # ---- playing forward ----------------------------------------------------------------
 
-    def drain(self) -> list[Task]:
+    def drain(self, first: int | None = None) -> list[Task]:
         """Every queued task in the order it starts if nothing new arrives, taking slots as
         soon as they are free; when none is free the oldest running task ends; when one is
         free but every waiting task is held by a rate limit, time moves on to its end.
         The resource guard holds every task alike, so it changes when, never the order: a
         Board for positions is built without readings; a global pause likewise is lifted here.
-        A paused group holds its tasks while others pass them: they come last."""
+        A paused group holds its tasks while others pass them: they come last. `first`: stop
+        once that many are in order (each pick depends on those before it, never on those
+        after: the warm wrappers' first 100 of a 10,000-task queue in a group played all
+        10,000 forward, 30 ms of every tick with every slot busy)."""
         self.pause = None
         order: list[Task] = []
-        while self.queued_left():
+        while self.queued_left() and (first is None or len(order) < first):
             task = self.pick()
             if task is not None:
                 self.take(task)

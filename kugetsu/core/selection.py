@@ -145,7 +145,7 @@ def start_order(index: Index, cfg: Config, now: datetime, first: int | None = No
         if first is not None and first < len(index.queued):
             return heapq.nsmallest(first, index.queued, key=lambda t: task_key(cfg, t))  # = sorted()[:first]
         return sorted(index.queued, key=lambda t: task_key(cfg, t))
-    order = Board(index, cfg, now).drain()
+    order = Board(index, cfg, now).drain(first)
     return order if first is None else order[:first]
 
 
