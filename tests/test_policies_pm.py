@@ -220,6 +220,70 @@ def test_group_needs_a_slot_in_its_group_and_globally():
     assert selection.group_usage(ix, c) == {"gpu": {"max_agents": 1, "active": 1, "queued": 1}}
 
 
+def test_a_deadline_tick_behind_a_full_group_plays_no_lane_of_a_deep_queue(monkeypatch):
+    """Issue 31: 10,000 tasks queued in a full one-slot group, free slots beside it (agents
+    with run timeouts). The tick that expires a burst and stops a timed-out agent starts
+    nothing, and knows it without laying the queue into a Board's lanes (40-60 ms a tick:
+    every expiry and timeout fired that late); the tick after it, nothing due, neither."""
+    c = cfg(max_agents=4, max_queue=20_000, groups={"q": {"max_agents": 1}})
+    ix = Index()
+    add(ix, c, "holder", group="q")
+    add(ix, c, "timed")
+    assert settle(ix, c) == ["holder", "timed"]
+    ix.active[1].timeout = 60
+    for task in ix.active:  # spawned (a stop of a task without a process ends it at once)
+        task.run.pid = 1_000_000 + task.id
+    base = ix.queued  # admission at depth is not what is measured: the queue is built directly
+    for i in range(10_000):
+        base.append(msgspec.structs.replace(ix.active[0], id=ix.next_id + i, name=f"t{i}", state=TaskState.QUEUED,
+                                            run=None, started_at=None, token=None,
+                                            expires_at=T0 + timedelta(seconds=60 if i < 10 else 3600)))
+    ix.next_id += 10_000
+    builds = []
+    real = policy.Board.__init__
+    monkeypatch.setattr(policy.Board, "__init__", lambda self, *a, **kw: builds.append(1) or real(self, *a, **kw))
+    now = T0 + timedelta(seconds=60)
+    plan = step.tick(ix, c, now, step.Observations())
+    assert [e.type for e in plan.events] == ["expired"] * 10 and {t.name for t, _ in plan.signal_groups} == {"timed"}
+    assert plan.start == [] and len(ix.queued) == 9_990
+    assert step.tick(ix, c, now + timedelta(seconds=1), step.Observations()).events == []
+    assert builds == []
+    # A slot of the group frees: its next task starts, as the Board picks it.
+    finish(ix, "holder", now)
+    assert settle(ix, c, now) == ["t10"] and builds == [1]
+
+
+def test_the_first_tasks_in_start_order_of_a_deep_queue_play_only_those_forward(monkeypatch):
+    """The warm wrappers (every slot busy) ask for the first 100 in start order at each tick:
+    with a group that order is played forward on a Board, and only as far as those 100 (all
+    10,000 were: 30 ms of every tick)."""
+    c, ix = cfg(max_agents=1, max_queue=20_000, groups={"q": {"max_agents": 1}}), Index()
+    add(ix, c, "holder", group="q")
+    assert settle(ix, c) == ["holder"]
+    ix.queued += [msgspec.structs.replace(ix.active[0], id=ix.next_id + i, name=f"t{i}", state=TaskState.QUEUED,
+                                          run=None, started_at=None, group="q" if i % 2 else None)
+                  for i in range(10_000)]
+    ix.next_id += 10_000
+    picks = []
+    real = policy.Board.pick
+    monkeypatch.setattr(policy.Board, "pick", lambda self: picks.append(1) or real(self))
+    first = selection.start_order(ix, c, T0, 100)
+    assert [t.name for t in first] == [f"t{i}" for i in range(100)]
+    assert len(picks) <= 2 * 100
+
+
+def test_the_queue_deadline_is_the_earliest_expiry_of_a_task_not_stashed():
+    c, ix = cfg(max_agents=1), Index()
+    for name, after in (("a", 30), ("b", 10), ("c", None), ("d", 20)):
+        admission.admit(ix, c, T0, admission.Request(cwd="/", name=name, command=["true"], expire_after=after))
+    assert lifecycle.queue_deadline(ix) == T0 + timedelta(seconds=10)
+    admission.stash(ix.queued[1], T0, True)
+    assert lifecycle.queue_deadline(ix) == T0 + timedelta(seconds=20)
+    for task in ix.queued:
+        task.expires_at = None
+    assert lifecycle.queue_deadline(ix) is None
+
+
 def test_unknown_group_is_refused_at_admission():
     c, ix = cfg(groups={"gpu": {"max_agents": 1}}), Index()
     with pytest.raises(UsageError, match="unknown group 'tpu'"):

@@ -166,7 +166,10 @@ def test_limits_hold_and_positions_are_the_real_start_order(raw, first, later, g
     positions = selection.positions(index, cfg, now)
     assert sorted(positions.values()) == list(range(1, len(index.queued) + 1))
     assert [i for i, _ in sorted(positions.items(), key=lambda kv: kv[1])] == predicted
-    assert drain(cfg, index, now) == predicted
+    for ahead in range(len(predicted) + 2):  # the warm wrappers' first ones: the drain stops there
+        assert [t.id for t in selection.start_order(index, cfg, now, ahead)] == predicted[:ahead]
+        assert [t.id for t in Board(index, cfg, now).drain(ahead)][:ahead] == predicted[:ahead]
+    assert drain(cfg, index, now) == predicted  # (drains the index itself)
 
 
 @settings(max_examples=60, deadline=None)
@@ -278,6 +281,31 @@ def test_the_quick_answers_for_one_task_are_the_full_ones(raw, first, later, gap
         board.take(task)
         picked.append(task)
     assert selection.plan_starts(index, cfg, now, res) == picked
+
+
+grouped_st = st.tuples(st.sampled_from("abcd"), st.sampled_from(PRIORITIES), st.sampled_from(["g1", "g2", "g2"]),
+                      st.sampled_from([None, "p1", "p2", "p2,p1"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(config_st, st.lists(grouped_st, max_size=8), st.lists(grouped_st | task_st, max_size=16), st.integers(0, 6),
+       st.sets(st.sampled_from(["g1", "g2"])), st.sampled_from(["both", "g1", "none"]))
+def test_a_queue_behind_full_groups_starts_what_the_board_starts(raw, first, later, gap, paused, kept):
+    """policy.groups_full, which spares a deep queue's tick the Board (issue 31), says "no
+    start" only where the Board's pick says so too: each queued task's group full or paused,
+    none outside a group (or in one removed from the config since)."""
+    cfg, index, now = build(raw, first, later, gap)
+    index.paused_groups = sorted(paused)
+    if kept != "both":
+        cfg = msgspec.convert({**raw, "groups": {g: v for g, v in raw["groups"].items() if g == kept}}, Config)
+    board = Board(index, cfg, now)
+    picked = []
+    while (task := board.pick()) is not None:
+        board.take(task)
+        picked.append(task)
+    if policy.groups_full(index, cfg):
+        assert picked == []
+    assert selection.plan_starts(index, cfg, now) == picked
 
 
 # ---- capacity: slots and memory (issue 29) -----------------------------------------------

@@ -19,8 +19,8 @@ from kugetsu.core import budgets, placement
 from kugetsu.core.common import _event, _stands, may_requeue, unpause
 from kugetsu.core.models import Event, Index, QueueCounts, Task, TaskState, valid_host
 from kugetsu.core.placement import Here, starts_anywhere
-from kugetsu.core.policy import (RANK, Board, Resources, accounts, guard_hold, may_release, memory_of, simple_order,
-                                 task_key)
+from kugetsu.core.policy import (RANK, Board, Resources, accounts, groups_full, guard_hold, may_release, memory_of,
+                                 simple_order, task_key)
 from kugetsu.errors import AmbiguousName, NoSuchTask, UnknownGroup, UsageError
 
 
@@ -45,6 +45,8 @@ def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources |
         return []
     if slots_used(index) >= cfg.max_agents or index.paused or guard_hold(cfg, resources) is not None:
         return []  # what Board.pick says at once, without sorting the whole queue into lanes
+    if groups_full(index, cfg):
+        return []  # what Board.free says of every lane: their groups are full or paused
     room = None
     if here is not None:
         room = placement.room(index, here)
@@ -143,7 +145,7 @@ def start_order(index: Index, cfg: Config, now: datetime, first: int | None = No
         if first is not None and first < len(index.queued):
             return heapq.nsmallest(first, index.queued, key=lambda t: task_key(cfg, t))  # = sorted()[:first]
         return sorted(index.queued, key=lambda t: task_key(cfg, t))
-    order = Board(index, cfg, now).drain()
+    order = Board(index, cfg, now).drain(first)
     return order if first is None else order[:first]
 
 
