@@ -619,7 +619,7 @@ def _encode_rest(index: Index) -> bytes:
     return encoder.encode(msgspec.structs.replace(index, queued=[]))
 
 
-_PIECE = 1 << 18  # bytes of index.json read at a time by Store._holds
+_PIECE = 1 << 20  # bytes of index.json read at a time by Store._holds
 
 # Past this many ids, `prompts` lists logs/ once rather than trying to open each prompt.
 _LIST_PROMPTS_PAST = 64
