@@ -68,6 +68,8 @@ _FINAL_STATES = frozenset(s.value for s in TaskState if s.final)
 RECONCILE_EVERY = 5.0  # seconds: a safety net; exits and deadlines do not wait for it
 LOG_CHECK_EVERY = 2.0  # seconds between looks at the running agents' log sizes (log_max_size)
 USAGE_CHECK_EVERY = 1.0  # seconds between reads of the usage streaming agents report mid-run (budgets)
+# Seconds without a commit that changed the queue before the heap is given back (Service._trim).
+TRIM_AFTER = 0.25
 COMMIT_DELAY = 0.02  # seconds an exit's transaction stays open for the exits that follow (fastpath.HeldCommit)
 RETRY_FIRST, RETRY_MAX = 0.1, 5.0  # seconds: backoff while transactions fail (a full disk)
 
@@ -120,6 +122,10 @@ class Service:
         self._measure_handle: asyncio.TimerHandle | None = None
         self._measuring = False
         self._cgroups_left = False  # cgroup mode: runs over whose cgroups could not be removed yet
+        # The heap's free pages go back to the kernel once the queue rests (Service._trim).
+        self._trim_handle: asyncio.TimerHandle | None = None
+        self._queue_version: int | None = None  # the store's queue_version at the last commit
+        self._queue_changed_at = 0.0  # when (loop time) a commit last found it changed
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -163,7 +169,7 @@ class Service:
             if self.member is not None:
                 await asyncio.to_thread(self.member.stop)
             self._reconcile_handle.cancel()
-            for handle in (self._log_check, self._usage_check, self._measure_handle):
+            for handle in (self._log_check, self._usage_check, self._measure_handle, self._trim_handle):
                 if handle is not None:
                     handle.cancel()
             self.home.usage.unlink(missing_ok=True)  # no service, no measurement to show
@@ -243,11 +249,33 @@ class Service:
         not that a tick that raised works now: that one stays on its backoff (else each flush
         asked for the failing tick at once: 47 failures a second, 100 MB of log in 30 min)."""
         self.procs.committed()
+        self._trim_later()
         if self.failing is not None and (ticked or not self._tick_broken):
             log.info("the index is written again (after: %s)", self.failing)
             self.failing = None
             self._retry_delay = RETRY_FIRST
             self.request_tick()  # start what waited for a commit that works
+
+    def _trim_later(self) -> None:
+        """After a commit that changed the queue or read it afresh (the store's queue_version;
+        the buffers that scale with the queue were allocated), the heap is trimmed once
+        TRIM_AFTER passed without another: not during a drain, whose commits reuse those pages,
+        nor at an idle tick (a trim that finds nothing to give back still costs ms at depth)."""
+        version = self.store.queue_version()
+        if version is None or version == self._queue_version:  # the cluster store: no such version
+            return
+        self._queue_version = version
+        self._queue_changed_at = self.loop.time()
+        if self._trim_handle is None:
+            self._trim_handle = self.loop.call_later(TRIM_AFTER, self._trim)
+
+    def _trim(self) -> None:
+        wait = self._queue_changed_at + TRIM_AFTER - self.loop.time()
+        if wait > 0:  # changed again meanwhile
+            self._trim_handle = self.loop.call_later(wait, self._trim)
+            return
+        self._trim_handle = None
+        self.loop.run_in_executor(None, runner.trim_heap)  # off the loop: ms at depth
 
     def tick(self, hold: bool = False) -> None:
         """One transaction that brings the world in line: gather what happened (exits,
