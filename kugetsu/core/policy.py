@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import Counter, deque
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from itertools import repeat
 from operator import attrgetter
@@ -71,7 +72,10 @@ def memory_of(cfg: Config, task: Task) -> int:
 def accounts(index: Index, cfg: Config) -> bool:
     """Does any live task take more than one slot or declare memory? Else the selection
     counts tasks alone, as it always did (and the short cuts that assume it hold)."""
-    return cfg.resources.default_memory is not None or any(t.memory or t.slots != 1 for t in index.live())
+    if cfg.resources.default_memory is not None:
+        return True
+    live = index.live()  # in C's steps: asked several times a promotion, of the whole queue
+    return any(map(_MEMORY, live)) or any(map((1).__ne__, map(_SLOTS, live)))
 
 
 def short_size(size: float) -> str:
@@ -87,6 +91,18 @@ def task_key(cfg: Config, task: Task) -> tuple[int, int, int]:
     priority (not under fifo); then ids, the admission sequence: they never repeat or go
     back, where timestamps can tie."""
     return (-task.first, 0 if cfg.strategy == "fifo" else RANK[task.priority], task.id)
+
+
+_ID, _FIRST, _MEMORY, _SLOTS = (attrgetter(name) for name in ("id", "first", "memory", "slots"))
+
+
+def order_key(index: Index, cfg: Config) -> Callable[[Task], Any]:
+    """task_key as a key for sorting `index.queued`: under fifo with no task put first
+    (`next`), the usual case, the id alone, the same order, compared in C (a drain at 20,000
+    queued spent 2.7 s of its 13 in 10 million task_key calls: three passes a promotion)."""
+    if cfg.strategy == "fifo" and not any(map(_FIRST, index.queued)):
+        return _ID
+    return lambda t: task_key(cfg, t)
 
 
 def simple_order(index: Index, cfg: Config, waits: bool = True) -> bool:

@@ -20,7 +20,7 @@ from kugetsu.core.common import _event, _stands, may_requeue, unpause
 from kugetsu.core.models import Event, Index, QueueCounts, Task, TaskState, valid_host
 from kugetsu.core.placement import Here, starts_anywhere
 from kugetsu.core.policy import (RANK, Board, Resources, accounts, groups_full, guard_hold, may_release, memory_of,
-                                 simple_order, task_key)
+                                 order_key, simple_order, task_key)
 from kugetsu.errors import AmbiguousName, NoSuchTask, UnknownGroup, UsageError
 
 
@@ -30,6 +30,9 @@ from kugetsu.errors import AmbiguousName, NoSuchTask, UnknownGroup, UsageError
 def slots_used(index: Index) -> int:
     """Slots the running tasks take (`delegate --slots`: a task may take more than one)."""
     return sum(t.slots for t in index.active)
+
+
+_NOT_BEFORE = attrgetter("not_before")
 
 
 def free_slots(index: Index, cfg: Config) -> int:
@@ -62,7 +65,7 @@ def _heads(index: Index, cfg: Config) -> Index:
     free = cfg.max_agents - slots_used(index)
     if (free >= len(index.queued) or index.paused_groups or accounts(index, cfg) or not simple_order(index, cfg)):
         return index
-    return msgspec.structs.replace(index, queued=heapq.nsmallest(max(free, 0), index.queued, key=lambda t: task_key(cfg, t)))
+    return msgspec.structs.replace(index, queued=heapq.nsmallest(max(free, 0), index.queued, key=order_key(index, cfg)))
 
 
 def _plan(index: Index, cfg: Config, now: datetime, resources: Resources | None, room: int | None,
@@ -126,14 +129,18 @@ def successor(index: Index, cfg: Config) -> Successor | None:
         or any(t.route for t in index.queued)  # it may start on another preset than its command's
     ):
         return None
-    due = [t for t in index.queued if t.not_before is None]  # simple_order: none is stashed
+    # simple_order: none is stashed. Those waiting for their time found in C's steps: the
+    # service asks this after every promotion, of the whole queue.
+    timed = list(compress(index.queued, map(_NOT_BEFORE, index.queued)))
+    due = [t for t in index.queued if t.not_before is None] if timed else index.queued
     if not due:
         return None
-    first = min(due, key=lambda t: task_key(cfg, t))
-    key = task_key(cfg, first)
+    order = order_key(index, cfg)
+    first = min(due, key=order)
+    key = order(first)
     # A task waiting for its time (a retry's delay, `delegate --at`) that sorts before it
     # would take the slot once that time has come: the promise holds until then.
-    waits = [t.not_before for t in index.queued if t.not_before is not None and task_key(cfg, t) < key]
+    waits = [t.not_before for t in timed if order(t) < key]
     return Successor(first, min(filter(None, [first.expires_at, *waits]), default=None))
 
 
@@ -143,8 +150,8 @@ def start_order(index: Index, cfg: Config, now: datetime, first: int | None = No
     that many, the first ones (a plain sort then picks them without sorting the rest)."""
     if simple_order(index, cfg):  # the same order, as a sort (property-tested against drain)
         if first is not None and first < len(index.queued):
-            return heapq.nsmallest(first, index.queued, key=lambda t: task_key(cfg, t))  # = sorted()[:first]
-        return sorted(index.queued, key=lambda t: task_key(cfg, t))
+            return heapq.nsmallest(first, index.queued, key=order_key(index, cfg))  # = sorted()[:first]
+        return sorted(index.queued, key=order_key(index, cfg))
     order = Board(index, cfg, now).drain(first)
     return order if first is None else order[:first]
 
