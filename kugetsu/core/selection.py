@@ -32,7 +32,7 @@ def slots_used(index: Index) -> int:
     return sum(t.slots for t in index.active)
 
 
-_NOT_BEFORE = attrgetter("not_before")
+_NOT_BEFORE, _ROUTE = attrgetter("not_before"), attrgetter("route")
 
 
 def free_slots(index: Index, cfg: Config) -> int:
@@ -126,7 +126,7 @@ def successor(index: Index, cfg: Config) -> Successor | None:
         or accounts(index, cfg)  # slots and memory: one exit may not make room for the next
         or not simple_order(index, cfg, waits=False)
         or any(may_requeue(cfg, t) for t in index.active)  # it would come back ahead of the successor
-        or any(t.route for t in index.queued)  # it may start on another preset than its command's
+        or any(map(_ROUTE, index.queued))  # it may start on another preset than its command's
     ):
         return None
     # simple_order: none is stashed. Those waiting for their time found in C's steps: the

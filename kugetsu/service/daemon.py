@@ -24,6 +24,7 @@ import signal
 from collections import ChainMap
 from collections.abc import Callable, Mapping
 from datetime import datetime
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -70,6 +71,7 @@ LOG_CHECK_EVERY = 2.0  # seconds between looks at the running agents' log sizes 
 USAGE_CHECK_EVERY = 1.0  # seconds between reads of the usage streaming agents report mid-run (budgets)
 # Seconds without a commit that changed the queue before the heap is given back (Service._trim).
 TRIM_AFTER = 0.25
+_ID, _ATTEMPT = attrgetter("id"), attrgetter("attempt")
 COMMIT_DELAY = 0.02  # seconds an exit's transaction stays open for the exits that follow (fastpath.HeldCommit)
 RETRY_FIRST, RETRY_MAX = 0.1, 5.0  # seconds: backoff while transactions fail (a full disk)
 
@@ -522,7 +524,8 @@ class Service:
     def _sweep(self, tries: int = 30) -> None:
         """cgroup mode: remove the cgroups of runs that are over, off the loop; while some are
         not empty yet (their last processes being killed), again a second later."""
-        live = {t.id: t.attempt for t in self.index.live()}
+        live = self.index.live()  # a dict of the whole queue at each end: built in C's steps
+        live = dict(zip(map(_ID, live), map(_ATTEMPT, live)))
         job = self.loop.run_in_executor(None, usage.remove_finished, self.cgroup_base, live, self.index.next_id)
         job.add_done_callback(lambda done: done.exception() is None and done.result() and tries > 1
                               and self.loop.call_later(1.0, self._sweep, tries - 1))
