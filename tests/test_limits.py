@@ -116,8 +116,10 @@ def test_backoff_when_the_output_gives_no_reset_time(kg):
     from datetime import datetime
 
     gaps = [starts[i + 1] - datetime.fromisoformat(ends[i]).timestamp() for i in range(2)]
-    # 1 s, then doubled to 2 s: released at the hold's end, not a reconcile later.
-    assert 1.0 <= gaps[0] < 1.1 and 2.0 <= gaps[1] < 2.1, gaps
+    # 1 s, then doubled to 2 s: released at the hold's end, not a reconcile (5 s) later. The
+    # lateness itself is the deadline bench's (tools/bench/deadlines.py): a loaded CI run
+    # released the second 145 ms late.
+    assert 1.0 <= gaps[0] < 1.5 and 2.0 <= gaps[1] < 2.5, gaps
     assert kg.index()["strikes"] == {}  # a run served in full: the next hit starts at 1 s again
 
 
