@@ -391,7 +391,6 @@ def queue_view(index: Index, cfg: Config, now: datetime, resources: Resources | 
     if first is None:
         stashed = [t for t in index.queued if t.stashed_at is not None] if len(order) != len(index.queued) else []
     else:  # stashed ones come after every task with a position: shown only when those all fit
-        order = order[:first]
         stashed = [t for t in index.queued if t.stashed_at is not None][:first - len(order)] if len(order) < first else []
     return QueueView(
         running=sorted(index.active, key=lambda t: (t.run.slot or 0, t.id)),

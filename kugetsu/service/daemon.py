@@ -524,8 +524,8 @@ class Service:
     def _sweep(self, tries: int = 30) -> None:
         """cgroup mode: remove the cgroups of runs that are over, off the loop; while some are
         not empty yet (their last processes being killed), again a second later."""
-        live = self.index.live()  # a dict of the whole queue at each end: built in C's steps
-        live = dict(zip(map(_ID, live), map(_ATTEMPT, live)))
+        tasks = self.index.live()  # a dict of the whole queue at each end: built in C's steps
+        live = dict(zip(map(_ID, tasks), map(_ATTEMPT, tasks)))
         job = self.loop.run_in_executor(None, usage.remove_finished, self.cgroup_base, live, self.index.next_id)
         job.add_done_callback(lambda done: done.exception() is None and done.result() and tries > 1
                               and self.loop.call_later(1.0, self._sweep, tries - 1))

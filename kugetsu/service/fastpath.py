@@ -38,6 +38,7 @@ T = TypeVar("T")
 
 _ID = attrgetter("id")
 
+
 class QueueMemo:
     """What the service derives from the whole queue after a commit (the successor, the first
     tasks in start order, the next expiry), kept while the store says the queue committed is
@@ -128,8 +129,8 @@ class FastPath:
         running rather than start it a second time later (None: the promise held)."""
         if self.released is None:
             return None
-        queued = txn.index.queued  # looked up in C's steps: asked at every tick of a drain, of the whole queue
-        task = queued[list(map(_ID, queued)).index(self.released)] if self.released in map(_ID, queued) else None
+        ids = list(map(_ID, txn.index.queued))  # in C's steps: asked at every tick of a drain, of the whole queue
+        task = txn.index.queued[ids.index(self.released)] if self.released in ids else None
         warm = self.procs.take_warm(self.released) if task is not None else None
         if task is None or warm is None:
             return None
