@@ -28,6 +28,7 @@ class Home:
         self.root = Path(root).expanduser().absolute()
         self.config = self.root / "config.json"
         self.index = self.root / "index.json"
+        self.journal = self.root / "index.journal"  # the commits since index.json was written whole (store/journal.py)
         self.lock = self.root / "index.lock"
         self.events = self.root / "events.jsonl"
         self.events_old = self.root / "events.jsonl.1"  # the previous events.jsonl, once it grew past events_max_size

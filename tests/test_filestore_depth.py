@@ -1,19 +1,22 @@
-"""The file store at depth (issue 31): a long-lived writer's transaction that changes nothing
-encodes and writes nothing, and one that changes a queued task encodes that task, not the
-queue; what is on disk is always what a fresh reader decodes, byte for byte as encode_index
-writes it."""
+"""The file store at depth (issue 31): a commit appends what it changed to index.journal
+instead of writing index.json whole; a transaction that changes nothing writes nothing; what is
+on disk is always what the transaction committed, as a fresh reader replays it; a crash's torn
+record is never read; a journal of another index.json is never replayed on this one."""
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 
 import pytest
 
-from conftest import T0
+from conftest import T0, wait_for
 
 from kugetsu.core.models import Task, TaskState
+from kugetsu.errors import FileError
 from kugetsu.paths import Home
-from kugetsu.store import files, tracking
+from kugetsu.store import files, journal, tracking
 from kugetsu.store.files import Store
 from kugetsu.store.protocol import encode_index
 
@@ -29,57 +32,45 @@ def warm(tmp_path) -> Store:
     with store.transaction() as txn:
         txn.index.queued = [_task(i) for i in range(1, 51)]
         txn.index.next_id = 51
-    with store.transaction() as txn:  # a second commit on its own index: the warm path
+    with store.transaction() as txn:  # a second commit on its own index: a record
         txn.index.queued[0].name = "first"
     return store
 
 
-def _on_disk(store: Store) -> bytes:
-    data = store.home.index.read_bytes()
-    assert data == encode_index(Store(store.home).read())  # what a fresh reader decodes
-    return data
+def _fresh(store: Store) -> bytes:
+    """The index a fresh reader reads, encoded."""
+    return encode_index(Store(store.home).read())
 
 
-def _count(store: Store, monkeypatch) -> dict[str, int]:
-    """How often the whole index, and how many single queued tasks, get encoded from now on
-    by the warm `store`."""
-    calls = {"index": 0, "task": 0}
-    whole, one = files.encode_index, files._chunk
-
-    def encode_whole(index):
-        calls["index"] += 1
-        return whole(index)
-
-    def encode_one(task):
-        calls["task"] += 1
-        return one(task)
-
-    monkeypatch.setattr(files, "encode_index", encode_whole)
-    monkeypatch.setattr(files, "_chunk", encode_one)
-    monkeypatch.setattr(tracking, "VERIFY", False)  # its own full encoding would count
-    with store.transaction() as txn:  # a commit without it (the tests' is on: conftest)
-        txn.index.queued[1].name = "second"
-    calls.update(index=0, task=0)
-    return calls
+def _stat(path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def test_a_transaction_that_changes_nothing_encodes_and_writes_nothing(warm, monkeypatch):
-    calls = _count(warm, monkeypatch)
-    before = os.stat(warm.home.index)
+def _records(home: Home) -> list[dict]:
+    lines = home.journal.read_bytes().splitlines()
+    assert lines[0].startswith(b"kugetsu-journal 1 ")
+    return [json.loads(line[9:]) for line in lines[1:]]
+
+
+def test_a_transaction_that_changes_nothing_writes_nothing(warm, monkeypatch):
+    monkeypatch.setattr(tracking, "VERIFY", False)  # its own check reads the files
+    before = (_stat(warm.home.index), _stat(warm.home.journal))
     for _ in range(3):
         with warm.transaction() as txn:
             assert len(txn.index.queued) == 50
-    assert calls == {"index": 0, "task": 0}
-    after = os.stat(warm.home.index)
-    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert (_stat(warm.home.index), _stat(warm.home.journal)) == before
 
 
-def test_a_change_encodes_only_the_tasks_it_touched(warm, monkeypatch):
-    calls = _count(warm, monkeypatch)
+def test_a_change_appends_only_the_tasks_it_touched_and_leaves_index_json_alone(warm):
+    index_json = _stat(warm.home.index)
     with warm.transaction() as txn:
         txn.index.queued[10].priority = "high"  # assigned: this task only
-    assert calls == {"index": 0, "task": 1}
-    assert b'"priority": "high"' in _on_disk(warm)
+    record = _records(warm.home)[-1]
+    assert [item["id"] for item in record["queue"] if isinstance(item, dict)] == [11]
     with warm.transaction() as txn:  # admitted at the end, one taken out, one moved to running
         txn.index.queued.append(_task(51))
         txn.index.next_id = 52
@@ -87,16 +78,20 @@ def test_a_change_encodes_only_the_tasks_it_touched(warm, monkeypatch):
         task = txn.index.queued.pop(0)
         task.state = TaskState.RUNNING
         txn.index.active.append(task)
-    assert calls == {"index": 0, "task": 2}
+    record = _records(warm.home)[-1]
+    assert [item["id"] for item in record["queue"] if isinstance(item, dict)] == [51]
+    assert [t["id"] for t in record["rest"]["active"]] == [1]
+    assert _stat(warm.home.index) == index_json  # index.json was not written again
     index = Store(warm.home).read()
     assert [t.id for t in index.active] == [1]
     assert [t.id for t in index.queued] == [i for i in range(2, 52) if i != 6]
-    _on_disk(warm)
+    assert next(t for t in index.queued if t.id == 11).priority == "high"
 
 
-@pytest.mark.parametrize("change", ["header", "queued field", "reorder", "running task", "nothing"])
+@pytest.mark.parametrize("change", ["header", "queued field", "reorder", "running task", "finished",
+                                    "finished dropped", "queue emptied", "nothing"])
 def test_every_kind_of_change_reaches_the_disk(warm, change):
-    """Each commit on the warm Store leaves index.json as a fresh reader sees the index."""
+    """Each commit on the warm Store leaves on disk what a fresh reader reads as the index."""
     with warm.transaction() as txn:
         index = txn.index
         if change == "header":
@@ -108,21 +103,159 @@ def test_every_kind_of_change_reaches_the_disk(warm, change):
         elif change == "running task":
             index.active.append(index.queued.pop())
             index.active[0].state = TaskState.RUNNING
+        elif change in ("finished", "finished dropped"):
+            for task in index.queued[:5]:
+                task.state = TaskState.SUCCEEDED
+            index.finished += index.queued[:5]
+            del index.queued[:5]
+        elif change == "queue emptied":
+            index.queued = []
         expected = encode_index(index)
-    assert _on_disk(warm) == expected
+    assert _fresh(warm) == expected
     with warm.transaction() as txn:  # and the next commit starts from what it wrote
-        txn.index.queued[0].name = "again"
+        if change == "finished dropped":
+            del txn.index.finished[:2]  # the oldest gone to history.jsonl
+            txn.index.finished.append(txn.index.queued.pop(0))
+            txn.index.finished[-1].state = TaskState.FAILED
+        elif txn.index.queued:
+            txn.index.queued[0].name = "again"
+        txn.index.paused = not txn.index.paused
         expected = encode_index(txn.index)
-    assert _on_disk(warm) == expected
+    assert _fresh(warm) == expected
 
 
-def test_another_writer_in_between_is_read_afresh(warm):
+def test_another_writer_in_between_is_read_afresh_and_a_one_shot_writer_writes_index_json_whole(warm):
+    """A one-shot command (a Store that decoded the index afresh) leaves index.json whole, the
+    file a person may repair by hand; the long-lived writer reads it afresh, and appends again
+    from its next commit on."""
     other = Store(warm.home)
     with other.transaction() as txn:
         txn.index.queued[3].name = "theirs"
+    assert not warm.home.journal.exists()
+    assert json.loads(warm.home.index.read_bytes())["queued"][3]["name"] == "theirs"
     with warm.transaction() as txn:
         assert txn.index.queued[3].name == "theirs"
         txn.index.queued[4].name = "ours"
+    index_json = _stat(warm.home.index)
+    with warm.transaction() as txn:
+        txn.index.queued[5].name = "ours too"
     index = Store(warm.home).read()
-    assert (index.queued[3].name, index.queued[4].name) == ("theirs", "ours")
-    _on_disk(warm)
+    assert [t.name for t in index.queued[3:6]] == ["theirs", "ours", "ours too"]
+    assert _stat(warm.home.index) == index_json and len(_records(warm.home)) == 1
+
+
+def test_the_journal_past_a_quarter_of_index_json_is_folded_into_a_new_index_json(warm, monkeypatch):
+    monkeypatch.setattr(files, "_JOURNAL_LEAST", 0)  # a quarter of index.json alone
+    size = warm.home.index.stat().st_size
+    for i in range(40):
+        with warm.transaction() as txn:
+            txn.index.queued[i].name = f"renamed {i}"
+        assert warm.home.journal.stat().st_size <= size // 4 if warm.home.journal.exists() else True
+    assert _stat(warm.home.index)[0] != 0 and _fresh(warm) == encode_index(warm.read())
+    names = [t.name for t in Store(warm.home).read().queued]
+    assert names[:40] == [f"renamed {i}" for i in range(40)]
+
+
+def test_a_record_cut_short_by_a_crash_is_not_read_and_the_next_writer_cuts_it_off(warm):
+    committed = _fresh(warm)
+    with open(warm.home.journal, "ab") as f:  # a crash in the middle of an append
+        f.write(b"0badc0de {\"rest\":{\"version\":2")
+    assert _fresh(warm) == committed
+    restarted = Store(warm.home)  # the service that crashed, started again
+    restarted.read_ahead()
+    with restarted.transaction() as txn:
+        txn.index.queued[0].name = "after the crash"
+        expected = encode_index(txn.index)
+    assert _fresh(warm) == expected
+    assert len(_records(warm.home)) == 2  # the torn line was cut off, the new record appended
+    assert all(line[:8] != b"0badc0de" for line in warm.home.journal.read_bytes().splitlines())
+
+
+def test_a_damaged_record_with_records_after_it_is_refused_and_nothing_is_written(warm):
+    with warm.transaction() as txn:
+        txn.index.queued[1].name = "second record"
+    data = bytearray(warm.home.journal.read_bytes())
+    first = data.index(b"\n") + 1
+    data[first + 20] ^= 1  # a bit flipped in the first record
+    warm.home.journal.write_bytes(bytes(data))
+    with pytest.raises(FileError, match="(?s)index.journal: damaged .*move it away"):
+        Store(warm.home).read()
+    with pytest.raises(FileError):
+        with Store(warm.home).transaction():
+            pass
+    assert warm.home.journal.read_bytes() == bytes(data)
+
+
+def test_a_journal_of_another_index_json_is_ignored(warm):
+    """index.json put back by hand (a backup, an edit): the journal that followed the old one
+    is not replayed on it, and the next record starts a new journal."""
+    restored = Store(warm.home).read()
+    restored.queued = restored.queued[:3]
+    warm.home.index.write_bytes(encode_index(restored))
+    assert _fresh(warm) == encode_index(restored)
+    service = Store(warm.home)
+    service.read_ahead()
+    with service.transaction() as txn:
+        txn.index.paused = True
+        expected = encode_index(txn.index)
+    assert _fresh(warm) == expected and len(_records(warm.home)) == 1
+
+
+def test_readers_see_whole_commits_while_a_writer_appends_and_folds(warm, monkeypatch):
+    """A reader takes no lock: while a writer appends records and writes index.json whole
+    again and again, every read is some commit's index, in the order they were made."""
+    monkeypatch.setattr(files, "_JOURNAL_LEAST", 0)
+    monkeypatch.setattr(tracking, "VERIFY", False)
+    done = threading.Event()
+    seen: list[int] = []
+
+    def write() -> None:
+        try:
+            for i in range(150):
+                with warm.transaction() as txn:
+                    txn.index.queued[i % 50].name = f"n{i}"
+                    txn.index.next_seq = i + 2  # the commit's number
+        finally:
+            done.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    reader = Store(warm.home)
+    while not done.is_set():
+        index = reader.read()
+        seen.append(index.next_seq)
+        if index.next_seq > 1:
+            i = index.next_seq - 2
+            assert index.queued[i % 50].name == f"n{i}"
+    writer.join()
+    assert seen == sorted(seen) and len(seen) > 5
+
+
+def test_the_head_read_replays_the_journal(warm):
+    with warm.transaction() as txn:
+        txn.index.queued[0].memory = 1 << 30
+        del txn.index.queued[10:20]
+    index, counts = Store(warm.home).read_head()
+    assert counts.queued == 40 and counts.accounting
+    assert index.queued == [] and index.next_id == 51
+
+
+def test_the_service_appends_while_it_runs_and_leaves_index_json_whole_when_it_stops(kg):
+    """The real service: its commits go to the journal (index.json is not rewritten per task),
+    and its stop folds them in, so that with no service running index.json alone is the state."""
+    kg.config(max_agents=1, autostart=False)
+    for i in range(3):
+        kg.delegate(f"t{i}")
+    index_json = _stat(kg.home.index)
+    kg.ok("serve", "--detach")
+    try:
+        for i in range(3):
+            kg.wait_state(f"t{i}", "succeeded")
+        assert _stat(kg.home.index) == index_json  # every start and end was a record
+        assert len(_records(kg.home)) >= 3
+    finally:
+        kg.ok("shutdown")
+    wait_for(lambda: kg.service_pid() is None, 15, "the service to stop")
+    assert not kg.home.journal.exists()
+    on_disk = json.loads(kg.home.index.read_bytes())
+    assert sorted((t["name"], t["state"]) for t in on_disk["finished"]) == [(f"t{i}", "succeeded") for i in range(3)]

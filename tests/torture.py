@@ -10,6 +10,7 @@ from pathlib import Path
 from kugetsu.core.models import TaskState, check_index, task_record
 from kugetsu.paths import Home
 from kugetsu.store.files import Store
+from kugetsu.store.protocol import encode_index
 
 LONG = os.environ.get("KUGETSU_TORTURE", "").lower() == "long"
 FIGURES = Path(__file__).resolve().parent.parent / ".torture-figures.json"
@@ -32,8 +33,12 @@ def record(test: str, **figures: object) -> None:
 
 
 def raw_index(home: Home) -> dict:
-    """index.json as plain JSON, every task with all its fields (the file leaves defaults out)."""
-    raw = json.loads(home.index.read_text())
+    """The committed index (index.json and the journal's records after it, as kugetsu's reader
+    replays them) as plain JSON, every task with all its fields (the file leaves defaults out).
+    FileNotFoundError when there is no index.json yet."""
+    if not home.index.exists():
+        raise FileNotFoundError(home.index)
+    raw = json.loads(encode_index(Store(home).read()))
     for part in ("active", "queued", "finished"):
         raw[part] = [task_record(t) for t in raw.get(part, [])]
     return raw

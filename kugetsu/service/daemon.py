@@ -182,6 +182,7 @@ class Service:
             self.worktrees.shutdown()
             self.procs.close()
             self.exits.close()
+            self.store.fold()  # the last commit: index.json alone is the state while no service runs
             wakeup.close()
             self.home.service_pid.unlink(missing_ok=True)
             os.close(lock_fd)

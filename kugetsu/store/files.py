@@ -14,17 +14,16 @@ from __future__ import annotations
 import errno
 import fcntl
 import gc
+import io
 import logging
 import os
 import re
 import threading
-from array import array
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from contextlib import contextmanager
-from itertools import accumulate
 from datetime import datetime, timezone
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import msgspec
 
@@ -33,13 +32,13 @@ from kugetsu.config.load import store_url
 from kugetsu.config.model import Config
 from kugetsu.errors import DiskFull, FileError
 from kugetsu.core.models import INDEX_VERSION, Event, Index, QueueCounts, Task, check_index, upgrade
-from kugetsu.store import tracking
-from kugetsu.store.protocol import (Since, StoreProtocol, Transactions, Txn, decode_events, decode_head, encode_index,
-                                    encoder, held, index_decoder, mark_writer)
+from kugetsu.store import journal, tracking
+from kugetsu.store.protocol import (Since, StoreProtocol, Transactions, Txn, count_queued, decode_events, encode_index,
+                                    encoder, head_of, held, index_decoder, mark_writer)
 from kugetsu.paths import Home, atomic_write, open_file, read_file, read_tail
 
 
-_Decoded = TypeVar("_Decoded", Index, tuple[Index, QueueCounts])
+_Decoded = TypeVar("_Decoded", Index, tuple[Index, list[msgspec.Raw]])
 log = logging.getLogger("kugetsu.store")  # the name its lines had before the store became a package
 _stores: dict[str, Store] = {}  # open_store's file Stores of the main thread, by home
 
@@ -78,76 +77,105 @@ def store_at(home: Home | None, url: str | None) -> StoreProtocol:
 
 
 class Store(Transactions):
-    """The file store: index.json under a kernel lock, events.jsonl (docs/architecture.md §3)."""
+    """The file store: index.json and index.journal under a kernel lock, events.jsonl
+    (docs/architecture.md §3)."""
 
     def __init__(self, home: Home):
         self.home = home
         self._ensured = False
         self._appended = 0  # the last event seq this Store appended itself (no need to re-check it)
-        # The index this Store last committed, with its bytes: a long-lived writer (the
-        # service) skips decoding a file that is byte for byte what it wrote.
-        self._committed: tuple[bytes, Index] | None = None
+        # The index this Store last committed: a long-lived writer (the service) whose files
+        # are still as it left them (_OnDisk) decodes nothing.
+        self._committed: Index | None = None
         # What that index was when committed (_Snapshot): a transaction on it that changed
         # nothing is found without encoding the queue, and writes nothing.
         self._snapshot: _Snapshot | None = None
         self._began: _Snapshot | None = None  # the snapshot of the transaction under way
-        # Where each queued task of the last committed index is in index.json, as of `_since`:
-        # a commit on that same index encodes the tasks assigned to since (its take) and cuts
-        # the rest out of the bytes it began with (Txn.before: byte for byte what this Store
-        # committed), so the queue's bytes are kept once, in `_committed`, not again per task
-        # (~20 MB at 50,000 queued) or joined (~14 MB). An index decoded afresh (a one-shot
-        # CLI command's, the service's after another writer) is encoded whole.
-        self._places: dict[int, int] = {}  # a queued task's place in `_cached`, by id()
-        self._cached: list[Task] = []  # keeps each task placed, so its id() stays its own
-        self._steps = array("q")  # each place's bytes in the queue, with the ",\n" after it
-        self._queue_at = 0  # where the queue's bytes start in the committed index.json
+        self._disk: _OnDisk | None = None  # index.json and index.journal as last read or written
+        # What the index last committed (or loaded by a writer) was, for the next record: each
+        # queued task's place in the queue, by id() (`_queue` keeps the tasks, so their id()s stay
+        # theirs), the finished tasks' encodings, and the rest's (journal.encode).
+        self._places: dict[int, int] = {}
+        self._queue: list[Task] = []
+        self._finished: list[bytes] = []
+        self._rest = b""
+        # The next commit writes index.json whole: the transaction's index was decoded afresh (a
+        # one-shot command's, the service's after another writer), or it is a version-1 file.
+        # Only a Store that keeps its index (the service) appends to the journal: a command run
+        # while no service runs leaves index.json whole, the file a person may repair by hand.
+        self._whole = True
+        self._old = False  # the index last loaded was a version-1 file (written anew, as version 2)
         self._since = tracking.Cursor()
-        self._warm = False  # the transaction under way is on the index this Store committed
         self._lock_fd: int | None = None  # index.lock, open and locked while a transaction runs
         # Bumped whenever the committed queue may differ from the one committed before
-        # (queue_version): a transaction on an index decoded afresh, a commit that encoded a
-        # queued task again or changed the list.
+        # (queue_version): a transaction on an index decoded afresh, a commit that changed the queue.
         self._queue_version = 0
-        self._ahead: tuple[bytes, Index] | None = None  # read_ahead's index, for the next begin
+        self._ahead: Index | None = None  # read_ahead's index, for the next begin
 
     # ---- reading (no lock) ---------------------------------------------------------
 
-    def _read_bytes(self) -> bytes | None:
-        """index.json's bytes; None when there is none yet (an empty file is a damaged one)."""
-        try:
-            fd = open_file(self.home.index, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        with os.fdopen(fd, "rb") as f:
-            return f.read()
+    def _files(self) -> _Files | None:
+        """index.json's and index.journal's bytes and identities, as one commit left them (None:
+        no index.json yet; an empty file is a damaged one). A reader holds no lock: should a
+        writer write index.json whole between the two reads (and remove the journal that went
+        with the old one), both are read again."""
+        for _ in range(_CONSISTENT_TRIES):
+            try:
+                fd = open_file(self.home.index, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            f = os.fdopen(fd, "rb", buffering=0)
+            try:
+                key = _key(os.fstat(fd))
+                data = f.readall()
+                journal_data, journal_key = _read(self.home.journal)
+                try:
+                    same = _key(os.lstat(self.home.index)) == key
+                except FileNotFoundError:
+                    same = False
+            except BaseException:
+                f.close()
+                raise
+            if same:
+                return _Files(data, key, f, journal_data, journal_key)
+            f.close()
+        raise FileError(f"{self.home.index}: it kept changing while it was read; try again")
 
-    def _load(self, reuse: tuple[bytes, Index] | None = None) -> tuple[Index, bytes]:
-        if reuse is not None and self._holds(reuse[0]):
-            return reuse[1], reuse[0]
-        data = self._read_bytes()
-        if data is None:
-            return Index(), b""
-        index = upgrade(self._decoded(data, index_decoder.decode), data)  # a version-1 index: its runs
+    def _load(self, writer: bool) -> Index:
+        """The committed index: index.json decoded, the journal's records replayed on it. A
+        writer (under the lock) also keeps what the files are (_OnDisk); its commit writes
+        index.json whole."""
+        files = self._files()
+        if files is None:
+            if writer:
+                self._disk = _OnDisk(None, _lkey(self.home.journal), False, None, 0, b"", 0)
+                self._whole = True
+            return Index()
+        data, key, journal_data, journal_key = files.data, files.key, files.journal, files.journal_key
+        if not writer:
+            files.pin.close()
+        index = self._decoded(data, index_decoder.decode)
+        old = index.version != INDEX_VERSION
+        index = upgrade(index, data)  # a version-1 index: its runs
+        head = journal.header(data) if writer or journal_data else b""
+        found: list[bytes] = []
+        length = 0
+        follows = False  # a journal that follows this index.json is there (else the next record starts one)
+        if journal_data:
+            try:
+                got = journal.records(journal_data, head)
+                if got is not None:
+                    follows = True
+                    found, length = got
+                    index = journal.replay(index, found)
+            except (journal.Damaged, msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
+                raise FileError(f"{self.home.journal}: damaged ({err}).{_FIX_JOURNAL}") from None
         self._check(index)
-        return index, data
-
-    def _holds(self, data: bytes) -> bool:
-        """Whether index.json is byte for byte `data`, read and compared a piece at a time: the
-        service's every transaction asks this of what it committed, and a copy of the whole file
-        (14 MB at 50,000 queued), freed at once, stayed in the heap all the same."""
-        try:
-            fd = open_file(self.home.index, os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        with os.fdopen(fd, "rb", buffering=0) as f:
-            if os.fstat(fd).st_size != len(data):
-                return False
-            at = 0
-            while piece := f.read(_PIECE):
-                if data[at:at + len(piece)] != piece:
-                    return False
-                at += len(piece)
-            return at == len(data)
+        if writer:
+            self._disk = _OnDisk(key, journal_key, follows, files.pin, length, head, len(data))
+            self._whole = True
+            self._old = old
+        return index
 
     def _decoded(self, data: bytes, decode: Callable[[bytes], _Decoded]) -> _Decoded:
         """`decode(data)`; a damaged index raises FileError. The cyclic garbage collector is
@@ -171,37 +199,56 @@ class Store(Transactions):
 
     def read(self) -> Index:
         """The committed index, as a reader sees it (no lock; never half-written)."""
-        return self._load()[0]
+        return self._load(writer=False)
 
     def read_ahead(self) -> None:
         """Read (and check) the committed index and keep it for this Store's next transaction,
-        which then decodes nothing if the file is still byte for byte the same: the service's
-        start read its index twice (0.3 s each at 50,000 queued). Kept as another writer's
-        (not `unchanged`: its clock and counters are looked at as after any other writer)."""
-        index, data = self._load()
-        self._ahead = (data, index) if data else None
+        which then decodes nothing if the files are still as they were: the service's start
+        read its index twice (0.3 s each at 50,000 queued). Kept as another writer's (not
+        `unchanged`: its clock and counters are looked at as after any other writer)."""
+        index = self._load(writer=True)
+        if self._disk is not None and self._disk.key is not None and not self._old:
+            self._ahead = index
+            self._whole = False  # kept: the first transaction appends what it changed
+            self._know(index)
 
     def read_head(self) -> tuple[Index, QueueCounts]:
         """The committed index without its queued and finished tasks, and the queued tasks'
         counts: what `capacity` needs, without decoding a long queue. Its check (check_index)
         sees the running tasks and the rest; `read` checks the skipped tasks too."""
-        data = self._read_bytes()
-        if data is None:
+        files = self._files()
+        if files is None:
             return Index(), QueueCounts(queued=0)
-        index, counts = self._decoded(data, decode_head)
+        files.pin.close()
+        data, journal_data = files.data, files.journal
+        index, queued = self._decoded(data, head_of)
         if index.version != INDEX_VERSION:
             return super().read_head()  # another version: `read` reads it whole (or refuses it)
+        found: list[bytes] = []
+        if journal_data:
+            try:
+                got = journal.records(journal_data, journal.header(data))
+                if got is not None:
+                    found = got[0]
+                    index, queued = journal.replay_head(index, queued, found)
+            except (journal.Damaged, msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
+                raise FileError(f"{self.home.journal}: damaged ({err}).{_FIX_JOURNAL}") from None
         self._check(index)
-        return index, counts
+        return index, count_queued(index, queued, [data, *found])
 
-    def stamp(self) -> tuple[int, int, int]:
-        """index.json's inode, mtime and size: every commit renames a new file in (the size
-        tells two files apart should the second reuse the first's inode within one tick)."""
-        try:
-            st = os.stat(self.home.index)
-        except FileNotFoundError:
-            return 0, 0, 0
-        return st.st_ino, st.st_mtime_ns, st.st_size
+    def stamp(self) -> tuple[int, ...]:
+        """index.json's and index.journal's inode, mtime and size: every commit renames a new
+        index.json in or appends to the journal (the size tells two files apart should the
+        second reuse the first's inode within one tick)."""
+        out: list[int] = []
+        for path in (self.home.index, self.home.journal):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                out += (0, 0, 0)
+            else:
+                out += (st.st_ino, st.st_mtime_ns, st.st_size)
+        return tuple(out)
 
     def watch(self) -> None:
         """None: no descriptor tells of a rename (inotify is not in the standard library);
@@ -232,12 +279,15 @@ class Store(Transactions):
 
     # ---- writing -------------------------------------------------------------------
 
+    # ---- writing -------------------------------------------------------------------
+
     def since(self, start: datetime) -> Since:
         """events.jsonl and history.jsonl read backwards to `start` (store/history.py)."""
         from kugetsu.store import history  # `kugetsu stats` only
 
         events, prior = history.events_since(self.home, start)
         return Since(events, history.history_since(self.home, start), prior)
+
 
     def begin(self, now: datetime | None = None) -> Txn:
         """Lock and load: a transaction that `commit` or `abort` ends. Between the two the lock
@@ -253,18 +303,31 @@ class Store(Transactions):
             reuse, self._committed = self._committed, None
             snapshot, self._snapshot = self._snapshot, None
             ahead, self._ahead = self._ahead, None
-            index, before = self._load(reuse or ahead)
-            unchanged = reuse is not None and index is reuse[1]
+            unchanged = False
+            if (reuse or ahead) is not None and self._unmoved():
+                index = reuse or ahead
+                unchanged = reuse is not None
+            else:
+                index = self._load(writer=True)
+            assert index is not None and self._disk is not None
             self._began = snapshot if unchanged else None
-            self._warm = unchanged
             if not unchanged:
                 self._queue_version += 1
-                _keep_counters_ahead(self.home, index, before)
+                _keep_counters_ahead(self.home, index, self._disk.key is not None)
             self._recover_outbox(index)
         except BaseException:
             self._unlock()
             raise
-        return Txn(index, now or datetime.now(timezone.utc), unchanged=unchanged, before=before)
+        return Txn(index, now or datetime.now(timezone.utc), unchanged=unchanged)
+
+    def _unmoved(self) -> bool:
+        """Whether index.json and index.journal are as this Store last read or wrote them: no
+        other writer came between (a writer renames a new index.json in, or appends to the
+        journal), by their identities alone."""
+        disk = self._disk
+        if disk is None:
+            return False
+        return _lkey(self.home.index) == disk.key and _lkey(self.home.journal) == disk.journal_key
 
     def queue_version(self) -> int | None:
         return self._queue_version
@@ -277,13 +340,14 @@ class Store(Transactions):
             if began is not None and not (txn.prompts or txn.archive or txn.events) and began.same(txn.index):
                 # Nothing changed: nothing encoded, nothing written (the service's safety-net
                 # tick at a long queue). The index stays the one committed, and its snapshot.
-                self._committed, self._snapshot = (txn.before, txn.index), began
+                self._committed, self._snapshot = txn.index, began
                 return
-            data = self._commit(txn)
-            self._committed = (data, txn.index)
+            self._commit(txn)
+            self._committed = txn.index
             self._snapshot = _Snapshot.of(txn.index, self._since.at)
         except BaseException as err:
             self._queue_version += 1  # nothing known of what is committed: derive it afresh
+            self._disk = None  # nor of what is on disk: the next transaction reads it
             if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
                 what = Path(err.filename).name if isinstance(err.filename, str) else self.home.index.name
                 raise DiskFull(
@@ -376,18 +440,18 @@ class Store(Transactions):
             raise
         return before
 
-    def _commit(self, txn: Txn) -> bytes:
-        """Write what the transaction changed; returns the index's bytes as now on disk."""
+    def _commit(self, txn: Txn) -> None:
+        """Write what the transaction changed."""
         # Prompts first: the committed index must find its tasks' prompts after a crash.
         # Should the index write fail, each is put back as it was.
         written = self._write_prompts(txn.prompts) if txn.prompts else {}
         try:
-            return self._commit_index(txn)
+            self._commit_index(txn)
         except BaseException:
             _restore_prompts(written)
             raise
 
-    def _commit_index(self, txn: Txn) -> bytes:
+    def _commit_index(self, txn: Txn) -> None:
         index = txn.index
         mark_writer(txn)
         for event in txn.events:
@@ -399,35 +463,45 @@ class Store(Transactions):
             # Before the index write: a crash in between repeats lines (readers keep the
             # last line of an id), it never loses one.
             _append(self.home.history, b"".join(encoder.encode(t) + b"\n" for t in txn.archive), sync=True)
-        data = self._encode(index, txn.before)
-        if data != txn.before:
-            atomic_write(self.home.index, data)
+        self._write(index)
+        if tracking.VERIFY:
+            fresh = Store(self.home).read()
+            if encode_index(fresh) != encode_index(index):
+                raise AssertionError("what index.json and index.journal hold is not the index committed"
+                                     " (a queued task changed in place, not by assigning to a field?)")
         if txn.events:
             try:
                 _append_events(self.home.events, txn.events)
                 self._appended = txn.events[-1].seq
             except OSError:
                 pass  # committed all the same: the outbox holds them, the next transaction appends them
-        return data
 
-    def _encode(self, index: Index, before: bytes) -> bytes:
-        """encode_index(index), byte for byte, encoding only the queued tasks that are new or
-        were assigned to since the last commit (the queue of a long-lived writer at depth);
-        the others' bytes are cut out of `before`, the index this warm transaction began with.
-        Whole-queue steps are C's (map, zip, slices, joins): a step per task in Python would
-        cost what the encoding saves."""
+    def _write(self, index: Index) -> None:
+        """Commit `index`: one record appended to index.journal, or (the journal past a quarter
+        of index.json, or what changed unknown) index.json written whole. Nothing when nothing
+        changed."""
+        disk = self._disk
+        record = None if disk is None or self._whole else self._record(index)
+        if record == _UNCHANGED:
+            return
+        if record is not None and disk is not None:
+            line = journal.line(record)
+            start = disk.length or len(disk.header)
+            if start + len(line) <= max(_JOURNAL_LEAST, disk.size // 4):
+                self._append_record(disk, line)
+                return
+        self._write_whole(index)
+
+    def _record(self, index: Index) -> bytes | None:
+        """What changed since the index this Store last committed or loaded, as a journal record
+        (journal.encode); _UNCHANGED; None when it cannot be told (the log of assignments no
+        longer reaches back: the index is written whole). Only the queued tasks that are new or
+        were assigned to since are encoded; the rest of the queue is runs of places, found by C's
+        steps (map, zip, slices): a step per task in Python would cost what the journal saves."""
+        changed = self._since.take()  # an assignment from here on is the next commit's to see
+        if changed is None:
+            return None
         queued = index.queued
-        # Taken before encoding: an assignment from here on is the next commit's to see.
-        changed = None
-        if self._warm and self._places:
-            changed = self._since.take()
-        else:
-            self._since.skip()
-        if changed is None:  # a first commit, an index decoded afresh (or more assigned than the log keeps)
-            self._queue_version += 1
-            data = encode_index(index)
-            self._place(queued, data)
-            return data
         ids = list(map(id, queued))
         places: list[int | None] = list(map(self._places.get, ids))
         redo = set()
@@ -436,50 +510,107 @@ class Store(Transactions):
         stale = changed.keys() & self._places.keys()
         if stale:
             redo.update(i for i, key in enumerate(ids) if key in stale)
-        tracking.track([queued[i] for i in redo])
-        old = memoryview(before)[self._queue_at:]  # the queue's bytes as committed, and what follows
-        joined: bytes | memoryview | None = None
-        if not queued:
-            self._queue_version += 1
-            self._places, self._cached, self._steps = {}, [], array("q")  # the next commit encodes whole
-        elif redo or len(ids) != len(self._cached) or places != list(range(len(ids))):
+        queue: list[object] | None = None
+        if redo or len(ids) != len(self._queue) or places != list(range(len(ids))):
             self._queue_version += 1  # a task new, gone, moved or assigned to
             for i in redo:
                 places[i] = None
-            joined, self._steps = _joined(places, queued, old, self._steps)
+            queue = []
+            for lo, hi in _merged_runs(places):
+                first = places[lo]
+                if first is None:
+                    queue += (msgspec.Raw(encoder.encode(task)) for task in queued[lo:hi])
+                else:
+                    queue.append((first, first + hi - lo))
+            tracking.track([queued[i] for i in redo])
             self._places = dict(zip(ids, range(len(ids))))
-            self._cached = list(queued)
-        else:  # the queue's bytes are the last commit's (a running task's figures changed)
-            joined = old[:sum(self._steps) - 2]
-        data, self._queue_at = _with_queue(index, joined)
-        if tracking.VERIFY and data != encode_index(index):
-            raise AssertionError("the index was changed in a way the file store's cache does not see"
-                                 " (a queued task changed in place, not by assigning to a field)")
-        return data
+            self._queue = list(queued)
+        finished: tuple[int, list[bytes]] | list[bytes] = (0, [])
+        now = list(map(encoder.encode, index.finished))
+        if now != self._finished:
+            finished = _finished_change(self._finished, now)
+            self._finished = now
+        rest = _encode_bare(index)
+        if queue is None and finished == (0, []) and rest == self._rest:
+            return _UNCHANGED
+        self._rest = rest
+        return journal.encode(rest, queue, finished)
 
-    def _place(self, queued: list[Task], data: bytes) -> None:
-        """Where `queued`'s tasks are in `data` (encode_index's); none when they cannot be told
-        apart (the next commit then encodes the index whole). Makes each queued task Tracked
-        (for _Snapshot too)."""
-        tracking.track(queued)
-        self._places, self._cached, self._steps = {}, [], array("q")
-        start = data.find(_QUEUE_OPEN)
-        if start < 0:
+    def _append_record(self, disk: _OnDisk, line: bytes) -> None:
+        """Append one record to the journal and fsync it: the commit. A journal not begun for
+        this index.json yet (or a stale one) is made anew with its header, whole or not at all; a
+        last line a crash cut short is cut off first. Should the write fail (a full disk), the
+        journal is cut back to where it was."""
+        path = self.home.journal
+        if not disk.follows:
+            atomic_write(path, disk.header + line)  # in place of a journal of another index.json, if any
+            disk.length = len(disk.header) + len(line)
+            disk.follows = True
+        else:
+            fd = open_file(path, os.O_WRONLY)
+            try:
+                try:
+                    if os.fstat(fd).st_size != disk.length:
+                        os.ftruncate(fd, disk.length)
+                    if os.pwrite(fd, line, disk.length) != len(line):
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+                    os.fdatasync(fd)
+                except OSError as err:
+                    try:
+                        os.ftruncate(fd, disk.length)
+                    except OSError:
+                        pass
+                    if err.filename is None:
+                        raise OSError(err.errno, err.strerror, str(path)) from None
+                    raise
+            finally:
+                os.close(fd)
+            disk.length += len(line)
+        disk.journal_key = _lkey(path)
+
+    def _write_whole(self, index: Index) -> None:
+        """index.json written whole (temp file, fsync, rename, fsync of the directory: the
+        commit), and the journal that followed the one before removed: a crash in between
+        leaves a journal whose header names the old file, which every reader ignores."""
+        self._since.skip()
+        self._queue_version += 1
+        data = encode_index(index)
+        atomic_write(self.home.index, data)
+        try:
+            os.unlink(self.home.journal)
+        except FileNotFoundError:
+            pass
+        pin = os.fdopen(open_file(self.home.index, os.O_RDONLY), "rb", buffering=0)
+        self._disk = _OnDisk(_key(os.fstat(pin.fileno())), None, False, pin, 0, journal.header(data), len(data))
+        self._whole = False
+        self._know(index)
+
+    def fold(self) -> None:
+        """index.json written whole with the journal's records in it, and the journal gone: the
+        service does this as it stops, so that while no service runs index.json alone is the
+        state (the file a person may repair by hand; index.journal is for a running service).
+        A failure (a full disk) leaves both files as they were, which is as good."""
+        if not self.home.journal.exists():
             return
-        start += len(_QUEUE_OPEN)
-        end = data.find(_QUEUE_CLOSE, start)
-        pieces = data[start:end].split(_TASK_SEP)
-        if end < 0 or len(pieces) != len(queued):
-            return
-        # Each piece but the first lost the separator's 8 bytes (",\n" and its own "    {\n");
-        # a step is a task's bytes and the ",\n" after it (the last one's too: the steps add
-        # up to the queue's length + 2).
-        steps = array("q", map((8).__add__, map(len, pieces)))
-        steps[0] -= 6
-        self._steps = steps
-        self._queue_at = start
-        self._places = dict(zip(map(id, queued), range(len(queued))))
-        self._cached = list(queued)
+        with self._locked():
+            try:
+                committed = self._committed
+                index = committed if committed is not None and self._unmoved() else self._load(writer=True)
+                if self._disk is not None and self._disk.follows:
+                    self._write_whole(index)
+            except (OSError, FileError) as err:
+                self._disk = self._committed = None
+                log.warning("index.journal could not be folded into index.json (%s); it is read as before", err)
+
+    def _know(self, index: Index) -> None:
+        """Keep what `index` is (just loaded or written whole), for the next record: its queued
+        tasks become Tracked, so that an assignment to one is seen."""
+        self._since.skip()
+        tracking.track(index.queued)
+        self._queue = list(index.queued)
+        self._places = dict(zip(map(id, self._queue), range(len(self._queue))))
+        self._finished = list(map(encoder.encode, index.finished))
+        self._rest = _encode_bare(index)
 
     def rotate_events(self, limit: int) -> int | None:
         """Once events.jsonl is past `limit` bytes, it becomes events.jsonl.1 (replacing the
@@ -505,6 +636,7 @@ class Store(Transactions):
         missing = [e for e in index.outbox if e.seq > last]
         if missing:
             _append_events(self.home.events, missing)
+
 
 
 class _Snapshot:
@@ -540,55 +672,83 @@ class _Snapshot:
         return same
 
 
-# index.json is formatted with an indent of 2: each queued task is an object at indent 4 in
-# the top-level "queued" list, whose lines are found by their indent alone (a JSON string
-# holds no raw newline).
-_QUEUE_OPEN, _QUEUE_EMPTY, _QUEUE_CLOSE = b'\n  "queued": [\n', b'\n  "queued": [],\n', b"\n  ],\n"
-_TASK_SEP = b",\n    {\n"
+class _Files(NamedTuple):
+    """index.json and index.journal as one commit left them (Store._files)."""
+
+    data: bytes
+    key: _Key
+    pin: io.FileIO  # index.json, still open
+    journal: bytes | None
+    journal_key: _Key | None
 
 
-def _chunk(task: Task) -> bytes:
-    """The task as encode_index writes it inside the queue."""
-    return b"    " + msgspec.json.format(encoder.encode(task), indent=2).replace(b"\n", b"\n    ")
+class _OnDisk:
+    """index.json and index.journal as a writer last read or wrote them, under the lock. While
+    both are as they were, its next transaction decodes nothing: another writer would have
+    renamed a new index.json in, or appended to the journal. `pin` keeps index.json open, so that
+    no other file takes its inode meanwhile."""
+
+    __slots__ = ("key", "journal_key", "follows", "pin", "length", "header", "size")
+
+    def __init__(self, key: _Key | None, journal_key: _Key | None, follows: bool, pin: io.FileIO | None,
+                 length: int, header: bytes, size: int):
+        self.key = key  # index.json's identity; None: there is none
+        self.journal_key = journal_key  # the journal's; None: there is none
+        self.follows = follows  # the journal follows this index.json (else it is another's, or none)
+        self.pin = pin
+        self.length = length  # the journal's bytes that are whole records (where the next goes)
+        self.header = header  # the journal's first line for this index.json (journal.header)
+        self.size = size  # index.json's size
 
 
-def _with_queue(index: Index, joined: bytes | memoryview | None) -> tuple[bytes, int]:
-    """encode_index(index) from its queued tasks' bytes, joined by ",\n" (None: no queue), and
-    where those start in it."""
-    rest = msgspec.json.format(encoder.encode(msgspec.structs.replace(index, queued=[])), indent=2) + b"\n"
-    if joined is None:
-        return rest, 0
-    at = rest.index(_QUEUE_EMPTY)
-    data = b"".join((rest[:at], _QUEUE_OPEN, joined, _QUEUE_CLOSE, rest[at + len(_QUEUE_EMPTY):]))
-    return data, at + len(_QUEUE_OPEN)
+_Key = tuple[int, int, int, int]
 
 
-def _joined(places: list[int | None], queued: list[Task], old: memoryview, steps: array) -> tuple[bytes, array]:
-    """The queue's bytes, as encode_index writes them, and their steps: `places` has each
-    queued task's place in the queue last committed, whose bytes start `old` (each place's
-    bytes and ",\n" are its step), or None for a task to encode. A run of tasks still in the
-    order they had there is one slice of `old`, copied once by the join."""
-    starts = list(accumulate(steps, initial=0))  # where each place's bytes start in `old`
+def _key(st: os.stat_result) -> _Key:
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _lkey(path: Path) -> _Key | None:
+    try:
+        return _key(os.lstat(path))
+    except FileNotFoundError:
+        return None
+
+
+def _read(path: Path) -> tuple[bytes | None, _Key | None]:
+    """A file of the home and its identity; (None, None) when there is none."""
+    try:
+        fd = open_file(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None, None
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        return f.readall(), _key(os.fstat(fd))
+
+
+def _merged_runs(places: list[int | None]) -> list[tuple[int, int]]:
+    """places cut, in order, into ranges that are each all None or consecutive places."""
     runs: list[tuple[int, int]] = []
-    for lo, hi in _runs(places, 0, len(places)):
-        if runs and _continues(places, runs[-1], lo):
-            runs[-1] = (runs[-1][0], hi)  # the two halves of one run, cut apart by _runs
-        else:
-            runs.append((lo, hi))
-    parts: list[bytes | memoryview] = []
-    joined_steps = array("q")
-    for lo, hi in runs:
-        first = places[lo]
-        if first is None:
-            for task in queued[lo:hi]:
-                chunk = _chunk(task)
-                parts.append(chunk)
-                joined_steps.append(len(chunk) + 2)
-        else:
-            last = first + hi - lo
-            parts.append(old[starts[first]:starts[last] - 2])
-            joined_steps.extend(steps[first:last])
-    return b",\n".join(parts), joined_steps
+    if places:
+        for lo, hi in _runs(places, 0, len(places)):
+            if runs and _continues(places, runs[-1], lo):
+                runs[-1] = (runs[-1][0], hi)  # the two halves of one run, cut apart by _runs
+            else:
+                runs.append((lo, hi))
+    return runs
+
+
+def _finished_change(before: list[bytes], now: list[bytes]) -> tuple[int, list[bytes]] | list[bytes]:
+    """How the finished list went from `before` to `now` (each task's encoding): how many left
+    its head and which were appended (the common case: tasks end, the oldest move to
+    history.jsonl), or, changed otherwise, the whole list."""
+    try:
+        drop = before.index(now[0]) if now else len(before)
+    except ValueError:
+        drop = len(before)  # none of those before stays
+    kept = len(before) - drop
+    if before[drop:] == now[:kept]:
+        return drop, now[kept:]
+    return now
 
 
 def _continues(places: list[int | None], run: tuple[int, int], lo: int) -> bool:
@@ -615,18 +775,32 @@ def _runs(places: list[int | None], lo: int, hi: int) -> Iterator[tuple[int, int
 
 
 def _encode_rest(index: Index) -> bytes:
-    """The index without its queue, encoded."""
+    """The index without its queue, encoded (_Snapshot)."""
     return encoder.encode(msgspec.structs.replace(index, queued=[]))
 
 
-_PIECE = 1 << 20  # bytes of index.json read at a time by Store._holds
+def _encode_bare(index: Index) -> bytes:
+    """The index without its queued and finished tasks, encoded (a journal record's `rest`)."""
+    return encoder.encode(msgspec.structs.replace(index, queued=[], finished=[]))
+
+
+# A commit appends to the journal while it stays under a quarter of index.json (a reader decodes
+# at most 1.25x the state), or this: a short index.json is not written whole at every other commit.
+_JOURNAL_LEAST = 256 << 10
+_CONSISTENT_TRIES = 20  # a reader's tries at reading index.json and its journal as one commit left them
 
 # Past this many ids, `prompts` lists logs/ once rather than trying to open each prompt.
 _LIST_PROMPTS_PAST = 64
 
+_UNCHANGED = b""  # Store._record: nothing changed (a record is never empty)
+
 _FIX = (
     "\nNothing was changed. Repair the file by hand, or move it away to start with an empty"
     " queue (running agents are not affected)."
+)
+_FIX_JOURNAL = (
+    "\nNothing was changed. It holds the commits since index.json was last written whole: move it"
+    " away to go back to that index.json (those commits are lost), or repair it by hand."
 )
 
 
@@ -637,13 +811,13 @@ def _describe_index_error(home: Home, data: bytes, err: Exception) -> str:
     return describe_decode_error(home.index, data, err)
 
 
-def _keep_counters_ahead(home: Home, index: Index, data: bytes) -> None:
+def _keep_counters_ahead(home: Home, index: Index, found: bool) -> None:
     """Ids and event seqs never go back, even when index.json was moved away, replaced by an
     older copy or restored from a backup: a new task must never take an old task's id, and
     with it its log and exit file (it would be "finished" before it ran). Cheap checks on
     every index a writer loads afresh; the full look through logs/, events and history only
     when one of them shows the index is behind."""
-    behind = not data or _last_seq(home) >= index.next_seq
+    behind = not found or _last_seq(home) >= index.next_seq
     if not behind:
         behind = any(
             os.path.lexists(p) for p in (home.log(index.next_id), home.exit_file(index.next_id))

@@ -275,7 +275,7 @@ class PgStore(Transactions):
             self._seen = None
             if not unchanged:
                 self._keep_counters_ahead(seen.index)
-            txn = Txn(seen.index, now or row[3], unchanged=unchanged, before=seen.header)
+            txn = Txn(seen.index, now or row[3], unchanged=unchanged)
             txn.shared_config = bytes(row[4])
             self._began = seen
             return txn

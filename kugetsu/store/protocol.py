@@ -56,18 +56,23 @@ def encode_index(index: Index) -> bytes:
     return msgspec.json.format(encoder.encode(index), indent=2) + b"\n"
 
 
-def decode_head(data: bytes) -> tuple[Index, QueueCounts]:
-    """index.json without its queued and finished tasks (the index's lists are empty), and
-    the queued tasks' counts. Raises what index_decoder raises on a damaged file."""
+def head_of(data: bytes) -> tuple[Index, list[msgspec.Raw]]:
+    """index.json without its queued and finished tasks (the index's lists are empty), and its
+    queued tasks as their text. Raises what index_decoder raises on a damaged file."""
     head = head_decoder.decode(data)
     index = Index(**{f: getattr(head, f) for f in Index.__struct_fields__ if f not in ("queued", "finished")})
+    return index, head.queued
+
+
+def count_queued(index: Index, queued: list[msgspec.Raw], texts: Iterable[bytes]) -> QueueCounts:
+    """The counts of queued tasks left as their text, found in `texts`."""
     # A queued task at the defaults has no "memory" or "slots" key (defaults are left out), and
     # in JSON text a quote inside a string is escaped: without either key anywhere, no queued
     # task accounts. Only with one, or a hold to count for, are the briefs decoded.
-    if index.holds or b'"memory":' in data or b'"slots":' in data:
-        briefs = _briefs_decoder.decode(b"[" + b",".join(bytes(r) for r in head.queued) + b"]")
-        return index, QueueCounts.of(briefs, index.holds)
-    return index, QueueCounts(queued=len(head.queued))
+    if index.holds or any(b'"memory":' in t or b'"slots":' in t for t in texts):
+        briefs = _briefs_decoder.decode(b"[" + b",".join(bytes(r) for r in queued) + b"]")
+        return QueueCounts.of(briefs, index.holds)
+    return QueueCounts(queued=len(queued))
 
 
 def decode_events(data: bytes) -> list[Event]:
@@ -106,11 +111,10 @@ def mark_writer(txn: Txn) -> None:
 class Txn:
     """What a transaction sees and collects: the index, and the events and archived tasks to write."""
 
-    def __init__(self, index: Index, now: datetime, unchanged: bool = False, before: bytes = b""):
+    def __init__(self, index: Index, now: datetime, unchanged: bool = False):
         self.index = index
         self.now = now
         self.unchanged = unchanged  # the index is the one this Store last committed, untouched since
-        self.before = before  # the index's bytes as loaded: an unchanged index is not rewritten
         self.events: list[Event] = []
         self.archive: list[Task] = []
         # Prompts to keep (task id -> text): written with the index, never inside it.
@@ -180,6 +184,12 @@ class StoreProtocol(Protocol):
     def read_ahead(self) -> None:
         """Read and check the committed index (raising as `read` does) for a transaction about
         to begin: a store that can keeps it for that transaction (the service's start)."""
+        ...
+
+    def fold(self) -> None:
+        """Leave the committed state in one place, the service's last act: the file store writes
+        index.json whole with its journal's records in it (a file a person may repair by hand
+        while no service runs)."""
         ...
 
     def queue_version(self) -> int | None:
@@ -285,6 +295,9 @@ class Transactions:
         """Read and check the committed index (it raises as `read` does), for a transaction
         about to begin; a store that can keeps it for that transaction."""
         self.read()
+
+    def fold(self) -> None:
+        return None  # the cluster's rows are the state already
 
     def queue_version(self) -> int | None:
         return None  # no cheap way to tell: whatever is derived from the queue is derived again
