@@ -250,7 +250,7 @@ def test_the_service_appends_while_it_runs_and_leaves_index_json_whole_when_it_s
     kg.ok("serve", "--detach")
     try:
         for i in range(3):
-            kg.wait_state(f"t{i}", "succeeded")
+            kg.wait_state(f"t{i}", "succeeded", timeout=60)
         assert _stat(kg.home.index) == index_json  # every start and end was a record
         assert len(_records(kg.home)) >= 3
     finally:
@@ -259,3 +259,50 @@ def test_the_service_appends_while_it_runs_and_leaves_index_json_whole_when_it_s
     assert not kg.home.journal.exists()
     on_disk = json.loads(kg.home.index.read_bytes())
     assert sorted((t["name"], t["state"]) for t in on_disk["finished"]) == [(f"t{i}", "succeeded") for i in range(3)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_commits_on_a_long_lived_store_always_leave_what_was_committed(tmp_path, monkeypatch, seed):
+    """Random changes of the kinds the rules make (the head started, tasks admitted, one
+    cancelled in the middle, fields assigned, the order changed, finished tasks trimmed), on a
+    warm Store with a small journal limit so that it also folds: after every commit a fresh
+    reader reads exactly the index committed."""
+    import random
+
+    monkeypatch.setattr(files, "_JOURNAL_LEAST", 4096)
+    rng = random.Random(seed)
+    store = Store(Home(tmp_path / "home"))
+    store.read_ahead()
+    next_id = 1
+    for _ in range(120):
+        with store.transaction() as txn:
+            index = txn.index
+            for _ in range(rng.randint(1, 3)):
+                kind = rng.choice(["start", "start", "admit", "admit", "cancel", "assign", "reorder", "trim", "pause"])
+                queued = index.queued
+                if kind == "start" and queued:
+                    started = rng.randint(1, 3)
+                    for task in queued[:started]:
+                        task.state = TaskState.SUCCEEDED
+                        index.finished.append(task)
+                    del queued[:started]
+                elif kind == "admit":
+                    for _ in range(rng.randint(1, 4)):
+                        queued.append(_task(next_id))
+                        next_id += 1
+                    index.next_id = next_id
+                elif kind == "cancel" and queued:
+                    task = queued.pop(rng.randrange(len(queued)))
+                    task.state = TaskState.CANCELLED
+                    index.finished.append(task)
+                elif kind == "assign" and queued:
+                    rng.choice(queued).name = f"n{rng.random()}"
+                elif kind == "reorder" and len(queued) > 1:
+                    i, j = rng.randrange(len(queued)), rng.randrange(len(queued))
+                    queued[i], queued[j] = queued[j], queued[i]
+                elif kind == "trim" and index.finished:
+                    del index.finished[:rng.randint(1, 3)]
+                elif kind == "pause":
+                    index.paused = not index.paused
+            expected = encode_index(index)
+        assert _fresh(store) == expected

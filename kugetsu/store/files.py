@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from contextlib import contextmanager
+from itertools import islice
+from operator import is_
 from datetime import datetime, timezone
 from typing import NamedTuple, TypeVar
 
@@ -95,7 +97,8 @@ class Store(Transactions):
         # What the index last committed (or loaded by a writer) was, for the next record: each
         # queued task's place in the queue, by id() (`_queue` keeps the tasks, so their id()s stay
         # theirs), the finished tasks' encodings, and the rest's (journal.encode).
-        self._places: dict[int, int] = {}
+        self._places: dict[int, int] = {}  # place + _offset: tasks gone from the head shift no number
+        self._offset = 0
         self._queue: list[Task] = []
         self._finished: list[bytes] = []
         self._rest = b""
@@ -157,7 +160,7 @@ class Store(Transactions):
         index = self._decoded(data, index_decoder.decode)
         old = index.version != INDEX_VERSION
         index = upgrade(index, data)  # a version-1 index: its runs
-        head = journal.header(data) if writer or journal_data else b""
+        head = journal.header(data) if journal_data else None
         found: list[bytes] = []
         length = 0
         follows = False  # a journal that follows this index.json is there (else the next record starts one)
@@ -486,7 +489,7 @@ class Store(Transactions):
             return
         if record is not None and disk is not None:
             line = journal.line(record)
-            start = disk.length or len(disk.header)
+            start = disk.length or len(disk.first_line())
             if start + len(line) <= max(_JOURNAL_LEAST, disk.size // 4):
                 self._append_record(disk, line)
                 return
@@ -501,30 +504,7 @@ class Store(Transactions):
         changed = self._since.take()  # an assignment from here on is the next commit's to see
         if changed is None:
             return None
-        queued = index.queued
-        ids = list(map(id, queued))
-        places: list[int | None] = list(map(self._places.get, ids))
-        redo = set()
-        if None in places:
-            redo.update(i for i, place in enumerate(places) if place is None)
-        stale = changed.keys() & self._places.keys()
-        if stale:
-            redo.update(i for i, key in enumerate(ids) if key in stale)
-        queue: list[object] | None = None
-        if redo or len(ids) != len(self._queue) or places != list(range(len(ids))):
-            self._queue_version += 1  # a task new, gone, moved or assigned to
-            for i in redo:
-                places[i] = None
-            queue = []
-            for lo, hi in _merged_runs(places):
-                first = places[lo]
-                if first is None:
-                    queue += (msgspec.Raw(encoder.encode(task)) for task in queued[lo:hi])
-                else:
-                    queue.append((first, first + hi - lo))
-            tracking.track([queued[i] for i in redo])
-            self._places = dict(zip(ids, range(len(ids))))
-            self._queue = list(queued)
+        queue = self._queue_change(index.queued, changed)
         finished: tuple[int, list[bytes]] | list[bytes] = (0, [])
         now = list(map(encoder.encode, index.finished))
         if now != self._finished:
@@ -536,6 +516,71 @@ class Store(Transactions):
         self._rest = rest
         return journal.encode(rest, queue, finished)
 
+    def _queue_change(self, queued: list[Task], changed: dict[int, Task]) -> list[object] | None:
+        """A record's `queue` (None: unchanged since the last commit), and what this Store keeps
+        of the queue brought up to date. The changes of a drain and of admission at depth (tasks
+        gone from the head, tasks added at the end, a few assigned to) are found by comparing the
+        two lists by identity in C, and cost what changed; any other change looks up every
+        task's place."""
+        old = self._queue
+        gone = _gone_ahead(old, queued)
+        if gone is None:
+            return self._queue_rebuilt(queued, changed)
+        kept = len(old) - gone
+        start = self._offset + gone  # the place numbers of the tasks kept begin here
+        redo = sorted(place - start for key in changed if (place := self._places.get(key, -1)) >= start)
+        added = queued[kept:]
+        if not (gone or added or redo):
+            return None
+        self._queue_version += 1
+        items: list[object] = []
+        at = 0
+        for i in redo:
+            if i > at:
+                items.append((gone + at, gone + i))
+            items.append(msgspec.Raw(encoder.encode(queued[i])))
+            at = i + 1
+        if kept > at:
+            items.append((gone + at, gone + kept))
+        items += (msgspec.Raw(encoder.encode(task)) for task in added)
+        for task in old[:gone]:
+            del self._places[id(task)]
+        self._offset = start
+        self._places.update(zip(map(id, added), range(start + kept, start + kept + len(added))))
+        del old[:gone]
+        old += added
+        tracking.track(added)
+        return items
+
+    def _queue_rebuilt(self, queued: list[Task], changed: dict[int, Task]) -> list[object]:
+        """_queue_change for any change: each task's place in the queue before, runs of them, and
+        the tasks new or assigned to since encoded."""
+        ids = list(map(id, queued))
+        places: list[int | None] = list(map(self._places.get, ids))
+        if self._offset:
+            places = [None if p is None else p - self._offset for p in places]
+        redo = set()
+        if None in places:
+            redo.update(i for i, place in enumerate(places) if place is None)
+        stale = changed.keys() & self._places.keys()
+        if stale:
+            redo.update(i for i, key in enumerate(ids) if key in stale)
+        self._queue_version += 1  # a task new, gone, moved or assigned to
+        for i in redo:
+            places[i] = None
+        queue: list[object] = []
+        for lo, hi in _merged_runs(places):
+            first = places[lo]
+            if first is None:
+                queue += (msgspec.Raw(encoder.encode(task)) for task in queued[lo:hi])
+            else:
+                queue.append((first, first + hi - lo))
+        tracking.track([queued[i] for i in redo])
+        self._places = dict(zip(ids, range(len(ids))))
+        self._offset = 0
+        self._queue = list(queued)
+        return queue
+
     def _append_record(self, disk: _OnDisk, line: bytes) -> None:
         """Append one record to the journal and fsync it: the commit. A journal not begun for
         this index.json yet (or a stale one) is made anew with its header, whole or not at all; a
@@ -543,8 +588,9 @@ class Store(Transactions):
         journal is cut back to where it was."""
         path = self.home.journal
         if not disk.follows:
-            atomic_write(path, disk.header + line)  # in place of a journal of another index.json, if any
-            disk.length = len(disk.header) + len(line)
+            first = disk.first_line()
+            atomic_write(path, first + line)  # in place of a journal of another index.json, if any
+            disk.length = len(first) + len(line)
             disk.follows = True
         else:
             fd = open_file(path, os.O_WRONLY)
@@ -581,7 +627,7 @@ class Store(Transactions):
         except FileNotFoundError:
             pass
         pin = os.fdopen(open_file(self.home.index, os.O_RDONLY), "rb", buffering=0)
-        self._disk = _OnDisk(_key(os.fstat(pin.fileno())), None, False, pin, 0, journal.header(data), len(data))
+        self._disk = _OnDisk(_key(os.fstat(pin.fileno())), None, False, pin, 0, None, len(data))
         self._whole = False
         self._know(index)
 
@@ -609,6 +655,7 @@ class Store(Transactions):
         tracking.track(index.queued)
         self._queue = list(index.queued)
         self._places = dict(zip(map(id, self._queue), range(len(self._queue))))
+        self._offset = 0
         self._finished = list(map(encoder.encode, index.finished))
         self._rest = _encode_bare(index)
 
@@ -691,14 +738,22 @@ class _OnDisk:
     __slots__ = ("key", "journal_key", "follows", "pin", "length", "header", "size")
 
     def __init__(self, key: _Key | None, journal_key: _Key | None, follows: bool, pin: io.FileIO | None,
-                 length: int, header: bytes, size: int):
+                 length: int, header: bytes | None, size: int):
         self.key = key  # index.json's identity; None: there is none
         self.journal_key = journal_key  # the journal's; None: there is none
         self.follows = follows  # the journal follows this index.json (else it is another's, or none)
         self.pin = pin
         self.length = length  # the journal's bytes that are whole records (where the next goes)
-        self.header = header  # the journal's first line for this index.json (journal.header)
+        self.header = header  # the journal's first line for this index.json (first_line), once known
         self.size = size  # index.json's size
+
+    def first_line(self) -> bytes:
+        """journal.header of index.json, read from the file kept open (once, at the first record:
+        a one-shot command that writes index.json whole never needs it)."""
+        if self.header is None:
+            assert self.pin is not None
+            self.header = journal.header_of(self.pin)
+        return self.header
 
 
 _Key = tuple[int, int, int, int]
@@ -723,6 +778,19 @@ def _read(path: Path) -> tuple[bytes | None, _Key | None]:
         return None, None
     with os.fdopen(fd, "rb", buffering=0) as f:
         return f.readall(), _key(os.fstat(fd))
+
+
+def _gone_ahead(before: list[Task], now: list[Task]) -> int | None:
+    """How many tasks (at most _AHEAD) left the head of `before` for `now` to begin with all the
+    others, in order, the same objects (tasks added after them or not); None for any other
+    change. One C pass over the queue."""
+    for gone in range(min(len(before), _AHEAD) + 1):
+        kept = len(before) - gone
+        if not kept:
+            return gone
+        if len(now) >= kept and now[0] is before[gone]:
+            return gone if all(map(is_, now, islice(before, gone, None))) else None
+    return None
 
 
 def _merged_runs(places: list[int | None]) -> list[tuple[int, int]]:
@@ -787,6 +855,7 @@ def _encode_bare(index: Index) -> bytes:
 # A commit appends to the journal while it stays under a quarter of index.json (a reader decodes
 # at most 1.25x the state), or this: a short index.json is not written whole at every other commit.
 _JOURNAL_LEAST = 256 << 10
+_AHEAD = 16  # tasks gone from the queue's head in one commit that _gone_ahead looks for
 _CONSISTENT_TRIES = 20  # a reader's tries at reading index.json and its journal as one commit left them
 
 # Past this many ids, `prompts` lists logs/ once rather than trying to open each prompt.
