@@ -75,6 +75,8 @@ def migrate(home: Home, url: str) -> str:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     if home.index.exists():
         os.replace(home.index, home.index.with_name(f"index.json.migrated-{stamp}"))
+    if home.journal.exists():  # what was read above, with index.json: the record goes aside with it
+        os.replace(home.journal, home.journal.with_name(f"index.journal.migrated-{stamp}"))
     return (f"moved {len(index.finished)} finished task(s), {len(history)} archived, {len(events)} event(s)"
             f" and the config into {redact(url)}; this machine now uses it (config store). Run `kugetsu serve`"
             " on each machine that runs agents.")
