@@ -29,6 +29,7 @@ def _task(i: int) -> Task:
 def warm(tmp_path) -> Store:
     """A Store that committed a queue of 50 tasks itself (the service's kind)."""
     store = Store(Home(tmp_path / "home"))
+    store.append_commits()
     with store.transaction() as txn:
         txn.index.queued = [_task(i) for i in range(1, 51)]
         txn.index.next_id = 51
@@ -162,6 +163,7 @@ def test_a_record_cut_short_by_a_crash_is_not_read_and_the_next_writer_cuts_it_o
         f.write(b"0badc0de {\"rest\":{\"version\":2")
     assert _fresh(warm) == committed
     restarted = Store(warm.home)  # the service that crashed, started again
+    restarted.append_commits()
     restarted.read_ahead()
     with restarted.transaction() as txn:
         txn.index.queued[0].name = "after the crash"
@@ -194,6 +196,7 @@ def test_a_journal_of_another_index_json_is_ignored(warm):
     warm.home.index.write_bytes(encode_index(restored))
     assert _fresh(warm) == encode_index(restored)
     service = Store(warm.home)
+    service.append_commits()
     service.read_ahead()
     with service.transaction() as txn:
         txn.index.paused = True
@@ -272,6 +275,7 @@ def test_random_commits_on_a_long_lived_store_always_leave_what_was_committed(tm
     monkeypatch.setattr(files, "_JOURNAL_LEAST", 4096)
     rng = random.Random(seed)
     store = Store(Home(tmp_path / "home"))
+    store.append_commits()
     store.read_ahead()
     next_id = 1
     for _ in range(120):
@@ -306,3 +310,15 @@ def test_random_commits_on_a_long_lived_store_always_leave_what_was_committed(tm
                     index.paused = not index.paused
             expected = encode_index(index)
         assert _fresh(store) == expected
+
+
+def test_a_long_lived_writer_other_than_the_service_writes_index_json_whole(tmp_path):
+    """A dashboard's or an MCP server's Store keeps its index too, but does not fold a journal
+    when it stops: its commits leave index.json whole."""
+    store = Store(Home(tmp_path / "home"))
+    for i in range(1, 4):
+        with store.transaction() as txn:
+            txn.index.queued.append(_task(i))
+            txn.index.next_id = i + 1
+    assert not store.home.journal.exists()
+    assert [t["id"] for t in json.loads(store.home.index.read_bytes())["queued"]] == [1, 2, 3]

@@ -153,6 +153,7 @@ class Service:
         try:
             # A damaged index stops the service here, before its pid file says it is up;
             # the pid file comes before the first tick, which may already start agents.
+            self.store.append_commits()  # folded into index.json as it stops (below)
             self.store.read_ahead()  # kept for the first tick: decoded once
             self._join_cluster()
             self._resources_mode()

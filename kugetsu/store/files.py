@@ -108,6 +108,7 @@ class Store(Transactions):
         # while no service runs leaves index.json whole, the file a person may repair by hand.
         self._whole = True
         self._old = False  # the index last loaded was a version-1 file (written anew, as version 2)
+        self._appends = False  # append_commits: this Store's writer folds the journal when it stops
         self._since = tracking.Cursor()
         self._lock_fd: int | None = None  # index.lock, open and locked while a transaction runs
         # Bumped whenever the committed queue may differ from the one committed before
@@ -486,7 +487,7 @@ class Store(Transactions):
         of index.json, or what changed unknown) index.json written whole. Nothing when nothing
         changed."""
         disk = self._disk
-        record = None if disk is None or self._whole else self._record(index)
+        record = None if disk is None or self._whole or not self._appends else self._record(index)
         if record == _UNCHANGED:
             return
         if record is not None and disk is not None:
@@ -632,6 +633,13 @@ class Store(Transactions):
         self._disk = _OnDisk(_key(os.fstat(pin.fileno())), None, False, pin, 0, None, len(data))
         self._whole = False
         self._know(index)
+
+    def append_commits(self) -> None:
+        """From now on this Store's commits on the index it kept append to index.journal: the
+        service's, which folds the journal into index.json as it stops. Any other writer (a
+        command, a dashboard, an MCP server) writes index.json whole, so that with no service
+        running index.json alone is the state."""
+        self._appends = True
 
     def fold(self) -> None:
         """index.json written whole with the journal's records in it, and the journal gone: the

@@ -186,6 +186,11 @@ class StoreProtocol(Protocol):
         to begin: a store that can keeps it for that transaction (the service's start)."""
         ...
 
+    def append_commits(self) -> None:
+        """The service's store: its commits may go to a journal, which `fold` ends (the file
+        store's index.journal); another store has nothing to change."""
+        ...
+
     def fold(self) -> None:
         """Leave the committed state in one place, the service's last act: the file store writes
         index.json whole with its journal's records in it (a file a person may repair by hand
@@ -295,6 +300,9 @@ class Transactions:
         """Read and check the committed index (it raises as `read` does), for a transaction
         about to begin; a store that can keeps it for that transaction."""
         self.read()
+
+    def append_commits(self) -> None:
+        return None  # the cluster's store writes only the changed rows already
 
     def fold(self) -> None:
         return None  # the cluster's rows are the state already
