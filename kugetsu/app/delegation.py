@@ -18,7 +18,7 @@ from kugetsu.core.models import Task, TaskState
 from kugetsu.errors import KugetsuError, UsageError
 from kugetsu.paths import Home
 from kugetsu.service import runner
-from kugetsu.store.protocol import Txn
+from kugetsu.store.protocol import StoreProtocol, Txn
 
 
 # ---- delegate ----------------------------------------------------------------------------
@@ -69,22 +69,24 @@ class BatchRefused(KugetsuError):
         self.item, self.error = item, error
 
 
-def delegate_all(home: Home, cfg: Config, reqs: list[admission.Request]) -> list[Admission]:
+def delegate_all(home: Home, cfg: Config, reqs: list[admission.Request],
+                 store: StoreProtocol | None = None) -> list[Admission]:
     """Admit every request in one transaction, or none: the first one refused (bad input,
     the queue full before the last) raises BatchRefused naming it, and nothing is written.
     What a caller handing out a list (a PM agent's issues) can act on without sorting out
     which went in."""
-    return delegate_many(home, cfg, reqs, atomic=True)  # type: ignore[return-value]
+    return delegate_many(home, cfg, reqs, atomic=True, store=store)  # type: ignore[return-value]
 
 
-def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request],
-                  atomic: bool = False) -> list[Admission | KugetsuError]:
+def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request], atomic: bool = False,
+                  store: StoreProtocol | None = None) -> list[Admission | KugetsuError]:
     """Admit requests in one transaction (one read, one fsync'd write), each as `delegate`
     would one after the other, in order: the same checks, slots, positions and events. A
     request that is refused (bad input, queue full: KugetsuError) gets its error and the
     others go on (atomic: BatchRefused, and none goes in); any other failure (disk full)
     fails them all, writing nothing. A long-lived front end (the MCP server) admits
-    concurrent calls this way."""
+    concurrent calls this way, through a `store` of its own that it keeps warm (the index it
+    committed last is not decoded again: transaction._locked)."""
     out: list[Admission | KugetsuError | None] = [None] * len(reqs)
     todo = []
     runs_on = _agents_path(home)
@@ -104,7 +106,7 @@ def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request],
     if not todo:
         return out  # type: ignore[return-value]
     try:
-        with _locked(home) as (txn, cfg):
+        with _locked(home, store) as (txn, cfg):
             settle(txn, cfg)
             admitted: dict[int, Task] = {}
             for i in todo:
