@@ -210,3 +210,20 @@ async def test_the_servers_admissions_see_every_other_writer(kg):
         r = await c.call_tool("delegate", {"name": "f", "command": ["true"]})
         assert r.structured_content["task"]["id"] == 5, text(r)
     assert [t["name"] for t in live(kg)] == ["f"]
+
+
+async def test_each_item_of_a_batch_says_why_it_waits_as_the_queue_does(kg):
+    kg.config(autostart=False, max_agents=2, max_queue=100, groups={"gpu": {"max_agents": 1}})
+    items = [{"name": "g0", "group": "gpu"}, {"name": "g1", "group": "gpu"}, {"name": "d1", "delay": "1h"},
+             {"name": "d2", "delay": "2h"}, {"name": "p1"}, {"name": "p2"}, {"name": "g2", "group": "gpu"}]
+    async with connect(kg) as c:
+        r = await c.call_tool("delegate", {"tasks": items, "command": ["true"]})
+        assert not r.is_error, text(r)
+    got = {i["task"]["name"]: i["message"] for i in r.structured_content["tasks"]}
+    assert got["g0"].startswith("started g0") and got["p1"].startswith("started p1")
+    shown = {t["name"]: t for t in kg.json("queue")["queued"]}
+    assert set(shown) == {"g1", "d1", "d2", "p2", "g2"}
+    for name, task in shown.items():
+        why = f"; waiting for: {task['waiting_for']}" if task.get("waiting_for") else ""
+        assert got[name] == f"queued {name} (#{task['id']}), position {task['position']} of 5{why}"
+    assert "group gpu full" in got["g1"] and "group gpu full" in got["g2"] and "starts at" in got["d2"]
