@@ -227,3 +227,27 @@ async def test_each_item_of_a_batch_says_why_it_waits_as_the_queue_does(kg):
         why = f"; waiting for: {task['waiting_for']}" if task.get("waiting_for") else ""
         assert got[name] == f"queued {name} (#{task['id']}), position {task['position']} of 5{why}"
     assert "group gpu full" in got["g1"] and "group gpu full" in got["g2"] and "starts at" in got["d2"]
+
+
+async def test_the_admitter_lets_go_of_its_store_when_idle_and_opens_it_again(kg):
+    """In-process (the idle time is a constructor argument): the index kept for the next
+    admission is let go once none came for a while; the next admission opens the store again
+    and sees the queue as it is, another writer's tasks included."""
+    from conftest import wait_for_async
+
+    from kugetsu.core import admission
+    from kugetsu.frontends.mcp.tools_tasks import Admitter
+
+    kg.config(autostart=False, max_agents=1, max_queue=10)
+    admitter = Admitter(kg.home, forget_after=0.2)
+
+    def request(name: str) -> admission.Request:
+        return admission.Request(cwd=str(kg.rec), name=name, command=["true"], source="mcp")
+
+    first = await admitter.admit(request("a"))
+    assert first.task.id == 1 and admitter._store is not None
+    await wait_for_async(lambda: admitter._store is None, what="the idle admitter to let go of its store")
+    kg.ok("delegate", "b", "--", "true")
+    again = await admitter.admit(request("c"))
+    assert again.task.id == 3 and again.position == 2 and again.queued == 2
+    assert [t["name"] for t in live(kg)] == ["a", "b", "c"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+import time
 from typing import Annotated, Any
 
 import anyio
@@ -22,11 +24,13 @@ from kugetsu.frontends import render
 from kugetsu.frontends.mcp.models import CancelOut, DelegateOut, Level, TaskOut
 from kugetsu.frontends.mcp.tooling import Duration, TaskRef, answers, duration, in_thread, reply, size
 from kugetsu.paths import Home
+from kugetsu.service import runner
 from kugetsu.store.files import store_at
 from kugetsu.store.protocol import StoreProtocol
 
 BACK_OFF_S = 60  # what a rejected delegate suggests: "try again in a minute"
 BATCH_MAX = 1000  # tasks in one delegate call: one transaction, one answer an agent still reads
+FORGET_AFTER = 120.0  # seconds without an admission after which the Admitter lets go of its store
 
 # delegate's arguments, each once: the tool's own and a `tasks` item's.
 Prompt = Annotated[str | None, Field(description="the instructions for the agent preset (the worker agent)")]
@@ -284,11 +288,14 @@ class Admitter:
     per batch instead of one per task, which only a long-lived process can offer. A `tasks`
     list (all or none) is a transaction of its own, in its turn among the others."""
 
-    def __init__(self, home: Home):
+    def __init__(self, home: Home, forget_after: float = FORGET_AFTER):
         self.home = home
         self.pending: list[_Entry] = []
         self.lock = anyio.Lock()
         self._store: tuple[str | None, StoreProtocol] | None = None  # the store's URL (None: files), the store
+        self._used = 0.0  # time.monotonic() of the last admission
+        self._forget_after = forget_after
+        self._forgetter: threading.Thread | None = None
 
     async def admit(self, req: admission.Request) -> delegation.Admission:
         """One request, alone or sharing a transaction with those in flight beside it."""
@@ -345,9 +352,25 @@ class Admitter:
         """The store admissions write through, kept from one to the next (open again when the
         config names another one: `config set store`)."""
         url = store_url(self.home)
-        if self._store is None or self._store[0] != url:
-            self._store = (url, store_at(self.home, url))
-        return self._store[1]
+        self._used = time.monotonic()
+        kept = self._store
+        if kept is None or kept[0] != url:
+            kept = self._store = (url, store_at(self.home, url))
+        if self._forgetter is None:
+            self._forgetter = threading.Thread(target=self._forget_when_idle, name="kugetsu-mcp-forget", daemon=True)
+            self._forgetter.start()
+        return kept[1]
+
+    def _forget_when_idle(self) -> None:
+        """Let go of the store (and the index it keeps: ~1.5 KB a queued task) once no admission
+        came for `forget_after`, and give the heap's free pages back: an agent's own `kugetsu mcp`
+        that delegated once would keep a copy of the index for as long as it lives. The next
+        admission opens the store again (one decode). A batch under way keeps its own reference."""
+        while True:
+            time.sleep(self._forget_after / 4)
+            if self._store is not None and time.monotonic() - self._used >= self._forget_after:
+                self._store = None
+                runner.trim_heap()
 
 
 class _Entry:
