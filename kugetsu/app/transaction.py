@@ -17,7 +17,7 @@ from kugetsu.config.model import Config
 from kugetsu.core import policy, step
 from kugetsu.paths import Home
 from kugetsu.store.files import open_store
-from kugetsu.store.protocol import Txn
+from kugetsu.store.protocol import StoreProtocol, Txn
 
 
 def now() -> datetime:
@@ -25,12 +25,13 @@ def now() -> datetime:
 
 
 @contextmanager
-def _locked(home: Home) -> Iterator[tuple[Txn, Config]]:
+def _locked(home: Home, store: StoreProtocol | None = None) -> Iterator[tuple[Txn, Config]]:
     """A transaction, with the config as it is under the index lock: `config set` writes it
     under that lock, so a config read before taking it may already be stale (a lowered
-    max_agents overshot by one start)."""
+    max_agents overshot by one start). `store`: a long-lived writer's own (the MCP server's
+    admissions), else the home's as open_store gives it."""
     check_wakeable(home)  # every transaction here ends with a wake
-    with open_store(home).transaction() as txn:
+    with (store or open_store(home)).transaction() as txn:
         yield txn, config_in(home, txn)
 
 

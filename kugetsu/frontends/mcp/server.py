@@ -9,7 +9,9 @@ says what to fix; a refusal by admission (queue full, a per-source limit: the CL
 is a normal result that says to back off and try again later.
 
 One long-lived process: the SDK, pydantic and kugetsu are imported once; config and index
-are read per call, as the CLI reads them, so nothing here can be stale.
+are read per call, as the CLI reads them, so nothing here can be stale (the admissions' store,
+tools_tasks.Admitter, keeps the index it committed last, and uses it only while index.json is
+still byte for byte what it wrote).
 """
 
 from __future__ import annotations
@@ -221,8 +223,29 @@ def build(home: Home) -> tuple[MCPServer, Follow]:
             raise ResourceNotFoundError(str(err)) from None
         return dumps(reading.status_json(home, index, cfg, found)).decode()  # the status tool's, measured use included
 
+    for tool in server._tool_manager.list_tools():  # noqa: SLF001 (no public hook for the published schema)
+        if tool.fn_metadata.output_schema is not None:
+            tool.fn_metadata.output_schema = null_first(tool.fn_metadata.output_schema)
     server.refuse_writers(_nesting_refusal(home))
     return server, follow
+
+
+def null_first(schema: Any) -> Any:
+    """`schema` with each nullable value's branches as {"anyOf": [{"type": "null"}, S]}: the same
+    schema (anyOf has no order), which a client's validator checks faster. It tries the
+    branches in order, and most of a task's fields are null: with S first, each null field cost
+    a failed branch and its error object (the SDK's own client validates every result against
+    the output schema: 0.9 ms a delegate result, 90 ms a batch of 100, more than the admission;
+    null first halves it). Output schemas only: the server validates arguments itself."""
+    if isinstance(schema, list):
+        return [null_first(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: null_first(v) for k, v in schema.items()}
+    branches = out.get("anyOf")
+    if isinstance(branches, list) and {"type": "null"} in branches[1:]:
+        out["anyOf"] = [{"type": "null"}, *(b for b in branches if b != {"type": "null"})]
+    return out
 
 
 WRITERS = ("delegate", "cancel", "priority")  # the tools that change the queue (the others only read)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+import time
 from typing import Annotated, Any
 
 import anyio
@@ -14,7 +16,7 @@ from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from kugetsu.app import delegation, reading, verbs, waiting
-from kugetsu.config.load import load_config
+from kugetsu.config.load import load_config, store_url
 from kugetsu.config.model import Config
 from kugetsu.core import admission
 from kugetsu.errors import Rejected, UsageError
@@ -22,9 +24,13 @@ from kugetsu.frontends import render
 from kugetsu.frontends.mcp.models import CancelOut, DelegateOut, Level, TaskOut
 from kugetsu.frontends.mcp.tooling import Duration, TaskRef, answers, duration, in_thread, reply, size
 from kugetsu.paths import Home
+from kugetsu.service import runner
+from kugetsu.store.files import store_at
+from kugetsu.store.protocol import StoreProtocol
 
 BACK_OFF_S = 60  # what a rejected delegate suggests: "try again in a minute"
 BATCH_MAX = 1000  # tasks in one delegate call: one transaction, one answer an agent still reads
+FORGET_AFTER = 120.0  # seconds without an admission after which the Admitter lets go of its store
 
 # delegate's arguments, each once: the tool's own and a `tasks` item's.
 Prompt = Annotated[str | None, Field(description="the instructions for the agent preset (the worker agent)")]
@@ -157,7 +163,7 @@ def register(server: MCPServer, home: Home) -> None:
         cwd missing; in `tasks`, which item): fix it and call again."""
         given = {k: v for k, v in locals().items() if k in TaskItem.model_fields}  # the arguments, but tasks
         if tasks is not None:
-            return await _delegate_all(home, [_request(**{**given, **t.model_dump(exclude_unset=True)})
+            return await _delegate_all(home, admitter, [_request(**{**given, **t.model_dump(exclude_unset=True)})
                                               for t in tasks])
         req = _request(**given)
         try:
@@ -165,7 +171,7 @@ def register(server: MCPServer, home: Home) -> None:
         except Rejected as err:
             return _rejected(str(err))
         line, warning = _admitted(load_config(home), adm, req)
-        task = reading.task_json(adm.task, adm.position, prompts=reading.prompts(home, [adm.task]))
+        task = reading.task_json(adm.task, adm.position, prompts=_prompts([adm], [req]))
         advice = (f"It runs on its own; call wait with {adm.task.name!r} (or {adm.task.id}) when you need its"
                   " result, then logs if it did not succeed.")
         text = line
@@ -223,6 +229,12 @@ def _request(*, prompt: str | None, name: str | None, source: str, command: list
     )
 
 
+def _prompts(adms: list[delegation.Admission], reqs: list[admission.Request]) -> dict[int, str]:
+    """The admitted tasks' prompts, as just stored (the store keeps each request's prompt as
+    it came): not read back from their files."""
+    return {adm.task.id: req.prompt for adm, req in zip(adms, reqs) if req.prompt is not None}
+
+
 def _rejected(why: str, what: str = "Nothing was queued") -> CallToolResult:
     """Admission's refusal (queue full, a per-source limit): a normal result that says to
     back off, as the CLI's exit 3."""
@@ -240,17 +252,16 @@ def _admitted(cfg: Config, adm: delegation.Admission, req: admission.Request) ->
     return line, f"warning: {unused}" if unused else None
 
 
-async def _delegate_all(home: Home, reqs: list[admission.Request]) -> CallToolResult:
+async def _delegate_all(home: Home, admitter: Admitter, reqs: list[admission.Request]) -> CallToolResult:
     """delegate with `tasks`: one transaction, all or none (delegation.delegate_all)."""
-    cfg = load_config(home)
     try:
-        adms = await anyio.to_thread.run_sync(delegation.delegate_all, home, cfg, reqs)
+        adms = await admitter.admit_all(reqs)
     except delegation.BatchRefused as err:
         if isinstance(err.error, Rejected):
             return _rejected(str(err), f"Nothing was queued (none of the {len(reqs)} tasks)")
         raise UsageError(f"{err}; nothing was delegated (none of the {len(reqs)} tasks): fix it and call"
                          " again") from None
-    prompts = reading.prompts(home, [a.task for a in adms])
+    cfg, prompts = load_config(home), _prompts(adms, reqs)
     items, lines = [], []
     for adm, req in zip(adms, reqs):
         line, warning = _admitted(cfg, adm, req)
@@ -267,31 +278,41 @@ async def _delegate_all(home: Home, reqs: list[admission.Request]) -> CallToolRe
 
 
 class Admitter:
-    """Concurrent delegate calls share transactions: while one batch is being admitted (a
-    locked, fsync'd write), the calls that arrive wait, then go in together as the next
-    batch (delegation.delegate_many: each as if alone, in order of arrival). A lone call is a batch
-    of one, with no delay; a client with calls in flight pays one write per batch instead of
-    one per task, which only a long-lived process can offer."""
+    """Every delegate of this server goes through here, one transaction at a time, on one
+    long-lived store (`store`): what it committed last is not decoded again at the next
+    admission (a fresh Store per worker thread decoded index.json at every call, and that
+    grows with the queue). Concurrent calls share transactions: while one batch is being
+    admitted (a locked, fsync'd write), the calls that arrive, from any session, wait, then
+    go in together as the next batch (delegation.delegate_many: each as if alone, in order
+    of arrival). A lone call is a batch of one, with no delay; calls in flight pay one write
+    per batch instead of one per task, which only a long-lived process can offer. A `tasks`
+    list (all or none) is a transaction of its own, in its turn among the others."""
 
-    def __init__(self, home: Home):
+    def __init__(self, home: Home, forget_after: float = FORGET_AFTER):
         self.home = home
         self.pending: list[_Entry] = []
         self.lock = anyio.Lock()
+        self._store: tuple[str | None, StoreProtocol] | None = None  # the store's URL (None: files), the store
+        self._used = 0.0  # time.monotonic() of the last admission
+        self._forget_after = forget_after
+        self._forgetter: threading.Thread | None = None
 
     async def admit(self, req: admission.Request) -> delegation.Admission:
-        entry = _Entry(req)
+        """One request, alone or sharing a transaction with those in flight beside it."""
+        return await self._turn(_Entry([req], atomic=False))  # type: ignore[no-any-return]
+
+    async def admit_all(self, reqs: list[admission.Request]) -> list[delegation.Admission]:
+        """A list, all or none (delegation.delegate_all: BatchRefused names the item)."""
+        return await self._turn(_Entry(reqs, atomic=True))  # type: ignore[no-any-return]
+
+    async def _turn(self, entry: _Entry) -> Any:
         self.pending.append(entry)
         try:
             async with self.lock:
                 if not entry.done:  # not taken by the batch before: lead the next one
                     batch, self.pending = self.pending, []
                     with anyio.CancelScope(shield=True):  # a batch, once begun, hands out every result
-                        try:
-                            results = await anyio.to_thread.run_sync(self._admit, [e.req for e in batch])
-                        except Exception as err:  # a failure of the whole transaction: everyone's
-                            results = [err] * len(batch)
-                        for e, result in zip(batch, results):
-                            e.result, e.done = result, True
+                        await anyio.to_thread.run_sync(self._admit, batch)
         except anyio.get_cancelled_exc_class():
             if entry in self.pending:  # cancelled before its batch began: it is not admitted
                 self.pending.remove(entry)
@@ -300,12 +321,61 @@ class Admitter:
             raise entry.result
         return entry.result
 
-    def _admit(self, reqs: list[admission.Request]) -> list[Any]:
-        return delegation.delegate_many(self.home, load_config(self.home), reqs)
+    def _admit(self, batch: list[_Entry]) -> None:
+        """The batch in order of arrival: each run of single calls one transaction, each list
+        one of its own. A failure of a whole transaction (disk full) is each of its calls'."""
+        try:
+            store, cfg = self._store_now(), load_config(self.home)
+        except Exception as err:
+            for e in batch:
+                e.result, e.done = err, True
+            return
+        at = 0
+        while at < len(batch):
+            if batch[at].atomic:
+                run, reqs = batch[at:at + 1], batch[at].reqs
+            else:
+                end = next((k for k in range(at, len(batch)) if batch[k].atomic), len(batch))
+                run, reqs = batch[at:end], [e.reqs[0] for e in batch[at:end]]
+            try:
+                if run[0].atomic:
+                    results: list[Any] = [delegation.delegate_all(self.home, cfg, reqs, store)]
+                else:
+                    results = delegation.delegate_many(self.home, cfg, reqs, store=store)  # type: ignore[assignment]
+            except Exception as err:
+                results = [err] * len(run)
+            for e, result in zip(run, results):
+                e.result, e.done = result, True
+            at += len(run)
+
+    def _store_now(self) -> StoreProtocol:
+        """The store admissions write through, kept from one to the next (open again when the
+        config names another one: `config set store`)."""
+        url = store_url(self.home)
+        self._used = time.monotonic()
+        kept = self._store
+        if kept is None or kept[0] != url:
+            kept = self._store = (url, store_at(self.home, url))
+        if self._forgetter is None:
+            self._forgetter = threading.Thread(target=self._forget_when_idle, name="kugetsu-mcp-forget", daemon=True)
+            self._forgetter.start()
+        return kept[1]
+
+    def _forget_when_idle(self) -> None:
+        """Let go of the store (and the index it keeps: ~1.5 KB a queued task) once no admission
+        came for `forget_after`, and give the heap's free pages back: an agent's own `kugetsu mcp`
+        that delegated once would keep a copy of the index for as long as it lives. The next
+        admission opens the store again (one decode). A batch under way keeps its own reference."""
+        while True:
+            time.sleep(self._forget_after / 4)
+            if self._store is not None and time.monotonic() - self._used >= self._forget_after:
+                self._store = None
+                runner.trim_heap()
 
 
 class _Entry:
-    def __init__(self, req: admission.Request):
-        self.req = req
+    def __init__(self, reqs: list[admission.Request], atomic: bool):
+        self.reqs = reqs
+        self.atomic = atomic  # a `tasks` list: all or none, a transaction of its own
         self.done = False
         self.result: Any = None
