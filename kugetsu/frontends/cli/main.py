@@ -32,27 +32,44 @@ def _command(module: str, name: str) -> Callable[[Home, argparse.Namespace], int
 
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The whole parser, or (with `only`) just the top level and that one command."""
+def build_parser(only: str | None = None, cls: type[_Parser] = _Parser) -> argparse.ArgumentParser:
+    """The whole parser, or (with `only`) just the top level and that one command. `cls`: one
+    that prints nothing (thin.py: the service parses a handed-over command line)."""
     from kugetsu import __version__
 
-    p = _Parser(prog="kugetsu", description="Capacity manager for parallel AI coding agents.")
+    p = cls(prog="kugetsu", description="Capacity manager for parallel AI coding agents.")
     p.add_argument("--version", action="version", version=f"kugetsu {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=cls)
     for name, (help_text, add_args, _) in COMMANDS.items():
         if only is None or name == only:
             add_args(sub.add_parser(name, help=help_text, description=help_text))
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse(argv: list[str], cls: type[_Parser] = _Parser) -> argparse.Namespace:
+    """The command line as the commands read it: the agent's command after `--` apart."""
     command: list[str] = []
     if argv and argv[0] in ("delegate", "schedule", "edit") and "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
-    args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
+    args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None, cls).parse_args(argv)
     args.argv_command = command
+    return args
+
+
+def failure(home: Home, err: KugetsuError | OSError) -> tuple[str, int]:
+    """A command's failure as the CLI says it: the line for stderr (before escaping) and the
+    exit code. An OSError is the last resort: what and where, never a traceback."""
+    if isinstance(err, KugetsuError):
+        return f"kugetsu: {err}{_fix(err)}", err.code
+    from kugetsu.paths import explain
+
+    error = explain(home, err)
+    return f"kugetsu: {error}", error.code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(list(sys.argv[1:] if argv is None else argv))
     home = default_home()
     _kept.clear()  # main called again in one process: the last call's are done with
     collecting = gc.isenabled()
@@ -66,20 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         code = COMMANDS[args.command][2](home, args)
         _flush_output()  # here, so that a failed write of the output is said like any error
         return code
-    except KugetsuError as err:
-        _say(f"kugetsu: {err}{_fix(err)}", file=sys.stderr)
-        return err.code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
         _drop_output()
         return OK
-    except OSError as err:  # the last resort: one line that says what and where, never a traceback
-        from kugetsu.paths import explain
-
-        error = explain(home, err)
-        _say(f"kugetsu: {error}", file=sys.stderr)
-        return error.code
+    except (KugetsuError, OSError) as err:
+        line, code = failure(home, err)
+        _say(line, file=sys.stderr)
+        return code
     finally:
         if collecting:
             gc.enable()
