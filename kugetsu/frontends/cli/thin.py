@@ -4,7 +4,7 @@ The CLI's entry (`run`: the console script and `python -m kugetsu`). For `delega
 the CLI is imported (argparse, msgspec, the app layer: ~70 ms before it touches the index), it
 hands the command line to this home's service over its delegate socket
 (`service/handoff.py`): the argv, the working directory and the environment the command
-reads (KUGETSU_*, PATH). The service runs the very same `cmd_delegate` (app/delegation's
+reads (the task it runs in, PATH). The service runs the very same `cmd_delegate` (app/delegation's
 checks and admission, in the service's own warm transaction in its loop: it neither decodes
 nor writes the whole index again from scratch) and sends back what the command prints; this
 process writes it and exits with its code.
@@ -35,7 +35,9 @@ if TYPE_CHECKING:
     from kugetsu.paths import Home
 
 MAGIC = b"kugetsu-delegate/1"
-_PASSED = ("KUGETSU_", "PATH")  # the environment `delegate` reads: its own variables, the PATH an error names
+# The environment `delegate` reads (delegation.caller_task: the task it runs in; the PATH an
+# error names), and nothing else: no other variable (a token) leaves this process.
+_PASSED = ("KUGETSU_TASK_ID", "KUGETSU_TASK_NAME", "PATH")
 FAILURE = 1  # errors.FAILURE, without importing it
 
 
@@ -70,7 +72,7 @@ def _handed_over(argv: list[str]) -> int | None:
         cwd = os.getcwd()
     except OSError:
         return None  # gone: the CLI says what it says of that
-    env = [f"{k}={v}" for k, v in os.environ.items() if k.startswith(_PASSED)]
+    env = [f"{k}={os.environ[k]}" for k in _PASSED if k in os.environ]
     request = b"\0".join([MAGIC, *(os.fsencode(s) for s in (str(home.root), cwd, str(len(argv)), *argv, *env))])
     import _socket
 
@@ -179,7 +181,7 @@ def _parse_request(home: Home, request: bytes) -> tuple[argparse.Namespace, str,
     if len(argv) != count or argv[:1] != ["delegate"] or str(Home(root).root) != str(home.root) or not os.path.isabs(cwd):
         return None
     environ = dict(e.partition("=")[::2] for e in env)
-    if any(not k.startswith(_PASSED) for k in environ):
+    if any(k not in _PASSED for k in environ):
         return None
     try:
         args = main.parse(argv, _quiet_parser())
