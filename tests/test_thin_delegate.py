@@ -157,6 +157,12 @@ def test_hostile_clients_do_not_stop_or_stall_the_service(kg):
     garbage.sendall(b"\xff\x00garbage\x00" * 100)
     garbage.shutdown(socket.SHUT_WR)
     assert garbage.recv(10) == b"F"  # declined: nothing run
+    for junk in (b"kugetsu-delegate/1\x00/\x00/\x00" + b"9" * 5000, b"kugetsu-delegate/1\x00/\x00/\x00\xd9\xa3"):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(path)
+            s.sendall(junk)
+            s.shutdown(socket.SHUT_WR)
+            assert s.recv(10) == b"F"
     huge = socket.socket(socket.AF_UNIX)
     huge.connect(path)
     with pytest.raises(OSError):  # dropped past the bound, while it still writes
@@ -281,3 +287,23 @@ def test_another_user_is_refused(tmp_path):
         finally:
             os.chmod(kg.home.root, 0o700)
             kg.cleanup()
+
+
+def test_a_service_killed_with_the_request_unread_leaves_it_to_the_cli(kg):
+    """kill -9 of the real service while a CLI waits on it, its request not yet taken: the
+    connection drops before the service said it runs it, so the CLI runs it itself, once."""
+    served(kg, autostart=False)
+    pid = kg.service_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        cli = subprocess.Popen([sys.executable, "-m", "kugetsu", "delegate", "once", "--json", "--", "true"], env=kg.env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wchan = Path(f"/proc/{cli.pid}/wchan")
+        wait_for(lambda: wchan.read_text() == "unix_stream_read_generic", 30, "the CLI waiting for the service's answer")
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    out, err = cli.communicate(timeout=60)
+    assert cli.returncode == 0 and json.loads(out)["name"] == "once", (out, err)
+    tasks = [t["name"] for part in ("active", "queued", "finished") for t in kg.index()[part]]
+    assert tasks.count("once") == 1
+    assert handed(kg) == 0

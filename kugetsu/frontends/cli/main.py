@@ -1,6 +1,6 @@
 """The `kugetsu` command line (docs/architecture.md): the parser built from the command table,
-`main` (one command, its errors as one line with their exit code) and `run` (the console
-script and `python -m kugetsu`). Each command is a thin shell around the app layer.
+`main` (one command, its errors as one line with their exit code) and `run` (the program, once
+thin.run, the console script and `python -m kugetsu`, found `delegate` is not for the service). Each command is a thin shell around the app layer.
 """
 
 from __future__ import annotations
@@ -12,10 +12,13 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from kugetsu.errors import OK, KugetsuError
-from kugetsu.frontends.cli.output import _drop_output, _fix, _flush_output, _kept, _say, _undo_dashdash
-from kugetsu.frontends.cli.parser import _cancel_args, _clean_args, _config_args, _dashboard_args, _delegate_args, _edit_args, _group_args, _hold_args, _json_only, _kill_args, _logs_args, _mcp_args, _no_args, _Parser, _pause_args, _priority_args, _queue_args, _release_args, _remove_args, _retry_args, _schedule_args, _serve_args, _stats_args, _status_args, _store_args, _task_json_args, _telegram_args, _wait_args, _worktrees_args
-from kugetsu.paths import Home, default_home
+import kugetsu
+
+kugetsu._import_msgspec_lean()  # skipped by kugetsu's import for `delegate` (frontends/cli/thin.py); here at the latest
+from kugetsu.errors import OK, KugetsuError  # noqa: E402
+from kugetsu.frontends.cli.output import _drop_output, _fix, _flush_output, _kept, _say, _undo_dashdash  # noqa: E402
+from kugetsu.frontends.cli.parser import _cancel_args, _clean_args, _config_args, _dashboard_args, _delegate_args, _edit_args, _group_args, _hold_args, _json_only, _kill_args, _logs_args, _mcp_args, _no_args, _Parser, _pause_args, _priority_args, _queue_args, _release_args, _remove_args, _retry_args, _schedule_args, _serve_args, _stats_args, _status_args, _store_args, _task_json_args, _telegram_args, _wait_args, _worktrees_args  # noqa: E402
+from kugetsu.paths import Home, default_home  # noqa: E402
 
 
 def _command(module: str, name: str) -> Callable[[Home, argparse.Namespace], int]:

@@ -47,10 +47,7 @@ def run() -> NoReturn:
         code = _handed_over(argv)
         if code is not None:
             os._exit(code)
-        import kugetsu
-
-        kugetsu._import_msgspec_lean()  # skipped at kugetsu's import, for this path (kugetsu/__init__.py)
-    from kugetsu.frontends.cli import main
+    from kugetsu.frontends.cli import main  # (which imports msgspec as kugetsu/__init__.py does)
 
     main.run()
 
@@ -174,7 +171,8 @@ def _parse_request(home: Home, request: bytes) -> tuple[argparse.Namespace, str,
     from kugetsu.paths import Home
 
     fields = [os.fsdecode(f) for f in request.split(b"\0")]
-    if len(fields) < 4 or fields[0] != MAGIC.decode() or not fields[3].isdigit():
+    if len(fields) < 4 or fields[0] != MAGIC.decode() or not (fields[3].isascii() and fields[3].isdigit()) \
+            or len(fields[3]) > 7:
         return None
     root, cwd, count = fields[1], fields[2], int(fields[3])
     argv, env = fields[4 : 4 + count], fields[4 + count :]
