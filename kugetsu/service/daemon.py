@@ -209,17 +209,21 @@ class Service:
     @contextmanager
     def _handed_transaction(self) -> Iterator[tuple[Txn, Config]]:
         """A handed-over delegate's transaction: the store's, in this loop, after a burst's held
-        commit (so that one failing does not take the other's work with it)."""
+        commit (so that one failing does not take the other's work with it). It is a CLI's
+        transaction in all but the process: it records nothing this service let go (what a
+        failed tick let go stays for the next tick), and the queue it changes is not the one
+        the fast path's successor was picked from: none is let go early until the tick it asks
+        for (`_handed`) picks again, although the store finds the index its own."""
         self.held.flush()
         txn = self.store.begin()
         try:
             cfg = transaction.config_in(self.home, txn)  # as under the lock, as the CLI reads it
             yield txn, cfg
+            self.fast.successor = None
             self.store.commit(txn)
         except BaseException:
             self.store.abort()
             raise
-        self._commit_succeeded(ticked=False)
 
     def _handed(self) -> None:
         """A handed-over delegate committed: spawn what it started, as its datagram would."""

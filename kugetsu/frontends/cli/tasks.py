@@ -69,7 +69,7 @@ def _request(args: argparse.Namespace, cwd: str = "", environ: Mapping[str, str]
     directory, relative paths are taken from ("": this process's)."""
     prompt = _read_prompt(args)
     return admission.Request(
-        cwd=os.path.normpath(os.path.join(cwd, args.cwd or cwd)) if cwd else os.path.abspath(args.cwd or os.getcwd()),
+        cwd=os.path.normpath(os.path.join(cwd or os.getcwd(), args.cwd or "")),  # os.path.abspath, from `cwd`
         name=args.name,
         command=args.argv_command or None,
         prompt=prompt,
