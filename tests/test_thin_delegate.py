@@ -307,3 +307,38 @@ def test_a_service_killed_with_the_request_unread_leaves_it_to_the_cli(kg):
     tasks = [t["name"] for part in ("active", "queued", "finished") for t in kg.index()[part]]
     assert tasks.count("once") == 1
     assert handed(kg) == 0
+
+
+def test_a_prompt_file_and_stdin_go_with_the_request(kg, tmp_path):
+    """--prompt-file F and - (stdin): read by the CLI, sent with the request, refused or
+    admitted as in the CLI's process; stdin is replayed when the CLI runs it after all."""
+    served(kg, agents={"echo": {"command": ["echo", "{prompt}"]}}, default_agent="echo")
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe")
+    blank = tmp_path / "blank.txt"
+    blank.write_text(" \n")
+    for args, stdin, declined in [
+        (("--prompt-file", "-"), "", False),  # empty stdin
+        (("--prompt-file", str(bad)), None, False),
+        (("--prompt-file", str(blank)), None, False),
+        (("--prompt-file", str(tmp_path / "missing")), None, True),  # read again by the CLI: its words
+        (("--prompt-file=-", "--prompt", "x"), "text", True),  # argparse's error, with stdin read first
+        (("--prompt-file", "-"), "p" * (200 << 10), False),  # over prompt_max_size (128 KiB)
+        (("--prompt-file", "-"), "p" * (1100 << 10), True),  # over PROMPT_MAX: the CLI reads the rest itself
+    ]:
+        before = handed(kg)
+        thin = kg.run("delegate", "x", *args, input=stdin)
+        expected = before if declined else before + 1
+        here = in_process(kg, "delegate", "x", *args, input=stdin)
+        _same(thin, here)
+        assert thin.returncode == 2 and "Traceback" not in thin.stderr, thin
+        assert handed(kg) == expected, (args, thin)
+    assert not kg.index().get("queued") and not kg.index().get("active")
+    before = handed(kg)
+    thin = kg.run("delegate", "a", "--json", "--prompt-file", "-", input="línea 1\r\nline 2\n")
+    assert thin.returncode == 0 and json.loads(thin.stdout)["prompt"] == "línea 1\r\nline 2\n", thin
+    assert handed(kg) == before + 1
+    # Declined (--wait blocks), after the CLI read stdin: it runs here with the same prompt.
+    thin = kg.run("delegate", "b", "--json", "--wait", "--prompt-file", "-", input="from stdin")
+    assert thin.returncode == 0 and json.loads(thin.stdout)["prompt"] == "from stdin", thin
+    assert handed(kg) == before + 1

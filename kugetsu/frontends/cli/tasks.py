@@ -35,12 +35,13 @@ class Via(NamedTuple):
     cwd: str
     environ: Mapping[str, str]
     caller: delegation.Caller | None = None
+    prompt: bytes | None = None  # --prompt-file's bytes, read by the CLI (None: read them here)
 
 
 def cmd_delegate(home: Home, args: argparse.Namespace, via: Via | None = None) -> int:
     via = via or Via(sys.stdout, sys.stderr, "", os.environ)
     cfg = load_config(home)
-    req = _request(args, via.cwd, via.environ)
+    req = _request(args, via.cwd, via.environ, via.prompt)
     unused = admission.unused_prompt_text(cfg, req, "the command after --")
     if unused:
         print(f"kugetsu: warning: {unused}", file=via.err)
@@ -64,10 +65,11 @@ def cmd_delegate(home: Home, args: argparse.Namespace, via: Via | None = None) -
     return OK
 
 
-def _request(args: argparse.Namespace, cwd: str = "", environ: Mapping[str, str] = os.environ) -> admission.Request:
+def _request(args: argparse.Namespace, cwd: str = "", environ: Mapping[str, str] = os.environ,
+             prompt_data: bytes | None = None) -> admission.Request:
     """delegate's options as a request (delegate, schedule add). `cwd`: the caller's working
-    directory, relative paths are taken from ("": this process's)."""
-    prompt = _read_prompt(args)
+    directory, relative paths are taken from ("": this process's); `prompt_data`: _read_prompt's."""
+    prompt = _read_prompt(args, prompt_data)
     return admission.Request(
         cwd=os.path.normpath(os.path.join(cwd or os.getcwd(), args.cwd or "")),  # os.path.abspath, from `cwd`
         name=args.name,
@@ -111,12 +113,15 @@ def _env_pairs(values: list[str], environ: Mapping[str, str] = os.environ) -> di
     return env
 
 
-def _read_prompt(args: argparse.Namespace) -> str | None:
-    """--prompt TEXT, or the text of --prompt-file F (- for stdin), or None."""
+def _read_prompt(args: argparse.Namespace, data: bytes | None = None) -> str | None:
+    """--prompt TEXT, or the text of --prompt-file F (- for stdin), or None. `data`: F's bytes,
+    read already (by the CLI that handed the command to the service: thin.py)."""
     if not args.prompt_file:
         return args.prompt  # type: ignore[no-any-return]
     try:  # bytes, decoded as they are: no newline translation, the prompt arrives verbatim
-        if args.prompt_file == "-":
+        if data is not None:
+            pass
+        elif args.prompt_file == "-":
             data = sys.stdin.buffer.read()
         else:
             with open(args.prompt_file, "rb") as f:

@@ -9,11 +9,16 @@ checks and admission, in the service's own warm transaction in its loop: it neit
 nor writes the whole index again from scratch) and sends back what the command prints; this
 process writes it and exits with its code.
 
-The command runs here instead, as before, when KUGETSU_THIN=0, or: no service listens (no socket, a stale one),
-the home's store is a cluster (KUGETSU_STORE or config `store`), the home is too deep for a
-socket path, or the service declines the request (it reads a file or stdin: --prompt-file;
-it blocks: --wait; it reads the environment by name: --env NAME; it runs git: a worktree
-task; it does not parse: argparse's error and --help are the CLI's; the service is stopping).
+--prompt-file is read here (stdin too), once a service listens, and its bytes go with the
+request, at most PROMPT_MAX: a longer one, a file that cannot be read, and stdin when the
+service declines, are the CLI's as before (stdin replayed from the bytes read).
+
+The command runs here instead, as before, when KUGETSU_THIN=0, or: no service listens (no
+socket, a stale one), the home's store is a cluster (KUGETSU_STORE or config `store`), the
+home is too deep for a socket path, --prompt-file cannot be read or is over PROMPT_MAX, or
+the service declines the request: it blocks (--wait); it reads this environment by name
+(--env NAME); it runs git (a worktree task); argparse would answer it (an error, --help);
+the service is stopping.
 The service declines before it runs anything, so running here is never a second admission.
 
 A service that ends (kill -9) after it said it runs the request may or may not have committed
@@ -70,20 +75,32 @@ def _handed_over(argv: list[str]) -> int | None:
     except OSError:
         return None  # gone: the CLI says what it says of that
     env = [f"{k}={os.environ[k]}" for k in _PASSED if k in os.environ]
-    request = b"\0".join([MAGIC, *(os.fsencode(s) for s in (str(home.root), cwd, str(len(argv)), *argv, *env))])
+    prompt_file = _prompt_file(argv)
+    head = (str(home.root), cwd, str(len(argv)), str(len(env)), prompt_file or "", *argv, *env)
+    request = b"".join(f + b"\0" for f in (MAGIC, *(os.fsencode(s) for s in head)))
     import _socket
 
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    data: bytes | None = None
     try:
         try:
             sock.connect(str(path))
-            sock.sendall(request)
+        except OSError:
+            return None  # no service (no socket, a stale one): nothing read, nothing sent
+        if prompt_file:  # read here, where the command would read it, once a service listens
+            data = _read_bounded(prompt_file)
+            if data is None or len(data) > PROMPT_MAX:
+                _replay(prompt_file, data)
+                return None
+        try:
+            sock.sendall(request + (data or b""))
             sock.shutdown(_socket.SHUT_WR)
             first = sock.recv(1)
         except OSError:
-            return None  # no service, or it ran nothing (it runs a request only once it said so)
-        if first != b"A":
-            return None  # declined (or closed): nothing was run
+            first = b""
+        if first != b"A":  # declined, or closed before it ran anything (it says A first)
+            _replay(prompt_file, data)
+            return None
         chunks = []
         try:
             while data := sock.recv(1 << 16):
@@ -99,6 +116,44 @@ def _handed_over(argv: list[str]) -> int | None:
         return FAILURE
     code, err, out = answer
     return _print(code, err, out)
+
+
+PROMPT_MAX = 1 << 20  # bytes of --prompt-file sent; a longer one is read (and refused) in the CLI, as before
+
+
+def _prompt_file(argv: list[str]) -> str | None:
+    """--prompt-file's value, as the parser will take it (no option is abbreviated; the last
+    one given wins; the command after `--` is not options); the service checks it."""
+    found = None
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    for i, word in enumerate(options):
+        if word == "--prompt-file" and i + 1 < len(options):
+            found = options[i + 1]
+        elif word.startswith("--prompt-file="):
+            found = word.partition("=")[2]
+    return found or None
+
+
+def _read_bounded(name: str) -> bytes | None:
+    """At most PROMPT_MAX + 1 bytes of the prompt file (- : stdin); None: it could not be read
+    (the CLI says so, in its words, reading it again)."""
+    try:
+        if name == "-":
+            stream = sys.stdin.buffer
+            return stream.read(PROMPT_MAX + 1)
+        with open(name, "rb") as f:
+            return f.read(PROMPT_MAX + 1)
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def _replay(name: str | None, data: bytes | None) -> None:
+    """The command runs here after all: stdin as it was, the bytes read from it first."""
+    if name == "-" and data:
+        import io
+
+        rest = sys.stdin.buffer.read()
+        sys.stdin = io.TextIOWrapper(io.BytesIO(data + rest))
 
 
 def _answer(data: bytes) -> tuple[int, str, str] | None:
@@ -155,13 +210,13 @@ def answerer(home: Home, locked: Callable[[], object], woken: Callable[[], objec
         parsed = _parse_request(home, request)
         if parsed is None:
             return None
-        args, cwd, environ = parsed
-        return lambda: _run(home, args, cwd, environ, locked, woken)
+        args, cwd, environ, prompt = parsed
+        return lambda: _run(home, args, cwd, environ, prompt, locked, woken)
 
     return handle
 
 
-def _parse_request(home: Home, request: bytes) -> tuple[argparse.Namespace, str, dict[str, str]] | None:
+def _parse_request(home: Home, request: bytes) -> tuple[argparse.Namespace, str, dict[str, str], bytes | None] | None:
     from kugetsu.app import delegation
     from kugetsu.config.load import load_config
     from kugetsu.errors import KugetsuError
@@ -170,13 +225,16 @@ def _parse_request(home: Home, request: bytes) -> tuple[argparse.Namespace, str,
     from kugetsu.frontends.cli.tasks import _request
     from kugetsu.paths import Home
 
-    fields = [os.fsdecode(f) for f in request.split(b"\0")]
-    if len(fields) < 4 or fields[0] != MAGIC.decode() or not (fields[3].isascii() and fields[3].isdigit()) \
-            or len(fields[3]) > 7:
+    head = request.split(b"\0", 6)  # MAGIC, home, cwd, argv's count, env's, --prompt-file, the rest
+    if len(head) != 7 or head[0] != MAGIC or not all(n.isdigit() and len(n) <= 7 for n in head[3:5]):
         return None
-    root, cwd, count = fields[1], fields[2], int(fields[3])
-    argv, env = fields[4 : 4 + count], fields[4 + count :]
-    if len(argv) != count or argv[:1] != ["delegate"] or str(Home(root).root) != str(home.root) or not os.path.isabs(cwd):
+    root, cwd, claimed = (os.fsdecode(f) for f in (head[1], head[2], head[5]))
+    n_argv, n_env = int(head[3]), int(head[4])
+    fields = head[6].split(b"\0", n_argv + n_env)  # then --prompt-file's bytes, which may hold NULs
+    if len(fields) != n_argv + n_env + 1:
+        return None
+    argv, env = [os.fsdecode(f) for f in fields[:n_argv]], [os.fsdecode(f) for f in fields[n_argv:-1]]
+    if argv[:1] != ["delegate"] or str(Home(root).root) != str(home.root) or not os.path.isabs(cwd):
         return None
     environ = dict(e.partition("=")[::2] for e in env)
     if any(k not in _PASSED for k in environ):
@@ -186,7 +244,10 @@ def _parse_request(home: Home, request: bytes) -> tuple[argparse.Namespace, str,
         _undo_dashdash(args)
     except (_Declined, KugetsuError):
         return None
-    if args.wait or args.prompt_file or any("=" not in v for v in args.env if isinstance(v, str)):
+    if args.wait or (args.prompt_file or "") != claimed or any("=" not in v for v in args.env if isinstance(v, str)):
+        return None  # blocks; not the file the CLI read; reads the CLI's environment by name
+    prompt = fields[-1] if claimed else None
+    if prompt is None and fields[-1]:
         return None
     try:
         cfg = load_config(home)
@@ -195,14 +256,14 @@ def _parse_request(home: Home, request: bytes) -> tuple[argparse.Namespace, str,
     if cfg.clustered:
         return None
     try:
-        if delegation.wants_worktree(cfg, _request(args, cwd, environ)):
+        if delegation.wants_worktree(cfg, _request(args, cwd, environ, prompt)):
             return None  # git, which the service's loop never waits for
     except KugetsuError:
         pass  # bad input: said by the command itself, as here
-    return args, cwd, environ
+    return args, cwd, environ, prompt
 
 
-def _run(home: Home, args: argparse.Namespace, cwd: str, environ: dict[str, str],
+def _run(home: Home, args: argparse.Namespace, cwd: str, environ: dict[str, str], prompt: bytes | None,
          locked: Callable[[], object], woken: Callable[[], object]) -> bytes:
     """cmd_delegate for the client, its output and exit code as the answer's bytes."""
     import io
@@ -214,7 +275,7 @@ def _run(home: Home, args: argparse.Namespace, cwd: str, environ: dict[str, str]
     from kugetsu.frontends.cli.tasks import Via, cmd_delegate
 
     out, err = io.StringIO(), io.StringIO()
-    via = Via(out, err, cwd, environ, delegation.Caller(environ, locked, woken))  # type: ignore[arg-type]
+    via = Via(out, err, cwd, environ, delegation.Caller(environ, locked, woken), prompt)  # type: ignore[arg-type]
     try:
         code = cmd_delegate(home, args, via)
     except (KugetsuError, OSError) as error:
