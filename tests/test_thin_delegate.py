@@ -157,7 +157,8 @@ def test_hostile_clients_do_not_stop_or_stall_the_service(kg):
     garbage.sendall(b"\xff\x00garbage\x00" * 100)
     garbage.shutdown(socket.SHUT_WR)
     assert garbage.recv(10) == b"F"  # declined: nothing run
-    for junk in (b"kugetsu-delegate/1\x00/\x00/\x00" + b"9" * 5000, b"kugetsu-delegate/1\x00/\x00/\x00\xd9\xa3"):
+    for junk in (b"kugetsu-delegate/1\x00/\x00/\x00" + b"9" * 5000, b"kugetsu-delegate/1\x00/\x00/\x00\xd9\xa3",
+                 b"kugetsu-delegate/1\x00/\x00/\x001\x000\x00\x00nan\x00delegate\x00"):
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(path)
             s.sendall(junk)
@@ -262,14 +263,14 @@ def test_another_user_is_refused(tmp_path):
             sock = kg.home.handoff
             assert sock.stat().st_mode & 0o777 == 0o600 and kg.home.root.stat().st_mode & 0o777 == 0o700
             client = (
-                "import socket, sys\n"
+                "import socket, sys, time\n"
                 "s = socket.socket(socket.AF_UNIX)\n"
                 "try:\n"
                 "    s.connect(sys.argv[1])\n"
                 "except OSError as e:\n"
                 "    print('connect', e.errno); sys.exit()\n"
                 "try:\n"
-                "    s.sendall(b'kugetsu-delegate/1\\0' + sys.argv[2].encode() + b'\\0/\\x002\\0delegate\\0x')\n"
+                "    s.sendall(b'kugetsu-delegate/1\\0' + sys.argv[2].encode() + b'\\0/\\x002\\x000\\0\\0' + str(time.time()).encode() + b'\\0delegate\\0x\\0')\n"
                 "    s.shutdown(socket.SHUT_WR)\n"
                 "    print('got', repr(s.recv(10)))\n"
                 "except OSError:  # closed before it wrote, or reset: the same refusal\n"

@@ -18,7 +18,8 @@ socket, a stale one), the home's store is a cluster (KUGETSU_STORE or config `st
 home is too deep for a socket path, --prompt-file cannot be read or is over PROMPT_MAX, or
 the service declines the request: it blocks (--wait); it reads this environment by name
 (--env NAME); it runs git (a worktree task); argparse would answer it (an error, --help);
-the service is stopping.
+the CLI's clock is off the service's by more than skew.CLOCK_TOLERANCE (a command with a
+wrong clock stays one, corrected and said by the service); the service is stopping.
 The service declines before it runs anything, so running here is never a second admission.
 
 A service that ends (kill -9) after it said it runs the request may or may not have committed
@@ -76,7 +77,9 @@ def _handed_over(argv: list[str]) -> int | None:
         return None  # gone: the CLI says what it says of that
     env = [f"{k}={os.environ[k]}" for k in _PASSED if k in os.environ]
     prompt_file = _prompt_file(argv)
-    head = (str(home.root), cwd, str(len(argv)), str(len(env)), prompt_file or "", *argv, *env)
+    import time
+
+    head = (str(home.root), cwd, str(len(argv)), str(len(env)), prompt_file or "", repr(time.time()), *argv, *env)
     request = b"".join(f + b"\0" for f in (MAGIC, *(os.fsencode(s) for s in head)))
     import _socket
 
@@ -225,12 +228,14 @@ def _parse_request(home: Home, request: bytes) -> tuple[argparse.Namespace, str,
     from kugetsu.frontends.cli.tasks import _request
     from kugetsu.paths import Home
 
-    head = request.split(b"\0", 6)  # MAGIC, home, cwd, argv's count, env's, --prompt-file, the rest
-    if len(head) != 7 or head[0] != MAGIC or not all(n.isdigit() and len(n) <= 7 for n in head[3:5]):
+    head = request.split(b"\0", 7)  # MAGIC, home, cwd, argv's count, env's, --prompt-file, clock, the rest
+    if len(head) != 8 or head[0] != MAGIC or not all(n.isdigit() and len(n) <= 7 for n in head[3:5]):
         return None
     root, cwd, claimed = (os.fsdecode(f) for f in (head[1], head[2], head[5]))
     n_argv, n_env = int(head[3]), int(head[4])
-    fields = head[6].split(b"\0", n_argv + n_env)  # then --prompt-file's bytes, which may hold NULs
+    if not _same_clock(head[6]):
+        return None
+    fields = head[7].split(b"\0", n_argv + n_env)  # then --prompt-file's bytes, which may hold NULs
     if len(fields) != n_argv + n_env + 1:
         return None
     argv, env = [os.fsdecode(f) for f in fields[:n_argv]], [os.fsdecode(f) for f in fields[n_argv:-1]]
@@ -261,6 +266,20 @@ def _parse_request(home: Home, request: bytes) -> tuple[argparse.Namespace, str,
     except KugetsuError:
         pass  # bad input: said by the command itself, as here
     return args, cwd, environ, prompt
+
+
+def _same_clock(sent: bytes) -> bool:
+    """Whether the CLI's clock is the service's, as far as the service's rules tell (within
+    skew.CLOCK_TOLERANCE): one that is not (faketime, a time namespace) runs the command
+    itself, writing its own times, which the service then corrects and says, as before."""
+    import time
+
+    from kugetsu.core.skew import CLOCK_TOLERANCE
+
+    try:
+        return abs(time.time() - float(sent)) <= CLOCK_TOLERANCE.total_seconds()
+    except ValueError:
+        return False
 
 
 def _run(home: Home, args: argparse.Namespace, cwd: str, environ: dict[str, str], prompt: bytes | None,
