@@ -191,7 +191,7 @@ def _print(code: int, err: str, out: str) -> int:
 
 
 def _write(stream: object, text: str) -> None:
-    if text:
+    if text and stream is not None:  # None: the descriptor was closed (`>&-`); print() writes nothing there
         stream.write(text)  # type: ignore[attr-defined]
         stream.flush()  # type: ignore[attr-defined]
 
