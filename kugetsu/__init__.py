@@ -26,4 +26,7 @@ def _import_msgspec_lean() -> None:
             del sys.modules["typing_extensions"]
 
 
-_import_msgspec_lean()
+# `kugetsu delegate` may run in the service (frontends/cli/thin.py), needing no msgspec here:
+# thin.run imports it (this way) only when the command runs in this process after all.
+if sys.argv[1:2] != ["delegate"]:
+    _import_msgspec_lean()

@@ -1,3 +1,3 @@
-from kugetsu.frontends.cli.main import run
+from kugetsu.frontends.cli.thin import run
 
 run()

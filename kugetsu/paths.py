@@ -63,6 +63,13 @@ class Home:
             self._runtime_socket = sock
         return self._runtime_socket
 
+    @property
+    def handoff(self) -> Path | None:
+        """The service's delegate socket (frontends/cli/thin.py), beside the wake-up socket in
+        the home; None for a home too deep for it (its delegates run in the CLI's process)."""
+        path = self.root / "delegate.sock"
+        return path if len(os.fsencode(path)) <= _MAX_SOCKET_PATH else None
+
     def _runtime_dir(self) -> Path:
         """<runtime dir>/kugetsu, made private if missing. Another user who owns (or can write)
         it could take the socket's name, or read the wake-ups; so it is checked, not trusted."""

@@ -5,6 +5,8 @@ worktree), admitted in one transaction, the service woken; several at once (dele
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
 
 import msgspec
@@ -49,8 +51,18 @@ def start_time(at: str | None, delay: float | None, flag: str = "--at") -> datet
     return when
 
 
-def delegate(home: Home, cfg: Config, req: admission.Request) -> Admission:
-    out = delegate_many(home, cfg, [req])[0]
+class Caller(msgspec.Struct, frozen=True):
+    """Where a request is admitted, when not in the process that made it (the service admitting
+    a CLI's request handed to it, frontends/cli/thin.py): that process's environment (the task it
+    runs in, the PATH an error names), the service's own transaction, and its own wake-up."""
+
+    environ: Mapping[str, str]
+    locked: Callable[[], AbstractContextManager[tuple[Txn, Config]]]
+    woken: Callable[[], object]
+
+
+def delegate(home: Home, cfg: Config, req: admission.Request, caller: Caller | None = None) -> Admission:
+    out = delegate_many(home, cfg, [req], caller=caller)[0]
     if isinstance(out, KugetsuError):
         raise out
     return out
@@ -79,7 +91,7 @@ def delegate_all(home: Home, cfg: Config, reqs: list[admission.Request],
 
 
 def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request], atomic: bool = False,
-                  store: StoreProtocol | None = None) -> list[Admission | KugetsuError]:
+                  store: StoreProtocol | None = None, caller: Caller | None = None) -> list[Admission | KugetsuError]:
     """Admit requests in one transaction (one read, one fsync'd write), each as `delegate`
     would one after the other, in order: the same checks, slots, positions and events. A
     request that is refused (bad input, queue full: KugetsuError) gets its error and the
@@ -89,7 +101,8 @@ def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request], atomic
     committed last is not decoded again: transaction._locked)."""
     out: list[Admission | KugetsuError | None] = [None] * len(reqs)
     todo = []
-    runs_on = _agents_path(home)
+    environ = os.environ if caller is None else caller.environ
+    runs_on = _agents_path(home, environ)
     for i, req in enumerate(reqs):
         try:
             _check_request(req)
@@ -101,12 +114,12 @@ def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request], atomic
             out[i] = err
             continue
         req.token = runner.new_token()
-        req.parent = req.parent or caller_task()
+        req.parent = req.parent or caller_task(environ)
         todo.append(i)
     if not todo:
         return out  # type: ignore[return-value]
     try:
-        with _locked(home, store) as (txn, cfg):
+        with (_locked(home, store) if caller is None else caller.locked()) as (txn, cfg):
             settle(txn, cfg)
             admitted: dict[int, Task] = {}
             for i in todo:
@@ -130,7 +143,10 @@ def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request], atomic
                 raise _NoneAdmitted
     except _NoneAdmitted:
         return out  # type: ignore[return-value]
-    wake(home, cfg, txn.index)
+    if caller is None:
+        wake(home, cfg, txn.index)
+    else:
+        caller.woken()
     return out  # type: ignore[return-value]
 
 
@@ -178,11 +194,11 @@ def _admission(txn: Txn, cfg: Config, task: Task, positions: dict[int, int] | No
     return Admission(task, position, cfg.max_agents, len(txn.index.queued), why)
 
 
-def caller_task() -> tuple[int, str] | None:
-    """The task this process runs in, when an agent of kugetsu's started it (or something the
+def caller_task(environ: Mapping[str, str] = os.environ) -> tuple[int, str] | None:
+    """The task the calling process runs in, when an agent of kugetsu's started it (or something the
     agent started): the id and name the runner put in its environment (admission.parent_task checks
     them against the index)."""
-    ident, name = os.environ.get("KUGETSU_TASK_ID", ""), os.environ.get("KUGETSU_TASK_NAME")
+    ident, name = environ.get("KUGETSU_TASK_ID", ""), environ.get("KUGETSU_TASK_NAME")
     return (int(ident), name) if ident.isascii() and ident.isdigit() and name else None
 
 
@@ -200,18 +216,20 @@ class AgentsPath(msgspec.Struct, frozen=True):
     path: str | None
     service_pid: int | None = None
     readable: bool = True  # False: a service runs, but its environment is not ours to read
+    caller_path: str | None = None  # the caller's PATH, where an error says the command is found
 
 
-def _agents_path(home: Home) -> AgentsPath:
+def _agents_path(home: Home, environ: Mapping[str, str] = os.environ) -> AgentsPath:
     from kugetsu.app.control import service_pid
 
     pid = service_pid(home)
+    here = environ.get("PATH", os.defpath)
     if pid is None:
-        return AgentsPath(os.environ.get("PATH"))
+        return AgentsPath(environ.get("PATH"), caller_path=here)
     path = runner.environment_variable(pid, "PATH")
     if path is None:  # another user's service (or it just ended): the best guess is ours
-        return AgentsPath(os.environ.get("PATH"), pid, readable=False)
-    return AgentsPath(path, pid)
+        return AgentsPath(environ.get("PATH"), pid, readable=False, caller_path=here)
+    return AgentsPath(path, pid, caller_path=here)
 
 
 def _check_runnable(cfg: Config, req: admission.Request, runs_on: AgentsPath | None = None) -> None:
@@ -234,7 +252,7 @@ def _check_exe(req: admission.Request, exe: str, env: dict[str, str], preset: st
         return
     from kugetsu.errors import CommandNotFound
 
-    here = runner.which(exe) if os.sep not in exe and "PATH" not in env else None
+    here = runner.which(exe, runs_on.caller_path) if os.sep not in exe and "PATH" not in env else None
     if "PATH" in env:
         looked = "the PATH of the preset's env"
     elif runs_on.service_pid is None:
@@ -249,13 +267,17 @@ def _check_exe(req: admission.Request, exe: str, env: dict[str, str], preset: st
     raise CommandNotFound(exe, preset, looked, here if runs_on.service_pid is not None else None)
 
 
+def wants_worktree(cfg: Config, req: admission.Request) -> bool:
+    """Whether the task runs in a worktree of its own: --worktree, else the config or its preset."""
+    if req.worktree is not None:
+        return req.worktree
+    preset = cfg.agents.get(req.agent or cfg.default_agent) if req.agent or not req.command else None
+    return cfg.worktrees.enabled or bool(preset and preset.worktree)
+
+
 def _check_worktree(cfg: Config, req: admission.Request) -> None:
     """A worktree task must come from a git repository; record it and the base on the request."""
-    want = req.worktree
-    if want is None:
-        preset = cfg.agents.get(req.agent or cfg.default_agent) if req.agent or not req.command else None
-        want = cfg.worktrees.enabled or bool(preset and preset.worktree)
-    if not want:
+    if not wants_worktree(cfg, req):
         if req.base is not None:
             raise UsageError("--base needs --worktree (or worktrees.enabled, or a preset with \"worktree\": true)")
         req.repo = None

@@ -22,7 +22,8 @@ import logging
 import os
 import signal
 from collections import ChainMap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import datetime
 from operator import attrgetter
 from typing import TYPE_CHECKING
@@ -52,6 +53,7 @@ from kugetsu.paths import Home, atomic_write, read_head
 from kugetsu.service.processes import WARM_AHEAD, LetGo, Processes
 from kugetsu.store.files import open_store
 from kugetsu.store.protocol import Txn
+from kugetsu.service.handoff import HandoffSocket
 from kugetsu.service.wakeup import WakeSocket
 from kugetsu.service.worktree_worker import WorktreeWorker, workplace
 
@@ -143,6 +145,7 @@ class Service:
         self._stopping = asyncio.Event()
         wakeup = WakeSocket(self.home, self.loop, self.request_tick, self.stop)
         wakeup.open()
+        handoff: HandoffSocket | None = None
         self.scheduler = new_scheduler()
         self.scheduler.start()
         self.timer = DeadlineTimer(self.scheduler, self._on_deadline)
@@ -158,6 +161,8 @@ class Service:
             self._join_cluster()
             self._resources_mode()
             atomic_write(self.home.service_pid, f"{os.getpid()}\n".encode())
+            if self.member is None:  # one machine: `kugetsu delegate` hands its request over
+                handoff = self._open_handoff()
             # A first tick that fails (a full disk, a record no rule foresaw) is said and retried
             # with backoff, as every later one: the service stays up for the tasks it can serve.
             self._safe_tick()
@@ -185,9 +190,46 @@ class Service:
             self.exits.close()
             self.store.fold()  # the last commit: index.json alone is the state while no service runs
             wakeup.close()
+            if handoff is not None:
+                handoff.close()
             self.home.service_pid.unlink(missing_ok=True)
             os.close(lock_fd)
         return 0
+
+    def _open_handoff(self) -> HandoffSocket | None:
+        """The delegate socket (frontends/cli/thin.py): a CLI's delegate, admitted by the very
+        cmd_delegate in this loop's transaction (`_handed_transaction`), answered with its output."""
+        from kugetsu.frontends.cli import thin  # the CLI's half: what a request says, what it prints
+
+        sock = HandoffSocket(self.home, self.loop, thin.answerer(self.home, self._handed_transaction, self._handed))
+        try:
+            return sock if sock.open() else None
+        except OSError as err:  # the CLI delegates in its own process, as without a service
+            log.warning("no delegate socket (%s): delegates run in the CLI", err)
+            return None
+
+    @contextmanager
+    def _handed_transaction(self) -> Iterator[tuple[Txn, Config]]:
+        """A handed-over delegate's transaction: the store's, in this loop, after a burst's held
+        commit (so that one failing does not take the other's work with it). It is a CLI's
+        transaction in all but the process: it records nothing this service let go (what a
+        failed tick let go stays for the next tick), and the queue it changes is not the one
+        the fast path's successor was picked from: none is let go early until the tick it asks
+        for (`_handed`) picks again, although the store finds the index its own."""
+        self.held.flush()
+        txn = self.store.begin()
+        try:
+            cfg = transaction.config_in(self.home, txn)  # as under the lock, as the CLI reads it
+            yield txn, cfg
+            self.fast.successor = None
+            self.store.commit(txn)
+        except BaseException:
+            self.store.abort()
+            raise
+
+    def _handed(self) -> None:
+        """A handed-over delegate committed: spawn what it started, as its datagram would."""
+        self.request_tick()
 
     @property
     def here(self) -> str | None:

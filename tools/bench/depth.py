@@ -106,6 +106,41 @@ def service_idle(n: int, seconds: float) -> dict:
             kg.stop(cancel=False)
 
 
+def cli_served(sizes: list[int], reps: int) -> dict:
+    """`delegate -- true` while the service runs, n queued behind one running blocker (the way
+    a PM agent meets it): beside a bare `python -c pass` and the same command kept in the CLI's
+    process (KUGETSU_THIN=0; a checkout without the thin path ignores it), interleaved. Also
+    the service's CPU time per delegate (what a thin delegate moved into it) and the load."""
+    from run import timed
+
+    results: dict = {}
+    for n in sizes:
+        with tempfile.TemporaryDirectory(prefix="kgscale-") as tmp:
+            root = Path(tmp)
+            go, up = root / "go", root / "up"
+            r_n = max(5, reps // 2) if n >= 10000 else reps
+            kg = queue_home(root, n, 1, go, up)
+            kg.home.config.write_text(json.dumps({"max_agents": 1, "max_queue": n + 3 * r_n + 20, "autostart": False}))
+            try:
+                kg.run("serve", "--detach")
+                wait_until(lambda: blockers_up(up, 1), 120, "the blocker to start")
+                service = psutil.Process(kg.service_pid())
+                here = {**kg.env, "KUGETSU_THIN": "0"}
+                bare, thin, local, cpu = [], [], [], []
+                for _ in range(r_n):
+                    bare += timed([PY, "-c", "pass"], kg.env, 1)
+                    before = sum(service.cpu_times()[:2])
+                    thin += timed(kg.argv("delegate", "--", "true"), kg.env, 1)
+                    cpu.append((sum(service.cpu_times()[:2]) - before) * 1000)
+                    local += timed(kg.argv("delegate", "--", "true"), here, 1)
+                results[n] = {"python": bare, "delegate": thin, "in_process": local, "service_cpu": cpu,
+                              "load": os.getloadavg()}
+            finally:
+                go.touch()
+                kg.stop(cancel=False)
+    return results
+
+
 @contextmanager
 def tsp_blocked(slots: int) -> Iterator[tuple[Tsp, Path, Path, float]]:
     """A private tsp server whose `slots` slots are held by blockers, started (their stamps are

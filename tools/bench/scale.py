@@ -16,7 +16,9 @@ drain      N trivial tasks queued behind one blocker per slot; from the moment t
 promotion  from the same 1-slot drains: one task's end stamp to the next one's start stamp,
            p50 [<= tsp's] and p95 [<= 10 ms], while the queue is N deep (tsp: at most ~900).
 cli        `delegate`, `capacity --json`, `queue --json` at N queued (no service), beside a bare
-           `python -c pass`, interleaved (run.py's cli_latency) [delegate, capacity <= 3x].
+           `python -c pass`, interleaved (run.py's cli_latency) [delegate, capacity <= 3x]; then
+           `delegate` with the service running (through it: frontends/cli/thin.py), beside
+           python and the same kept in the CLI's process (depth.cli_served) [<= 3x].
 service    kugetsu's service with N queued behind one running task: start-up (`serve --detach`
            to the task's own start stamp) [< 0.5 s], idle CPU [< 1 % of a core], RSS
            [< 100 MB]; its warm wrappers (descendants other than the task: count, PSS)
@@ -144,6 +146,9 @@ def measure(args: argparse.Namespace, log, res: dict) -> dict:
         log("CLI latency at " + ", ".join(f"{n:,}" for n in args.sizes))
         res["cli"] = cli_latency(args.sizes, args.cli_reps)
         save()
+        log("CLI delegate with the service running at " + ", ".join(f"{n:,}" for n in args.sizes))
+        res["cli_served"] = depth.cli_served(args.sizes, args.cli_reps)
+        save()
     if "service" in args.only:
         res["service"] = {}
         for n in args.sizes:
@@ -223,6 +228,12 @@ def table(res: dict) -> list[dict]:
             k = _med(c[cmd])
             budget, met = ("<= 3x python", k <= 3 * py) if cmd != "queue" else ("bounded by output", None)
             row(f"CLI {cmd}{'' if cmd == 'delegate' else ' --json'} @{int(n):,} (vs python -c pass)", k, py, "ms", budget, met)
+    for n, c in res.get("cli_served", {}).items():
+        py = _med(c["python"])
+        k = _med(c["delegate"])
+        row(f"CLI delegate, service running @{int(n):,} (vs python -c pass)", k, py, "ms", "<= 3x python", k <= 3 * py)
+        row(f"  kept in the CLI's process (KUGETSU_THIN=0) @{int(n):,}", _med(c["in_process"]), py, "ms", "", None)
+        row(f"  the service's CPU per delegate @{int(n):,}", _med(c["service_cpu"]), None, "ms", "", None)
     for n, s in res.get("service", {}).items():
         k, t = s["kugetsu"], s["tsp"]
         n = int(n)

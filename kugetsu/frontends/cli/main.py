@@ -1,6 +1,6 @@
 """The `kugetsu` command line (docs/architecture.md): the parser built from the command table,
-`main` (one command, its errors as one line with their exit code) and `run` (the console
-script and `python -m kugetsu`). Each command is a thin shell around the app layer.
+`main` (one command, its errors as one line with their exit code) and `run` (the program, once
+thin.run, the console script and `python -m kugetsu`, found `delegate` is not for the service). Each command is a thin shell around the app layer.
 """
 
 from __future__ import annotations
@@ -12,10 +12,13 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from kugetsu.errors import OK, KugetsuError
-from kugetsu.frontends.cli.output import _drop_output, _fix, _flush_output, _kept, _say, _undo_dashdash
-from kugetsu.frontends.cli.parser import _cancel_args, _clean_args, _config_args, _dashboard_args, _delegate_args, _edit_args, _group_args, _hold_args, _json_only, _kill_args, _logs_args, _mcp_args, _no_args, _Parser, _pause_args, _priority_args, _queue_args, _release_args, _remove_args, _retry_args, _schedule_args, _serve_args, _stats_args, _status_args, _store_args, _task_json_args, _telegram_args, _wait_args, _worktrees_args
-from kugetsu.paths import Home, default_home
+import kugetsu
+
+kugetsu._import_msgspec_lean()  # skipped by kugetsu's import for `delegate` (frontends/cli/thin.py); here at the latest
+from kugetsu.errors import OK, KugetsuError  # noqa: E402
+from kugetsu.frontends.cli.output import _drop_output, _fix, _flush_output, _kept, _say, _undo_dashdash  # noqa: E402
+from kugetsu.frontends.cli.parser import _cancel_args, _clean_args, _config_args, _dashboard_args, _delegate_args, _edit_args, _group_args, _hold_args, _json_only, _kill_args, _logs_args, _mcp_args, _no_args, _Parser, _pause_args, _priority_args, _queue_args, _release_args, _remove_args, _retry_args, _schedule_args, _serve_args, _stats_args, _status_args, _store_args, _task_json_args, _telegram_args, _wait_args, _worktrees_args  # noqa: E402
+from kugetsu.paths import Home, default_home  # noqa: E402
 
 
 def _command(module: str, name: str) -> Callable[[Home, argparse.Namespace], int]:
@@ -32,27 +35,44 @@ def _command(module: str, name: str) -> Callable[[Home, argparse.Namespace], int
 
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The whole parser, or (with `only`) just the top level and that one command."""
+def build_parser(only: str | None = None, cls: type[_Parser] = _Parser) -> argparse.ArgumentParser:
+    """The whole parser, or (with `only`) just the top level and that one command. `cls`: one
+    that prints nothing (thin.py: the service parses a handed-over command line)."""
     from kugetsu import __version__
 
-    p = _Parser(prog="kugetsu", description="Capacity manager for parallel AI coding agents.")
+    p = cls(prog="kugetsu", description="Capacity manager for parallel AI coding agents.")
     p.add_argument("--version", action="version", version=f"kugetsu {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=cls)
     for name, (help_text, add_args, _) in COMMANDS.items():
         if only is None or name == only:
             add_args(sub.add_parser(name, help=help_text, description=help_text))
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse(argv: list[str], cls: type[_Parser] = _Parser) -> argparse.Namespace:
+    """The command line as the commands read it: the agent's command after `--` apart."""
     command: list[str] = []
     if argv and argv[0] in ("delegate", "schedule", "edit") and "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
-    args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
+    args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None, cls).parse_args(argv)
     args.argv_command = command
+    return args
+
+
+def failure(home: Home, err: KugetsuError | OSError) -> tuple[str, int]:
+    """A command's failure as the CLI says it: the line for stderr (before escaping) and the
+    exit code. An OSError is the last resort: what and where, never a traceback."""
+    if isinstance(err, KugetsuError):
+        return f"kugetsu: {err}{_fix(err)}", err.code
+    from kugetsu.paths import explain
+
+    error = explain(home, err)
+    return f"kugetsu: {error}", error.code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(list(sys.argv[1:] if argv is None else argv))
     home = default_home()
     _kept.clear()  # main called again in one process: the last call's are done with
     collecting = gc.isenabled()
@@ -66,20 +86,15 @@ def main(argv: list[str] | None = None) -> int:
         code = COMMANDS[args.command][2](home, args)
         _flush_output()  # here, so that a failed write of the output is said like any error
         return code
-    except KugetsuError as err:
-        _say(f"kugetsu: {err}{_fix(err)}", file=sys.stderr)
-        return err.code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
         _drop_output()
         return OK
-    except OSError as err:  # the last resort: one line that says what and where, never a traceback
-        from kugetsu.paths import explain
-
-        error = explain(home, err)
-        _say(f"kugetsu: {error}", file=sys.stderr)
-        return error.code
+    except (KugetsuError, OSError) as err:
+        line, code = failure(home, err)
+        _say(line, file=sys.stderr)
+        return code
     finally:
         if collecting:
             gc.enable()

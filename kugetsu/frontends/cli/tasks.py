@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple, TextIO
 
 from kugetsu.app import control, delegation, reading, transaction, verbs
 from kugetsu.config.load import load_config
@@ -23,18 +24,34 @@ from kugetsu.paths import Home
 # ---- commands -----------------------------------------------------------------------------
 
 
-def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
+class Via(NamedTuple):
+    """What `delegate` reads from and writes to its process: here, this process's; in the
+    service, the CLI's that handed the request over (frontends/cli/thin.py), whose cwd and
+    environment came with it and whose output goes back to it. `caller`: the service's own
+    transaction and wake-up (None: this process's)."""
+
+    out: TextIO
+    err: TextIO
+    cwd: str
+    environ: Mapping[str, str]
+    caller: delegation.Caller | None = None
+    prompt: bytes | None = None  # --prompt-file's bytes, read by the CLI (None: read them here)
+
+
+def cmd_delegate(home: Home, args: argparse.Namespace, via: Via | None = None) -> int:
+    via = via or Via(sys.stdout, sys.stderr, "", os.environ)
     cfg = load_config(home)
-    req = _request(args)
+    req = _request(args, via.cwd, via.environ, via.prompt)
     unused = admission.unused_prompt_text(cfg, req, "the command after --")
     if unused:
-        print(f"kugetsu: warning: {unused}", file=sys.stderr)
-    adm = delegation.delegate(home, cfg, req)
-    _priority_ignored(cfg.strategy, args.priority)
+        print(f"kugetsu: warning: {unused}", file=via.err)
+    adm = delegation.delegate(home, cfg, req, via.caller)
+    _priority_ignored(cfg.strategy, args.priority, via.err)
     if not args.json:
         from kugetsu.frontends import render
 
-        _say(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for), flush=True)
+        _say(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for), file=via.out,
+             flush=True)
     if args.wait:  # the task just admitted, by id: never an older task of the same name
         code = _wait_for(home, [adm.task.id], None)
         if args.json:
@@ -44,15 +61,17 @@ def cmd_delegate(home: Home, args: argparse.Namespace) -> int:
             print(to_json(reading.task_json(final, None, prompts=reading.prompts(home, [final]))))
         return code
     if args.json:
-        print(to_json(reading.task_json(adm.task, adm.position, prompts=reading.prompts(home, [adm.task]))))
+        print(to_json(reading.task_json(adm.task, adm.position, prompts=reading.prompts(home, [adm.task]))), file=via.out)
     return OK
 
 
-def _request(args: argparse.Namespace) -> admission.Request:
-    """delegate's options as a request (delegate, schedule add)."""
-    prompt = _read_prompt(args)
+def _request(args: argparse.Namespace, cwd: str = "", environ: Mapping[str, str] = os.environ,
+             prompt_data: bytes | None = None) -> admission.Request:
+    """delegate's options as a request (delegate, schedule add). `cwd`: the caller's working
+    directory, relative paths are taken from ("": this process's); `prompt_data`: _read_prompt's."""
+    prompt = _read_prompt(args, prompt_data)
     return admission.Request(
-        cwd=os.path.abspath(args.cwd or os.getcwd()),
+        cwd=os.path.normpath(os.path.join(cwd or os.getcwd(), args.cwd or "")),  # os.path.abspath, from `cwd`
         name=args.name,
         command=args.argv_command or None,
         prompt=prompt,
@@ -75,11 +94,11 @@ def _request(args: argparse.Namespace) -> admission.Request:
         memory=args.memory,
         max_procs=args.max_procs,
         slots=args.slots,
-        env=_env_pairs(args.env),
+        env=_env_pairs(args.env, environ),
     )
 
 
-def _env_pairs(values: list[str]) -> dict[str, str]:
+def _env_pairs(values: list[str], environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """--env K=V --env K2: the variables, in order (K alone: this shell's value of K)."""
     env: dict[str, str] = {}
     for value in values:
@@ -87,19 +106,22 @@ def _env_pairs(values: list[str]) -> dict[str, str]:
             raise UsageError("--env: give NAME=VALUE, or NAME to pass this shell's value")
         name, eq, text = value.partition("=")
         if not eq:
-            if name not in os.environ:
+            if name not in environ:
                 raise UsageError(f"--env {name}: not set in this shell; give --env {name}=VALUE")
-            text = os.environ[name]
+            text = environ[name]
         env[name] = text
     return env
 
 
-def _read_prompt(args: argparse.Namespace) -> str | None:
-    """--prompt TEXT, or the text of --prompt-file F (- for stdin), or None."""
+def _read_prompt(args: argparse.Namespace, data: bytes | None = None) -> str | None:
+    """--prompt TEXT, or the text of --prompt-file F (- for stdin), or None. `data`: F's bytes,
+    read already (by the CLI that handed the command to the service: thin.py)."""
     if not args.prompt_file:
         return args.prompt  # type: ignore[no-any-return]
     try:  # bytes, decoded as they are: no newline translation, the prompt arrives verbatim
-        if args.prompt_file == "-":
+        if data is not None:
+            pass
+        elif args.prompt_file == "-":
             data = sys.stdin.buffer.read()
         else:
             with open(args.prompt_file, "rb") as f:
@@ -213,11 +235,11 @@ def cmd_cancel(home: Home, args: argparse.Namespace) -> int:
         _say(render.cancelled(out))
     return OK
 
-def _priority_ignored(cfg_strategy: str, level: str) -> None:
+def _priority_ignored(cfg_strategy: str, level: str, err: TextIO | None = None) -> None:
     """Under `fifo` a priority changes nothing: say so rather than let it look obeyed."""
     if cfg_strategy == "fifo" and level != "normal":
         _say("kugetsu: note: priority is ignored under strategy fifo (`kugetsu config set strategy priority`"
-             " makes it count)", file=sys.stderr)
+             " makes it count)", file=err or sys.stderr)
 
 
 def cmd_priority(home: Home, args: argparse.Namespace) -> int:

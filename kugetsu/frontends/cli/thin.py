@@ -1,0 +1,326 @@
+"""`kugetsu delegate` through the running service (issue 31): the thin path.
+
+The CLI's entry (`run`: the console script and `python -m kugetsu`). For `delegate`, before
+the CLI is imported (argparse, msgspec, the app layer: ~70 ms before it touches the index), it
+hands the command line to this home's service over its delegate socket
+(`service/handoff.py`): the argv, the working directory and the environment the command
+reads (the task it runs in, PATH). The service runs the very same `cmd_delegate` (app/delegation's
+checks and admission, in the service's own warm transaction in its loop: it neither decodes
+nor writes the whole index again from scratch) and sends back what the command prints; this
+process writes it and exits with its code.
+
+--prompt-file is read here (stdin too), once a service listens, and its bytes go with the
+request, at most PROMPT_MAX: a longer one, a file that cannot be read, and stdin when the
+service declines, are the CLI's as before (stdin replayed from the bytes read).
+
+The command runs here instead, as before, when KUGETSU_THIN=0, or: no service listens (no
+socket, a stale one), the home's store is a cluster (KUGETSU_STORE or config `store`), the
+home is too deep for a socket path, --prompt-file cannot be read or is over PROMPT_MAX, or
+the service declines the request: it blocks (--wait); it reads this environment by name
+(--env NAME); it runs git (a worktree task); argparse would answer it (an error, --help);
+the CLI's clock is off the service's by more than skew.CLOCK_TOLERANCE (a command with a
+wrong clock stays one, corrected and said by the service); the service is stopping.
+The service declines before it runs anything, so running here is never a second admission.
+
+A service that ends (kill -9) after it said it runs the request may or may not have committed
+it: the command then fails (exit 1) and says to look at `kugetsu queue` rather than delegate
+again, since a task queued twice is worse than an error (docs/architecture.md, request walks).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TYPE_CHECKING = False  # not typing's: its import is 2 ms of the client's start
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Callable
+    from typing import NoReturn
+
+    from kugetsu.paths import Home
+
+MAGIC = b"kugetsu-delegate/1"
+# The environment `delegate` reads (delegation.caller_task: the task it runs in; the PATH an
+# error names), and nothing else: no other variable (a token) leaves this process.
+_PASSED = ("KUGETSU_TASK_ID", "KUGETSU_TASK_NAME", "PATH")
+FAILURE = 1  # errors.FAILURE, without importing it
+
+
+def run() -> NoReturn:
+    argv = sys.argv[1:]
+    if argv[:1] == ["delegate"]:
+        code = _handed_over(argv)
+        if code is not None:
+            os._exit(code)
+    from kugetsu.frontends.cli import main  # (which imports msgspec as kugetsu/__init__.py does)
+
+    main.run()
+
+
+# ---- the client: this process ------------------------------------------------------------
+
+
+def _handed_over(argv: list[str]) -> int | None:
+    """Run `delegate` in the service; its exit code, or None: run it here."""
+    if os.environ.get("KUGETSU_STORE") or os.environ.get("KUGETSU_THIN") == "0":
+        return None  # a cluster (its services take no home's socket); or asked to run here
+    from kugetsu.paths import default_home
+
+    home = default_home()
+    path = home.handoff
+    if path is None:
+        return None
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        return None  # gone: the CLI says what it says of that
+    env = [f"{k}={os.environ[k]}" for k in _PASSED if k in os.environ]
+    prompt_file = _prompt_file(argv)
+    import time
+
+    head = (str(home.root), cwd, str(len(argv)), str(len(env)), prompt_file or "", repr(time.time()), *argv, *env)
+    request = b"".join(f + b"\0" for f in (MAGIC, *(os.fsencode(s) for s in head)))
+    import _socket
+
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    data: bytes | None = None
+    try:
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return None  # no service (no socket, a stale one): nothing read, nothing sent
+        if prompt_file:  # read here, where the command would read it, once a service listens
+            data = _read_bounded(prompt_file)
+            if data is None or len(data) > PROMPT_MAX:
+                _replay(prompt_file, data)
+                return None
+        try:
+            sock.sendall(request + (data or b""))
+            sock.shutdown(_socket.SHUT_WR)
+            first = sock.recv(1)
+        except OSError:
+            first = b""
+        if first != b"A":  # declined, or closed before it ran anything (it says A first)
+            _replay(prompt_file, data)
+            return None
+        chunks = []
+        try:
+            while data := sock.recv(1 << 16):
+                chunks.append(data)
+        except OSError:
+            chunks = []
+    finally:
+        sock.close()
+    answer = _answer(b"".join(chunks))
+    if answer is None:
+        _write(sys.stderr, "kugetsu: the service stopped while it admitted this task, before it answered: the task may"
+               " or may not have been admitted. Look with `kugetsu queue --all` before you delegate it again.\n")
+        return FAILURE
+    code, err, out = answer
+    return _print(code, err, out)
+
+
+PROMPT_MAX = 1 << 20  # bytes of --prompt-file sent; a longer one is read (and refused) in the CLI, as before
+
+
+def _prompt_file(argv: list[str]) -> str | None:
+    """--prompt-file's value, as the parser will take it (no option is abbreviated; the last
+    one given wins; the command after `--` is not options); the service checks it."""
+    found = None
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    for i, word in enumerate(options):
+        if word == "--prompt-file" and i + 1 < len(options):
+            found = options[i + 1]
+        elif word.startswith("--prompt-file="):
+            found = word.partition("=")[2]
+    return found or None
+
+
+def _read_bounded(name: str) -> bytes | None:
+    """At most PROMPT_MAX + 1 bytes of the prompt file (- : stdin); None: it could not be read
+    (the CLI says so, in its words, reading it again)."""
+    try:
+        if name == "-":
+            stream = sys.stdin.buffer
+            return stream.read(PROMPT_MAX + 1)
+        with open(name, "rb") as f:
+            return f.read(PROMPT_MAX + 1)
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def _replay(name: str | None, data: bytes | None) -> None:
+    """The command runs here after all: stdin as it was, the bytes read from it first."""
+    if name == "-" and data:
+        import io
+
+        rest = sys.stdin.buffer.read()
+        sys.stdin = io.TextIOWrapper(io.BytesIO(data + rest))
+
+
+def _answer(data: bytes) -> tuple[int, str, str] | None:
+    """`<code> <stderr bytes> <stdout bytes>\\n`, then the two texts; None: cut short."""
+    head, nl, rest = data.partition(b"\n")
+    try:
+        code, n_err, n_out = (int(x) for x in head.split())
+    except ValueError:
+        return None
+    if not nl or len(rest) != n_err + n_out:
+        return None
+    return code, rest[:n_err].decode("utf-8", "surrogatepass"), rest[n_err:].decode("utf-8", "surrogatepass")
+
+
+def _print(code: int, err: str, out: str) -> int:
+    """What the command printed, as it would have here: stderr (said before), then stdout; a
+    reader gone (`| head`) is no failure, a write that fails is one (cli.main's rules)."""
+    try:
+        _write(sys.stderr, err)
+        _write(sys.stdout, out)
+    except BrokenPipeError:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)
+        except OSError:
+            pass
+        return 0
+    except OSError as error:
+        _write(sys.stderr, f"kugetsu: could not write the output: {error.strerror or error}\n")
+        return FAILURE
+    return code
+
+
+def _write(stream: object, text: str) -> None:
+    if text and stream is not None:  # None: the descriptor was closed (`>&-`); print() writes nothing there
+        stream.write(text)  # type: ignore[attr-defined]
+        stream.flush()  # type: ignore[attr-defined]
+
+
+# ---- the service's half -------------------------------------------------------------------
+
+
+class _Declined(Exception):
+    """The command line is not one the service runs (argparse would print, or exit)."""
+
+
+def answerer(home: Home, locked: Callable[[], object], woken: Callable[[], object]) -> Callable[[bytes], Callable[[], bytes] | None]:
+    """The service's handler for its delegate socket (service/handoff.py): a request, read
+    and checked, becomes what runs it (None: the CLI runs it itself). `locked`: the service's
+    transaction (a context manager giving the txn and the config under its lock); `woken`:
+    its tick, asked for as a local delegate's datagram would."""
+
+    def handle(request: bytes) -> Callable[[], bytes] | None:
+        parsed = _parse_request(home, request)
+        if parsed is None:
+            return None
+        args, cwd, environ, prompt = parsed
+        return lambda: _run(home, args, cwd, environ, prompt, locked, woken)
+
+    return handle
+
+
+def _parse_request(home: Home, request: bytes) -> tuple[argparse.Namespace, str, dict[str, str], bytes | None] | None:
+    from kugetsu.app import delegation
+    from kugetsu.config.load import load_config
+    from kugetsu.errors import KugetsuError
+    from kugetsu.frontends.cli import main
+    from kugetsu.frontends.cli.output import _undo_dashdash
+    from kugetsu.frontends.cli.tasks import _request
+    from kugetsu.paths import Home
+
+    head = request.split(b"\0", 7)  # MAGIC, home, cwd, argv's count, env's, --prompt-file, clock, the rest
+    if len(head) != 8 or head[0] != MAGIC or not all(n.isdigit() and len(n) <= 7 for n in head[3:5]):
+        return None
+    root, cwd, claimed = (os.fsdecode(f) for f in (head[1], head[2], head[5]))
+    n_argv, n_env = int(head[3]), int(head[4])
+    if not _same_clock(head[6]):
+        return None
+    fields = head[7].split(b"\0", n_argv + n_env)  # then --prompt-file's bytes, which may hold NULs
+    if len(fields) != n_argv + n_env + 1:
+        return None
+    argv, env = [os.fsdecode(f) for f in fields[:n_argv]], [os.fsdecode(f) for f in fields[n_argv:-1]]
+    if argv[:1] != ["delegate"] or str(Home(root).root) != str(home.root) or not os.path.isabs(cwd):
+        return None
+    environ = dict(e.partition("=")[::2] for e in env)
+    if any(k not in _PASSED for k in environ):
+        return None
+    try:
+        args = main.parse(argv, _quiet_parser())
+        _undo_dashdash(args)
+    except (_Declined, KugetsuError):
+        return None
+    if args.wait or (args.prompt_file or "") != claimed or any("=" not in v for v in args.env if isinstance(v, str)):
+        return None  # blocks; not the file the CLI read; reads the CLI's environment by name
+    prompt = fields[-1] if claimed else None
+    if prompt is None and fields[-1]:
+        return None
+    try:
+        cfg = load_config(home)
+    except (KugetsuError, OSError):
+        return None  # said by the CLI, in its words
+    if cfg.clustered:
+        return None
+    try:
+        if delegation.wants_worktree(cfg, _request(args, cwd, environ, prompt)):
+            return None  # git, which the service's loop never waits for
+    except KugetsuError:
+        pass  # bad input: said by the command itself, as here
+    return args, cwd, environ, prompt
+
+
+def _same_clock(sent: bytes) -> bool:
+    """Whether the CLI's clock is the service's, as far as the service's rules tell (within
+    skew.CLOCK_TOLERANCE): one that is not (faketime, a time namespace) runs the command
+    itself, writing its own times, which the service then corrects and says, as before."""
+    import time
+
+    from kugetsu.core.skew import CLOCK_TOLERANCE
+
+    try:
+        return abs(time.time() - float(sent)) <= CLOCK_TOLERANCE.total_seconds()
+    except ValueError:
+        return False
+
+
+def _run(home: Home, args: argparse.Namespace, cwd: str, environ: dict[str, str], prompt: bytes | None,
+         locked: Callable[[], object], woken: Callable[[], object]) -> bytes:
+    """cmd_delegate for the client, its output and exit code as the answer's bytes."""
+    import io
+
+    from kugetsu.app import delegation
+    from kugetsu.errors import KugetsuError
+    from kugetsu.frontends.cli import main
+    from kugetsu.frontends.cli.output import _say
+    from kugetsu.frontends.cli.tasks import Via, cmd_delegate
+
+    out, err = io.StringIO(), io.StringIO()
+    via = Via(out, err, cwd, environ, delegation.Caller(environ, locked, woken), prompt)  # type: ignore[arg-type]
+    try:
+        code = cmd_delegate(home, args, via)
+    except (KugetsuError, OSError) as error:
+        line, code = main.failure(home, error)
+        _say(line, file=err)
+    e, o = err.getvalue().encode("utf-8", "surrogatepass"), out.getvalue().encode("utf-8", "surrogatepass")
+    return b"%d %d %d\n" % (code, len(e), len(o)) + e + o
+
+
+_quiet: list[type] = []
+
+
+def _quiet_parser() -> type:
+    if _quiet:
+        return _quiet[0]
+    from kugetsu.frontends.cli.parser import _Parser
+
+    class Quiet(_Parser):
+        """The CLI's parser, that prints nothing: what it would print (an error, --help,
+        --version) the CLI prints itself."""
+
+        def _print_message(self, message: str, file: object = None) -> None:
+            raise _Declined
+
+        def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+            raise _Declined
+
+    _quiet.append(Quiet)  # built on first use: the client never imports the parser
+    return Quiet
