@@ -508,6 +508,7 @@ def test_the_index_leaves_defaults_out_and_reads_an_index_that_has_them(kg):
     kg.home.index.write_text(json.dumps(full, indent=2))
     assert json.loads(kg.ok("queue", "--json"))["queued"][0] == shown
     kg.ok("delegate", "b", "--", "true")  # the next change writes it lean
+    kg.ok("shutdown")  # (a running service's records go into index.json as it stops)
     assert [set(t) & {"pid", "state"} for t in json.loads(kg.home.index.read_text())["queued"]] == [set(), set()]
 
 
