@@ -106,6 +106,7 @@ class Service:
         # A transaction kept open for a burst of exits (fastpath.HeldCommit).
         self.held = HeldCommit(self.store, lambda: self.loop, self._held_committed, self._failed)
         self._config_stamp: object = ...  # what config.json looked like when last read (... = never)
+        self._stopped = False  # the service is stopping: no more ticks (main's finally)
         self._stopping: asyncio.Event | None = None
         self._disk_check = True  # worktrees.max_disk: look at start, then whenever one is kept
         self.member: Member | None = None  # cluster mode: this machine's lease, wake-ups, shipped output
@@ -172,6 +173,10 @@ class Service:
             log.info("kugetsu service stopping; running agents keep running")
         finally:
             self.held.flush()
+            # No tick from here on: the exits still to come are booked by the next service, as
+            # while none runs (a tick that a timer or a wake-up ran after procs.close() found
+            # its warm wrappers dropped and spawned the tasks afresh, with no service to watch them).
+            self._stopped = True
             self._book_measured()
             await self._stop_extensions()
             if self.member is not None:
@@ -262,6 +267,8 @@ class Service:
         self._safe_tick()
 
     def _safe_tick(self, hold: bool = False) -> None:
+        if self._stopped:
+            return
         try:
             self.tick(hold)
         except Exception as err:
