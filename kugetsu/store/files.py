@@ -283,15 +283,12 @@ class Store(Transactions):
 
     # ---- writing -------------------------------------------------------------------
 
-    # ---- writing -------------------------------------------------------------------
-
     def since(self, start: datetime) -> Since:
         """events.jsonl and history.jsonl read backwards to `start` (store/history.py)."""
         from kugetsu.store import history  # `kugetsu stats` only
 
         events, prior = history.events_since(self.home, start)
         return Since(events, history.history_since(self.home, start), prior)
-
 
     def begin(self, now: datetime | None = None) -> Txn:
         """Lock and load: a transaction that `commit` or `abort` ends. Between the two the lock
@@ -307,17 +304,16 @@ class Store(Transactions):
             reuse, self._committed = self._committed, None
             snapshot, self._snapshot = self._snapshot, None
             ahead, self._ahead = self._ahead, None
+            kept = reuse if reuse is not None else ahead
             unchanged = False
-            if (reuse or ahead) is not None and self._unmoved():
-                index = reuse or ahead
-                unchanged = reuse is not None
+            if kept is not None and self._unmoved():
+                index, unchanged = kept, reuse is not None
             else:
                 index = self._load(writer=True)
-            assert index is not None and self._disk is not None
             self._began = snapshot if unchanged else None
             if not unchanged:
                 self._queue_version += 1
-                _keep_counters_ahead(self.home, index, self._disk.key is not None)
+                _keep_counters_ahead(self.home, index, self._disk is not None and self._disk.key is not None)
             self._recover_outbox(index)
         except BaseException:
             self._unlock()
@@ -659,10 +655,13 @@ class Store(Transactions):
                 log.warning("index.journal could not be folded into index.json (%s); it is read as before", err)
 
     def _know(self, index: Index) -> None:
-        """Keep what `index` is (just loaded or written whole), for the next record: its queued
-        tasks become Tracked, so that an assignment to one is seen."""
+        """Keep what `index` is (just loaded or written whole), for the next record. Its queued
+        tasks become Tracked, so that an assignment to one is seen (by _Snapshot too, which
+        every long-lived Store uses)."""
         self._since.skip()
         tracking.track(index.queued)
+        if not self._appends:
+            return
         self._queue = list(index.queued)
         self._places = dict(zip(map(id, self._queue), range(len(self._queue))))
         self._offset = 0

@@ -224,8 +224,12 @@ class Kg:
         self.run("delegate", name, "--", *argv)
 
     def index(self) -> dict:
-        """index.json as plain JSON, every task with all its fields (the file leaves defaults out)."""
-        raw = json.loads(self.home.index.read_text())
+        """The committed index (index.json and, while the service runs, the journal's records
+        after it) as plain JSON, every task with all its fields (the file leaves defaults out)."""
+        from kugetsu.store.files import Store
+        from kugetsu.store.protocol import encode_index
+
+        raw = json.loads(encode_index(Store(self.home).read()))
         for part in ("active", "queued", "finished"):
             raw[part] = [task_record(t) for t in raw[part]]
         return raw
