@@ -255,7 +255,7 @@ def test_the_service_appends_while_it_runs_and_leaves_index_json_whole_when_it_s
         for i in range(3):
             kg.wait_state(f"t{i}", "succeeded", timeout=60)
         assert _stat(kg.home.index) == index_json  # every start and end was a record
-        assert len(_records(kg.home)) >= 3
+        assert _records(kg.home)  # (a burst of exits shares one record: not one per task)
     finally:
         kg.ok("shutdown")
     wait_for(lambda: kg.service_pid() is None, 15, "the service to stop")
