@@ -211,6 +211,7 @@ with tempfile.TemporaryDirectory(prefix="kgscale-") as tmp:
     home = Home(Path(tmp) / "home")
     home.ensure()
     store = open_store(home)
+    store.append_commits()  # the service's kind: its commits are records in index.journal
     with store.transaction() as txn:
         ix = txn.index
         for i in range(1, n + 201):
