@@ -12,9 +12,10 @@ import threading
 import pytest
 
 from conftest import T0, wait_for
+from test_edges import _fill, small_tmpfs  # noqa: F401  (small_tmpfs is a fixture)
 
 from kugetsu.core.models import Task, TaskState
-from kugetsu.errors import FileError
+from kugetsu.errors import DiskFull, FileError
 from kugetsu.paths import Home
 from kugetsu.store import files, journal, tracking
 from kugetsu.store.files import Store
@@ -322,3 +323,29 @@ def test_a_long_lived_writer_other_than_the_service_writes_index_json_whole(tmp_
             txn.index.next_id = i + 1
     assert not store.home.journal.exists()
     assert [t["id"] for t in json.loads(store.home.index.read_bytes())["queued"]] == [1, 2, 3]
+
+
+def test_a_full_disk_fails_the_commit_and_leaves_the_journal_as_it_was(small_tmpfs):
+    """The service's store on a real 1 MiB tmpfs filled up: its commit raises DiskFull, the
+    journal is cut back to its last whole record, a fresh reader reads the index before the
+    transaction, and once space is freed the next commit goes on from there."""
+    store = Store(Home(small_tmpfs / "home"))
+    store.append_commits()
+    with store.transaction() as txn:
+        txn.index.queued = [_task(i) for i in range(1, 51)]
+        txn.index.next_id = 51
+    with store.transaction() as txn:
+        txn.index.queued[0].name = "first"
+    committed, journal_bytes = _fresh(store), store.home.journal.read_bytes()
+    _fill(small_tmpfs)
+    with pytest.raises(DiskFull, match="disk full: could not write index.journal; nothing was written"):
+        with store.transaction() as txn:
+            for task in txn.index.queued[:4]:
+                task.name = "y" * 8000  # a record of ~32 KB: under the journal's limit, over what is left
+    assert store.home.journal.read_bytes() == journal_bytes and _fresh(store) == committed
+    (small_tmpfs / "filler").unlink()
+    with store.transaction() as txn:
+        assert txn.index.queued[0].name == "first"
+        txn.index.queued[1].name = "after"
+        expected = encode_index(txn.index)
+    assert _fresh(store) == expected
