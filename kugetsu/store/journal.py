@@ -23,7 +23,8 @@ from __future__ import annotations
 import io
 import os
 import zlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -31,6 +32,7 @@ from kugetsu.core.models import Index, Task
 from kugetsu.store.protocol import IndexFile, encoder
 
 _MAGIC = b"kugetsu-journal 1 "
+T = TypeVar("T")
 
 
 class Record(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -63,7 +65,7 @@ def header(snapshot: bytes) -> bytes:
     """The journal's first line, naming the snapshot it follows by its size and two checksums
     (a journal must never be replayed on another file: 64 bits of checksum, ~10 ms at 14 MB,
     against a decode of ~300)."""
-    return b"%s%d %08x%08x\n" % (_MAGIC, len(snapshot), zlib.crc32(snapshot), zlib.adler32(snapshot))
+    return _header(len(snapshot), zlib.crc32(snapshot), zlib.adler32(snapshot))
 
 
 def header_of(f: io.FileIO) -> bytes:
@@ -73,6 +75,10 @@ def header_of(f: io.FileIO) -> bytes:
     while piece := os.pread(f.fileno(), _PIECE, size):
         size += len(piece)
         crc, adler = zlib.crc32(piece, crc), zlib.adler32(piece, adler)
+    return _header(size, crc, adler)
+
+
+def _header(size: int, crc: int, adler: int) -> bytes:
     return b"%s%d %08x%08x\n" % (_MAGIC, size, crc, adler)
 
 
@@ -140,15 +146,7 @@ def replay(index: Index, found: list[bytes]) -> Index:
         record = _record_decoder.decode(data)
         queued = index.queued
         if record.queue is not None:
-            queued = []
-            for item in record.queue:
-                if type(item) is tuple:
-                    first, end = item
-                    if not 0 <= first < end <= len(index.queued):
-                        raise Damaged(f"a record names places {first}-{end} of a queue of {len(index.queued)}")
-                    queued += index.queued[first:end]
-                else:
-                    queued.append(item)
+            queued = _queue_after(queued, record.queue, lambda item: item if type(item) is tuple else None)
         if record.finished is not None:
             finished = record.finished
         else:
@@ -166,15 +164,29 @@ def replay_head(rest: Index, queued: list[msgspec.Raw], found: list[bytes]) -> t
     for data in found:
         record = _head_decoder.decode(data)
         if record.queue is not None:
-            before, queued = queued, []
-            for item in record.queue:
-                if memoryview(item)[:1] == b"[":
-                    first, end = _range_decoder.decode(item)
-                    if not 0 <= first < end <= len(before):
-                        raise Damaged(f"a record names places {first}-{end} of a queue of {len(before)}")
-                    queued += before[first:end]
-                else:
-                    queued.append(item)
+            queued = _queue_after(queued, record.queue, _range_of)
         rest = record.rest
     rest.queued, rest.finished = [], []
     return rest, queued
+
+
+def _queue_after(before: list[T], items: list[Any], range_of: Callable[[Any], tuple[int, int] | None]) -> list[T]:
+    """A record's queue: each item a range of places in `before` (range_of says which, and
+    where) or a task, in order."""
+    queued: list[T] = []
+    for item in items:
+        places = range_of(item)
+        if places is None:
+            queued.append(item)
+            continue
+        first, end = places
+        if not 0 <= first < end <= len(before):
+            raise Damaged(f"a record names places {first}-{end} of a queue of {len(before)}")
+        queued += before[first:end]
+    return queued
+
+
+def _range_of(item: msgspec.Raw) -> tuple[int, int] | None:
+    """A record's queue item as `capacity` reads it: a range of places (`[first, end]`), else
+    a task's text (None)."""
+    return _range_decoder.decode(item) if memoryview(item)[:1] == b"[" else None
