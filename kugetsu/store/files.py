@@ -166,14 +166,12 @@ class Store(Transactions):
         length = 0
         follows = False  # a journal that follows this index.json is there (else the next record starts one)
         if journal_data:
-            try:
+            with self._journal_read():
                 got = journal.records(journal_data, head)
                 if got is not None:
                     follows = True
                     found, length = got
                     index = journal.replay(index, found)
-            except (journal.Damaged, msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
-                raise FileError(f"{self.home.journal}: damaged ({err}).{_FIX_JOURNAL}") from None
         self._check(index)
         if writer:
             self._disk = _OnDisk(key, journal_key, follows, files.pin, length, head, len(data))
@@ -196,6 +194,16 @@ class Store(Transactions):
             if collecting:
                 gc.enable()
 
+    @contextmanager
+    def _journal_read(self) -> Iterator[None]:
+        """A damaged journal (not one cut short by a crash) raises FileError: the file, what, and
+        what to do."""
+        try:
+            yield
+        # RecursionError: absurdly deep nesting; UnicodeDecodeError: non-UTF-8 bytes in a string
+        except (journal.Damaged, msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
+            raise FileError(f"{self.home.journal}: damaged ({err}).{_FIX_JOURNAL}") from None
+
     def _check(self, index: Index) -> None:
         problem = check_index(index) if index.version == INDEX_VERSION else f"unknown version {index.version}"
         if problem:
@@ -214,6 +222,7 @@ class Store(Transactions):
         if self._disk is not None and self._disk.key is not None and not self._old:
             self._ahead = index
             self._whole = False  # kept: the first transaction appends what it changed
+            self._since.skip()
             self._know(index)
 
     def read_head(self) -> tuple[Index, QueueCounts]:
@@ -230,13 +239,11 @@ class Store(Transactions):
             return super().read_head()  # another version: `read` reads it whole (or refuses it)
         found: list[bytes] = []
         if journal_data:
-            try:
+            with self._journal_read():
                 got = journal.records(journal_data, journal.header(data))
                 if got is not None:
                     found = got[0]
                     index, queued = journal.replay_head(index, queued, found)
-            except (journal.Damaged, msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
-                raise FileError(f"{self.home.journal}: damaged ({err}).{_FIX_JOURNAL}") from None
         self._check(index)
         return index, count_queued(index, queued, [data, *found])
 
@@ -555,9 +562,7 @@ class Store(Transactions):
         """_queue_change for any change: each task's place in the queue before, runs of them, and
         the tasks new or assigned to since encoded."""
         ids = list(map(id, queued))
-        places: list[int | None] = list(map(self._places.get, ids))
-        if self._offset:
-            places = [None if p is None else p - self._offset for p in places]
+        places: list[int | None] = list(map(self._places.get, ids))  # numbered from _offset
         redo = set()
         if None in places:
             redo.update(i for i, place in enumerate(places) if place is None)
@@ -573,7 +578,7 @@ class Store(Transactions):
             if first is None:
                 queue += (msgspec.Raw(encoder.encode(task)) for task in queued[lo:hi])
             else:
-                queue.append((first, first + hi - lo))
+                queue.append((first - self._offset, first - self._offset + hi - lo))
         tracking.track([queued[i] for i in redo])
         self._places = dict(zip(ids, range(len(ids))))
         self._offset = 0
@@ -655,10 +660,9 @@ class Store(Transactions):
                 log.warning("index.journal could not be folded into index.json (%s); it is read as before", err)
 
     def _know(self, index: Index) -> None:
-        """Keep what `index` is (just loaded or written whole), for the next record. Its queued
-        tasks become Tracked, so that an assignment to one is seen (by _Snapshot too, which
-        every long-lived Store uses)."""
-        self._since.skip()
+        """Keep what `index` is (just loaded or written whole, the log of assignments skipped to
+        before), for the next record. Its queued tasks become Tracked, so that an assignment to
+        one is seen (by _Snapshot too, which every long-lived Store uses)."""
         tracking.track(index.queued)
         if not self._appends:
             return
@@ -712,8 +716,8 @@ class _Snapshot:
 
     @classmethod
     def of(cls, index: Index, mark: int) -> _Snapshot:
-        """Of an index just committed, encoded as of `mark`: Store._encode made its queued
-        tasks Tracked."""
+        """Of an index just committed, encoded as of `mark`: Store._know and _queue_change made
+        its queued tasks Tracked."""
         return cls(index, list(index.queued), mark, _encode_rest(index),
                    encode_index(index) if tracking.VERIFY else None)
 
