@@ -351,7 +351,9 @@ class Store(Transactions):
                 return
             self._commit(txn)
             self._committed = txn.index
-            self._snapshot = _Snapshot.of(txn.index, self._since.at)
+            # An appending Store encoded the rest for its record already (kept in _rest, _finished).
+            rest = (self._rest, self._finished) if self._appends else _encode_rest(txn.index)
+            self._snapshot = _Snapshot.of(txn.index, self._since.at, rest)
         except BaseException as err:
             self._queue_version += 1  # nothing known of what is committed: derive it afresh
             self._disk = None  # nor of what is on disk: the next transaction reads it
@@ -512,11 +514,10 @@ class Store(Transactions):
             return None
         queue = self._queue_change(index.queued, changed)
         finished: tuple[int, list[bytes]] | list[bytes] = (0, [])
-        now = list(map(encoder.encode, index.finished))
+        rest, now = _encode_rest(index)
         if now != self._finished:
             finished = _finished_change(self._finished, now)
             self._finished = now
-        rest = _encode_bare(index)
         if queue is None and finished == (0, []) and rest == self._rest:
             return _UNCHANGED
         self._rest = rest
@@ -669,8 +670,7 @@ class Store(Transactions):
         self._queue = list(index.queued)
         self._places = dict(zip(map(id, self._queue), range(len(self._queue))))
         self._offset = 0
-        self._finished = list(map(encoder.encode, index.finished))
-        self._rest = _encode_bare(index)
+        self._rest, self._finished = _encode_rest(index)
 
     def rotate_events(self, limit: int) -> int | None:
         """Once events.jsonl is past `limit` bytes, it becomes events.jsonl.1 (replacing the
@@ -707,7 +707,7 @@ class _Snapshot:
 
     __slots__ = ("index", "queued", "mark", "rest", "data")
 
-    def __init__(self, index: Index, queued: list[Task], mark: int, rest: bytes, data: bytes | None):
+    def __init__(self, index: Index, queued: list[Task], mark: int, rest: _Rest, data: bytes | None):
         self.index = index
         self.queued = queued
         self.mark = mark
@@ -715,10 +715,10 @@ class _Snapshot:
         self.data = data  # the whole encoding, kept only under tracking.VERIFY
 
     @classmethod
-    def of(cls, index: Index, mark: int) -> _Snapshot:
-        """Of an index just committed, encoded as of `mark`: Store._know and _queue_change made
-        its queued tasks Tracked."""
-        return cls(index, list(index.queued), mark, _encode_rest(index),
+    def of(cls, index: Index, mark: int, rest: _Rest) -> _Snapshot:
+        """Of an index just committed, encoded as of `mark` (`rest`: _encode_rest's): Store._know
+        and _queue_change made its queued tasks Tracked."""
+        return cls(index, list(index.queued), mark, rest,
                    encode_index(index) if tracking.VERIFY else None)
 
     def same(self, index: Index) -> bool:
@@ -855,9 +855,13 @@ def _runs(places: list[int | None], lo: int, hi: int) -> Iterator[tuple[int, int
     yield from _runs(places, mid, hi)
 
 
-def _encode_rest(index: Index) -> bytes:
-    """The index without its queue, encoded (_Snapshot)."""
-    return encoder.encode(msgspec.structs.replace(index, queued=[]))
+_Rest = tuple[bytes, list[bytes]]
+
+
+def _encode_rest(index: Index) -> _Rest:
+    """The index without its queue, encoded (_Snapshot): as a journal record has it, the rest
+    without the finished tasks, and each finished task."""
+    return _encode_bare(index), list(map(encoder.encode, index.finished))
 
 
 def _encode_bare(index: Index) -> bytes:
