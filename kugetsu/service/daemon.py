@@ -222,15 +222,9 @@ class Service:
         the fast path's successor was picked from: none is let go early until the tick it asks
         for (`_handed`) picks again, although the store finds the index its own."""
         self.held.flush()
-        txn = self.store.begin()
-        try:
-            cfg = transaction.config_in(self.home, txn)  # as under the lock, as the CLI reads it
-            yield txn, cfg
+        with self.store.transaction() as txn:
+            yield txn, transaction.config_in(self.home, txn)  # as under the lock, as the CLI reads it
             self.fast.successor = None
-            self.store.commit(txn)
-        except BaseException:
-            self.store.abort()
-            raise
 
     def _handed(self) -> None:
         """A handed-over delegate committed: spawn what it started, as its datagram would."""
@@ -555,13 +549,8 @@ class Service:
         if not self.measured or self.member is not None or self.failing is not None:
             return  # in a cluster every tick booked it; a store that fails is not written now
         try:
-            txn = self.store.begin()
-            try:
+            with self.store.transaction() as txn:
                 step.book_all(txn.index, list(self.measured.values()))
-            except BaseException:
-                self.store.abort()
-                raise
-            self.store.commit(txn)
         except Exception as err:  # a full disk: the next service goes on from what /proc shows
             log.warning("could not book the running tasks' measured use: %s", err)
 

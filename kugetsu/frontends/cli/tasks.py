@@ -119,11 +119,9 @@ def _read_prompt(args: argparse.Namespace, data: bytes | None = None) -> str | N
     if not args.prompt_file:
         return args.prompt  # type: ignore[no-any-return]
     try:  # bytes, decoded as they are: no newline translation, the prompt arrives verbatim
-        if data is not None:
-            pass
-        elif args.prompt_file == "-":
+        if data is None and args.prompt_file == "-":
             data = sys.stdin.buffer.read()
-        else:
+        elif data is None:
             with open(args.prompt_file, "rb") as f:
                 data = f.read()
         text = data.decode("utf-8")
