@@ -12,7 +12,7 @@ from conftest import T0
 
 from kugetsu.config.model import Config
 from kugetsu.core import admission, policy, selection, step
-from kugetsu.core.models import Index, TaskState
+from kugetsu.core.models import Index, Task, TaskState
 from kugetsu.service.fastpath import FastPath, QueueMemo
 
 
@@ -21,9 +21,11 @@ class Warm:
 
     def __init__(self) -> None:
         self.first: list = []
+        self.ahead: list[int] = []
 
-    def sync_warm(self, index, cfg, first=None) -> None:
+    def sync_warm(self, index, cfg, ahead, first=None) -> None:
         self.first.append(first)
+        self.ahead.append(ahead)
 
 
 def test_the_played_start_order_of_a_deep_queue_is_kept_while_the_queue_and_the_running_are_the_same(monkeypatch):
@@ -43,6 +45,7 @@ def test_the_played_start_order_of_a_deep_queue_is_kept_while_the_queue_and_the_
     fast.warm(ix, cfg)
     fast.warm(ix, cfg)  # a run timeout's tick: the queue is the same
     assert len(builds) == 1
+    assert warm.ahead == [100, 100]  # no run to go by (selection.warm_ahead)
     assert [t.name for t in warm.first[1]] == [f"t{i}" for i in range(100)] and warm.first[0] is warm.first[1]
     ix.active[0].slots = 1  # assigned, not changed: still the same
     fast.warm(ix, cfg)
@@ -57,3 +60,30 @@ def test_the_played_start_order_of_a_deep_queue_is_kept_while_the_queue_and_the_
     memo.at(3)
     fast.warm(ix, cfg)
     assert warm.first[-1] is None
+
+
+def _finished_task() -> Task:
+    ix = Index()
+    admission.admit(ix, Config(), T0, admission.Request(cwd="/", name="t", command=["true"]))
+    return msgspec.structs.replace(ix.active[0] if ix.active else ix.queued[0], state=TaskState.SUCCEEDED, run=None)
+
+
+def _ran(ix: Index, seconds: list[float]) -> None:
+    """Finished tasks that ran that long each."""
+    done = _finished_task()
+    ix.finished += [msgspec.structs.replace(done, id=1000 + i, started_at=T0, finished_at=T0 + timedelta(seconds=s))
+                    for i, s in enumerate(seconds)]
+
+
+def test_the_warm_wrappers_follow_the_pace_of_the_last_runs():
+    cfg = msgspec.convert({"max_agents": 2}, Config)
+    ix = Index()
+    assert selection.warm_ahead(ix, cfg, 100, 30.0) == 100  # no run to go by: as many as may be
+    _ran(ix, [600.0] * 5)  # agents of 10 minutes: the next promotion of each slot
+    assert selection.warm_ahead(ix, cfg, 100, 30.0) == 2
+    _ran(ix, [3.0] * 20)  # the last 20 ran 3 s: 2 slots x 30 s / 3 s
+    assert selection.warm_ahead(ix, cfg, 100, 30.0) == 20
+    _ran(ix, [0.002] * 20)  # a drain of trivial tasks: the most
+    assert selection.warm_ahead(ix, cfg, 100, 30.0) == 100
+    ix.finished.append(msgspec.structs.replace(_finished_task(), id=5000, started_at=None, finished_at=T0))  # never ran: no pace
+    assert selection.warm_ahead(ix, cfg, 100, 30.0) == 100

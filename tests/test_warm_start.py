@@ -73,6 +73,51 @@ async def test_only_the_first_warm_ahead_tasks_wait_warm(kg, monkeypatch):
     assert kg.times("a") == {} and all(kg.times(n) for n in ("b", "c", "d"))
 
 
+async def _one_quick_run_then_a_blocker_and(kg, names: tuple[str, ...]):
+    """A run to go by for selection.warm_ahead's pace (one agent that ends at once), then one
+    slot held by `blocker` (#2) until the returned gate file exists, `names` queued behind it."""
+    gate = kg.rec / "go"
+    await asyncio.to_thread(kg.delegate, "quick", 0)
+    await wait_for_async(lambda: kg.task("quick")["state"] == "succeeded", what="quick to end")
+    await asyncio.to_thread(kg.delegate, "blocker", 0, gate=gate)
+    for name in names:
+        await asyncio.to_thread(kg.delegate, name, 0)
+    return gate
+
+
+async def test_behind_agents_slower_than_the_window_only_the_next_promotion_waits_warm(kg, monkeypatch):
+    """Runs long against WARM_WINDOW (minutes against 30 s, in real use): one wrapper a slot
+    waits, not one per queued task (issue 31); each promotion warms the next, in order, once."""
+    kg.config(max_agents=1, autostart=False)
+    monkeypatch.setattr(processes, "WARM_WINDOW", 0.0001)
+    async with service_in_process(kg.home):
+        gate = await _one_quick_run_then_a_blocker_and(kg, ("a", "b", "c"))
+        await wait_for_async(lambda: set(kg.wrappers()) == {2, 3}, what="the blocker and a's wrapper alone")
+        assert all(kg.times(n) == {} for n in ("a", "b", "c"))  # none has run
+        gate.touch()
+        await wait_for_async(lambda: len(kg.index()["finished"]) == 5, what="the queue to drain")
+    starts = [kg.times(n)["start"] for n in ("blocker", "a", "b", "c")]
+    ends = [kg.times(n)["end"] for n in ("blocker", "a", "b", "c")]
+    assert starts == sorted(starts) and all(s >= e for s, e in zip(starts[1:], ends))  # one at a time, FIFO
+    assert all((kg.rec / n).read_text().count("start") == 1 for n in ("a", "b", "c"))
+
+
+async def test_behind_quick_agents_the_next_ones_wait_warm_until_the_pace_slows(kg, monkeypatch):
+    """Runs quick against WARM_WINDOW: the next WARM_AHEAD wait warm, for a drain; once the
+    runs are slow against it, one a slot again."""
+    kg.config(max_agents=1, autostart=False)
+    monkeypatch.setattr(processes, "WARM_AHEAD", 3)
+    async with service_in_process(kg.home):
+        gate = await _one_quick_run_then_a_blocker_and(kg, ("a", "b", "c", "d"))
+        await wait_for_async(lambda: set(kg.wrappers()) == {2, 3, 4, 5}, what="the blocker, a, b and c warm")
+        monkeypatch.setattr(processes, "WARM_WINDOW", 0.0001)  # the pace, against it, is slow now
+        await asyncio.to_thread(kg.delegate, "e", 0)  # a tick
+        await wait_for_async(lambda: set(kg.wrappers()) == {2, 3}, what="the blocker and a's wrapper alone")
+        gate.touch()
+        await wait_for_async(lambda: len(kg.index()["finished"]) == 7, what="the queue to drain")
+    assert all((kg.rec / n).read_text().count("start") == 1 for n in ("a", "b", "c", "d", "e"))
+
+
 def test_cancelled_warm_task_leaves_no_process(kg):
     kg.config(max_agents=1)
     kg.delegate("blocker", 30)

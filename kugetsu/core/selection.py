@@ -6,6 +6,7 @@ pauses, holds and groups; finding tasks by name or id.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from datetime import datetime
 from itertools import compress
@@ -142,6 +143,24 @@ def successor(index: Index, cfg: Config) -> Successor | None:
     # would take the slot once that time has come: the promise holds until then.
     waits = [t.not_before for t in timed if order(t) < key]
     return Successor(first, min(filter(None, [first.expires_at, *waits]), default=None))
+
+
+# The last runs whose length tells the pace of the next promotions (warm_ahead).
+PACE_RUNS = 20
+
+
+def warm_ahead(index: Index, cfg: Config, most: int, window: float) -> int:
+    """How many of the first queued tasks the service keeps warm (service.processes says what
+    that is and why): as many as would start within `window` seconds at the pace of the last
+    PACE_RUNS runs (max_agents slots, each freed once a median run's length), at least one a
+    slot, at most `most`; with no run to go by, `most`. Reads the tail of the finished list
+    only: the service asks it at every tick."""
+    runs = sorted((t.finished_at - t.started_at).total_seconds() for t in index.finished[-PACE_RUNS:]
+                  if t.started_at is not None and t.finished_at is not None)
+    if not runs:
+        return most
+    pace = max(runs[len(runs) // 2], 0.001)
+    return min(most, max(cfg.max_agents, math.ceil(cfg.max_agents * window / pace)))
 
 
 def start_order(index: Index, cfg: Config, now: datetime, first: int | None = None) -> list[Task]:

@@ -159,7 +159,7 @@ class FastPath:
         of the whole queue, 18 ms). Otherwise it depends on the clock and is played again."""
         key = (id(cfg), bool(index.holds))
         first = None
-        ahead = processes.WARM_AHEAD  # read at each call: tests lower it
+        ahead = selection.warm_ahead(index, cfg, processes.WARM_AHEAD, processes.WARM_WINDOW)
         if index.queued and self.memo.get("simple", key, lambda: policy.simple_order(index, cfg)):
             first = self.memo.get("first", (*key, ahead), lambda: selection.start_order(index, cfg, transaction.now(), ahead))
         elif (index.queued and selection.free_slots(index, cfg) == 0
@@ -168,7 +168,7 @@ class FastPath:
                       tuple((source, mark.n) for source, mark in index.last_start.items()),
                       tuple((t.id, t.source, t.group, t.agent, t.slots, t.memory) for t in index.active))
             first = self.memo.get("played", played, lambda: selection.start_order(index, cfg, transaction.now(), ahead))
-        self.procs.sync_warm(index, cfg, first)
+        self.procs.sync_warm(index, cfg, ahead, first)
 
 
 class HeldCommit:

@@ -33,13 +33,18 @@ if TYPE_CHECKING:  # only for the types: runner imports it when it first spawns
 
 log = logging.getLogger("kugetsu.service")
 
-# Queued tasks whose wrapper waits, started ahead (sync_warm). Not fewer: with 2 x max_agents
-# (4 at one slot) every promotion of a fast drain started the next wrapper in its own tick, on
-# the loop: a 100-task drain at one slot cost 2.57 ms of the service's CPU a task instead of
-# 1.46, and took 415 ms instead of 384 (7 interleaved rounds, load 3). An idle `sh` each, 13 MB
-# of PSS for 100 at a long queue, is what it costs; issue 31's "only as many as the next
-# promotions can use" is traded for the drain (README, Performance).
+# How many queued tasks have their wrapper started ahead, waiting (sync_warm): as many as the
+# next promotions can use (issue 31), which selection.warm_ahead reckons from the last runs'
+# length: those that would start within WARM_WINDOW seconds, at least one a slot, at most
+# WARM_AHEAD. Agents that run for minutes keep max_agents wrappers waiting, not 100 idle `sh`
+# (13 MB of PSS at a long queue). Quick ones keep up to WARM_AHEAD: started ahead, while the
+# agents before them run, they make a drain's promotions one write to a pipe each. Spawned
+# as the drain goes instead (one more at each start), the wrappers' starts took the CPU of
+# the drain's agents: a 100-task drain at one slot took 352 ms instead of 296 (tsp 307; 5
+# interleaved rounds), and with 2 x max_agents the service's CPU was 2.57 ms a task instead
+# of 1.46. With no run to go by (a new home), WARM_AHEAD.
 WARM_AHEAD = 100
+WARM_WINDOW = 30.0
 
 _FINAL = frozenset(s.value for s in TaskState if s.final)
 
@@ -163,8 +168,8 @@ class Processes:
         prompted = [t.id for t in tasks if t.prompted]
         return self.prompts(prompted) if prompted else {}
 
-    def sync_warm(self, index: Index, cfg: Config, first: list[Task] | None = None) -> None:
-        """Keep the wrappers of the first WARM_AHEAD queued tasks in start order started and
+    def sync_warm(self, index: Index, cfg: Config, ahead: int, first: list[Task] | None = None) -> None:
+        """Keep the wrappers of the first `ahead` queued tasks in start order started and
         waiting, while every slot is busy (with a free slot, tasks start at once anyway): a
         promotion is then one write to a pipe, and no process is started while agents end
         in quick succession (task-spooler's waiting clients do the same). Who starts is still
@@ -174,7 +179,7 @@ class Processes:
         has them already."""
         want: list[Task] = []
         if index.queued and selection.free_slots(index, cfg) == 0:
-            order = first if first is not None else selection.start_order(index, cfg, transaction.now(), WARM_AHEAD)
+            order = first if first is not None else selection.start_order(index, cfg, transaction.now(), ahead)
             want = [t for t in order if not t.repo and t.token and not (self.confine and limited(cfg, t))]
         wanted = {t.id for t in want}
         for task_id in [i for i in self.warm if i not in wanted]:

@@ -25,7 +25,7 @@ import psutil
 from common import PY, REPO, Kg, Sampler, wait_until
 from run import Tsp
 
-from kugetsu.core.models import Index, Task
+from kugetsu.core.models import Index, Task, TaskState
 from kugetsu.store.protocol import encode_index
 
 HERE = Path(__file__).resolve().parent
@@ -35,11 +35,13 @@ TSP_FITS = 900  # jobs tsp can hold queued: it keeps a connection per job, ~1,00
 BLOCKER = 'touch "$1"; while [ ! -e "$0" ]; do sleep 0.01; done'
 
 
-def queue_home(root: Path, n: int, slots: int, go: Path, up: Path, task: list[str] | None = None, **config: object) -> Kg:
+def queue_home(root: Path, n: int, slots: int, go: Path, up: Path, task: list[str] | None = None,
+               ran: float | None = None, **config: object) -> Kg:
     """A home with `slots` blockers (ids 1..slots) and n queued tasks behind them, written into
     index.json while no service runs (n delegations would take minutes at 50,000, and admission
     is measured on its own). Each blocker touches up/<id> when it starts. `task`: the queued
-    tasks' argv, its last element followed by the task's number (default `true`)."""
+    tasks' argv, its last element followed by the task's number (default `true`). `ran`: the
+    home's history, 20 finished runs that took that many seconds each (none by default)."""
     kg = Kg(root, max_agents=slots, max_queue=n + slots + 10, autostart=False, **config)
     up.mkdir()
     now = datetime.now(timezone.utc)
@@ -50,6 +52,12 @@ def queue_home(root: Path, n: int, slots: int, go: Path, up: Path, task: list[st
         # wrapper for the task, and the drain would measure cold starts only.
         index.queued.append(Task(id=i, name=f"t{i}", command=argv, cwd="/", created_at=now, token=os.urandom(16).hex(),
                                  expires_at=now + timedelta(hours=24), source="bench"))
+    if ran is not None:
+        for i in range(20):
+            index.finished.append(Task(id=index.next_id, name=f"done{i}", command=["true"], cwd="/", created_at=now,
+                                       state=TaskState.SUCCEEDED, started_at=now - timedelta(seconds=ran),
+                                       finished_at=now, exit_code=0, source="bench"))
+            index.next_id += 1
     kg.home.index.write_bytes(encode_index(index))
     return kg
 
@@ -82,11 +90,13 @@ def service_idle(n: int, seconds: float) -> dict:
     """kugetsu's service with n queued behind one running blocker (one slot): its start-up
     (from `serve --detach` to the blocker's own start stamp: up, the index read, a task
     running), then, idle, its CPU share and RSS over `seconds`, and its other descendants
-    (warm wrappers: count, RSS, PSS)."""
+    (warm wrappers: count, RSS, PSS). The home has the history a deep queue of agents has: its
+    last runs took 10 minutes each (the warm wrappers follow their pace: selection.warm_ahead;
+    with no run to go by, the service warms WARM_AHEAD)."""
     with tempfile.TemporaryDirectory(prefix="kgscale-") as tmp:
         root = Path(tmp)
         go, up = root / "go", root / "up"
-        kg = queue_home(root, n, 1, go, up)
+        kg = queue_home(root, n, 1, go, up, ran=600.0)
         t0 = time.monotonic()
         try:
             kg.run("serve", "--detach")
