@@ -22,7 +22,7 @@ cli        `delegate`, `capacity --json`, `queue --json` at N queued (no service
 service    kugetsu's service with N queued behind one running task: start-up (`serve --detach`
            to the task's own start stamp) [< 0.5 s], idle CPU [< 1 % of a core], RSS
            [< 100 MB]; its warm wrappers (descendants other than the task: count, PSS)
-           [<= 1: the next promotion's]. Beside a tsp server holding min(N, 900) jobs and its
+           [<= 1: the next promotion's; the home's last runs took 10 minutes each]. Beside a tsp server holding min(N, 900) jobs and its
            waiting clients (a process per queued job).
 deadlines  at --deadline-queue queued (10,000): the latest queue expiry and run timeout
            (deadlines.py) [<= 50 ms].
