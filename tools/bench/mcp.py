@@ -8,6 +8,9 @@ process. Both paths run the same admission (delegation.delegate: a locked, fsync
 on a throw-away home with autostart off, so no service and no agent competes for the CPU
 (a service would start a warm wrapper per queued task) and max_queue above the count:
 
+  mcp, capacity (floor)  the same session's `capacity` calls, one after the other: a tool's
+                     round trip through the SDK with no admission (calls/s, not tasks):
+                     what bounds the sequential row
   mcp, sequential    one stdio client session (the SDK's own client, `python -m kugetsu
                      mcp`), N delegates of `true`, each awaited before the next (a PM agent)
   mcp, 8 in flight   the same session, 8 calls at a time
@@ -83,9 +86,11 @@ def _check(kg: Kg, n: int) -> None:
     assert len(ids) == len(set(ids)) == n, f"admission lost or duplicated tasks: {len(ids)} of {n}"
 
 
-def mcp_rate(n: int, in_flight: int, batch: int = 0) -> float | None:
+def mcp_rate(n: int, in_flight: int, batch: int = 0, floor: bool = False) -> float | None:
     """One stdio session; `batch` > 0: `delegate` with `tasks`, that many a call (None when
-    the server has no such argument: a kugetsu before it)."""
+    the server has no such argument: a kugetsu before it); `floor`: `capacity` calls instead,
+    one after the other (a tool's round trip through the SDK, with no admission: the floor of
+    the sequential row), calls per second."""
     from mcp import Client, StdioServerParameters
 
     async def main() -> float | None:
@@ -99,6 +104,11 @@ def mcp_rate(n: int, in_flight: int, batch: int = 0) -> float | None:
                     tools = {t.name: t for t in (await client.list_tools()).tools}
                     if "tasks" not in tools["delegate"].input_schema["properties"]:
                         return None
+                if floor:
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        assert not (await client.call_tool("capacity", {})).is_error
+                    return n / (time.perf_counter() - t0)
                 limit = anyio.Semaphore(in_flight)
                 results: list = []
                 item = {"command": ["true"], "source": "bench"}
@@ -222,11 +232,13 @@ def cli_rate(n: int, procs: int) -> float:
 def measure(tasks: int, quick: bool) -> dict:
     load = os.getloadavg()[0]
     rounds = 1 if quick else 3
-    rows: dict[str, list[float]] = {"mcp, sequential": [], "mcp, 8 in flight": [], "mcp, 32 in flight": [],
+    rows: dict[str, list[float]] = {"mcp, capacity (floor)": [], "mcp, sequential": [], "mcp, 8 in flight": [],
+                                    "mcp, 32 in flight": [],
                                     "mcp, batch of 100": [],
                                     "mcp, 32 sessions": [], "mcp, 32 stdio": [], "cli, sequential": [],
                                     "cli, 20 procs": []}
     for _ in range(rounds):  # interleaved: a burst of load elsewhere falls on every row alike
+        rows["mcp, capacity (floor)"].append(mcp_rate(tasks, 1, floor=True))
         rows["mcp, sequential"].append(mcp_rate(tasks, 1))
         rows["mcp, 8 in flight"].append(mcp_rate(tasks, 8))
         batched = mcp_rate(max(tasks, 1000) // 100 * 100, 1, batch=100)
