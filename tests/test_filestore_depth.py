@@ -349,3 +349,20 @@ def test_a_full_disk_fails_the_commit_and_leaves_the_journal_as_it_was(small_tmp
         txn.index.queued[1].name = "after"
         expected = encode_index(txn.index)
     assert _fresh(store) == expected
+
+
+def test_a_queued_task_put_back_as_an_equal_copy_and_changed_later_reaches_the_disk(warm, monkeypatch):
+    """The head's check compares the queue with == (files._gone_ahead): a task replaced by an
+    equal copy passes it, and a later change of that copy, unseen by the log of assignments
+    (which follows the objects the Store knows), must still be written."""
+    import msgspec
+
+    monkeypatch.setattr(tracking, "VERIFY", False)  # what is checked here is the fresh read
+    with warm.transaction() as txn:
+        txn.index.queued[7] = msgspec.structs.replace(txn.index.queued[7])  # equal, another object
+    with warm.transaction() as txn:
+        txn.index.queued[7].priority = "high"  # on the copy
+        txn.index.queued[7].name = "copied"
+        committed = encode_index(txn.index)
+    assert _fresh(warm) == committed
+    assert Store(warm.home).read().queued[7].name == "copied"

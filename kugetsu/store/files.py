@@ -22,8 +22,6 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from contextlib import contextmanager
-from itertools import islice
-from operator import is_
 from datetime import datetime, timezone
 from typing import NamedTuple, TypeVar
 
@@ -795,14 +793,21 @@ def _read(path: Path) -> tuple[bytes | None, _Key | None]:
 
 def _gone_ahead(before: list[Task], now: list[Task]) -> int | None:
     """How many tasks (at most _AHEAD) left the head of `before` for `now` to begin with all the
-    others, in order, the same objects (tasks added after them or not); None for any other
-    change. One C pass over the queue."""
+    others, in order, the same objects or equal ones (tasks added after them or not); None for
+    any other change. One C pass over the queue: a list's == takes an item that is the same
+    object for equal without calling its __eq__ (30x the speed of `all(map(is_, ...))`: 7 against
+    210 us at 20,000 queued, most of a change's cost). Equal is enough: a task that is another
+    object of the same value is written as it is now, and should it change later (unseen by
+    the log of assignments, which follows the objects this Store knows), it no longer equals
+    the one kept here, and the next commit looks up every task's place (_queue_rebuilt)."""
     for gone in range(min(len(before), _AHEAD) + 1):
         kept = len(before) - gone
         if not kept:
             return gone
         if len(now) >= kept and now[0] is before[gone]:
-            return gone if all(map(is_, now, islice(before, gone, None))) else None
+            # Sliced only where it must be: a slice of 20,000 is a copy of 20,000 references.
+            same = (now if len(now) == kept else now[:kept]) == (before[gone:] if gone else before)
+            return gone if same else None
     return None
 
 
