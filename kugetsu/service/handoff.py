@@ -50,11 +50,12 @@ class HandoffSocket:
             return False
         path.unlink(missing_ok=True)  # a stale one: the caller holds the service lock
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # 0600 from the start: no moment in which another could connect
-        try:
-            sock.bind(str(path))
-        finally:
-            os.umask(old)
+        # Made 0600 after the bind, as the wake-up socket is. Not by a umask around it: that is
+        # the whole process's, and a thread creating a file or a directory meanwhile (a worktree,
+        # a cgroup) would get its mode cut too (0700 -> 0600: a directory no one can enter). The
+        # moment between is no opening: the home is 0700, and each client's uid is checked
+        # (SO_PEERCRED) before a byte of its request is read.
+        sock.bind(str(path))
         path.chmod(0o600)
         sock.listen(MAX_CLIENTS)
         sock.setblocking(False)
