@@ -4,6 +4,8 @@ sessions of one server sharing transactions, through the MCP SDK's own client an
 
 from __future__ import annotations
 
+import json
+
 import anyio
 import pytest
 from test_mcp import connect, start_http, text
@@ -251,3 +253,66 @@ async def test_the_admitter_lets_go_of_its_store_when_idle_and_opens_it_again(kg
     again = await admitter.admit(request("c"))
     assert again.task.id == 3 and again.position == 2 and again.queued == 2
     assert [t["name"] for t in live(kg)] == ["a", "b", "c"]
+
+
+async def test_the_admitter_appends_to_the_journal_and_folds_it_when_it_lets_go(kg):
+    """A long-lived writer: its admissions are records in index.journal (index.json is not
+    written whole at each call), folded into index.json once it lets go of the store (idle, or
+    the server's end); meanwhile every reader and writer sees them."""
+    from conftest import wait_for_async
+
+    from kugetsu.core import admission
+    from kugetsu.frontends.mcp.tools_tasks import Admitter
+
+    kg.config(autostart=False, max_agents=1, max_queue=10)
+    kg.ok("delegate", "first", "--", "true")  # index.json, written whole by a command
+    index_json = kg.home.index.stat()
+    admitter = Admitter(kg.home, forget_after=0.5)
+
+    def request(name: str) -> admission.Request:
+        return admission.Request(cwd=str(kg.rec), name=name, command=["true"], source="mcp")
+
+    for name in ("a", "b"):
+        await admitter.admit(request(name))
+    assert kg.home.journal.exists()
+    assert (kg.home.index.stat().st_ino, kg.home.index.stat().st_size) == (index_json.st_ino, index_json.st_size)
+    assert [t["name"] for t in live(kg)] == ["first", "a", "b"]  # a reader replays the records
+    await wait_for_async(lambda: admitter._store is None, what="the idle admitter to let go of its store")
+    assert not kg.home.journal.exists()
+    assert _in_index_json(kg) == ["first", "a", "b"]
+    await admitter.admit(request("c"))
+    assert kg.home.journal.exists()
+    admitter.close()  # the server's end
+    assert not kg.home.journal.exists() and _in_index_json(kg) == ["first", "a", "b", "c"]
+
+
+def _in_index_json(kg) -> list[str]:
+    """The running and queued tasks' names that index.json alone holds."""
+    index = json.loads(kg.home.index.read_bytes())
+    return [t["name"] for t in index["active"] + index["queued"]]
+
+
+async def test_the_servers_delegates_are_in_index_json_once_it_ends_and_read_if_it_was_killed(kg):
+    """`kugetsu mcp` (the real server over stdio): its delegates are journal records while it
+    runs, folded into index.json as it ends; killed (-9) before that, its journal is replayed
+    by every reader and folded by the next command that writes."""
+    import os
+    import signal
+
+    from conftest import wait_for_async
+    from test_mcp import mcp_server_pid
+
+    kg.config(autostart=False, max_agents=1, max_queue=10)
+    async with connect(kg) as client:
+        for name in ("a", "b"):
+            assert not (await client.call_tool("delegate", {"name": name, "command": ["true"]})).is_error
+        assert kg.home.journal.exists() and [t["name"] for t in live(kg)] == ["a", "b"]
+    await wait_for_async(lambda: not kg.home.journal.exists(), what="the ended server's fold")
+    assert _in_index_json(kg) == ["a", "b"]
+    async with connect(kg) as client:
+        assert not (await client.call_tool("delegate", {"name": "c", "command": ["true"]})).is_error
+        os.kill(mcp_server_pid(kg), signal.SIGKILL)
+        assert kg.home.journal.exists() and _in_index_json(kg) == ["a", "b"]
+        assert [t["name"] for t in live(kg)] == ["a", "b", "c"]  # replayed
+        kg.ok("delegate", "d", "--", "true")  # a command writes index.json whole
+        assert not kg.home.journal.exists() and _in_index_json(kg) == ["a", "b", "c", "d"]

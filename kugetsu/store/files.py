@@ -102,8 +102,9 @@ class Store(Transactions):
         self._rest = b""
         # The next commit writes index.json whole: the transaction's index was decoded afresh (a
         # one-shot command's, the service's after another writer), or it is a version-1 file.
-        # Only a Store that keeps its index (the service) appends to the journal: a command run
-        # while no service runs leaves index.json whole, the file a person may repair by hand.
+        # Only a Store that keeps its index (the service's, an MCP server's) appends to the
+        # journal: a command run while neither runs leaves index.json whole, the file a person
+        # may repair by hand.
         self._whole = True
         self._old = False  # the index last loaded was a version-1 file (written anew, as version 2)
         self._appends = False  # append_commits: this Store's writer folds the journal when it stops
@@ -636,9 +637,10 @@ class Store(Transactions):
 
     def append_commits(self) -> None:
         """From now on this Store's commits on the index it kept append to index.journal: the
-        service's, which folds the journal into index.json as it stops. Any other writer (a
-        command, a dashboard, an MCP server) writes index.json whole, so that with no service
-        running index.json alone is the state."""
+        long-lived writers', which fold the journal into index.json as they stop (the service)
+        or let go of the Store (an MCP server's admissions). Any other writer (a command, a
+        dashboard) writes index.json whole, so that with neither running index.json alone is
+        the state."""
         self._appends = True
 
     def fold(self) -> None:

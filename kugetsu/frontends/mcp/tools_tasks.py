@@ -3,6 +3,7 @@ cancel, priority. Concurrent delegate calls share transactions (Admitter: group 
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import threading
@@ -119,6 +120,7 @@ Tasks = Annotated[list[TaskItem] | None, Field(min_length=1, max_length=BATCH_MA
 def register(server: MCPServer, home: Home) -> None:
     answered = answers(home)
     admitter = Admitter(home)
+    atexit.register(admitter.close)  # the client closed stdio, the HTTP server stopped: fold
 
     @server.tool(annotations=ToolAnnotations(destructive_hint=False, idempotent_hint=False, open_world_hint=True))
     @answered
@@ -296,6 +298,8 @@ class Admitter:
         self._used = 0.0  # time.monotonic() of the last admission
         self._forget_after = forget_after
         self._forgetter: threading.Thread | None = None
+        # A batch's admission, or the store let go: one at a time (a Store is one thread's).
+        self._using = threading.Lock()
 
     async def admit(self, req: admission.Request) -> delegation.Admission:
         """One request, alone or sharing a transaction with those in flight beside it."""
@@ -324,6 +328,10 @@ class Admitter:
     def _admit(self, batch: list[_Entry]) -> None:
         """The batch in order of arrival: each run of single calls one transaction, each list
         one of its own. A failure of a whole transaction (disk full) is each of its calls'."""
+        with self._using:
+            self._admit_now(batch)
+
+    def _admit_now(self, batch: list[_Entry]) -> None:
         try:
             store, cfg = self._store_now(), load_config(self.home)
         except Exception as err:
@@ -350,27 +358,49 @@ class Admitter:
 
     def _store_now(self) -> StoreProtocol:
         """The store admissions write through, kept from one to the next (open again when the
-        config names another one: `config set store`)."""
+        config names another one: `config set store`). Its commits are records appended to
+        index.journal, as the service's are (a whole index.json a call cost 1.3 of an
+        admission's 1.5 ms at a few hundred queued, and grows with the queue); they are folded
+        into index.json when it is let go: idle, or as the server ends (`close`)."""
         url = store_url(self.home)
         self._used = time.monotonic()
         kept = self._store
         if kept is None or kept[0] != url:
-            kept = self._store = (url, store_at(self.home, url))
+            self._let_go()
+            store = store_at(self.home, url)
+            store.append_commits()
+            store.read_ahead()  # kept as read: the first admission appends too (as the service's first tick)
+            kept = self._store = (url, store)
         if self._forgetter is None:
             self._forgetter = threading.Thread(target=self._forget_when_idle, name="kugetsu-mcp-forget", daemon=True)
             self._forgetter.start()
         return kept[1]
 
+    def _let_go(self) -> None:
+        """Forget the store, its journal records folded into index.json first: with no
+        long-lived writer left, index.json alone is the state (a server killed before it could
+        fold leaves the journal, which every reader replays and the next writer folds)."""
+        kept, self._store = self._store, None
+        if kept is not None:
+            kept[1].fold()
+
+    def close(self) -> None:
+        """The server ends: what it appended goes into index.json."""
+        with self._using:
+            self._let_go()
+
     def _forget_when_idle(self) -> None:
         """Let go of the store (and the index it keeps: ~1.5 KB a queued task) once no admission
         came for `forget_after`, and give the heap's free pages back: an agent's own `kugetsu mcp`
         that delegated once would keep a copy of the index for as long as it lives. The next
-        admission opens the store again (one decode). A batch under way keeps its own reference."""
+        admission opens the store again (one decode)."""
         while True:
             time.sleep(self._forget_after / 4)
-            if self._store is not None and time.monotonic() - self._used >= self._forget_after:
-                self._store = None
-                runner.trim_heap()
+            with self._using:
+                if self._store is None or time.monotonic() - self._used < self._forget_after:
+                    continue
+                self._let_go()
+            runner.trim_heap()
 
 
 class _Entry:
