@@ -26,7 +26,8 @@ def _import_msgspec_lean() -> None:
             del sys.modules["typing_extensions"]
 
 
-# `kugetsu delegate` may run in the service (frontends/cli/thin.py), needing no msgspec here:
-# thin.run imports it (this way) only when the command runs in this process after all.
-if sys.argv[1:2] != ["delegate"]:
+# `kugetsu delegate` and `kugetsu capacity` may run in the service (frontends/cli/thin.py,
+# HANDED), needing no msgspec here: thin.run imports it (this way) only when the command runs
+# in this process after all.
+if sys.argv[1:2] not in (["delegate"], ["capacity"]):
     _import_msgspec_lean()

@@ -343,3 +343,25 @@ def test_a_prompt_file_and_stdin_go_with_the_request(kg, tmp_path):
     thin = kg.run("delegate", "b", "--json", "--wait", "--prompt-file", "-", input="from stdin")
     assert thin.returncode == 0 and json.loads(thin.stdout)["prompt"] == "from stdin", thin
     assert handed(kg) == before + 1
+
+
+def test_capacity_is_answered_by_the_service_as_the_cli_prints_it(kg):
+    """`capacity` (text and --json) through the service: the CLI's own process imports neither
+    msgspec nor the CLI, and prints what the in-process command prints, holds and tasks that
+    declare memory or slots counted alike; the service's fast path is untouched (the next
+    task is still let go at once when the running one ends)."""
+    served(kg)
+    kg.ok("delegate", "blocker", "--", "sleep", "30")
+    kg.ok("delegate", "a", "--", "true")
+    kg.ok("delegate", "big", "--slots", "1", "--memory", "1G", "--", "true")
+    kg.ok("hold", "claude")
+    for args in (["capacity"], ["capacity", "--json"]):
+        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "kugetsu", *args], env=kg.env,
+                           capture_output=True, text=True, timeout=60)
+        imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+        assert "msgspec" not in imported and "kugetsu.frontends.cli.main" not in imported, args
+        here = in_process(kg, *args)
+        assert r.returncode == here.returncode == 0 and r.stdout == here.stdout, (r, here)
+    assert json.loads(r.stdout)["queued"] == 2
+    kg.ok("cancel", "blocker")
+    kg.wait_state("big", "succeeded")

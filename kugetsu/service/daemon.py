@@ -24,6 +24,7 @@ import signal
 from collections import ChainMap
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from datetime import datetime
 from operator import attrgetter
 from typing import TYPE_CHECKING
@@ -206,7 +207,8 @@ class Service:
         cmd_delegate in this loop's transaction (`_handed_transaction`), answered with its output."""
         from kugetsu.frontends.cli import thin  # the CLI's half: what a request says, what it prints
 
-        sock = HandoffSocket(self.home, self.loop, thin.answerer(self.home, self._handed_transaction, self._handed))
+        sock = HandoffSocket(self.home, self.loop, thin.answerer(self.home, self._handed_transaction, self._handed,
+                                                                 partial(self._handed_transaction, False)))
         try:
             return sock if sock.open() else None
         except OSError as err:  # the CLI delegates in its own process, as without a service
@@ -214,17 +216,19 @@ class Service:
             return None
 
     @contextmanager
-    def _handed_transaction(self) -> Iterator[tuple[Txn, Config]]:
+    def _handed_transaction(self, changes: bool = True) -> Iterator[tuple[Txn, Config]]:
         """A handed-over delegate's transaction: the store's, in this loop, after a burst's held
         commit (so that one failing does not take the other's work with it). It is a CLI's
         transaction in all but the process: it records nothing this service let go (what a
         failed tick let go stays for the next tick), and the queue it changes is not the one
         the fast path's successor was picked from: none is let go early until the tick it asks
-        for (`_handed`) picks again, although the store finds the index its own."""
+        for (`_handed`) picks again, although the store finds the index its own. Not `changes`:
+        a handed-over read (`capacity`), which writes nothing, and the successor stands."""
         self.held.flush()
         with self.store.transaction() as txn:
             yield txn, transaction.config_in(self.home, txn)  # as under the lock, as the CLI reads it
-            self.fast.successor = None
+            if changes:
+                self.fast.successor = None
 
     def _handed(self) -> None:
         """A handed-over delegate committed: spawn what it started, as its datagram would."""

@@ -33,8 +33,10 @@ MAX_CLIENTS = 64
 ACCEPTED = b"A"  # the request will be run now: what follows is its answer
 DECLINED = b"F"  # the service does not run this one: the CLI runs it itself, nothing was done
 
-# handle(request) -> None (declined), or what runs it and returns the answer's bytes.
-Handler = Callable[[bytes], Callable[[], bytes] | None]
+# handle(request) -> None (declined), or what runs it and returns the answer's bytes, and the
+# command's name (a `delegate` is said in the log; a `capacity`, which a PM agent polls, only
+# at debug level).
+Handler = Callable[[bytes], tuple[Callable[[], bytes], str] | None]
 
 
 class HandoffSocket:
@@ -133,11 +135,11 @@ class HandoffSocket:
         request = b"".join(client.parts)
         client.parts = []
         try:
-            run = self.handle(request)
+            handled = self.handle(request)
         except Exception:
             log.exception("delegate socket: a request could not be read")
             run = None
-        if run is None:
+        if handled is None:
             client.say(DECLINED)
             self._drop(client)
             return
@@ -146,13 +148,15 @@ class HandoffSocket:
             return
         client.accepted = True
         self.handled += 1
+        run, command = handled
         try:
             answer = run()
         except Exception:  # a bug: said in the log; the client tells its user to look at the queue
-            log.exception("delegate socket: a handed-over delegate failed")
+            log.exception("delegate socket: a handed-over %s failed", command)
             self._drop(client)
             return
-        log.info("delegate socket: ran the delegate of a CLI (pid %d) here", client.pid)
+        log.log(logging.INFO if command == "delegate" else logging.DEBUG,
+                "delegate socket: ran the %s of a CLI (pid %d) here", command, client.pid)
         self._reply(client, answer)
 
     def _reply(self, client: _Client, answer: bytes) -> None:

@@ -117,9 +117,10 @@ def service_idle(n: int, seconds: float) -> dict:
 
 
 def cli_served(sizes: list[int], reps: int) -> dict:
-    """`delegate -- true` while the service runs, n queued behind one running blocker (the way
-    a PM agent meets it): beside a bare `python -c pass` and the same command kept in the CLI's
-    process (KUGETSU_THIN=0; a checkout without the thin path ignores it), interleaved. Also
+    """`delegate -- true` and `capacity --json` while the service runs, n queued behind one
+    running blocker (the way a PM agent meets it): beside a bare `python -c pass` and the same
+    commands kept in the CLI's process (KUGETSU_THIN=0; a checkout without the thin path
+    ignores it), interleaved. Also
     the service's CPU time per delegate (what a thin delegate moved into it) and the load."""
     from run import timed
 
@@ -136,15 +137,17 @@ def cli_served(sizes: list[int], reps: int) -> dict:
                 wait_until(lambda: blockers_up(up, 1), 120, "the blocker to start")
                 service = psutil.Process(kg.service_pid())
                 here = {**kg.env, "KUGETSU_THIN": "0"}
-                bare, thin, local, cpu = [], [], [], []
+                bare, thin, local, cpu, cap, cap_local = [], [], [], [], [], []
                 for _ in range(r_n):
                     bare += timed([PY, "-c", "pass"], kg.env, 1)
                     before = sum(service.cpu_times()[:2])
                     thin += timed(kg.argv("delegate", "--", "true"), kg.env, 1)
                     cpu.append((sum(service.cpu_times()[:2]) - before) * 1000)
                     local += timed(kg.argv("delegate", "--", "true"), here, 1)
+                    cap += timed(kg.argv("capacity", "--json"), kg.env, 1)
+                    cap_local += timed(kg.argv("capacity", "--json"), here, 1)
                 results[n] = {"python": bare, "delegate": thin, "in_process": local, "service_cpu": cpu,
-                              "load": os.getloadavg()}
+                              "capacity": cap, "capacity_in_process": cap_local, "load": os.getloadavg()}
             finally:
                 go.touch()
                 kg.stop(cancel=False)

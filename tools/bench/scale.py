@@ -17,8 +17,9 @@ promotion  from the same 1-slot drains: one task's end stamp to the next one's s
            p50 [<= tsp's] and p95 [<= 10 ms], while the queue is N deep (tsp: at most ~900).
 cli        `delegate`, `capacity --json`, `queue --json` at N queued (no service), beside a bare
            `python -c pass`, interleaved (run.py's cli_latency) [delegate, capacity <= 3x]; then
-           `delegate` with the service running (through it: frontends/cli/thin.py), beside
-           python and the same kept in the CLI's process (depth.cli_served) [<= 3x].
+           `delegate` and `capacity --json` with the service running (through it:
+           frontends/cli/thin.py), beside python and the same kept in the CLI's process
+           (depth.cli_served) [<= 3x].
 service    kugetsu's service with N queued behind one running task: start-up (`serve --detach`
            to the task's own start stamp) [< 0.5 s], idle CPU [< 1 % of a core], RSS
            [< 100 MB]; its warm wrappers (descendants other than the task: count, PSS)
@@ -234,6 +235,11 @@ def table(res: dict) -> list[dict]:
         row(f"CLI delegate, service running @{int(n):,} (vs python -c pass)", k, py, "ms", "<= 3x python", k <= 3 * py)
         row(f"  kept in the CLI's process (KUGETSU_THIN=0) @{int(n):,}", _med(c["in_process"]), py, "ms", "", None)
         row(f"  the service's CPU per delegate @{int(n):,}", _med(c["service_cpu"]), None, "ms", "", None)
+        if "capacity" in c:  # a kugetsu whose service answers `capacity` (frontends/cli/thin.py)
+            k = _med(c["capacity"])
+            row(f"CLI capacity --json, service running @{int(n):,}", k, py, "ms", "<= 3x python", k <= 3 * py)
+            row(f"  kept in the CLI's process (KUGETSU_THIN=0) @{int(n):,}", _med(c["capacity_in_process"]), py, "ms",
+                "", None)
     for n, s in res.get("service", {}).items():
         k, t = s["kugetsu"], s["tsp"]
         n = int(n)

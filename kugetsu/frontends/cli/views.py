@@ -7,13 +7,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 from kugetsu.app import control, machines, reading, transaction
 from kugetsu.config.load import cluster_host, load_config
 from kugetsu.config.units import format_duration
 from kugetsu.core import selection
-from kugetsu.core.models import TaskState
+from kugetsu.config.model import Config
+from kugetsu.core.models import Index, QueueCounts, TaskState
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, UsageError
 from kugetsu.frontends.cli.output import _kept, _Output, _print_json, _read, _Rendered, _say, _task_filter
 from kugetsu.frontends.render import to_json
@@ -246,13 +247,18 @@ def _wait_for(home: Home, ids: list[int], timeout: float | None, as_json: bool =
 
 
 def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
-    from kugetsu.frontends import render
-
     cfg, index, counts = reading.read_head(home)  # the queued tasks counted, not decoded
     control.ensure_service(home, cfg, index, counts.queued)
-    cap = selection.capacity(index, cfg, transaction.now(), counts)
-    if args.json:
-        print(to_json(reading.capacity_json(cfg, index, counts)))
+    return show_capacity(cfg, index, counts, args.json)
+
+
+def show_capacity(cfg: Config, index: Index, counts: QueueCounts, as_json: bool, out: TextIO | None = None) -> int:
+    """What `capacity` prints, to `out` (default stdout): here, or in the service for a CLI
+    that handed its command line over (frontends/cli/thin.py), from the index it keeps."""
+    from kugetsu.frontends import render
+
+    if as_json:
+        print(to_json(reading.capacity_json(cfg, index, counts)), file=out)
     else:
-        _say(render.summary(cap))
+        _say(render.summary(selection.capacity(index, cfg, transaction.now(), counts)), file=out)
     return OK
