@@ -7,7 +7,6 @@ did not say (README, "Agents").
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from typing import Any
 
@@ -19,6 +18,8 @@ def json_object(line: str) -> dict[str, Any] | None:
     s = line.strip()
     if not s.startswith("{"):
         return None
+    import json  # here: models import this module for Usage, and every CLI command paid 1 ms for json
+
     try:
         obj = json.loads(s)
     except ValueError:
