@@ -187,14 +187,16 @@ class StoreProtocol(Protocol):
         ...
 
     def append_commits(self) -> None:
-        """The service's store: its commits may go to a journal, which `fold` ends (the file
-        store's index.journal); another store has nothing to change."""
+        """A long-lived writer's store (the service's, an MCP server's admissions): its commits
+        may go to a journal, which `fold` ends (the file store's index.journal); another store
+        has nothing to change."""
         ...
 
     def fold(self) -> None:
-        """Leave the committed state in one place, the service's last act: the file store writes
-        index.json whole with its journal's records in it (a file a person may repair by hand
-        while no service runs)."""
+        """Leave the committed state in one place, a long-lived writer's last act (the service
+        stopping, an MCP server letting go of its store): the file store writes index.json
+        whole with its journal's records in it (a file a person may repair by hand while
+        neither runs)."""
         ...
 
     def queue_version(self) -> int | None:
