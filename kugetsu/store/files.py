@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from types import ModuleType
 from typing import NamedTuple, TypeVar
 
 import msgspec
@@ -32,7 +33,7 @@ from kugetsu.config.load import store_url
 from kugetsu.config.model import Config
 from kugetsu.errors import DiskFull, FileError
 from kugetsu.core.models import INDEX_VERSION, Event, Index, QueueCounts, Task, check_index, upgrade
-from kugetsu.store import journal, tracking
+from kugetsu.store import tracking
 from kugetsu.store.protocol import (Since, StoreProtocol, Transactions, Txn, count_queued, decode_events, encode_index,
                                     encoder, head_of, held, index_decoder, mark_writer)
 from kugetsu.paths import Home, atomic_write, open_file, read_file, read_tail
@@ -160,17 +161,17 @@ class Store(Transactions):
         index = self._decoded(data, index_decoder.decode)
         old = index.version != INDEX_VERSION
         index = upgrade(index, data)  # a version-1 index: its runs
-        head = journal.header(data) if journal_data else None
+        head = _journal().header(data) if journal_data else None
         found: list[bytes] = []
         length = 0
         follows = False  # a journal that follows this index.json is there (else the next record starts one)
         if journal_data:
             with self._journal_read():
-                got = journal.records(journal_data, head)
+                got = _journal().records(journal_data, head)
                 if got is not None:
                     follows = True
                     found, length = got
-                    index = journal.replay(index, found)
+                    index = _journal().replay(index, found)
         self._check(index)
         if writer:
             self._disk = _OnDisk(key, journal_key, follows, files.pin, length, head, len(data))
@@ -200,7 +201,7 @@ class Store(Transactions):
         try:
             yield
         # RecursionError: absurdly deep nesting; UnicodeDecodeError: non-UTF-8 bytes in a string
-        except (journal.Damaged, msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
+        except (_journal().Damaged, msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
             raise FileError(f"{self.home.journal}: damaged ({err}).{_FIX_JOURNAL}") from None
 
     def _check(self, index: Index) -> None:
@@ -239,10 +240,10 @@ class Store(Transactions):
         found: list[bytes] = []
         if journal_data:
             with self._journal_read():
-                got = journal.records(journal_data, journal.header(data))
+                got = _journal().records(journal_data, _journal().header(data))
                 if got is not None:
                     found = got[0]
-                    index, queued = journal.replay_head(index, queued, found)
+                    index, queued = _journal().replay_head(index, queued, found)
         self._check(index)
         return index, count_queued(index, queued, [data, *found])
 
@@ -495,7 +496,7 @@ class Store(Transactions):
         if record == _UNCHANGED:
             return
         if record is not None and disk is not None:
-            line = journal.line(record)
+            line = _journal().line(record)
             start = disk.length or len(disk.first_line())
             if start + len(line) <= max(_JOURNAL_LEAST, disk.size // 4):
                 self._append_record(disk, line)
@@ -520,7 +521,7 @@ class Store(Transactions):
         if queue is None and finished == (0, []) and rest == self._rest:
             return _UNCHANGED
         self._rest = rest
-        return journal.encode(rest, queue, finished)
+        return _journal().encode(rest, queue, finished)
 
     def _queue_change(self, queued: list[Task], changed: dict[int, Task]) -> list[object] | None:
         """A record's `queue` (None: unchanged since the last commit), and what this Store keeps
@@ -765,7 +766,7 @@ class _OnDisk:
         a one-shot command that writes index.json whole never needs it)."""
         if self.header is None:
             assert self.pin is not None
-            self.header = journal.header_of(self.pin)
+            self.header = _journal().header_of(self.pin)
         return self.header
 
 
@@ -791,6 +792,14 @@ def _read(path: Path) -> tuple[bytes | None, _Key | None]:
         return None, None
     with os.fdopen(fd, "rb", buffering=0) as f:
         return f.readall(), _key(os.fstat(fd))
+
+
+def _journal() -> ModuleType:
+    """store/journal.py, imported where a journal is read or written: a command with no journal
+    to read (every one while no long-lived writer runs) never loads it, nor zlib."""
+    from kugetsu.store import journal
+
+    return journal
 
 
 def _gone_ahead(before: list[Task], now: list[Task]) -> int | None:

@@ -77,8 +77,8 @@ def _handed_over(argv: list[str]) -> int | None:
 
     home = default_home()
     path = home.handoff
-    if path is None:
-        return None
+    if path is None or not os.path.exists(path):
+        return None  # no service (a stat, not the socket module's import: what a command without one pays)
     try:
         cwd = os.getcwd()
     except OSError:
