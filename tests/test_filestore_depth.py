@@ -349,3 +349,31 @@ def test_a_full_disk_fails_the_commit_and_leaves_the_journal_as_it_was(small_tmp
         txn.index.queued[1].name = "after"
         expected = encode_index(txn.index)
     assert _fresh(store) == expected
+
+
+def test_the_services_store_shares_repeated_strings_and_a_change_stays_one_tasks(warm):
+    """The Store that keeps its index (the service's) decodes the queued tasks' repeated strings
+    as one object each (models.sharing: less memory at depth); a one-shot reader's are its own.
+    A change to one task, an assignment or a list's word changed in place, stays that task's,
+    on disk too."""
+    home = warm.home
+    with Store(home).transaction():  # a one-shot writer's: index.json whole, as a service starts on
+        pass
+    assert not home.journal.exists()
+    service = Store(home)
+    service.append_commits()
+    service.read_ahead()
+    with service.transaction() as txn:
+        a, b, c = txn.index.queued[:3]
+        assert a.cwd is b.cwd and a.command[0] is b.command[0] and a.source is b.source
+        assert a.command is not b.command and a.env is not b.env and a.after is not b.after
+        a.cwd = "/elsewhere"
+        b.command = [*b.command[:1], "changed"]
+        assert c.cwd == "/" and c.command == ["true", "line\n3"]
+        expected = encode_index(txn.index)
+    fresh = Store(home).read()
+    assert _fresh(warm) == expected
+    assert [t.cwd for t in fresh.queued[:3]] == ["/elsewhere", "/", "/"]
+    assert [t.command for t in fresh.queued[:3]] == [["true", "line\n1"], ["true", "changed"], ["true", "line\n3"]]
+    plain = Store(home).read().queued
+    assert plain[1].cwd is not plain[2].cwd  # a reader that keeps nothing pays nothing for it
