@@ -377,3 +377,21 @@ def test_the_services_store_shares_repeated_strings_and_a_change_stays_one_tasks
     assert [t.command for t in fresh.queued[:3]] == [["true", "line\n1"], ["true", "changed"], ["true", "line\n3"]]
     plain = Store(home).read().queued
     assert plain[1].cwd is not plain[2].cwd  # a reader that keeps nothing pays nothing for it
+
+
+def test_a_queued_task_assigned_to_is_found_in_a_queue_out_of_id_order(warm):
+    """The record's tasks assigned to are found by their id in a queue in id order, and by
+    identity in one that is not (a task sent back to the queue, a reorder): either way the one
+    task changed is written, and a fresh reader reads what was committed."""
+    with warm.transaction() as txn:
+        txn.index.queued.reverse()  # ids 50 down to 1
+    for where in (3, 40):
+        with warm.transaction() as txn:
+            head = txn.index.queued.pop(0)
+            head.state = TaskState.RUNNING
+            txn.index.active.append(head)
+            txn.index.queued[where].name = f"moved{where}"
+            expected = encode_index(txn.index)
+        record = _records(warm.home)[-1]
+        assert [item["name"] for item in record["queue"] if isinstance(item, dict)] == [f"moved{where}"]
+        assert _fresh(warm) == expected

@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from contextlib import contextmanager
 from itertools import compress, islice
-from operator import is_
+from bisect import bisect_left
+from operator import attrgetter, is_
 from datetime import datetime, timezone
 from typing import NamedTuple, TypeVar
 
@@ -159,9 +160,10 @@ class Store(Transactions):
         data, key, journal_data, journal_key = files.data, files.key, files.journal, files.journal_key
         if not writer:
             files.pin.close()
-        # The service's (an appending Store's) index is kept for as long as it runs: its tasks
-        # share their repeated strings (models.sharing; ~9 MB of RSS at 50,000 queued).
-        index = self._decoded(data, index_decoder.decode, share=self._appends)
+        # The index the service's Store (an appending writer's) loads is kept for as long as it
+        # runs: its tasks share their repeated strings (models.sharing; ~9 MB of RSS at 50,000
+        # queued). A read of its own is not kept, and pays nothing for it.
+        index = self._decoded(data, index_decoder.decode, share=writer and self._appends)
         old = index.version != INDEX_VERSION
         index = upgrade(index, data)  # a version-1 index: its runs
         head = journal.header(data) if journal_data else None
@@ -817,14 +819,25 @@ def _assigned_among(queued: list[Task], kept: int, changed: dict[int, Task], add
     before) of the tasks assigned to since (`changed`, by id()). A task still queued has state
     QUEUED (every reader refuses an index where one has not: check_index), so only those of
     `changed` are looked for, less the ones added at the end (encoded whole anyway): in a drain
-    none is (the tasks assigned to there started or ended), nor in an admission. The few left
-    (a queued task changed in place by the service) are found by one identity pass in C."""
-    wanted = {key for key, task in changed.items() if task.state is TaskState.QUEUED}
+    none is (the tasks assigned to there started or ended), nor in an admission. Each one left
+    is looked for by its id, by bisection (a queue is in id order but for tasks sent back to
+    it), and found there only as that very object; one that is not is looked for by one
+    identity pass in C."""
+    wanted = [task for task in changed.values() if task.state is TaskState.QUEUED]
     if wanted and added:
-        wanted.difference_update(map(id, added))
-    if not wanted:
-        return []
-    return list(compress(range(kept), map(wanted.__contains__, map(id, islice(queued, kept)))))
+        new = set(map(id, added))
+        wanted = [task for task in wanted if id(task) not in new]
+    places: list[int] = []
+    missed: set[int] = set()
+    for task in wanted:
+        i = bisect_left(queued, task.id, 0, kept, key=_ID)
+        if i < kept and queued[i] is task:
+            places.append(i)
+        else:
+            missed.add(id(task))
+    if missed:
+        places += compress(range(kept), map(missed.__contains__, map(id, islice(queued, kept))))
+    return sorted(places)
 
 
 def _merged_runs(places: list[int | None]) -> list[tuple[int, int]]:
@@ -893,6 +906,7 @@ def _encode_bare(index: Index) -> bytes:
 # A commit appends to the journal while it stays under a quarter of index.json (a reader decodes
 # at most 1.25x the state), or this: a short index.json is not written whole at every other commit.
 _JOURNAL_LEAST = 256 << 10
+_ID = attrgetter("id")
 _AHEAD = 16  # tasks gone from the queue's head in one commit that _gone_ahead looks for
 _CONSISTENT_TRIES = 20  # a reader's tries at reading index.json and its journal as one commit left them
 
