@@ -353,7 +353,7 @@ def test_a_full_disk_fails_the_commit_and_leaves_the_journal_as_it_was(small_tmp
 
 def test_the_services_store_shares_repeated_strings_and_a_change_stays_one_tasks(warm):
     """The Store that keeps its index (the service's) decodes the queued tasks' repeated strings
-    as one object each (models.sharing: less memory at depth); a one-shot reader's are its own.
+    as one object each (files._Shared: less memory at depth); a one-shot reader's are its own.
     A change to one task, an assignment or a list's word changed in place, stays that task's,
     on disk too."""
     home = warm.home

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import enum
 import re
-import sys
-import threading
 from datetime import datetime, timezone
 from collections.abc import Iterable
 from typing import Annotated, Literal
@@ -163,47 +161,6 @@ class Task(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     # `kugetsu next TASK`: it starts before every other task that may start (the latest
     # `next` first); 0: its place is its priority and id.
     first: int = 0
-
-    def __post_init__(self) -> None:
-        # Called by msgspec for each task it decodes (and each one made): while the service's
-        # Store decodes (sharing.on), the strings that repeat from task to task are made one
-        # object each as the task is built, so the copy just decoded is freed at once and its
-        # memory taken by the next task's (interned afterwards, the copies left holes in the
-        # heap and RSS stayed). str is immutable: sharing it changes nothing but memory.
-        if sharing.on:
-            _share(self)
-
-
-class _Sharing(threading.local):
-    """Whether tasks this thread decodes now share their repeated strings (Task.__post_init__):
-    on while a Store that keeps its index decodes it (store/files.py); off, a task costs one
-    test more. Per thread: another thread's tasks (made by code, not decoded) are left alone."""
-
-    on = False
-
-
-sharing = _Sharing()
-
-
-_intern = sys.intern
-
-
-def _share(task: Task) -> None:
-    """The task's strings that many queued tasks have equal (its working directory, where it
-    came from, its preset and group, its repository, its command's words, its route), each
-    the one interned object (~190 bytes a task at the bench's 50,000; more for an agent's
-    command line of many words). The task's own (name, token, log, ...) are left as they are."""
-    task.cwd = _intern(task.cwd)
-    task.source = _intern(task.source)
-    task.command = list(map(_intern, task.command))
-    if task.agent is not None:
-        task.agent = _intern(task.agent)
-    if task.group is not None:
-        task.group = _intern(task.group)
-    if task.repo is not None:
-        task.repo = _intern(task.repo)
-    if task.route:
-        task.route = list(map(_intern, task.route))
 
 
 class Run(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -18,6 +18,7 @@ import io
 import logging
 import os
 import re
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -34,11 +35,10 @@ from kugetsu.config.explain import describe_decode_error
 from kugetsu.config.load import store_url
 from kugetsu.config.model import Config
 from kugetsu.errors import DiskFull, FileError
-from kugetsu.core.models import (INDEX_VERSION, Event, Index, QueueCounts, Task, TaskState, check_index, sharing,
-                                 upgrade)
+from kugetsu.core.models import INDEX_VERSION, Event, Index, QueueCounts, Task, TaskState, check_index, upgrade
 from kugetsu.store import journal, tracking
-from kugetsu.store.protocol import (Since, StoreProtocol, Transactions, Txn, count_queued, decode_events, encode_index,
-                                    encoder, head_of, held, index_decoder, mark_writer)
+from kugetsu.store.protocol import (IndexFile, Since, StoreProtocol, Transactions, Txn, count_queued, decode_events,
+                                    encode_index, encoder, head_of, held, index_decoder, mark_writer)
 from kugetsu.paths import Home, atomic_write, open_file, read_file, read_tail
 
 
@@ -161,9 +161,9 @@ class Store(Transactions):
         if not writer:
             files.pin.close()
         # The index the service's Store (an appending writer's) loads is kept for as long as it
-        # runs: its tasks share their repeated strings (models.sharing; ~9 MB of RSS at 50,000
-        # queued). A read of its own is not kept, and pays nothing for it.
-        index = self._decoded(data, index_decoder.decode, share=writer and self._appends)
+        # runs: its queued tasks share their repeated strings (_decode_kept; ~9 MB of RSS at
+        # 50,000 queued). A read of its own is not kept, and pays nothing for it.
+        index = self._decoded(data, _decode_kept if writer and self._appends else index_decoder.decode)
         old = index.version != INDEX_VERSION
         index = upgrade(index, data)  # a version-1 index: its runs
         head = journal.header(data) if journal_data else None
@@ -184,14 +184,12 @@ class Store(Transactions):
             self._old = old
         return index
 
-    def _decoded(self, data: bytes, decode: Callable[[bytes], _Decoded], share: bool = False) -> _Decoded:
+    def _decoded(self, data: bytes, decode: Callable[[bytes], _Decoded]) -> _Decoded:
         """`decode(data)`; a damaged index raises FileError. The cyclic garbage collector is
         off meanwhile: it would walk the index being built over and over, every object of
-        which is still reachable (4x the decode's own time at 50,000 tasks, in the service).
-        `share`: the tasks' repeated strings are shared (models.sharing)."""
+        which is still reachable (4x the decode's own time at 50,000 tasks, in the service)."""
         collecting = gc.isenabled()
         gc.disable()
-        sharing.on = share
         try:
             decoded = decode(data)
             # Straight to the oldest generation (freeze, then unfreeze, moves every tracked
@@ -206,7 +204,6 @@ class Store(Transactions):
         except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
             raise FileError(_describe_index_error(self.home, data, err) + _FIX) from None
         finally:
-            sharing.on = False
             if collecting:
                 gc.enable()
 
@@ -814,6 +811,48 @@ def _gone_ahead(before: list[Task], now: list[Task]) -> int | None:
     return None
 
 
+class _Shared(Task):
+    """A queued task as the service's Store decodes it (_decode_kept): msgspec calls
+    __post_init__ as it builds each one, and the strings that many queued tasks have equal
+    (the working directory, where it came from, its preset and group, its repository, its
+    command's words, its route) become the one interned object each, ~190 bytes a task at the
+    bench's 50,000 (more for an agent's command line of many words). Interned then, the copy
+    just decoded is freed at once and the next task's objects take its place: interned after
+    the decode, the copies left holes between live objects and RSS did not move. Only strings,
+    which are immutable, are shared; never a list or a dict. Encoded exactly as a Task, and
+    made Tracked as any queued task the Store keeps (tracking.track)."""
+
+    def __post_init__(self) -> None:
+        self.cwd = _intern(self.cwd)
+        self.source = _intern(self.source)
+        self.command = list(map(_intern, self.command))
+        if self.agent is not None:
+            self.agent = _intern(self.agent)
+        if self.group is not None:
+            self.group = _intern(self.group)
+        if self.repo is not None:
+            self.repo = _intern(self.repo)
+        if self.route:
+            self.route = list(map(_intern, self.route))
+
+
+class _KeptIndexFile(IndexFile, forbid_unknown_fields=True):
+    """index.json as the service's Store decodes it: its queued tasks _Shared."""
+
+    queued: list[_Shared] = []
+
+
+_kept_decoder = msgspec.json.Decoder(_KeptIndexFile)
+
+
+def _decode_kept(data: bytes) -> IndexFile:
+    """index.json decoded for a Store that keeps it (the service's), its queued tasks sharing
+    their repeated strings; an IndexFile as index_decoder's (a subclass orders its fields
+    otherwise, and the fields' order is index.json's)."""
+    kept = _kept_decoder.decode(data)
+    return IndexFile(**{name: getattr(kept, name) for name in IndexFile.__struct_fields__})
+
+
 def _assigned_among(queued: list[Task], kept: int, changed: dict[int, Task], added: list[Task]) -> list[int]:
     """The places, in order, among the first `kept` tasks of `queued` (those kept from the queue
     before) of the tasks assigned to since (`changed`, by id()). A task still queued has state
@@ -907,6 +946,7 @@ def _encode_bare(index: Index) -> bytes:
 # at most 1.25x the state), or this: a short index.json is not written whole at every other commit.
 _JOURNAL_LEAST = 256 << 10
 _ID = attrgetter("id")
+_intern = sys.intern
 _AHEAD = 16  # tasks gone from the queue's head in one commit that _gone_ahead looks for
 _CONSISTENT_TRIES = 20  # a reader's tries at reading index.json and its journal as one commit left them
 
