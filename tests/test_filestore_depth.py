@@ -366,3 +366,49 @@ def test_a_queued_task_put_back_as_an_equal_copy_and_changed_later_reaches_the_d
         committed = encode_index(txn.index)
     assert _fresh(warm) == committed
     assert Store(warm.home).read().queued[7].name == "copied"
+
+
+def test_the_services_store_shares_repeated_strings_and_a_change_stays_one_tasks(warm):
+    """The Store that keeps its index (the service's) decodes the queued tasks' repeated strings
+    as one object each (files._Shared: less memory at depth); a one-shot reader's are its own.
+    A change to one task, an assignment or a list's word changed in place, stays that task's,
+    on disk too."""
+    home = warm.home
+    with Store(home).transaction():  # a one-shot writer's: index.json whole, as a service starts on
+        pass
+    assert not home.journal.exists()
+    service = Store(home)
+    service.append_commits()
+    service.read_ahead()
+    with service.transaction() as txn:
+        a, b, c = txn.index.queued[:3]
+        assert a.cwd is b.cwd and a.command[0] is b.command[0] and a.source is b.source
+        assert a.command is not b.command and a.env is not b.env and a.after is not b.after
+        a.cwd = "/elsewhere"
+        b.command = [*b.command[:1], "changed"]
+        assert c.cwd == "/" and c.command == ["true", "line\n3"]
+        expected = encode_index(txn.index)
+    fresh = Store(home).read()
+    assert _fresh(warm) == expected
+    assert [t.cwd for t in fresh.queued[:3]] == ["/elsewhere", "/", "/"]
+    assert [t.command for t in fresh.queued[:3]] == [["true", "line\n1"], ["true", "changed"], ["true", "line\n3"]]
+    plain = Store(home).read().queued
+    assert plain[1].cwd is not plain[2].cwd  # a reader that keeps nothing pays nothing for it
+
+
+def test_a_queued_task_assigned_to_is_found_in_a_queue_out_of_id_order(warm):
+    """The record's tasks assigned to are found by their id in a queue in id order, and by
+    identity in one that is not (a task sent back to the queue, a reorder): either way the one
+    task changed is written, and a fresh reader reads what was committed."""
+    with warm.transaction() as txn:
+        txn.index.queued.reverse()  # ids 50 down to 1
+    for where in (3, 40):
+        with warm.transaction() as txn:
+            head = txn.index.queued.pop(0)
+            head.state = TaskState.RUNNING
+            txn.index.active.append(head)
+            txn.index.queued[where].name = f"moved{where}"
+            expected = encode_index(txn.index)
+        record = _records(warm.home)[-1]
+        assert [item["name"] for item in record["queue"] if isinstance(item, dict)] == [f"moved{where}"]
+        assert _fresh(warm) == expected

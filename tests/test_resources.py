@@ -8,13 +8,15 @@ import os
 import signal
 import sys
 import time
+from collections import ChainMap
 from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from conftest import T0, wait_for
 from test_cluster import machines  # noqa: F401  (a fixture: homes sharing one PostgreSQL)
 
+from kugetsu.core.models import Task
 from kugetsu.service import runner, usage
 from kugetsu.paths import Home
 
@@ -530,6 +532,25 @@ def test_cgroup_v2_delegated_subtree_is_found_and_written_as_v2_wants(tmp_path):
     (hybrid / "unified" / "me" / "cgroup.subtree_control").write_text("memory pids\n")
     found = usage.cgroup_base(home, hybrid, own="4:memory:/x\n0::/me\n")  # v1 memory, but no v1 pids
     assert found is not None and found.v2 and found.memory.parent == hybrid / "unified" / "me"
+
+
+def test_finished_runs_cgroups_go_and_the_queues_attempts_are_looked_at_only_when_asked(tmp_path):
+    """remove_finished keeps a running task's cgroup and a queued one's of its attempt now, and
+    removes one of an earlier attempt or of a task no longer live; the queued tasks' attempts
+    (usage.QueuedAttempts) become a dict only when a cgroup of a task that is not running is
+    there (at 50,000 queued, a dict built at every look kept ~5 MB of the service's RSS)."""
+    base = usage.Base(memory=tmp_path / "kg", pids=tmp_path / "kg", v2=True)
+    queued = [Task(id=5, name="five", command=["true"], cwd="/", created_at=T0),
+              Task(id=6, name="six", command=["true"], cwd="/", created_at=T0, attempt=2)]
+    (base.memory / "task-7-1").mkdir(parents=True)
+    attempts = usage.QueuedAttempts(list(queued))
+    assert usage.remove_finished(base, ChainMap({7: 1}, attempts), 10) == 0
+    assert attempts._by_id is None and (base.memory / "task-7-1").exists()  # the running task's: kept, no dict
+    for name in ("task-5-1", "task-6-1", "task-6-2", "task-9-1"):
+        (base.memory / name).mkdir()
+    assert usage.remove_finished(base, ChainMap({7: 1}, attempts), 10) == 0
+    assert sorted(p.name for p in base.memory.iterdir()) == ["task-5-1", "task-6-2", "task-7-1"]
+    assert dict(attempts) == {5: 1, 6: 2} and len(attempts) == 2
 
 
 # ---- cluster mode ------------------------------------------------------------------------------

@@ -13,11 +13,13 @@ from kugetsu.core.models import Index, Task
 from kugetsu.store.protocol import encode_index
 
 DEPTH = 20_000
-# The real service at 20,000 queued (a queue_home of tools/bench/depth.py): ~88 MB before this
-# bound was set, ~60 MB after (README, Performance). The bound leaves room for an interpreter a
-# few MB larger, and fails when a second copy of the queue's bytes (~5.5 MB here) is kept again
-# together with the heap's unreturned buffers.
-BOUND_MB = 72
+# The real service at 20,000 queued (a queue_home of tools/bench/depth.py): ~88 MB before a
+# bound was set, 58.5-60 MB after, 54-54.5 MB once the queued tasks shared their repeated
+# strings and no map of their places or dict of their attempts was kept (issue 31: 104 -> 84
+# MB at 50,000). The bound leaves ~2.5 MB of room, and fails when one of those comes back, or
+# a second copy of the queue's bytes (~5.5 MB here) is kept again with the heap's unreturned
+# buffers.
+BOUND_MB = 57
 
 
 def _rss_mb(pid: int) -> float:

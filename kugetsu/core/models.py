@@ -54,13 +54,18 @@ def valid_name(name: str) -> bool:
     return bool(_NAME_RE.match(name)) and not name.isdigit()
 
 
-class Task(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Task(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """One delegated unit of work: one agent session.
 
     The first fields are the public task object of docs/architecture.md §5, in its order.
     Encoded without the fields at their defaults (index.json, history.jsonl): a queued task is
     a third of the bytes, which every CLI call reads and decodes and every change rewrites.
     The public object (reading.public_tasks) still has every field.
+
+    gc=False: the cyclic collector does not track tasks (16 bytes less each, and a full
+    collection walks 50,000 fewer objects at 50,000 queued). A task is never part of a
+    reference cycle: its fields hold strings, numbers, lists and dicts of them and its own
+    records (Run, Attempt, Usage), none of which refers back to it.
     """
 
     id: int

@@ -593,7 +593,7 @@ class Service:
         # every look, every 2 s, idle, otherwise).
         live: Mapping[int, int] = {t.id: t.attempt for t in self.index.active}
         if self.cgroup_base is not None:
-            live = ChainMap(live, self.memo.get("attempts", None, lambda: {t.id: t.attempt for t in self.index.queued}))
+            live = ChainMap(live, self.memo.get("attempts", None, lambda: usage.QueuedAttempts(list(self.index.queued))))
         job = self.loop.run_in_executor(None, self._measure_job, tasks, groups, live, self.index.next_id)
         job.add_done_callback(self._measured)
 

@@ -18,10 +18,14 @@ import io
 import logging
 import os
 import re
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from contextlib import contextmanager
+from itertools import compress, islice
+from bisect import bisect_left
+from operator import attrgetter
 from datetime import datetime, timezone
 from types import ModuleType
 from typing import NamedTuple, TypeVar
@@ -32,10 +36,10 @@ from kugetsu.config.explain import describe_decode_error
 from kugetsu.config.load import store_url
 from kugetsu.config.model import Config
 from kugetsu.errors import DiskFull, FileError
-from kugetsu.core.models import INDEX_VERSION, Event, Index, QueueCounts, Task, check_index, upgrade
+from kugetsu.core.models import INDEX_VERSION, Event, Index, QueueCounts, Task, TaskState, check_index, upgrade
 from kugetsu.store import tracking
-from kugetsu.store.protocol import (Since, StoreProtocol, Transactions, Txn, count_queued, decode_events, encode_index,
-                                    encoder, head_of, held, index_decoder, mark_writer)
+from kugetsu.store.protocol import (IndexFile, Since, StoreProtocol, Transactions, Txn, count_queued, decode_events,
+                                    encode_index, encoder, head_of, held, index_decoder, mark_writer)
 from kugetsu.paths import Home, atomic_write, open_file, read_file, read_tail
 
 
@@ -93,11 +97,11 @@ class Store(Transactions):
         self._snapshot: _Snapshot | None = None
         self._began: _Snapshot | None = None  # the snapshot of the transaction under way
         self._disk: _OnDisk | None = None  # index.json and index.journal as last read or written
-        # What the index last committed (or loaded by a writer) was, for the next record: each
-        # queued task's place in the queue, by id() (`_queue` keeps the tasks, so their id()s stay
-        # theirs), the finished tasks' encodings, and the rest's (journal.encode).
-        self._places: dict[int, int] = {}  # place + _offset: tasks gone from the head shift no number
-        self._offset = 0
+        # What the index last committed (or loaded by a writer) was, for the next record: its
+        # queue (the tasks, by identity), the finished tasks' encodings, and the rest's
+        # (journal.encode). No map of each task's place is kept: at 50,000 queued it held ~5.6
+        # MB of the service's RSS, and a drain's or an admission's commit needs none
+        # (_assigned_among).
         self._queue: list[Task] = []
         self._finished: list[bytes] = []
         self._rest = b""
@@ -158,7 +162,10 @@ class Store(Transactions):
         data, key, journal_data, journal_key = files.data, files.key, files.journal, files.journal_key
         if not writer:
             files.pin.close()
-        index = self._decoded(data, index_decoder.decode)
+        # The index the service's Store (an appending writer's) loads is kept for as long as it
+        # runs: its queued tasks share their repeated strings (_decode_kept; ~9 MB of RSS at
+        # 50,000 queued). A read of its own is not kept, and pays nothing for it.
+        index = self._decoded(data, _decode_kept if writer and self._appends else index_decoder.decode)
         old = index.version != INDEX_VERSION
         index = upgrade(index, data)  # a version-1 index: its runs
         head = _journal().header(data) if journal_data else None
@@ -186,7 +193,15 @@ class Store(Transactions):
         collecting = gc.isenabled()
         gc.disable()
         try:
-            return decode(data)
+            decoded = decode(data)
+            # Straight to the oldest generation (freeze, then unfreeze, moves every tracked
+            # object there without a look at any): the next young collection would otherwise
+            # walk all of the new index (~75 ms at 50,000 queued, the service's start), and
+            # the next middle one again (~55 ms). Nothing is kept from the collector: the
+            # next full collection sees all of it, as it would have.
+            gc.freeze()
+            gc.unfreeze()
+            return decoded
         # RecursionError: absurdly deep nesting; UnicodeDecodeError: non-UTF-8 bytes in a string
         except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as err:
             raise FileError(_describe_index_error(self.home, data, err) + _FIX) from None
@@ -534,9 +549,8 @@ class Store(Transactions):
         if gone is None:
             return self._queue_rebuilt(queued, changed)
         kept = len(old) - gone
-        start = self._offset + gone  # the place numbers of the tasks kept begin here
-        redo = sorted(place - start for key in changed if (place := self._places.get(key, -1)) >= start)
         added = queued[kept:]
+        redo = _assigned_among(queued, kept, changed, added)
         if not (gone or added or redo):
             return None
         self._queue_version += 1
@@ -550,10 +564,6 @@ class Store(Transactions):
         if kept > at:
             items.append((gone + at, gone + kept))
         items += (msgspec.Raw(encoder.encode(task)) for task in added)
-        for task in old[:gone]:
-            del self._places[id(task)]
-        self._offset = start
-        self._places.update(zip(map(id, added), range(start + kept, start + kept + len(added))))
         del old[:gone]
         old += added
         tracking.track(added)
@@ -563,11 +573,12 @@ class Store(Transactions):
         """_queue_change for any change: each task's place in the queue before, runs of them, and
         the tasks new or assigned to since encoded."""
         ids = list(map(id, queued))
-        places: list[int | None] = list(map(self._places.get, ids))  # numbered from _offset
+        before = dict(zip(map(id, self._queue), range(len(self._queue))))  # for this commit only
+        places: list[int | None] = list(map(before.get, ids))
         redo = set()
         if None in places:
             redo.update(i for i, place in enumerate(places) if place is None)
-        stale = changed.keys() & self._places.keys()
+        stale = changed.keys() & before.keys()
         if stale:
             redo.update(i for i, key in enumerate(ids) if key in stale)
         self._queue_version += 1  # a task new, gone, moved or assigned to
@@ -579,10 +590,8 @@ class Store(Transactions):
             if first is None:
                 queue += (msgspec.Raw(encoder.encode(task)) for task in queued[lo:hi])
             else:
-                queue.append((first - self._offset, first - self._offset + hi - lo))
+                queue.append((first, first + hi - lo))
         tracking.track([queued[i] for i in redo])
-        self._places = dict(zip(ids, range(len(ids))))
-        self._offset = 0
         self._queue = list(queued)
         return queue
 
@@ -669,8 +678,6 @@ class Store(Transactions):
         if not self._appends:
             return
         self._queue = list(index.queued)
-        self._places = dict(zip(map(id, self._queue), range(len(self._queue))))
-        self._offset = 0
         self._rest, self._finished = _encode_rest(index)
 
     def rotate_events(self, limit: int) -> int | None:
@@ -822,6 +829,74 @@ def _gone_ahead(before: list[Task], now: list[Task]) -> int | None:
     return None
 
 
+class _Shared(Task):
+    """A queued task as the service's Store decodes it (_decode_kept): msgspec calls
+    __post_init__ as it builds each one, and the strings that many queued tasks have equal
+    (the working directory, where it came from, its preset and group, its repository, its
+    command's words, its route) become the one interned object each, ~190 bytes a task at the
+    bench's 50,000 (more for an agent's command line of many words). Interned then, the copy
+    just decoded is freed at once and the next task's objects take its place: interned after
+    the decode, the copies left holes between live objects and RSS did not move. Only strings,
+    which are immutable, are shared; never a list or a dict. Encoded exactly as a Task, and
+    made Tracked as any queued task the Store keeps (tracking.track)."""
+
+    def __post_init__(self) -> None:
+        self.cwd = _intern(self.cwd)
+        self.source = _intern(self.source)
+        self.command = list(map(_intern, self.command))
+        if self.agent is not None:
+            self.agent = _intern(self.agent)
+        if self.group is not None:
+            self.group = _intern(self.group)
+        if self.repo is not None:
+            self.repo = _intern(self.repo)
+        if self.route:
+            self.route = list(map(_intern, self.route))
+
+
+class _KeptIndexFile(IndexFile, forbid_unknown_fields=True):
+    """index.json as the service's Store decodes it: its queued tasks _Shared."""
+
+    queued: list[_Shared] = []
+
+
+_kept_decoder = msgspec.json.Decoder(_KeptIndexFile)
+
+
+def _decode_kept(data: bytes) -> IndexFile:
+    """index.json decoded for a Store that keeps it (the service's), its queued tasks sharing
+    their repeated strings; an IndexFile as index_decoder's (a subclass orders its fields
+    otherwise, and the fields' order is index.json's)."""
+    kept = _kept_decoder.decode(data)
+    return IndexFile(**{name: getattr(kept, name) for name in IndexFile.__struct_fields__})
+
+
+def _assigned_among(queued: list[Task], kept: int, changed: dict[int, Task], added: list[Task]) -> list[int]:
+    """The places, in order, among the first `kept` tasks of `queued` (those kept from the queue
+    before) of the tasks assigned to since (`changed`, by id()). A task still queued has state
+    QUEUED (every reader refuses an index where one has not: check_index), so only those of
+    `changed` are looked for, less the ones added at the end (encoded whole anyway): in a drain
+    none is (the tasks assigned to there started or ended), nor in an admission. Each one left
+    is looked for by its id, by bisection (a queue is in id order but for tasks sent back to
+    it), and found there only as that very object; one that is not is looked for by one
+    identity pass in C."""
+    wanted = [task for task in changed.values() if task.state is TaskState.QUEUED]
+    if wanted and added:
+        new = set(map(id, added))
+        wanted = [task for task in wanted if id(task) not in new]
+    places: list[int] = []
+    missed: set[int] = set()
+    for task in wanted:
+        i = bisect_left(queued, task.id, 0, kept, key=_ID)
+        if i < kept and queued[i] is task:
+            places.append(i)
+        else:
+            missed.add(id(task))
+    if missed:
+        places += compress(range(kept), map(missed.__contains__, map(id, islice(queued, kept))))
+    return sorted(places)
+
+
 def _merged_runs(places: list[int | None]) -> list[tuple[int, int]]:
     """places cut, in order, into ranges that are each all None or consecutive places."""
     runs: list[tuple[int, int]] = []
@@ -888,6 +963,8 @@ def _encode_bare(index: Index) -> bytes:
 # A commit appends to the journal while it stays under a quarter of index.json (a reader decodes
 # at most 1.25x the state), or this: a short index.json is not written whole at every other commit.
 _JOURNAL_LEAST = 256 << 10
+_ID = attrgetter("id")
+_intern = sys.intern
 _AHEAD = 16  # tasks gone from the queue's head in one commit that _gone_ahead looks for
 _CONSISTENT_TRIES = 20  # a reader's tries at reading index.json and its journal as one commit left them
 
