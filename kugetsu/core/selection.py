@@ -19,8 +19,8 @@ from kugetsu.core import budgets, placement
 from kugetsu.core.common import _event, _stands, may_requeue, unpause
 from kugetsu.core.models import Event, Index, QueueCounts, Task, TaskState, valid_host
 from kugetsu.core.placement import Here, starts_anywhere
-from kugetsu.core.policy import (RANK, Board, Resources, accounts, groups_full, guard_hold, may_release, memory_of,
-                                 order_key, simple_order, task_key)
+from kugetsu.core.policy import (RANK, Board, Look, Resources, accounts, groups_full, guard_hold, may_release,
+                                 memory_of, order_key, simple_order, task_key)
 from kugetsu.errors import AmbiguousName, NoSuchTask, UnknownGroup, UsageError
 
 
@@ -32,7 +32,7 @@ def slots_used(index: Index) -> int:
     return sum(t.slots for t in index.active)
 
 
-_NOT_BEFORE, _ROUTE = attrgetter("not_before"), attrgetter("route")
+_NOT_BEFORE = attrgetter("not_before")
 
 
 def free_slots(index: Index, cfg: Config) -> int:
@@ -63,9 +63,12 @@ def _heads(index: Index, cfg: Config) -> Index:
     slots are free, found without sorting the rest into lanes (the first tick at 50,000
     queued built a Board of every task: 0.3 s of the service's start). Else the index."""
     free = cfg.max_agents - slots_used(index)
-    if (free >= len(index.queued) or index.paused_groups or accounts(index, cfg) or not simple_order(index, cfg)):
+    look = Look(index.queued)  # accounts, simple_order and order_key ask it of the same queue
+    if (free >= len(index.queued) or index.paused_groups or accounts(index, cfg, look)
+            or not simple_order(index, cfg, look=look)):
         return index
-    return msgspec.structs.replace(index, queued=heapq.nsmallest(max(free, 0), index.queued, key=order_key(index, cfg)))
+    return msgspec.structs.replace(index, queued=heapq.nsmallest(max(free, 0), index.queued,
+                                                                 key=order_key(index, cfg, look)))
 
 
 def _plan(index: Index, cfg: Config, now: datetime, resources: Resources | None, room: int | None,
@@ -109,33 +112,35 @@ class Successor(msgspec.Struct, frozen=True):
     until: datetime | None  # its queue deadline: from then on it expires instead of starting
 
 
-def successor(index: Index, cfg: Config) -> Successor | None:
+def successor(index: Index, cfg: Config, look: Look | None = None) -> Successor | None:
     """The queued task that the next slot to free goes to, whichever running task frees it,
     as long as the index, the config and `until` hold: what plan_starts will pick in the
     transaction that records the exit. The service lets it go the moment an agent exits,
     ahead of that transaction. None wherever the answer could depend on which task ends, on
     the clock or on the machine (source, group and rate limits, fair, the resource guard),
     or when one exit frees no slot (more running than max_agents after a lowering). A task
-    waiting for its time that sorts before it bounds `until`."""
+    waiting for its time that sorts before it bounds `until`. `look`: of this queue, when the
+    caller asks more of it (policy.Look)."""
+    look = Look.of(index, look)
     if (
         not index.queued
         or cfg.clustered  # a cluster: the next slot may free on another machine
         or index.paused
         or len(index.active) != cfg.max_agents
         or cfg.resource_guard.enabled
-        or accounts(index, cfg)  # slots and memory: one exit may not make room for the next
-        or not simple_order(index, cfg, waits=False)
+        or accounts(index, cfg, look)  # slots and memory: one exit may not make room for the next
+        or not simple_order(index, cfg, waits=False, look=look)
         or any(may_requeue(cfg, t) for t in index.active)  # it would come back ahead of the successor
-        or any(map(_ROUTE, index.queued))  # it may start on another preset than its command's
+        or look.routed  # it may start on another preset than its command's
     ):
         return None
     # simple_order: none is stashed. Those waiting for their time found in C's steps: the
     # service asks this after every promotion, of the whole queue.
-    timed = list(compress(index.queued, map(_NOT_BEFORE, index.queued)))
+    timed = list(compress(index.queued, map(_NOT_BEFORE, index.queued))) if look.timed else []
     due = [t for t in index.queued if t.not_before is None] if timed else index.queued
     if not due:
         return None
-    order = order_key(index, cfg)
+    order = order_key(index, cfg, look)
     first = min(due, key=order)
     key = order(first)
     # A task waiting for its time (a retry's delay, `delegate --at`) that sorts before it
@@ -144,14 +149,17 @@ def successor(index: Index, cfg: Config) -> Successor | None:
     return Successor(first, min(filter(None, [first.expires_at, *waits]), default=None))
 
 
-def start_order(index: Index, cfg: Config, now: datetime, first: int | None = None) -> list[Task]:
+def start_order(index: Index, cfg: Config, now: datetime, first: int | None = None,
+                look: Look | None = None) -> list[Task]:
     """Queued tasks in the order they will really start if nothing new arrives: the same
     selection as plan_starts, played forward on a copy (policy.Board.drain). `first`: only
-    that many, the first ones (a plain sort then picks them without sorting the rest)."""
-    if simple_order(index, cfg):  # the same order, as a sort (property-tested against drain)
+    that many, the first ones (a plain sort then picks them without sorting the rest).
+    `look`: of this queue, when the caller asks more of it (policy.Look)."""
+    look = Look.of(index, look)
+    if simple_order(index, cfg, look=look):  # the same order, as a sort (property-tested against drain)
         if first is not None and first < len(index.queued):
-            return heapq.nsmallest(first, index.queued, key=order_key(index, cfg))  # = sorted()[:first]
-        return sorted(index.queued, key=order_key(index, cfg))
+            return heapq.nsmallest(first, index.queued, key=order_key(index, cfg, look))  # = sorted()[:first]
+        return sorted(index.queued, key=order_key(index, cfg, look))
     order = Board(index, cfg, now).drain(first)
     return order if first is None else order[:first]
 

@@ -432,7 +432,10 @@ class Service:
         here = self.here
         # Held: not committed yet, the queue may differ from the last commit's.
         self.memo.at(None if hold else self.store.queue_version())
-        self.fast.committed(self.index, self.cfg)
+        # What the successor, the next expiry and the warm wrappers' order ask of the whole
+        # queue, asked once: nothing below changes the index.
+        look = policy.Look(self.index.queued)
+        self.fast.committed(self.index, self.cfg, look)
         self.exits.ticked()
         self.procs.forget_dropped()
         if self.worktrees.preparing:
@@ -447,9 +450,9 @@ class Service:
             # wake-up (the reconcile, up to 5 s on), so its end and the next start wait for
             # nothing.
             self.request_tick()
-        self._sync_jobs(plan.release_at)
+        self._sync_jobs(plan.release_at, look)
         if self.member is None:  # in a cluster the next task may start on another machine
-            self.fast.warm(self.index, self.cfg)
+            self.fast.warm(self.index, self.cfg, look)
         else:
             self.member.shipping({t.id: self.home.log(t.id) for t in self.index.active if t.host == self.member.name})
         self._watch_logs(here)
@@ -894,13 +897,14 @@ class Service:
 
     # ---- watching processes and deadlines --------------------------------------------
 
-    def _sync_jobs(self, release: datetime | None) -> None:
+    def _sync_jobs(self, release: datetime | None, look: policy.Look | None = None) -> None:
         """Set the deadline job (deadlines.py) at the earliest moment anything falls due:
         pm's deadlines (expiry, run timeouts, SIGKILL after the grace) and the policies'
-        (`release`: the plan's, computed by step.tick from this very index)."""
+        (`release`: the plan's, computed by step.tick from this very index). `look`: of this
+        index's queue, when the caller has one."""
         now = transaction.now()
         self.jobs = lifecycle.policy_wakeups(self.index, self.cfg, now, transaction.measure(self.cfg), self.jobs, release)
-        expiry = self.memo.get("expiry", None, lambda: lifecycle.queue_deadline(self.index))
+        expiry = self.memo.get("expiry", None, lambda: lifecycle.queue_deadline(self.index, look))
         due = min(filter(None, [lifecycle.next_deadline(self.index, expiry), *self.jobs.values()]), default=None)
         self.timer.set(due, now)
         if self.index.schedules or self.schedule_jobs.rules:
