@@ -40,10 +40,11 @@ def free_slots(index: Index, cfg: Config) -> int:
 
 
 def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
-                here: Here | None = None) -> list[Task]:
+                here: Here | None = None, look: Look | None = None) -> list[Task]:
     """Every queued task that may start now, in order, without changing the index.
     `resources`: the machine's readings for the resource guard (None: no guard check).
-    `here`: in a cluster, the machine deciding: only what can run there, within its slots."""
+    `here`: in a cluster, the machine deciding: only what can run there, within its slots.
+    `look`: of this queue, when the caller asks more of it (policy.Look)."""
     if not starts_anywhere(cfg, here):
         return []
     if slots_used(index) >= cfg.max_agents or index.paused or guard_hold(cfg, resources) is not None:
@@ -54,16 +55,16 @@ def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources |
     if here is not None:
         room = placement.room(index, here)
         index = placement.candidates(index, here)
-    return [t for t, _ in _plan(index, cfg, now, resources, room, here)]
+    return [t for t, _ in _plan(index, cfg, now, resources, room, here, look)]
 
 
-def _heads(index: Index, cfg: Config) -> Index:
+def _heads(index: Index, cfg: Config, look: Look | None = None) -> Index:
     """The index with only the queued tasks that can start now when every pick takes the
     smallest key of all (simple_order) and each takes one slot (no accounts): as many as
     slots are free, found without sorting the rest into lanes (the first tick at 50,000
     queued built a Board of every task: 0.3 s of the service's start). Else the index."""
     free = cfg.max_agents - slots_used(index)
-    look = Look(index.queued)  # accounts, simple_order and order_key ask it of the same queue
+    look = Look.of(index, look)  # accounts, simple_order and order_key ask it of the same queue
     if (free >= len(index.queued) or index.paused_groups or accounts(index, cfg, look)
             or not simple_order(index, cfg, look=look)):
         return index
@@ -72,13 +73,13 @@ def _heads(index: Index, cfg: Config) -> Index:
 
 
 def _plan(index: Index, cfg: Config, now: datetime, resources: Resources | None, room: int | None,
-          here: Here | None = None) -> list[tuple[Task, str | None]]:
+          here: Here | None = None, look: Look | None = None) -> list[tuple[Task, str | None]]:
     """plan_starts with the preset each task starts on (its failover order's choice).
     `room`: this machine's own free slots (a cluster), which a task may take several of."""
     if here is not None:
         board = Board(index, cfg, now, resources, host=here.name, budget=here.max_memory)
     else:
-        board = Board(_heads(index, cfg), cfg, now, resources)
+        board = Board(_heads(index, cfg, look), cfg, now, resources)
     started: list[tuple[Task, str | None]] = []
     while (task := board.pick()) is not None:
         if room is not None:  # this machine's own slots: the next task waits for them, as for the cluster's
@@ -90,9 +91,9 @@ def _plan(index: Index, cfg: Config, now: datetime, resources: Resources | None,
 
 
 def starts_now(index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
-               here: Here | None = None) -> list[tuple[Task, str | None]]:
+               here: Here | None = None, look: Look | None = None) -> list[tuple[Task, str | None]]:
     """plan_starts, each task with the preset it starts on (lifecycle.start's `agent`)."""
-    tasks = plan_starts(index, cfg, now, resources, here)
+    tasks = plan_starts(index, cfg, now, resources, here, look)
     if not any(t.route for t in tasks):
         return [(t, t.agent) for t in tasks]
     room = None
@@ -141,7 +142,7 @@ def successor(index: Index, cfg: Config, look: Look | None = None) -> Successor 
     if not due:
         return None
     order = order_key(index, cfg, look)
-    first = min(due, key=order)
+    first = look.smallest(1, order)[0] if due is index.queued else min(due, key=order)
     key = order(first)
     # A task waiting for its time (a retry's delay, `delegate --at`) that sorts before it
     # would take the slot once that time has come: the promise holds until then.
@@ -158,7 +159,7 @@ def start_order(index: Index, cfg: Config, now: datetime, first: int | None = No
     look = Look.of(index, look)
     if simple_order(index, cfg, look=look):  # the same order, as a sort (property-tested against drain)
         if first is not None and first < len(index.queued):
-            return heapq.nsmallest(first, index.queued, key=order_key(index, cfg, look))  # = sorted()[:first]
+            return look.smallest(first, order_key(index, cfg, look))  # = sorted()[:first]
         return sorted(index.queued, key=order_key(index, cfg, look))
     order = Board(index, cfg, now).drain(first)
     return order if first is None else order[:first]

@@ -435,7 +435,6 @@ class Service:
         # What the successor, the next expiry and the warm wrappers' order ask of the whole
         # queue, asked once: nothing below changes the index.
         look = policy.Look(self.index.queued)
-        self.fast.committed(self.index, self.cfg, look)
         self.exits.ticked()
         self.procs.forget_dropped()
         if self.worktrees.preparing:
@@ -455,6 +454,8 @@ class Service:
             self.fast.warm(self.index, self.cfg, look)
         else:
             self.member.shipping({t.id: self.home.log(t.id) for t in self.index.active if t.host == self.member.name})
+        # After the warm wrappers' order: the successor is its first task when that is a sort.
+        self.fast.committed(self.index, self.cfg, look)
         self._watch_logs(here)
         self._watch_usage(here)
         self._watch_resources(here)
