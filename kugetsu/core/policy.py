@@ -256,7 +256,7 @@ class Board:
     """What the selection needs from an Index, in a form cheap to play forward."""
 
     def __init__(self, index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
-                 lanes: bool = True, host: str | None = None, budget: int | None = None):
+                 lanes: bool = True, host: str | None = None, budget: int | None = None, look: Look | None = None):
         self.cfg = cfg
         self.now = now
         self.hold = guard_hold(cfg, resources)
@@ -266,7 +266,7 @@ class Board:
         # cluster, whose `budget` is its own) against its budget.
         self.slots_used = sum(t.slots for t in index.active)
         self.budget: int | None = None
-        if accounts(index, cfg):
+        if accounts(index, cfg, look):
             self.budget = budget if budget is not None else cfg.memory_budget
         self.blocked: tuple[Task, str] | None = None  # the task the last pick would start, and why it does not fit
         # `kugetsu pause`: like the guard, it holds every start alike (see drain).

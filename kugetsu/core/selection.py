@@ -79,7 +79,7 @@ def _plan(index: Index, cfg: Config, now: datetime, resources: Resources | None,
     if here is not None:
         board = Board(index, cfg, now, resources, host=here.name, budget=here.max_memory)
     else:
-        board = Board(_heads(index, cfg, look), cfg, now, resources)
+        board = Board(_heads(index, cfg, look), cfg, now, resources, look=look)
     started: list[tuple[Task, str | None]] = []
     while (task := board.pick()) is not None:
         if room is not None:  # this machine's own slots: the next task waits for them, as for the cluster's
@@ -161,7 +161,7 @@ def start_order(index: Index, cfg: Config, now: datetime, first: int | None = No
         if first is not None and first < len(index.queued):
             return look.smallest(first, order_key(index, cfg, look))  # = sorted()[:first]
         return sorted(index.queued, key=order_key(index, cfg, look))
-    order = Board(index, cfg, now).drain(first)
+    order = Board(index, cfg, now, look=look).drain(first)
     return order if first is None else order[:first]
 
 
@@ -170,21 +170,24 @@ def positions(index: Index, cfg: Config, now: datetime) -> dict[int, int]:
     return {t.id: i for i, t in enumerate(start_order(index, cfg, now), 1)}
 
 
-def position(index: Index, cfg: Config, now: datetime, task: Task) -> int | None:
+def position(index: Index, cfg: Config, now: datetime, task: Task, look: Look | None = None) -> int | None:
     """positions(...).get(task.id), for one task: without sorting the queue when the start
-    order is a plain sort (a count of the tasks that sort before it)."""
+    order is a plain sort (a count of the tasks that sort before it). `look`: of this queue,
+    when the caller asks more of it (policy.Look)."""
     if task.state is not TaskState.QUEUED or task.stashed_at is not None:
         return None
-    if simple_order(index, cfg):
-        return 1 + _before(index.queued, cfg, task)
+    look = Look.of(index, look)
+    if simple_order(index, cfg, look=look):
+        return 1 + _before(look, cfg, task)
     return positions(index, cfg, now).get(task.id)
 
 
-def _before(queued: list[Task], cfg: Config, task: Task) -> int:
-    """How many of `queued` sort before `task` (task_key). When no task was put first (`next`),
-    the usual case, counted in C passes (admission asks it of a long queue on every call):
-    the tasks of a lower rank, and those of its rank with a smaller id."""
-    if task.first or any(map(_FIRST, queued)):
+def _before(look: Look, cfg: Config, task: Task) -> int:
+    """How many of the queue (`look`'s) sort before `task` (task_key). When no task was put
+    first (`next`), the usual case, counted in C passes (admission asks it of a long queue on
+    every call): the tasks of a lower rank, and those of its rank with a smaller id."""
+    queued = look.queued
+    if task.first or look.first:
         key = task_key(cfg, task)
         return sum(1 for t in queued if task_key(cfg, t) < key)
     smaller = map(task.id.__gt__, map(_ID, queued))
@@ -196,15 +199,18 @@ def _before(queued: list[Task], cfg: Config, task: Task) -> int:
     return sum(n for p, n in counts.items() if RANK[p] < rank) + sum(compress(smaller, map(task.priority.__eq__, priorities)))
 
 
-_FIRST, _ID, _PRIORITY = attrgetter("first"), attrgetter("id"), attrgetter("priority")
+_ID, _PRIORITY = attrgetter("id"), attrgetter("priority")
 
 
-def waiting_for_one(index: Index, cfg: Config, now: datetime, task: Task, resources: Resources | None = None) -> str | None:
-    """waiting_for(...).get(task.id), for one queued task: the reason of its lane only."""
+def waiting_for_one(index: Index, cfg: Config, now: datetime, task: Task, resources: Resources | None = None,
+                    look: Look | None = None) -> str | None:
+    """waiting_for(...).get(task.id), for one queued task: the reason of its lane only.
+    `look`: of this queue, when the caller asks more of it (policy.Look)."""
     # its dependencies, by name; what fits (slots, memory); its stash: the full look
-    if task.after or task.stashed_at is not None or accounts(index, cfg):
+    look = Look.of(index, look)
+    if task.after or task.stashed_at is not None or accounts(index, cfg, look):
         return waiting_for(index, cfg, now, resources).get(task.id)
-    board = Board(index, cfg, now, resources, lanes=False)
+    board = Board(index, cfg, now, resources, lanes=False, look=look)
     return board.pause or board.hold or board.why(*board.lane_of(task))
 
 
