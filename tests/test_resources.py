@@ -558,3 +558,12 @@ def test_each_machine_of_a_cluster_admits_by_its_own_memory_and_stops_its_tasks_
     t = a.wait_state("hog", "failed", timeout=30)
     assert t["host"] == "m2" and t["reason"].startswith("memory limit 60.0M exceeded (peak "), t["reason"]
     assert t["peak_memory"] >= 60 * M and grown(b, "hog") < 200
+
+
+def test_the_sweeps_attempts_are_each_live_tasks_own():
+    """usage.Attempts, the sweep's `live` (two lists, not a dict of the whole queue): a task's
+    attempt by its id, None for a task that is not live, as a dict of them answers."""
+    ids, attempts = [7, 3, 12], [1, 2, 1]
+    live = usage.Attempts(ids, attempts)
+    assert {i: live.get(i) for i in (3, 7, 12, 5)} == {3: 2, 7: 1, 12: 1, 5: None}
+    assert dict(live) == dict(zip(ids, attempts)) and len(live) == 3
