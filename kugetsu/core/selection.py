@@ -78,7 +78,8 @@ def _plan(index: Index, cfg: Config, now: datetime, resources: Resources | None,
     `room`: this machine's own free slots (a cluster), which a task may take several of."""
     if here is not None:
         board = Board(index, cfg, now, resources, host=here.name, budget=here.max_memory)
-    else:
+    else:  # _heads and the Board's accounts ask the same of the queue (when _heads keeps it whole)
+        look = Look.of(index, look)
         board = Board(_heads(index, cfg, look), cfg, now, resources, look=look)
     started: list[tuple[Task, str | None]] = []
     while (task := board.pick()) is not None:
