@@ -451,8 +451,9 @@ def test_one_look_shared_by_the_rules_gives_what_each_asks_alone(raw, simple, fi
     assert lifecycle.queue_deadline(index, look) == lifecycle.queue_deadline(index)
     assert selection.successor(index, cfg, look) == selection.successor(index, cfg)
     assert policy.accounts(index, cfg, look) == policy.accounts(index, cfg)
+    full = selection.positions(index, cfg, now)  # played forward: the newest task's short cut too
     for task in index.queued:
-        assert selection.position(index, cfg, now, task, look) == selection.position(index, cfg, now, task)
+        assert selection.position(index, cfg, now, task, look) == full.get(task.id)
         assert (selection.waiting_for_one(index, cfg, now, task, None, look)
                 == selection.waiting_for_one(index, cfg, now, task))
     key, sizes = policy.order_key(index, cfg), (1, ahead + 2, ahead)  # a longer one after a shorter, then a prefix

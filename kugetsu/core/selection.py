@@ -179,24 +179,33 @@ def position(index: Index, cfg: Config, now: datetime, task: Task, look: Look | 
         return None
     look = Look.of(index, look)
     if simple_order(index, cfg, look=look):
-        return 1 + _before(look, cfg, task)
+        # the task admitted last, where admission put it (ids are given in order, once:
+        # models.check_index), has a larger id than every other queued task
+        newest = bool(index.queued) and index.queued[-1] is task and task.id == index.next_id - 1
+        return 1 + _before(look, cfg, task, newest)
     return positions(index, cfg, now).get(task.id)
 
 
-def _before(look: Look, cfg: Config, task: Task) -> int:
+def _before(look: Look, cfg: Config, task: Task, newest: bool = False) -> int:
     """How many of the queue (`look`'s) sort before `task` (task_key). When no task was put
     first (`next`), the usual case, counted in C passes (admission asks it of a long queue on
-    every call): the tasks of a lower rank, and those of its rank with a smaller id."""
+    every call): the tasks of a lower rank, and those of its rank with a smaller id. `newest`:
+    `task` is in the queue and every other queued task has a smaller id (admission's ask): no
+    id need be read."""
     queued = look.queued
     if task.first or look.first:
         key = task_key(cfg, task)
         return sum(1 for t in queued if task_key(cfg, t) < key)
+    if newest and cfg.strategy == "fifo":
+        return len(queued) - 1
     smaller = map(task.id.__gt__, map(_ID, queued))
     if cfg.strategy == "fifo":
         return sum(smaller)
     rank = RANK[task.priority]
     priorities = list(map(_PRIORITY, queued))
     counts = Counter(priorities)
+    if newest:
+        return sum(n for p, n in counts.items() if RANK[p] <= rank) - 1  # its rank's, but itself
     return sum(n for p, n in counts.items() if RANK[p] < rank) + sum(compress(smaller, map(task.priority.__eq__, priorities)))
 
 
