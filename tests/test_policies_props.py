@@ -411,3 +411,54 @@ def test_a_wide_task_cannot_be_moved_into_a_group_too_small_for_it():
     with pytest.raises(UsageError, match="takes 2 slots: it could never start in group small, which has 1"):
         admission.edit(index, cfg, task, T0, admission.Edit(group="small"))
     assert task.group is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(config_st, st.booleans(), st.lists(task_st, max_size=8), st.lists(task_st, max_size=16), st.integers(0, 6),
+       st.data())
+def test_one_look_shared_by_the_rules_gives_what_each_asks_alone(raw, simple, first, later, gap, data):
+    """policy.Look: the service asks the warm wrappers' order, the next expiry and the
+    successor of one queue with one Look, admission its position and why it waits, settle
+    its dependencies and its starts: each answer is the one the rule gives with a Look of
+    its own, whatever the queue holds (tasks put first, waiting for their time, stashed,
+    waiting for others, declaring memory or slots)."""
+    if simple:
+        raw |= {"strategy": data.draw(st.sampled_from(["fifo", "priority"])), "max_active_per_source": None,
+                "min_start_interval_per_source": None, "agents": {}, "budgets": {}}
+        first, later = ([(s, p, None, None) for s, p, _, _ in batch] for batch in (first, later))
+    cfg, index, now = build(raw, first, later, gap)
+    later_s = st.none() | st.integers(1, 30).map(lambda s: now + timedelta(seconds=s))
+    for task in index.queued:
+        if data.draw(st.integers(0, 4)) == 0:  # now and then, each thing a task may carry
+            task.first = data.draw(st.integers(0, 2))
+            task.not_before = data.draw(later_s)
+            task.stashed_at = data.draw(st.sampled_from([None, now]))
+            task.memory = data.draw(st.sampled_from([None, G]))
+            task.slots = data.draw(st.sampled_from([1, 1, 2]))
+            task.after = data.draw(st.sampled_from([[], [t.id for t in index.active[:1]]]))
+        task.expires_at = data.draw(later_s)
+    ahead = data.draw(st.integers(1, 5))
+    look = policy.Look(index.queued)
+    q = index.queued  # each question, as the rules asked it of the whole queue before the Look
+    assert (look.first, look.after, look.timed, look.stashed, look.memory, look.slots, look.routed) == (
+        any(t.first for t in q), any(t.after for t in q), any(t.not_before is not None for t in q),
+        any(t.stashed_at is not None for t in q), any(t.memory for t in q), any(t.slots != 1 for t in q),
+        any(t.route for t in q))
+    # in the service's order: the warm wrappers' first tasks, then the successor
+    assert policy.simple_order(index, cfg, look=look) == policy.simple_order(index, cfg)
+    assert selection.start_order(index, cfg, now, ahead, look) == selection.start_order(index, cfg, now, ahead)
+    assert policy.may_release(index, cfg, look) == policy.may_release(index, cfg)
+    assert lifecycle.queue_deadline(index, look) == lifecycle.queue_deadline(index)
+    assert selection.successor(index, cfg, look) == selection.successor(index, cfg)
+    assert policy.accounts(index, cfg, look) == policy.accounts(index, cfg)
+    full = selection.positions(index, cfg, now)  # played forward: the newest task's short cut too
+    for task in index.queued:
+        assert selection.position(index, cfg, now, task, look) == full.get(task.id)
+        assert (selection.waiting_for_one(index, cfg, now, task, None, look)
+                == selection.waiting_for_one(index, cfg, now, task))
+    key, sizes = policy.order_key(index, cfg), (1, ahead + 2, ahead)  # a longer one after a shorter, then a prefix
+    fresh = policy.Look(index.queued)
+    assert [fresh.smallest(n, key) for n in sizes] == [sorted(index.queued, key=key)[:n] for n in sizes]
+    other = msgspec.json.decode(msgspec.json.encode(index), type=Index)
+    assert [t.id for t, _ in selection.starts_now(index, cfg, now, None, None, look)] == \
+        [t.id for t, _ in selection.starts_now(other, cfg, now)]

@@ -537,15 +537,15 @@ def test_cgroup_v2_delegated_subtree_is_found_and_written_as_v2_wants(tmp_path):
 def test_finished_runs_cgroups_go_and_the_queues_attempts_are_looked_at_only_when_asked(tmp_path):
     """remove_finished keeps a running task's cgroup and a queued one's of its attempt now, and
     removes one of an earlier attempt or of a task no longer live; the queued tasks' attempts
-    (usage.QueuedAttempts) become a dict only when a cgroup of a task that is not running is
-    there (at 50,000 queued, a dict built at every look kept ~5 MB of the service's RSS)."""
+    (usage.Attempts) are taken only when a cgroup of a task that is not running is there (at
+    50,000 queued, a dict built at every look kept ~5 MB of the service's RSS)."""
     base = usage.Base(memory=tmp_path / "kg", pids=tmp_path / "kg", v2=True)
     queued = [Task(id=5, name="five", command=["true"], cwd="/", created_at=T0),
               Task(id=6, name="six", command=["true"], cwd="/", created_at=T0, attempt=2)]
     (base.memory / "task-7-1").mkdir(parents=True)
-    attempts = usage.QueuedAttempts(list(queued))
+    attempts = usage.Attempts(list(queued))
     assert usage.remove_finished(base, ChainMap({7: 1}, attempts), 10) == 0
-    assert attempts._by_id is None and (base.memory / "task-7-1").exists()  # the running task's: kept, no dict
+    assert attempts._lists is None and (base.memory / "task-7-1").exists()  # the running task's: kept, nothing taken
     for name in ("task-5-1", "task-6-1", "task-6-2", "task-9-1"):
         (base.memory / name).mkdir()
     assert usage.remove_finished(base, ChainMap({7: 1}, attempts), 10) == 0
@@ -579,3 +579,13 @@ def test_each_machine_of_a_cluster_admits_by_its_own_memory_and_stops_its_tasks_
     t = a.wait_state("hog", "failed", timeout=30)
     assert t["host"] == "m2" and t["reason"].startswith("memory limit 60.0M exceeded (peak "), t["reason"]
     assert t["peak_memory"] >= 60 * M and grown(b, "hog") < 200
+
+
+def test_the_sweeps_attempts_are_each_live_tasks_own():
+    """usage.Attempts, the sweep's `live` (two lists, not a dict of the whole queue): a task's
+    attempt by its id, None for a task that is not live, as a dict of them answers."""
+    ids, attempts = [7, 3, 12], [1, 2, 1]
+    live = usage.Attempts([Task(id=i, name=f"t{i}", command=["true"], cwd="/", created_at=T0, attempt=a)
+                           for i, a in zip(ids, attempts)])
+    assert {i: live.get(i) for i in (3, 7, 12, 5)} == {3: 2, 7: 1, 12: 1, 5: None}
+    assert dict(live) == dict(zip(ids, attempts)) and len(live) == 3

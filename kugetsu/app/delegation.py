@@ -15,7 +15,7 @@ from kugetsu.app.control import wake
 from kugetsu.app.reading import hosts_up
 from kugetsu.app.transaction import _locked, measure, now, settle
 from kugetsu.config.model import Config
-from kugetsu.core import admission, placement, selection
+from kugetsu.core import admission, placement, policy, selection
 from kugetsu.core.models import Task, TaskState
 from kugetsu.errors import KugetsuError, UsageError
 from kugetsu.paths import Home
@@ -177,8 +177,9 @@ def _admission(txn: Txn, cfg: Config, task: Task, positions: dict[int, int] | No
                whys: dict[int, str] | None = None) -> Admission:
     """What admitting `task` came to, as the transaction stands: its position (from
     `positions` when given), why it waits (from `whys`, selection.waiting_for's, when given)."""
+    look = policy.Look(txn.index.queued)  # position and why it waits ask the same of the queue
     if positions is None or task.state is not TaskState.QUEUED or task.stashed_at is not None:
-        position = selection.position(txn.index, cfg, txn.now, task)
+        position = selection.position(txn.index, cfg, txn.now, task, look)
     else:
         position = positions.get(task.id)
     if not position:
@@ -186,7 +187,7 @@ def _admission(txn: Txn, cfg: Config, task: Task, positions: dict[int, int] | No
     elif whys is not None:
         why = whys.get(task.id)
     else:
-        why = selection.waiting_for_one(txn.index, cfg, txn.now, task, measure(cfg))
+        why = selection.waiting_for_one(txn.index, cfg, txn.now, task, measure(cfg), look)
     if position and task.pinned_host is not None:
         why = placement.placement_note(task, hosts_up(cfg)) or why
     if position == 1 and why is None:

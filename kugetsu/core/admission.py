@@ -15,7 +15,7 @@ from kugetsu.core.commandline import _KEPT, _NEEDS_PROMPT, render_command, rende
 from kugetsu.core.common import _close, _event, _stands
 from kugetsu.core.lifecycle import cancel
 from kugetsu.core.models import PRIORITIES, Event, Index, Task, TaskState, valid_host, valid_name
-from kugetsu.core.policy import _AFTER, short_size
+from kugetsu.core.policy import Look, short_size
 from kugetsu.core.selection import find, free_slots, position
 from kugetsu.errors import EmptyPrompt, InvalidHost, NeedsPrompt, Nested, NoSuchTask, NotClustered, QueueFull, Rejected, UnknownDependency, UnknownGroup, UsageError
 
@@ -419,11 +419,12 @@ def dependencies(index: Index, refs: list[str]) -> list[int]:
     return ids
 
 
-def dependencies_failed(index: Index, now: datetime) -> list[Event]:
+def dependencies_failed(index: Index, now: datetime, look: Look | None = None) -> list[Event]:
     """Queued tasks one of whose dependencies ended otherwise than succeeded are cancelled,
     each with its own event (`dependency issue-16 failed`). In id order: a dependency is
-    always older than its dependent, so a whole chain ends in one pass."""
-    if not any(map(_AFTER, index.queued)):  # C's steps: every transaction asks it of the whole queue
+    always older than its dependent, so a whole chain ends in one pass. `look`: of this queue,
+    when the caller asks more of it (policy.Look)."""
+    if not Look.of(index, look).after:  # C's steps: every transaction asks it of the whole queue
         return []
     waiting = [t for t in index.queued if t.after]
     ended = {t.id: t for t in index.finished}

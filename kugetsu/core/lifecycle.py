@@ -14,7 +14,7 @@ from kugetsu.core import budgets
 from kugetsu.core.commandline import _NEEDS_PROMPT, render_command, render_template
 from kugetsu.core.common import _close, _event, _request_stop, _stands, unpause
 from kugetsu.core.models import Event, Index, Run, SourceMark, Task, TaskState
-from kugetsu.core.policy import Resources, guard_hold
+from kugetsu.core.policy import Look, Resources, guard_hold
 from kugetsu.core.selection import free_slots, lowest_free_slot, next_release
 from kugetsu.errors import NotFound, UsageError
 
@@ -163,7 +163,7 @@ def cancel(index: Index, task: Task, now: datetime, grace: float, reason: str = 
 
 
 
-_EXPIRES_AT, _STASHED_AT = attrgetter("expires_at"), attrgetter("stashed_at")
+_EXPIRES_AT = attrgetter("expires_at")
 
 
 def expire_due(index: Index, now: datetime) -> list[Event]:
@@ -199,12 +199,13 @@ def timeouts_due(index: Index, now: datetime, grace: float) -> list[Task]:
     return due
 
 
-def queue_deadline(index: Index) -> datetime | None:
+def queue_deadline(index: Index, look: Look | None = None) -> datetime | None:
     """The earliest expiry of a queued task (expire_due's), the one part of next_deadline that
     grows with the queue: the service keeps it while the queue is the same. Each expiry
     changes the queue, so the tick after a burst asks it again: in C's steps when nothing is
-    stashed (the usual case; a Python step a task was 1.5 ms of that tick at 10,000 queued)."""
-    if not any(map(_STASHED_AT, index.queued)):
+    stashed (the usual case; a Python step a task was 1.5 ms of that tick at 10,000 queued).
+    `look`: of this queue, when the caller asks more of it (policy.Look)."""
+    if not Look.of(index, look).stashed:
         return min(filter(None, map(_EXPIRES_AT, index.queued)), default=None)
     return min((t.expires_at for t in index.queued if t.expires_at is not None and t.stashed_at is None), default=None)
 

@@ -20,8 +20,8 @@ from kugetsu.core import budgets, placement
 from kugetsu.core.common import _event, _stands, may_requeue, unpause
 from kugetsu.core.models import Event, Index, QueueCounts, Task, TaskState, valid_host
 from kugetsu.core.placement import Here, starts_anywhere
-from kugetsu.core.policy import (RANK, Board, Resources, accounts, groups_full, guard_hold, may_release, memory_of,
-                                 order_key, simple_order, task_key)
+from kugetsu.core.policy import (RANK, Board, Look, Resources, accounts, groups_full, guard_hold, may_release,
+                                 memory_of, order_key, simple_order, task_key)
 from kugetsu.errors import AmbiguousName, NoSuchTask, UnknownGroup, UsageError
 
 
@@ -33,7 +33,7 @@ def slots_used(index: Index) -> int:
     return sum(t.slots for t in index.active)
 
 
-_NOT_BEFORE, _ROUTE = attrgetter("not_before"), attrgetter("route")
+_NOT_BEFORE = attrgetter("not_before")
 
 
 def free_slots(index: Index, cfg: Config) -> int:
@@ -41,10 +41,11 @@ def free_slots(index: Index, cfg: Config) -> int:
 
 
 def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
-                here: Here | None = None) -> list[Task]:
+                here: Here | None = None, look: Look | None = None) -> list[Task]:
     """Every queued task that may start now, in order, without changing the index.
     `resources`: the machine's readings for the resource guard (None: no guard check).
-    `here`: in a cluster, the machine deciding: only what can run there, within its slots."""
+    `here`: in a cluster, the machine deciding: only what can run there, within its slots.
+    `look`: of this queue, when the caller asks more of it (policy.Look)."""
     if not starts_anywhere(cfg, here):
         return []
     if slots_used(index) >= cfg.max_agents or index.paused or guard_hold(cfg, resources) is not None:
@@ -55,28 +56,32 @@ def plan_starts(index: Index, cfg: Config, now: datetime, resources: Resources |
     if here is not None:
         room = placement.room(index, here)
         index = placement.candidates(index, here)
-    return [t for t, _ in _plan(index, cfg, now, resources, room, here)]
+    return [t for t, _ in _plan(index, cfg, now, resources, room, here, look)]
 
 
-def _heads(index: Index, cfg: Config) -> Index:
+def _heads(index: Index, cfg: Config, look: Look | None = None) -> Index:
     """The index with only the queued tasks that can start now when every pick takes the
     smallest key of all (simple_order) and each takes one slot (no accounts): as many as
     slots are free, found without sorting the rest into lanes (the first tick at 50,000
     queued built a Board of every task: 0.3 s of the service's start). Else the index."""
     free = cfg.max_agents - slots_used(index)
-    if (free >= len(index.queued) or index.paused_groups or accounts(index, cfg) or not simple_order(index, cfg)):
+    look = Look.of(index, look)  # accounts, simple_order and order_key ask it of the same queue
+    if (free >= len(index.queued) or index.paused_groups or accounts(index, cfg, look)
+            or not simple_order(index, cfg, look=look)):
         return index
-    return msgspec.structs.replace(index, queued=heapq.nsmallest(max(free, 0), index.queued, key=order_key(index, cfg)))
+    return msgspec.structs.replace(index, queued=heapq.nsmallest(max(free, 0), index.queued,
+                                                                 key=order_key(index, cfg, look)))
 
 
 def _plan(index: Index, cfg: Config, now: datetime, resources: Resources | None, room: int | None,
-          here: Here | None = None) -> list[tuple[Task, str | None]]:
+          here: Here | None = None, look: Look | None = None) -> list[tuple[Task, str | None]]:
     """plan_starts with the preset each task starts on (its failover order's choice).
     `room`: this machine's own free slots (a cluster), which a task may take several of."""
     if here is not None:
         board = Board(index, cfg, now, resources, host=here.name, budget=here.max_memory)
-    else:
-        board = Board(_heads(index, cfg), cfg, now, resources)
+    else:  # _heads and the Board's accounts ask the same of the queue (when _heads keeps it whole)
+        look = Look.of(index, look)
+        board = Board(_heads(index, cfg, look), cfg, now, resources, look=look)
     started: list[tuple[Task, str | None]] = []
     while (task := board.pick()) is not None:
         if room is not None:  # this machine's own slots: the next task waits for them, as for the cluster's
@@ -88,9 +93,9 @@ def _plan(index: Index, cfg: Config, now: datetime, resources: Resources | None,
 
 
 def starts_now(index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
-               here: Here | None = None) -> list[tuple[Task, str | None]]:
+               here: Here | None = None, look: Look | None = None) -> list[tuple[Task, str | None]]:
     """plan_starts, each task with the preset it starts on (lifecycle.start's `agent`)."""
-    tasks = plan_starts(index, cfg, now, resources, here)
+    tasks = plan_starts(index, cfg, now, resources, here, look)
     if not any(t.route for t in tasks):
         return [(t, t.agent) for t in tasks]
     room = None
@@ -110,34 +115,36 @@ class Successor(msgspec.Struct, frozen=True):
     until: datetime | None  # its queue deadline: from then on it expires instead of starting
 
 
-def successor(index: Index, cfg: Config) -> Successor | None:
+def successor(index: Index, cfg: Config, look: Look | None = None) -> Successor | None:
     """The queued task that the next slot to free goes to, whichever running task frees it,
     as long as the index, the config and `until` hold: what plan_starts will pick in the
     transaction that records the exit. The service lets it go the moment an agent exits,
     ahead of that transaction. None wherever the answer could depend on which task ends, on
     the clock or on the machine (source, group and rate limits, fair, the resource guard),
     or when one exit frees no slot (more running than max_agents after a lowering). A task
-    waiting for its time that sorts before it bounds `until`."""
+    waiting for its time that sorts before it bounds `until`. `look`: of this queue, when the
+    caller asks more of it (policy.Look)."""
+    look = Look.of(index, look)
     if (
         not index.queued
         or cfg.clustered  # a cluster: the next slot may free on another machine
         or index.paused
         or len(index.active) != cfg.max_agents
         or cfg.resource_guard.enabled
-        or accounts(index, cfg)  # slots and memory: one exit may not make room for the next
-        or not simple_order(index, cfg, waits=False)
+        or accounts(index, cfg, look)  # slots and memory: one exit may not make room for the next
+        or not simple_order(index, cfg, waits=False, look=look)
         or any(may_requeue(cfg, t) for t in index.active)  # it would come back ahead of the successor
-        or any(map(_ROUTE, index.queued))  # it may start on another preset than its command's
+        or look.routed  # it may start on another preset than its command's
     ):
         return None
     # simple_order: none is stashed. Those waiting for their time found in C's steps: the
     # service asks this after every promotion, of the whole queue.
-    timed = list(compress(index.queued, map(_NOT_BEFORE, index.queued)))
+    timed = list(compress(index.queued, map(_NOT_BEFORE, index.queued))) if look.timed else []
     due = [t for t in index.queued if t.not_before is None] if timed else index.queued
     if not due:
         return None
-    order = order_key(index, cfg)
-    first = min(due, key=order)
+    order = order_key(index, cfg, look)
+    first = look.smallest(1, order)[0] if due is index.queued else min(due, key=order)
     key = order(first)
     # A task waiting for its time (a retry's delay, `delegate --at`) that sorts before it
     # would take the slot once that time has come: the promise holds until then.
@@ -163,15 +170,18 @@ def warm_ahead(index: Index, cfg: Config, most: int, window: float) -> int:
     return min(most, max(cfg.max_agents, math.ceil(cfg.max_agents * window / pace)))
 
 
-def start_order(index: Index, cfg: Config, now: datetime, first: int | None = None) -> list[Task]:
+def start_order(index: Index, cfg: Config, now: datetime, first: int | None = None,
+                look: Look | None = None) -> list[Task]:
     """Queued tasks in the order they will really start if nothing new arrives: the same
     selection as plan_starts, played forward on a copy (policy.Board.drain). `first`: only
-    that many, the first ones (a plain sort then picks them without sorting the rest)."""
-    if simple_order(index, cfg):  # the same order, as a sort (property-tested against drain)
+    that many, the first ones (a plain sort then picks them without sorting the rest).
+    `look`: of this queue, when the caller asks more of it (policy.Look)."""
+    look = Look.of(index, look)
+    if simple_order(index, cfg, look=look):  # the same order, as a sort (property-tested against drain)
         if first is not None and first < len(index.queued):
-            return heapq.nsmallest(first, index.queued, key=order_key(index, cfg))  # = sorted()[:first]
-        return sorted(index.queued, key=order_key(index, cfg))
-    order = Board(index, cfg, now).drain(first)
+            return look.smallest(first, order_key(index, cfg, look))  # = sorted()[:first]
+        return sorted(index.queued, key=order_key(index, cfg, look))
+    order = Board(index, cfg, now, look=look).drain(first)
     return order if first is None else order[:first]
 
 
@@ -180,41 +190,56 @@ def positions(index: Index, cfg: Config, now: datetime) -> dict[int, int]:
     return {t.id: i for i, t in enumerate(start_order(index, cfg, now), 1)}
 
 
-def position(index: Index, cfg: Config, now: datetime, task: Task) -> int | None:
+def position(index: Index, cfg: Config, now: datetime, task: Task, look: Look | None = None) -> int | None:
     """positions(...).get(task.id), for one task: without sorting the queue when the start
-    order is a plain sort (a count of the tasks that sort before it)."""
+    order is a plain sort (a count of the tasks that sort before it). `look`: of this queue,
+    when the caller asks more of it (policy.Look)."""
     if task.state is not TaskState.QUEUED or task.stashed_at is not None:
         return None
-    if simple_order(index, cfg):
-        return 1 + _before(index.queued, cfg, task)
+    look = Look.of(index, look)
+    if simple_order(index, cfg, look=look):
+        # the task admitted last, where admission put it (ids are given in order, once:
+        # models.check_index), has a larger id than every other queued task
+        newest = bool(index.queued) and index.queued[-1] is task and task.id == index.next_id - 1
+        return 1 + _before(look, cfg, task, newest)
     return positions(index, cfg, now).get(task.id)
 
 
-def _before(queued: list[Task], cfg: Config, task: Task) -> int:
-    """How many of `queued` sort before `task` (task_key). When no task was put first (`next`),
-    the usual case, counted in C passes (admission asks it of a long queue on every call):
-    the tasks of a lower rank, and those of its rank with a smaller id."""
-    if task.first or any(map(_FIRST, queued)):
+def _before(look: Look, cfg: Config, task: Task, newest: bool = False) -> int:
+    """How many of the queue (`look`'s) sort before `task` (task_key). When no task was put
+    first (`next`), the usual case, counted in C passes (admission asks it of a long queue on
+    every call): the tasks of a lower rank, and those of its rank with a smaller id. `newest`:
+    `task` is in the queue and every other queued task has a smaller id (admission's ask): no
+    id need be read."""
+    queued = look.queued
+    if task.first or look.first:
         key = task_key(cfg, task)
         return sum(1 for t in queued if task_key(cfg, t) < key)
+    if newest and cfg.strategy == "fifo":
+        return len(queued) - 1
     smaller = map(task.id.__gt__, map(_ID, queued))
     if cfg.strategy == "fifo":
         return sum(smaller)
     rank = RANK[task.priority]
     priorities = list(map(_PRIORITY, queued))
     counts = Counter(priorities)
+    if newest:
+        return sum(n for p, n in counts.items() if RANK[p] <= rank) - 1  # its rank's, but itself
     return sum(n for p, n in counts.items() if RANK[p] < rank) + sum(compress(smaller, map(task.priority.__eq__, priorities)))
 
 
-_FIRST, _ID, _PRIORITY = attrgetter("first"), attrgetter("id"), attrgetter("priority")
+_ID, _PRIORITY = attrgetter("id"), attrgetter("priority")
 
 
-def waiting_for_one(index: Index, cfg: Config, now: datetime, task: Task, resources: Resources | None = None) -> str | None:
-    """waiting_for(...).get(task.id), for one queued task: the reason of its lane only."""
+def waiting_for_one(index: Index, cfg: Config, now: datetime, task: Task, resources: Resources | None = None,
+                    look: Look | None = None) -> str | None:
+    """waiting_for(...).get(task.id), for one queued task: the reason of its lane only.
+    `look`: of this queue, when the caller asks more of it (policy.Look)."""
     # its dependencies, by name; what fits (slots, memory); its stash: the full look
-    if task.after or task.stashed_at is not None or accounts(index, cfg):
+    look = Look.of(index, look)
+    if task.after or task.stashed_at is not None or accounts(index, cfg, look):
         return waiting_for(index, cfg, now, resources).get(task.id)
-    board = Board(index, cfg, now, resources, lanes=False)
+    board = Board(index, cfg, now, resources, lanes=False, look=look)
     return board.pause or board.hold or board.why(*board.lane_of(task))
 
 

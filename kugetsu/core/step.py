@@ -18,7 +18,7 @@ from kugetsu.core.common import _close, _request_stop
 from kugetsu.core.lifecycle import agent_ended, expire_due, finish, kills_due, record_spawn, start, timeouts_due, trim_history
 from kugetsu.core.models import Event, Index, Task, TaskState
 from kugetsu.core.placement import Here, ours
-from kugetsu.core.policy import Resources, memory_of, short_size
+from kugetsu.core.policy import Look, Resources, memory_of, short_size
 from kugetsu.core.retries import conclude, held_events, progress, read_output, release_due
 from kugetsu.core.selection import free_slots, next_release, starts_now
 
@@ -305,8 +305,11 @@ def settle(index: Index, cfg: Config, now: datetime, resources: Resources | None
     for task in [t for t in index.active if t.run.pid is None and t.run.stop is not None and ours(t, me)]:
         plan.events += finish(index, task, now, None)
     plan.events += expire_due(index, now)
-    plan.events += dependencies_failed(index, now)
-    for task, agent in starts_now(index, cfg, now, resources, here):
+    look = Look(index.queued)  # dependencies_failed and the starts ask the same questions of it
+    failed = dependencies_failed(index, now, look)
+    plan.events += failed
+    # A task cancelled left the queue (the same list): the look's answers were of the one before.
+    for task, agent in starts_now(index, cfg, now, resources, here, None if failed else look):
         plan.events += start(index, task, now, here.name if here else None, cfg, agent)
     plan.archive = trim_history(index, cfg.history_limit)
     plan.start = [t for t in index.active if t.run.pid is None and t.run.ended_at is None and ours(t, me)]

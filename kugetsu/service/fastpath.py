@@ -127,8 +127,8 @@ class FastPath:
         """selection.successor promises that the transaction starts the task let go early. Should
         that promise ever break, its agent runs all the same: the plan that records it as
         running rather than start it a second time later (None: the promise held)."""
-        if self.released is None:
-            return None
+        if self.released is None or any(t.id == self.released for t in txn.index.active):
+            return None  # started, as promised: a task is queued or running, never both
         ids = list(map(_ID, txn.index.queued))  # in C's steps: asked at every tick of a drain, of the whole queue
         task = txn.index.queued[ids.index(self.released)] if self.released in ids else None
         warm = self.procs.take_warm(self.released) if task is not None else None
@@ -139,16 +139,16 @@ class FastPath:
         self.procs.adopt_child(warm.popen)
         return step.adopt(txn.index, txn.now, [step.Adopted(task.id, warm.pid, warm.start, at, str(self.home.log(task.id)))])
 
-    def committed(self, index: Index, cfg: Config) -> None:
+    def committed(self, index: Index, cfg: Config, look: policy.Look | None = None) -> None:
         """After a tick (its start of the released task recorded): the next successor. Besides
         the queue it reads the config, whether the queue is paused or presets held, and the
         running tasks' slots, memory and retries (the key of the memo)."""
         self.released = None
         running = tuple((t.id, t.memory, t.slots, t.retries, t.agent) for t in index.active)
         self.successor = self.memo.get("successor", (id(cfg), index.paused, bool(index.holds), running),
-                                       lambda: selection.successor(index, cfg))
+                                       lambda: selection.successor(index, cfg, look))
 
-    def warm(self, index: Index, cfg: Config) -> None:
+    def warm(self, index: Index, cfg: Config, look: policy.Look | None = None) -> None:
         """The warm wrappers of the next promotions (one machine: in a cluster the next task
         may start on another). The first ones in start order are kept while the queue is the
         same, when that order is a plain sort (it reads the config and whether presets are
@@ -160,14 +160,16 @@ class FastPath:
         key = (id(cfg), bool(index.holds))
         first = None
         ahead = selection.warm_ahead(index, cfg, processes.WARM_AHEAD, processes.WARM_WINDOW)
-        if index.queued and self.memo.get("simple", key, lambda: policy.simple_order(index, cfg)):
-            first = self.memo.get("first", (*key, ahead), lambda: selection.start_order(index, cfg, transaction.now(), ahead))
+        if index.queued and self.memo.get("simple", key, lambda: policy.simple_order(index, cfg, look=look)):
+            first = self.memo.get("first", (*key, ahead),
+                                  lambda: selection.start_order(index, cfg, transaction.now(), ahead, look))
         elif (index.queued and selection.free_slots(index, cfg) == 0
-              and not self.memo.get("timed", key, lambda: policy.may_release(index, cfg))):
+              and not self.memo.get("timed", key, lambda: policy.may_release(index, cfg, look))):
             played = (*key, ahead, tuple(index.paused_groups), index.starts,
                       tuple((source, mark.n) for source, mark in index.last_start.items()),
                       tuple((t.id, t.source, t.group, t.agent, t.slots, t.memory) for t in index.active))
-            first = self.memo.get("played", played, lambda: selection.start_order(index, cfg, transaction.now(), ahead))
+            first = self.memo.get("played", played,
+                                  lambda: selection.start_order(index, cfg, transaction.now(), ahead, look))
         self.procs.sync_warm(index, cfg, ahead, first)
 
 

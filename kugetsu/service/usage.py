@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 from datetime import datetime
+from operator import attrgetter
 from pathlib import Path
 
 import msgspec
@@ -308,35 +309,38 @@ def remove_base(base: Base) -> None:
             pass
 
 
-class QueuedAttempts(Mapping[int, int]):
-    """The queued tasks' attempts by id (remove_finished's `live`, after the running tasks'),
-    made into a dict only when a look asks for a task that is not running: only a cgroup of a
-    run that is over (or of a task let go early, still queued in the index) asks. A dict of
-    50,000 built at every look at a long queue kept ~5 MB of the service's RSS (the dict and
-    the heap its growth left), idle. `tasks`: the service's queue, copied in the loop's thread
-    (the look runs in a worker's); the dict, once made, is kept with it (QueueMemo: while the
-    queue is the one committed, none of its tasks' attempts changes)."""
+class Attempts(Mapping[int, int]):
+    """Task id -> its attempt, of `tasks` (remove_finished's `live`, the sampler's): two lists
+    (ids, attempts) taken in C's steps at the first lookup, and a lookup a scan of the ids in
+    C. remove_finished looks up only the few ids its cgroups' names give, and at an idle look
+    none: a dict of every live task was 25 ms at each end of a drain at 50,000 queued, and one
+    built at every look (every 2 s, idle) kept ~5 MB of the service's RSS. `tasks`: a list of
+    the service's, taken in the loop's thread (the lookups run in a worker's)."""
 
     def __init__(self, tasks: list[Task]):
         self._tasks = tasks
-        self._by_id: dict[int, int] | None = None
+        self._lists: tuple[list[int], list[int]] | None = None
 
-    def _map(self) -> dict[int, int]:
-        if self._by_id is None:
-            self._by_id = {t.id: t.attempt for t in self._tasks}
-        return self._by_id
+    def _of(self) -> tuple[list[int], list[int]]:
+        if self._lists is None:
+            self._lists = list(map(_ID, self._tasks)), list(map(_ATTEMPT, self._tasks))
+        return self._lists
 
     def __getitem__(self, task_id: int) -> int:
-        return self._map()[task_id]
-
-    def __contains__(self, task_id: object) -> bool:
-        return task_id in self._map()
+        ids, attempts = self._of()
+        try:
+            return attempts[ids.index(task_id)]  # ids are unique
+        except ValueError:
+            raise KeyError(task_id) from None
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._map())
+        return iter(self._of()[0])
 
     def __len__(self) -> int:
         return len(self._tasks)
+
+
+_ID, _ATTEMPT = attrgetter("id"), attrgetter("attempt")
 
 
 def remove_finished(base: Base, live: Mapping[int, int], next_id: int) -> int:
