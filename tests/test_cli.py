@@ -321,7 +321,11 @@ def test_run_timeout_fails_the_task(kg):
     kg.config(kill_grace="1s")
     kg.delegate("long", 30, 0, "--timeout", "1s")
     t = kg.wait_state("long", "failed", timeout=5)
-    assert t["reason"] == "timed out after 1s"
+    # On a loaded machine the agent's `sleep`, sent the same SIGTERM as its shell, may not have
+    # run yet when the service looks for what the agent left (the shell gone first): it is then
+    # found, ended, and said ("; ended 1 leftover process"), which is true. 1 run in ~10 under
+    # load; the timeout's own reason is what this test is about.
+    assert t["reason"].partition("; ")[0] == "timed out after 1s", t["reason"]
 
 
 def test_prompt_reaches_the_agent_verbatim_without_a_shell(kg, tmp_path):
