@@ -79,7 +79,9 @@ def test_the_warm_wrappers_follow_the_pace_of_the_last_runs():
     cfg = msgspec.convert({"max_agents": 2}, Config)
     ix = Index()
     assert selection.warm_ahead(ix, cfg, 100, 30.0) == 100  # no run to go by: as many as may be
-    _ran(ix, [600.0] * 5)  # agents of 10 minutes: the next promotion of each slot
+    _ran(ix, [600.0] * (selection.PACE_LEAST - 1))  # too few runs to tell a pace (a drain's blocker)
+    assert selection.warm_ahead(ix, cfg, 100, 30.0) == 100
+    _ran(ix, [600.0])  # agents of 10 minutes: the next promotion of each slot
     assert selection.warm_ahead(ix, cfg, 100, 30.0) == 2
     _ran(ix, [3.0] * 20)  # the last 20 ran 3 s: 2 slots x 30 s / 3 s
     assert selection.warm_ahead(ix, cfg, 100, 30.0) == 20

@@ -10,7 +10,7 @@ import signal
 
 from conftest import agent_wrappers, service_in_process, wait_for, wait_for_async  # noqa: F401
 
-from kugetsu.core import step
+from kugetsu.core import selection, step
 
 from kugetsu.service import processes, runner
 
@@ -73,12 +73,14 @@ async def test_only_the_first_warm_ahead_tasks_wait_warm(kg, monkeypatch):
     assert kg.times("a") == {} and all(kg.times(n) for n in ("b", "c", "d"))
 
 
-async def _one_quick_run_then_a_blocker_and(kg, names: tuple[str, ...]):
-    """A run to go by for selection.warm_ahead's pace (one agent that ends at once), then one
-    slot held by `blocker` (#2) until the returned gate file exists, `names` queued behind it."""
+async def _quick_runs_then_a_blocker_and(kg, names: tuple[str, ...]):
+    """Runs to go by for selection.warm_ahead's pace (PACE_LEAST agents that end at once, #1-#5),
+    then one slot held by `blocker` (#6) until the returned gate file exists, `names` queued
+    behind it."""
     gate = kg.rec / "go"
-    await asyncio.to_thread(kg.delegate, "quick", 0)
-    await wait_for_async(lambda: kg.task("quick")["state"] == "succeeded", what="quick to end")
+    for i in range(selection.PACE_LEAST):
+        await asyncio.to_thread(kg.delegate, f"quick{i}", 0)
+        await wait_for_async(lambda: kg.task(f"quick{i}")["state"] == "succeeded", what=f"quick{i} to end")
     await asyncio.to_thread(kg.delegate, "blocker", 0, gate=gate)
     for name in names:
         await asyncio.to_thread(kg.delegate, name, 0)
@@ -91,11 +93,11 @@ async def test_behind_agents_slower_than_the_window_only_the_next_promotion_wait
     kg.config(max_agents=1, autostart=False)
     monkeypatch.setattr(processes, "WARM_WINDOW", 0.0001)
     async with service_in_process(kg.home):
-        gate = await _one_quick_run_then_a_blocker_and(kg, ("a", "b", "c"))
-        await wait_for_async(lambda: set(kg.wrappers()) == {2, 3}, what="the blocker and a's wrapper alone")
+        gate = await _quick_runs_then_a_blocker_and(kg, ("a", "b", "c"))
+        await wait_for_async(lambda: set(kg.wrappers()) == {6, 7}, what="the blocker and a's wrapper alone")
         assert all(kg.times(n) == {} for n in ("a", "b", "c"))  # none has run
         gate.touch()
-        await wait_for_async(lambda: len(kg.index()["finished"]) == 5, what="the queue to drain")
+        await wait_for_async(lambda: len(kg.index()["finished"]) == 9, what="the queue to drain")
     starts = [kg.times(n)["start"] for n in ("blocker", "a", "b", "c")]
     ends = [kg.times(n)["end"] for n in ("blocker", "a", "b", "c")]
     assert starts == sorted(starts) and all(s >= e for s, e in zip(starts[1:], ends))  # one at a time, FIFO
@@ -108,13 +110,13 @@ async def test_behind_quick_agents_the_next_ones_wait_warm_until_the_pace_slows(
     kg.config(max_agents=1, autostart=False)
     monkeypatch.setattr(processes, "WARM_AHEAD", 3)
     async with service_in_process(kg.home):
-        gate = await _one_quick_run_then_a_blocker_and(kg, ("a", "b", "c", "d"))
-        await wait_for_async(lambda: set(kg.wrappers()) == {2, 3, 4, 5}, what="the blocker, a, b and c warm")
+        gate = await _quick_runs_then_a_blocker_and(kg, ("a", "b", "c", "d"))
+        await wait_for_async(lambda: set(kg.wrappers()) == {6, 7, 8, 9}, what="the blocker, a, b and c warm")
         monkeypatch.setattr(processes, "WARM_WINDOW", 0.0001)  # the pace, against it, is slow now
         await asyncio.to_thread(kg.delegate, "e", 0)  # a tick
-        await wait_for_async(lambda: set(kg.wrappers()) == {2, 3}, what="the blocker and a's wrapper alone")
+        await wait_for_async(lambda: set(kg.wrappers()) == {6, 7}, what="the blocker and a's wrapper alone")
         gate.touch()
-        await wait_for_async(lambda: len(kg.index()["finished"]) == 7, what="the queue to drain")
+        await wait_for_async(lambda: len(kg.index()["finished"]) == 11, what="the queue to drain")
     assert all((kg.rec / n).read_text().count("start") == 1 for n in ("a", "b", "c", "d", "e"))
 
 
