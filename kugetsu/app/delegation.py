@@ -137,8 +137,9 @@ def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request], atomic
             # task (waiting_for is ~3.5 waiting_for_one's at 10,000 queued).
             waiting = sum(1 for t in admitted.values() if t.state is TaskState.QUEUED)
             whys = selection.waiting_for(txn.index, cfg, txn.now, measure(cfg)) if waiting > _WHYS_PAST else None
+            look = policy.Look(txn.index.queued)  # one for them all: nothing below changes the queue
             for i, task in admitted.items():
-                out[i] = _admission(txn, cfg, task, positions, whys)
+                out[i] = _admission(txn, cfg, task, positions, whys, look)
             if not any(isinstance(a, Admission) for a in out):
                 raise _NoneAdmitted
     except _NoneAdmitted:
@@ -174,10 +175,11 @@ _WHYS_PAST = 3  # queued tasks of one transaction past which delegate_many asks 
 
 
 def _admission(txn: Txn, cfg: Config, task: Task, positions: dict[int, int] | None,
-               whys: dict[int, str] | None = None) -> Admission:
+               whys: dict[int, str] | None = None, look: policy.Look | None = None) -> Admission:
     """What admitting `task` came to, as the transaction stands: its position (from
-    `positions` when given), why it waits (from `whys`, selection.waiting_for's, when given)."""
-    look = policy.Look(txn.index.queued)  # position and why it waits ask the same of the queue
+    `positions` when given), why it waits (from `whys`, selection.waiting_for's, when given).
+    `look`: of the transaction's queue, shared by the admissions of one transaction."""
+    look = policy.Look.of(txn.index, look)  # position and why it waits ask the same of the queue
     if positions is None or task.state is not TaskState.QUEUED or task.stashed_at is not None:
         position = selection.position(txn.index, cfg, txn.now, task, look)
     else:
