@@ -26,8 +26,8 @@ def _import_msgspec_lean() -> None:
             del sys.modules["typing_extensions"]
 
 
-# `kugetsu delegate` and `kugetsu capacity` may run in the service (frontends/cli/thin.py,
-# HANDED), needing no msgspec here: thin.run imports it (this way) only when the command runs
-# in this process after all.
-if sys.argv[1:2] not in (["delegate"], ["capacity"]):
+# The commands a running service runs for the CLI (frontends/cli/thin.py), needing no msgspec
+# here: thin.run imports it (this way) only when the command runs in this process after all.
+HANDED = ("delegate", "capacity")
+if not (sys.argv[1:2] and sys.argv[1] in HANDED):
     _import_msgspec_lean()

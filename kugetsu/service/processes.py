@@ -42,7 +42,7 @@ log = logging.getLogger("kugetsu.service")
 # as the drain goes instead (one more at each start), the wrappers' starts took the CPU of
 # the drain's agents: a 100-task drain at one slot took 352 ms instead of 296 (tsp 307; 5
 # interleaved rounds), and with 2 x max_agents the service's CPU was 2.57 ms a task instead
-# of 1.46. With no run to go by (a new home), WARM_AHEAD.
+# of 1.46. With fewer than selection.PACE_LEAST runs to go by (a new home), WARM_AHEAD.
 WARM_AHEAD = 100
 WARM_WINDOW = 30.0
 

@@ -654,10 +654,11 @@ class Store(Transactions):
         self._appends = True
 
     def fold(self) -> None:
-        """index.json written whole with the journal's records in it, and the journal gone: the
-        service does this as it stops, so that while no service runs index.json alone is the
-        state (the file a person may repair by hand; index.journal is for a running service).
-        A failure (a full disk) leaves both files as they were, which is as good."""
+        """index.json written whole with the journal's records in it, and the journal gone: a
+        long-lived writer does this as it stops (the service) or lets go of its Store (an MCP
+        server's admissions), so that while neither runs index.json alone is the state (the
+        file a person may repair by hand). A failure (a full disk) leaves both files as they
+        were, which is as good."""
         if not self.home.journal.exists():
             return
         with self._locked():
@@ -704,7 +705,6 @@ class Store(Transactions):
         missing = [e for e in index.outbox if e.seq > last]
         if missing:
             _append_events(self.home.events, missing)
-
 
 
 class _Snapshot:

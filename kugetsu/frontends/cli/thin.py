@@ -35,6 +35,8 @@ from __future__ import annotations
 import os
 import sys
 
+from kugetsu import HANDED
+
 TYPE_CHECKING = False  # not typing's: its import is 2 ms of the client's start
 if TYPE_CHECKING:
     import argparse
@@ -50,9 +52,9 @@ _PASSED = ("KUGETSU_TASK_ID", "KUGETSU_TASK_NAME", "PATH")
 FAILURE = 1  # errors.FAILURE, without importing it
 
 
-# The commands the service runs for a CLI: a PM agent's hot path, which at a long queue the
-# CLI paid for by reading index.json (capacity: 110 ms at 50,000 queued, 4.9x a bare python).
-HANDED = ("delegate", "capacity")
+# HANDED, the commands the service runs for a CLI (kept in kugetsu/__init__.py, which skips
+# msgspec's import for them): a PM agent's hot path, which at a long queue the CLI paid for by
+# reading index.json (capacity: 110 ms at 50,000 queued, 4.9x a bare python).
 
 
 def run() -> NoReturn:
@@ -319,14 +321,14 @@ def _run(home: Home, args: argparse.Namespace, cwd: str, environ: dict[str, str]
     return b"%d %d %d\n" % (code, len(e), len(o)) + e + o
 
 
-def _capacity(args: argparse.Namespace, locked: Callable[[], object], out: object) -> int:
+def _capacity(args: argparse.Namespace, read: Callable[[], object], out: object) -> int:
     """`capacity` from the index the service keeps, read in its transaction (which writes
     nothing): what the CLI prints from index.json (views.show_capacity, with the queued tasks
     counted as read_head counts them)."""
     from kugetsu.core.models import QueueCounts
     from kugetsu.frontends.cli.views import show_capacity
 
-    with locked() as (txn, cfg):  # type: ignore[attr-defined]
+    with read() as (txn, cfg):  # type: ignore[attr-defined]
         index = txn.index
         return show_capacity(cfg, index, QueueCounts.of(index.queued, index.holds), args.json, out)  # type: ignore[arg-type]
 

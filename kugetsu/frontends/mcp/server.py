@@ -10,8 +10,8 @@ is a normal result that says to back off and try again later.
 
 One long-lived process: the SDK, pydantic and kugetsu are imported once; config and index
 are read per call, as the CLI reads them, so nothing here can be stale (the admissions' store,
-tools_tasks.Admitter, keeps the index it committed last, and uses it only while index.json is
-still byte for byte what it wrote).
+tools_tasks.Admitter, keeps the index it committed last, and uses it only while index.json and
+index.journal are as it left them).
 """
 
 from __future__ import annotations
