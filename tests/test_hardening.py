@@ -83,11 +83,12 @@ def test_what_an_agent_leaves_running_is_ended_and_said(kg):
 
 
 _ORPHANS = """
-import json, subprocess, sys
+import json, subprocess, sys, time
 from datetime import datetime, timezone
 from kugetsu.service.exits import Exits
 from kugetsu.core.models import Run, Task
 from kugetsu.paths import Home
+from pathlib import Path
 from kugetsu.service.processes import Processes
 from kugetsu.service.runner import TOKEN_VAR
 
@@ -97,6 +98,12 @@ seen = {"none": exits.leftovers_possible(task)}
 for label, env in (("another's", {"PATH": "/bin", TOKEN_VAR: "tok-2"}), ("no token", {"PATH": "/bin"}),
                    ("its token", {TOKEN_VAR: "tok-1"}), ("blank", {})):
     child = subprocess.Popen(["/bin/sleep", "30"], env=env)  # a child: as an orphan handed to the subreaper
+    # Popen returns at the exec's close-on-exec, before the kernel has set up the new
+    # environment: until then /proc shows it blank, which is the "blank" case. Each labelled
+    # case is asked once its environment is there (deadline 10 s).
+    end = time.monotonic() + 10
+    while env and not Path(f"/proc/{child.pid}/environ").read_bytes() and time.monotonic() < end:
+        time.sleep(0.001)
     seen[label] = exits.leftovers_possible(task)
     child.kill()
     child.wait()
