@@ -207,11 +207,11 @@ async def test_a_task_let_go_early_but_not_started_by_pm_is_recorded_not_run_twi
         warm_pid = kg.wrappers()[2][0]
         real_settle, skipped = step.settle, []
 
-        def settle_but_not_at_the_exit(index, cfg, now, resources=None, here=None):
+        def settle_but_not_at_the_exit(index, cfg, now, resources=None, here=None, look=None):
             if any(t.name == "blocker" for t in index.finished) and not skipped:
                 skipped.append(now)
                 return step.Plan()
-            return real_settle(index, cfg, now, resources, here)
+            return real_settle(index, cfg, now, resources, here, look)
 
         monkeypatch.setattr(step, "settle", settle_but_not_at_the_exit)
         caplog.set_level(logging.ERROR, logger="kugetsu.service")

@@ -166,12 +166,13 @@ def cancel(index: Index, task: Task, now: datetime, grace: float, reason: str = 
 _EXPIRES_AT = attrgetter("expires_at")
 
 
-def expire_due(index: Index, now: datetime) -> list[Event]:
+def expire_due(index: Index, now: datetime, look: Look | None = None) -> list[Event]:
     """Queued tasks whose expires_at has come end as expired. Every transaction asks it: the
-    earliest expiry is found first with C's steps, and the queue walked in Python only when
-    one has come (a tick at 50,000 queued)."""
+    earliest expiry is found first (Look.earliest_expiry: C's steps, or what a service's Chain
+    carries), and the queue walked in Python only when one has come (a tick at 50,000 queued).
+    `look`: of this queue, when the caller asks more of it (policy.Look)."""
     events: list[Event] = []
-    earliest = min(filter(None, map(_EXPIRES_AT, index.queued)), default=None)
+    earliest = Look.of(index, look).earliest_expiry()
     if earliest is None or earliest > now:
         return events
     for task in [t for t in index.queued if t.expires_at is not None and t.expires_at <= now and t.stashed_at is None]:
@@ -201,13 +202,10 @@ def timeouts_due(index: Index, now: datetime, grace: float) -> list[Task]:
 
 def queue_deadline(index: Index, look: Look | None = None) -> datetime | None:
     """The earliest expiry of a queued task (expire_due's), the one part of next_deadline that
-    grows with the queue: the service keeps it while the queue is the same. Each expiry
-    changes the queue, so the tick after a burst asks it again: in C's steps when nothing is
-    stashed (the usual case; a Python step a task was 1.5 ms of that tick at 10,000 queued).
-    `look`: of this queue, when the caller asks more of it (policy.Look)."""
-    if not Look.of(index, look).stashed:
-        return min(filter(None, map(_EXPIRES_AT, index.queued)), default=None)
-    return min((t.expires_at for t in index.queued if t.expires_at is not None and t.stashed_at is None), default=None)
+    grows with the queue: the service keeps it while the queue is the same, and its Chain's
+    Looks carry it across a drain's promotions (Look.earliest_expiry). `look`: of this queue,
+    when the caller asks more of it (policy.Look)."""
+    return Look.of(index, look).earliest_expiry()
 
 
 def next_deadline(index: Index, queued: datetime | None | EllipsisType = ...) -> datetime | None:

@@ -13,7 +13,6 @@ pick looks at one task per lane instead of the whole queue.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import Counter, deque
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from kugetsu.core import budgets
 from kugetsu.core.times import clock
 from kugetsu.config.model import Config
 from kugetsu.config.units import format_duration, format_size
+from kugetsu.core.look import Look, by_id
 from kugetsu.core.models import PRIORITIES, Index, Task
 
 # source, group, route (the presets it may start on, in order; () for a bare command),
@@ -68,77 +68,6 @@ def memory_of(cfg: Config, task: Task) -> int:
     return cfg.resources.default_memory_bytes or 0
 
 
-class Look:
-    """The questions several rules ask of one queue (is any task put first, waiting for its
-    time, stashed, ...), each answered by one pass in C the first time it is asked and kept
-    for the Look's life. Its life is one state of the queue: whoever makes a Look holds that
-    queue unchanged while it passes it around and then drops it (the service after a commit:
-    the successor, the warm wrappers' start order and the next expiry asked the same
-    questions of the whole queue, 20 passes a promotion at 10,000 queued where 10 do). It is
-    never stored. Every rule takes `look=None` and makes its own then (`of`), so each
-    question is written here once, whoever asks it."""
-
-    __slots__ = ("queued", "_facts")
-
-    def __init__(self, queued: list[Task]):
-        self.queued = queued
-        self._facts: dict[str, Any] = {}
-
-    @staticmethod
-    def of(index: Index, look: Look | None) -> Look:
-        """`look` when it is of this very queue (the same list), else a fresh one."""
-        return look if look is not None and look.queued is index.queued else Look(index.queued)
-
-    def _ask(self, name: str, how: Callable[[list[Task]], Any]) -> Any:
-        facts = self._facts
-        if name not in facts:
-            facts[name] = how(self.queued)
-        return facts[name]
-
-    @property
-    def first(self) -> bool:
-        """Was a task put first (`next`)?"""
-        return self._ask("first", lambda q: any(map(_FIRST, q)))
-
-    @property
-    def after(self) -> bool:
-        """Does a task wait for others to end (`delegate --after`)?"""
-        return self._ask("after", lambda q: any(map(_AFTER, q)))
-
-    @property
-    def timed(self) -> bool:
-        """Does a task wait for its time (a retry's delay, `delegate --at`)?"""
-        return self._ask("timed", lambda q: _any_set(q, _NOT_BEFORE))
-
-    @property
-    def stashed(self) -> bool:
-        return self._ask("stashed", lambda q: _any_set(q, _STASHED_AT))
-
-    @property
-    def memory(self) -> bool:
-        """Does a task declare memory?"""
-        return self._ask("memory", lambda q: any(map(_MEMORY, q)))
-
-    @property
-    def slots(self) -> bool:
-        """Does a task take other than one slot?"""
-        return self._ask("slots", lambda q: list(map(_SLOTS, q)).count(1) != len(q))  # count: 2x any's speed
-
-    @property
-    def routed(self) -> bool:
-        """Does a task have a failover order (it may start on another preset than its command's)?"""
-        return self._ask("routed", lambda q: any(map(_ROUTE, q)))
-
-    def smallest(self, n: int, key: Callable[[Task], Any]) -> list[Task]:
-        """heapq.nsmallest(n, queue, key), which is sorted(queue, key)[:n]: a prefix of a
-        longer answer for the same key (the successor is the first of the warm wrappers'
-        first 100, when the order is a sort)."""
-        kept = self._facts.get("smallest")
-        if kept is None or kept[0] is not key or kept[1] < n:
-            kept = self._facts["smallest"] = (key, n, heapq.nsmallest(n, self.queued, key=key))
-        return kept[2][:n]
-
-
 def accounts(index: Index, cfg: Config, look: Look | None = None) -> bool:
     """Does any live task take more than one slot or declare memory? Else the selection
     counts tasks alone, as it always did (and the short cuts that assume it hold)."""
@@ -166,7 +95,7 @@ def task_key(cfg: Config, task: Task) -> tuple[int, int, int]:
     return (-task.first, 0 if cfg.strategy == "fifo" else RANK[task.priority], task.id)
 
 
-_ID, _FIRST, _MEMORY, _SLOTS = (attrgetter(name) for name in ("id", "first", "memory", "slots"))
+_MEMORY, _SLOTS = (attrgetter(name) for name in ("memory", "slots"))
 
 
 def order_key(index: Index, cfg: Config, look: Look | None = None) -> Callable[[Task], Any]:
@@ -174,7 +103,7 @@ def order_key(index: Index, cfg: Config, look: Look | None = None) -> Callable[[
     (`next`), the usual case, the id alone, the same order, compared in C (a drain at 20,000
     queued spent 2.7 s of its 13 in 10 million task_key calls: three passes a promotion)."""
     if cfg.strategy == "fifo" and not Look.of(index, look).first:
-        return _ID
+        return by_id
     return lambda t: task_key(cfg, t)
 
 
@@ -201,8 +130,7 @@ def simple_order(index: Index, cfg: Config, waits: bool = True, look: Look | Non
     )
 
 
-_AFTER, _NOT_BEFORE, _GROUP, _STASHED_AT, _ROUTE = (attrgetter(name) for name in ("after", "not_before", "group",
-                                                                                   "stashed_at", "route"))
+_GROUP = attrgetter("group")
 
 
 def may_release(index: Index, cfg: Config, look: Look | None = None) -> bool:
@@ -233,12 +161,6 @@ def groups_full(index: Index, cfg: Config) -> bool:
             taken[t.group] += t.slots
     paused = index.paused_groups
     return all(g in paused or taken[g] >= cfg.groups[g].max_agents for g in groups)
-
-
-def _any_set(tasks: list[Task], field: attrgetter[Any]) -> bool:
-    """Whether one of `tasks` has `field` other than None (list.count compares to None by
-    identity first: 1.5x the speed of all(map(operator.is_, ...)))."""
-    return list(map(field, tasks)).count(None) != len(tasks)
 
 
 def route_of(task: Task) -> tuple[str, ...]:

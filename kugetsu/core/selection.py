@@ -5,7 +5,6 @@ pauses, holds and groups; finding tasks by name or id.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import Counter
 from datetime import datetime
@@ -69,8 +68,7 @@ def _heads(index: Index, cfg: Config, look: Look | None = None) -> Index:
     if (free >= len(index.queued) or index.paused_groups or accounts(index, cfg, look)
             or not simple_order(index, cfg, look=look)):
         return index
-    return msgspec.structs.replace(index, queued=heapq.nsmallest(max(free, 0), index.queued,
-                                                                 key=order_key(index, cfg, look)))
+    return msgspec.structs.replace(index, queued=look.smallest(max(free, 0), order_key(index, cfg, look)))
 
 
 def _plan(index: Index, cfg: Config, now: datetime, resources: Resources | None, room: int | None,

@@ -166,11 +166,12 @@ class Plan(msgspec.Struct, kw_only=True):
     release_at: datetime | None = None  # when a policy that holds a task that could start lets go (release_at)
 
 
-def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
+def tick(index: Index, cfg: Config, now: datetime, obs: Observations, look: Look | None = None) -> Plan:
     """One step of the service, pure: book what was observed (exits, leftovers found, starts
     adopted), then stop what is due, then settle (expiry, who starts, history), and say
     what to do and when to look again. Exits come before adoptions: a start recovered after
-    a crash comes after the exit that freed its slot, in the slots and in the events."""
+    a crash comes after the exit that freed its slot, in the slots and in the events.
+    `look`: of this queue as it is now (a service's Chain: settle's Looks follow it)."""
     plan = Plan()
     here = obs.here
     me = here.name if here else None
@@ -234,7 +235,7 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations) -> Plan:
                            and t.run.pid is not None and t.run.ended_at is None and t.run.kill_at is not None
                            and now < t.run.kill_at]
     plan.signal_groups += [(t, 9) for t in kills_due(index, now) if t.run.ended_at is None and ours(t, me)]
-    settled = settle(index, cfg, now, obs.resources, here)
+    settled = settle(index, cfg, now, obs.resources, here, look)
     plan.events += settled.events
     plan.archive = settled.archive
     plan.start = settled.start
@@ -294,22 +295,29 @@ def set_aside(index: Index, plan: Plan, task: Task, now: datetime, code: int | N
 
 
 def settle(index: Index, cfg: Config, now: datetime, resources: Resources | None = None,
-           here: Here | None = None) -> Plan:
+           here: Here | None = None, look: Look | None = None) -> Plan:
     """The scheduling every transaction runs: a task cancelled before its process existed
     ends, queued tasks past their deadline expire, free slots go to the next tasks (they are
     `running` from here; the service spawns them), finished tasks past history_limit leave
-    the index. `start` lists every running task still without a process."""
+    the index. `start` lists every running task still without a process. `look`: of this
+    queue or an earlier state of it (a service's Chain carries what still holds; core/look.py)."""
     plan = Plan()
     plan.events += release_due(index, now)
     me = here.name if here else None
     for task in [t for t in index.active if t.run.pid is None and t.run.stop is not None and ours(t, me)]:
         plan.events += finish(index, task, now, None)
-    plan.events += expire_due(index, now)
-    look = Look(index.queued)  # dependencies_failed and the starts ask the same questions of it
+    # expire_due, dependencies_failed and the starts ask the same questions of the queue; each
+    # of the first two may change it (the same list), and the Look that follows is of what is left
+    look = look.following(index.queued) if look is not None else Look(index.queued)
+    expired = expire_due(index, now, look)
+    plan.events += expired
+    if expired:
+        look = look.following(index.queued)
     failed = dependencies_failed(index, now, look)
     plan.events += failed
-    # A task cancelled left the queue (the same list): the look's answers were of the one before.
-    for task, agent in starts_now(index, cfg, now, resources, here, None if failed else look):
+    if failed:
+        look = look.following(index.queued)
+    for task, agent in starts_now(index, cfg, now, resources, here, look):
         plan.events += start(index, task, now, here.name if here else None, cfg, agent)
     plan.archive = trim_history(index, cfg.history_limit)
     plan.start = [t for t in index.active if t.run.pid is None and t.run.ended_at is None and ours(t, me)]

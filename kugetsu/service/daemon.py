@@ -35,10 +35,11 @@ from kugetsu import agents
 from kugetsu.app import control, machines, recurring, transaction, worktrees
 
 from kugetsu.core import lifecycle, limits, placement, policy, retries, skew, step
+from kugetsu.core.look import Chain
 
 from kugetsu.service import runner, usage
 
-from kugetsu.store import logtail
+from kugetsu.store import logtail, tracking
 from kugetsu.config.load import host_name, load_config
 from kugetsu.config.model import Config
 from kugetsu.config.units import format_size
@@ -92,6 +93,9 @@ class Service:
         self._retry: asyncio.TimerHandle | None = None
         self._retry_delay = RETRY_FIRST
         self.memo = QueueMemo()  # what is derived from the queue, kept while it is the same
+        # The Looks at the queue, each carrying from the one before what its change left true
+        # (core/look.py: a drain's promotion asked ~17 passes of the whole queue without)
+        self.looks = Chain(tracking.Assignments(), verify=tracking.VERIFY)
         self.fast = FastPath(home, self.procs, self.exits, self.memo)  # the successor, let go early at an exit
         self.jobs: dict[str, datetime] = {}  # the policies' wake-ups (rate limit, guard re-check)
         self._reconcile_handle: asyncio.TimerHandle | None = None
@@ -341,7 +345,7 @@ class Service:
         committed_running = {t.id for t in txn.index.active}
         try:
             obs = self._gather(txn, resumed)
-            plan = step.tick(txn.index, self.cfg, txn.now, obs)
+            plan = step.tick(txn.index, self.cfg, txn.now, obs, self.looks.of(txn.index.queued))
             deferred = self._execute(txn, plan, obs, committed_running)
             if hold:
                 self.held.hold(txn, COMMIT_DELAY)
@@ -409,7 +413,8 @@ class Service:
         if self.member is None:
             # While commits fail, nothing new is let go: what starts is committed first.
             while self.failing is None and self._spawn(txn, plan.start):
-                plan.start = self._take(txn, step.settle(index, cfg, txn.now, obs.resources)).start
+                plan.start = self._take(txn, step.settle(index, cfg, txn.now, obs.resources,
+                                                                  look=self.looks.of(index.queued))).start
                 plan.release_at = step.release_at(index, cfg, txn.now)  # a slot given again
         else:
             # A cluster: only a start already committed as this machine's is spawned. Were
@@ -418,7 +423,8 @@ class Service:
             ready = [t for t in plan.start if t.id in committed_running]
             deferred = len(ready) < len(plan.start)
             if self.failing is None and self._spawn(txn, ready):
-                self._take(txn, step.settle(index, cfg, txn.now, obs.resources, obs.here))
+                self._take(txn, step.settle(index, cfg, txn.now, obs.resources, obs.here,
+                                                      self.looks.of(index.queued)))
                 plan.release_at = step.release_at(index, cfg, txn.now)
                 deferred = True
         unpicked = self.fast.unpicked(txn)
@@ -436,7 +442,7 @@ class Service:
         self.memo.at(None if hold else self.store.queue_version())
         # What the successor, the next expiry and the warm wrappers' order ask of the whole
         # queue, asked once: nothing below changes the index.
-        look = policy.Look(self.index.queued)
+        look = self.looks.of(self.index.queued)
         self.exits.ticked()
         self.procs.forget_dropped()
         if self.worktrees.preparing:

@@ -36,6 +36,7 @@ from kugetsu.config.explain import describe_decode_error
 from kugetsu.config.load import store_url
 from kugetsu.config.model import Config
 from kugetsu.errors import DiskFull, FileError
+from kugetsu.core.look import gone_ahead
 from kugetsu.core.models import INDEX_VERSION, Event, Index, QueueCounts, Task, TaskState, check_index, upgrade
 from kugetsu.store import tracking
 from kugetsu.store.protocol import (IndexFile, Since, StoreProtocol, Transactions, Txn, count_queued, decode_events,
@@ -545,7 +546,7 @@ class Store(Transactions):
         two lists by identity in C, and cost what changed; any other change looks up every
         task's place."""
         old = self._queue
-        gone = _gone_ahead(old, queued)
+        gone = gone_ahead(old, queued)
         if gone is None:
             return self._queue_rebuilt(queued, changed)
         kept = len(old) - gone
@@ -809,26 +810,6 @@ def _journal() -> ModuleType:
     return journal
 
 
-def _gone_ahead(before: list[Task], now: list[Task]) -> int | None:
-    """How many tasks (at most _AHEAD) left the head of `before` for `now` to begin with all the
-    others, in order, the same objects or equal ones (tasks added after them or not); None for
-    any other change. One C pass over the queue: a list's == takes an item that is the same
-    object for equal without calling its __eq__ (30x the speed of `all(map(is_, ...))`: 7 against
-    210 us at 20,000 queued, most of a change's cost). Equal is enough: a task that is another
-    object of the same value is written as it is now, and should it change later (unseen by
-    the log of assignments, which follows the objects this Store knows), it no longer equals
-    the one kept here, and the next commit looks up every task's place (_queue_rebuilt)."""
-    for gone in range(min(len(before), _AHEAD) + 1):
-        kept = len(before) - gone
-        if not kept:
-            return gone
-        if len(now) >= kept and now[0] is before[gone]:
-            # Sliced only where it must be: a slice of 20,000 is a copy of 20,000 references.
-            same = (now if len(now) == kept else now[:kept]) == (before[gone:] if gone else before)
-            return gone if same else None
-    return None
-
-
 class _Shared(Task):
     """A queued task as the service's Store decodes it (_decode_kept): msgspec calls
     __post_init__ as it builds each one, and the strings that many queued tasks have equal
@@ -967,7 +948,6 @@ def _encode_bare(index: Index) -> bytes:
 _JOURNAL_LEAST = 256 << 10
 _ID = attrgetter("id")
 _intern = sys.intern
-_AHEAD = 16  # tasks gone from the queue's head in one commit that _gone_ahead looks for
 _CONSISTENT_TRIES = 20  # a reader's tries at reading index.json and its journal as one commit left them
 
 # Past this many ids, `prompts` lists logs/ once rather than trying to open each prompt.

@@ -94,6 +94,23 @@ class Cursor:
             _passed()
 
 
+class Assignments:
+    """core.look.Assignments over this log, for a long-lived caller's chain of Looks (the
+    service's): the tasks assigned to since the last `take` (a Cursor of its own), and `watch`,
+    which makes tasks Tracked (those appended to a queue and not committed yet)."""
+
+    __slots__ = ("_cursor",)
+
+    def __init__(self) -> None:
+        self._cursor = Cursor()
+
+    def take(self) -> dict[int, Task] | None:
+        return self._cursor.take()
+
+    def watch(self, tasks: list[Task]) -> None:
+        track(tasks)
+
+
 def _passed() -> None:
     """Cut what every cursor has moved past (under _lock), once that is at least half the log:
     the one cursor of a service is at the end after each commit, and the log empties."""

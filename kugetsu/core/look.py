@@ -1,0 +1,285 @@
+"""What several rules ask of the whole queue (is any task put first, waiting for its time,
+stashed, ...; its first tasks in an order), answered once per state of the queue, and carried
+from one state to the next where the change says the answer still holds.
+
+A `Look` answers for one state of one queue: whoever makes one holds that queue unchanged while
+it passes it around (the service after a commit: the successor, the warm wrappers' start order
+and the next expiry asked the same questions of the whole queue, 20 passes a promotion at
+10,000 queued where 10 do). Every rule takes `look=None` and makes its own then (`Look.of`), so
+each question is written here once, whoever asks it.
+
+A long-lived caller (the service) also keeps a `Chain`: each Look it makes follows the one made
+before, and carries what the change between the two states cannot have made false. A drain
+takes a task from the queue's head per promotion and nothing else changes: a question nobody's
+answer was yes to stays no, and the first tasks in id order are the ones before less the one
+gone. What changed is known without looking at every task: the queue is compared with the one
+before in C (the tasks gone from its head, those added at its end), and the tasks assigned to
+meanwhile come from `Assignments` (store/tracking.py's log, which the stores' own shortcuts
+trust). Anything else (a task gone from the middle, the log cut, a task assigned to that sorts
+among the first) asks afresh. The service runs its tests with every carried answer checked
+against the fresh one (`Chain.verify`). At 10,000 queued a drain asked ~17 passes of the whole
+queue a promotion, ~0.7 ms each.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import insort
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from operator import attrgetter
+from typing import Any, Protocol
+
+from kugetsu.core.models import Index, Task, TaskState
+
+_ID, _FIRST, _AFTER, _MEMORY, _SLOTS, _ROUTE, _NOT_BEFORE, _STASHED_AT, _EXPIRES_AT = (
+    attrgetter(name) for name in ("id", "first", "after", "memory", "slots", "route", "not_before", "stashed_at",
+                                  "expires_at"))
+
+# The order of ids (admission's): policy.order_key's under fifo with no task put first, the usual
+# case, and one a Chain carries (the same object: an attrgetter equals only itself).
+by_id = _ID
+
+_NEVER = datetime.max.replace(tzinfo=timezone.utc)
+
+
+def _expiry(task: Task) -> tuple[datetime, int]:
+    """The order of the earliest expiries (a task that never expires last; ids break ties)."""
+    return (task.expires_at or _NEVER, task.id)
+
+
+def _any_set(tasks: list[Task], field: attrgetter[Any]) -> bool:
+    """Whether one of `tasks` has `field` other than None (list.count compares to None by
+    identity first: 1.5x the speed of all(map(operator.is_, ...)))."""
+    return list(map(field, tasks)).count(None) != len(tasks)
+
+
+# Each yes-or-no question, asked of a list of tasks: the whole queue, or what changed in it.
+# Passes in C's steps: the service asks them after every promotion, of the whole queue.
+_QUESTIONS: dict[str, Callable[[list[Task]], bool]] = {
+    "first": lambda q: any(map(_FIRST, q)),  # a task put first (`next`)
+    "after": lambda q: any(map(_AFTER, q)),  # a task waiting for others to end (`delegate --after`)
+    "timed": lambda q: _any_set(q, _NOT_BEFORE),  # a task waiting for its time (a retry's delay, `--at`)
+    "stashed": lambda q: _any_set(q, _STASHED_AT),
+    "memory": lambda q: any(map(_MEMORY, q)),  # a task declaring memory
+    "slots": lambda q: list(map(_SLOTS, q)).count(1) != len(q),  # other than one slot (count: 2x any's speed)
+    "routed": lambda q: any(map(_ROUTE, q)),  # a failover order: it may start on another preset
+}
+
+# The orders whose first tasks a Chain carries: a task's place in them changes only when it is
+# assigned to (an id never does). An order made per call (policy.order_key's task_key) is not.
+_CARRIED_ORDERS = (by_id, _expiry)
+_EXPIRY_FIRST = 48  # a drain takes one at a time (each recount is a Python step a task)
+
+
+class Assignments(Protocol):
+    """Which tasks were assigned to (any field) since the last `take` (the service's: a cursor in
+    store/tracking.py's log). None: it cannot tell."""
+
+    def take(self) -> Mapping[int, Task] | None: ...
+
+    def watch(self, tasks: list[Task]) -> None:
+        """From now on, an assignment to one of `tasks` is in `take`'s answer."""
+
+
+class Look:
+    """The questions of one state of the queue, each answered by one pass in C the first time
+    it is asked and kept for the Look's life (never stored past it, but by a Chain)."""
+
+    __slots__ = ("queued", "_facts", "_firsts", "_chain", "_snapshot")
+
+    def __init__(self, queued: list[Task], chain: Chain | None = None):
+        self.queued = queued
+        self._facts: dict[str, bool] = {}
+        # order -> (its first tasks, whole: they are the whole queue); else every queued task that
+        # sorts before the last of them is among them
+        self._firsts: dict[Callable[[Task], Any], tuple[list[Task], bool]] = {}
+        self._chain = chain
+        self._snapshot = list(queued) if chain is not None else None  # the queue as it was
+
+    @staticmethod
+    def of(index: Index, look: Look | None) -> Look:
+        """`look` when it is of this very queue (the same list), else a fresh one."""
+        return look if look is not None and look.queued is index.queued else Look(index.queued)
+
+    def following(self, queued: list[Task]) -> Look:
+        """A Look of `queued`, a later state of this Look's queue: its Chain's next (what still
+        holds carried), or a fresh one."""
+        chain = self._chain
+        if chain is None or chain.last is not self:
+            return Look(queued)
+        return chain.of(queued)
+
+    def _ask(self, name: str) -> bool:
+        facts = self._facts
+        if name not in facts:
+            facts[name] = _QUESTIONS[name](self.queued)
+        return facts[name]
+
+    @property
+    def first(self) -> bool:
+        """Was a task put first (`next`)?"""
+        return self._ask("first")
+
+    @property
+    def after(self) -> bool:
+        """Does a task wait for others to end (`delegate --after`)?"""
+        return self._ask("after")
+
+    @property
+    def timed(self) -> bool:
+        """Does a task wait for its time (a retry's delay, `delegate --at`)?"""
+        return self._ask("timed")
+
+    @property
+    def stashed(self) -> bool:
+        return self._ask("stashed")
+
+    @property
+    def memory(self) -> bool:
+        """Does a task declare memory?"""
+        return self._ask("memory")
+
+    @property
+    def slots(self) -> bool:
+        """Does a task take other than one slot?"""
+        return self._ask("slots")
+
+    @property
+    def routed(self) -> bool:
+        """Does a task have a failover order (it may start on another preset than its command's)?"""
+        return self._ask("routed")
+
+    def smallest(self, n: int, key: Callable[[Task], Any]) -> list[Task]:
+        """heapq.nsmallest(n, queue, key), which is sorted(queue, key)[:n]: a prefix of a
+        longer answer for the same key (the successor is the first of the warm wrappers'
+        first 100, when the order is a sort)."""
+        kept = self._firsts.get(key)
+        if kept is not None and (kept[1] or len(kept[0]) >= n):
+            return kept[0][:n]
+        most = max(n * 2, n + 32) if self._chain is not None and key in _CARRIED_ORDERS else n
+        firsts = heapq.nsmallest(most, self.queued, key=key)
+        if len(self._firsts) > 4:  # orders made per call (task_key's) are not kept for long
+            self._firsts.clear()
+        self._firsts[key] = (firsts, len(firsts) < most)
+        return firsts[:n]
+
+    def earliest_expiry(self) -> datetime | None:
+        """The earliest expiry of a queued task that is not stashed (a stashed one does not
+        expire). Without a Chain one pass in C; with one, from the first tasks in order of
+        expiry, which a drain carries from one promotion to the next."""
+        if self._chain is None:
+            if not self.stashed:
+                return min(filter(None, map(_EXPIRES_AT, self.queued)), default=None)
+            return min((t.expires_at for t in self.queued if t.expires_at is not None and t.stashed_at is None),
+                       default=None)
+        firsts = self.smallest(_EXPIRY_FIRST, _expiry)
+        for task in firsts:
+            if task.expires_at is None:
+                return None  # in order: none after it expires either
+            if task.stashed_at is None:
+                return task.expires_at
+        if len(firsts) < _EXPIRY_FIRST:
+            return None
+        return min((t.expires_at for t in self.queued if t.expires_at is not None and t.stashed_at is None),
+                   default=None)
+
+    def _carry(self, new: Look, changed: Mapping[int, Task], watch: Callable[[list[Task]], None]) -> None:
+        """Into `new`, of a later state of this queue: the answers the change cannot have made
+        false. Only for a queue that lost tasks at its head and gained some at its end, the rest
+        the same tasks (C compares the lists); `changed`: every task assigned to in between."""
+        before, now = self._snapshot, new.queued
+        assert before is not None
+        gone = gone_ahead(before, now)
+        if gone is None:
+            return
+        added = now[len(before) - gone:]
+        if added:
+            watch(added)  # appended and not yet committed: not Tracked until then
+        queued = [t for t in changed.values() if t.state is TaskState.QUEUED]
+        # Those changed may not be in this queue (the log is the process's): a yes they give is
+        # one more pass later, never a wrong no.
+        fresh = added + queued
+        if not (gone or fresh):
+            new._facts = dict(self._facts)  # the same tasks, none assigned to: every answer holds
+        else:
+            for name, yes in self._facts.items():
+                if not yes:  # no task had it: only a task new or changed can have it now
+                    new._facts[name] = _QUESTIONS[name](fresh) if fresh else False
+        out = {id(t) for t in before[:gone]}
+        out.update(changed)
+        for key, (firsts, whole) in self._firsts.items():
+            if key not in _CARRIED_ORDERS or not (firsts or whole):
+                continue
+            bound = None if whole else key(firsts[-1])
+            if any(whole or key(t) <= bound for t in queued):
+                continue  # a task assigned to may sort among them now (and may not be queued here)
+            if whole and len(added) > 64:
+                continue  # asked afresh rather than sorted in one at a time
+            kept = [t for t in firsts if id(t) not in out]
+            for task in added:
+                if whole or key(task) <= bound:
+                    insort(kept, task, key=key)
+            if kept or whole:
+                new._firsts[key] = (kept, whole)
+
+    def verify(self) -> None:
+        """Every answer kept against the one asked afresh (Chain.verify: the tests' services)."""
+        for name, yes in self._facts.items():
+            if yes != _QUESTIONS[name](self.queued):
+                raise AssertionError(f"a carried Look says {name}={yes} of a queue where it is not")
+        for key, (firsts, whole) in self._firsts.items():
+            if firsts != heapq.nsmallest(len(self.queued) if whole else len(firsts), self.queued, key=key):
+                raise AssertionError(f"a carried Look's first tasks in {key} are not the queue's")
+
+
+class Chain:
+    """The Looks a long-lived caller makes, each following the one before (module docstring).
+    `verify`: check each carried answer against a fresh pass (tests)."""
+
+    __slots__ = ("assigned", "verify", "last")
+
+    def __init__(self, assigned: Assignments, verify: bool = False):
+        self.assigned = assigned
+        self.verify = verify
+        self.last: Look | None = None
+
+    def of(self, queued: list[Task]) -> Look:
+        """The Look of this state of the queue, carrying what holds from the last one."""
+        last = self.last
+        changed = self.assigned.take()
+        if last is not None and changed is not None and not changed and last.queued is queued \
+                and last._snapshot == queued:
+            return last  # the same list, the same tasks, none assigned to
+        new = self.last = Look(queued, self)
+        if last is not None and changed is not None:
+            last._carry(new, changed, self.assigned.watch)
+            if self.verify:
+                new.verify()
+        else:
+            self.assigned.watch(queued)  # a chain's first look, or the log cut: each assignment seen from here
+        return new
+
+
+_AHEAD = 16  # tasks gone from the queue's head between two states that gone_ahead looks for
+
+
+def gone_ahead(before: list[Task], now: list[Task]) -> int | None:
+    """How many tasks (at most _AHEAD) left the head of `before` for `now` to begin with all the
+    others, in order, the same objects or equal ones (tasks added after them or not); None for
+    any other change. One C pass over the queue: a list's == takes an item that is the same
+    object for equal without calling its __eq__ (30x the speed of `all(map(is_, ...))`: 7 against
+    210 us at 20,000 queued). Equal is enough for the file store (store/files.py): a task that is
+    another object of the same value is written as it is now, and should it change later (unseen
+    by the log of assignments, which follows the objects the store knows), it no longer equals
+    the one it kept, and the next commit looks up every task's place. A Chain's Look carries
+    answers of the same value; nothing in kugetsu puts a copy in a queue's place."""
+    for gone in range(min(len(before), _AHEAD) + 1):
+        kept = len(before) - gone
+        if not kept:
+            return gone
+        if len(now) >= kept and now[0] is before[gone]:
+            # Sliced only where it must be: a slice of 20,000 is a copy of 20,000 references.
+            same = (now if len(now) == kept else now[:kept]) == (before[gone:] if gone else before)
+            return gone if same else None
+    return None
