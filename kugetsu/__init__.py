@@ -28,6 +28,6 @@ def _import_msgspec_lean() -> None:
 
 # The commands a running service runs for the CLI (frontends/cli/thin.py), needing no msgspec
 # here: thin.run imports it (this way) only when the command runs in this process after all.
-HANDED = ("delegate", "capacity")
+HANDED = ("delegate", "capacity", "queue")
 if not (sys.argv[1:2] and sys.argv[1] in HANDED):
     _import_msgspec_lean()

@@ -21,6 +21,8 @@ import pytest
 
 from conftest import Kugetsu, wait_for
 
+from kugetsu.frontends.cli import thin
+
 HANDED = "delegate socket: ran the delegate of a CLI"
 
 
@@ -343,6 +345,45 @@ def test_a_prompt_file_and_stdin_go_with_the_request(kg, tmp_path):
     thin = kg.run("delegate", "b", "--json", "--wait", "--prompt-file", "-", input="from stdin")
     assert thin.returncode == 0 and json.loads(thin.stdout)["prompt"] == "from stdin", thin
     assert handed(kg) == before + 1
+
+
+def test_queue_is_answered_by_the_service_as_the_cli_prints_it(kg):
+    """`queue --limit N` (text, --json, --all) through the service: the CLI's own process
+    imports neither msgspec nor the CLI (at 50,000 queued its read of index.json was most of
+    180 ms), and prints what the in-process command prints, byte for byte (the text's
+    durations aside, which move with the clock between the two). Without --limit, over
+    QUEUE_MOST, or with a filter (the whole queue's view, which the service's loop must not
+    wait for), and for bad input, the CLI answers as before, the same words and codes."""
+    served(kg)
+    kg.ok("delegate", "done", "--", "true")  # one in the finished list, for --all
+    kg.wait_state("done", "succeeded")
+    kg.ok("pause")  # nothing running: a running task's measured use moves between the two commands
+    kg.ok("delegate", "a", "--", "true")
+    kg.ok("delegate", "b", "--source", "pm", "--memory", "1G", "--", "true")
+    kg.ok("delegate", "c", "--prompt-file", "-", "--", "cat", input="a prompt, kept apart\n")
+    kg.ok("hold", "claude")
+    ages = re.compile(r"\b\d+[smhd]\b")
+    served_args = (["queue", "--limit", "5"], ["queue", "--json", "--limit", "1"], ["queue", "--all", "--limit", "9"],
+                   ["queue", "--json", "--all", "--limit", str(thin.QUEUE_MOST)])
+    its_own = (["queue"], ["queue", "--json"], ["queue", "--limit", "2", "--source", "pm"],
+               ["queue", "--json", "--limit", str(thin.QUEUE_MOST + 1)], ["queue", "--state", "bogus", "--limit", "1"],
+               ["queue", "--limit", "0"])
+    for args in (*served_args, *its_own):
+        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "kugetsu", *args], env=kg.env,
+                           capture_output=True, text=True, timeout=60)
+        imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+        here = in_process(kg, *args)
+        assert ("kugetsu.frontends.cli.main" not in imported) == (args in served_args), args
+        if args in served_args:
+            assert "msgspec" not in imported, args
+        err = "\n".join(line for line in r.stderr.splitlines() if not line.startswith("import time:"))
+        assert (r.returncode, ages.sub("T", r.stdout), err) == (here.returncode, ages.sub("T", here.stdout),
+                                                               here.stderr.rstrip("\n")), args
+    shown = json.loads(kg.run("queue", "--json", "--limit", "1").stdout)
+    assert [t["name"] for t in shown["queued"]] == ["a"] and shown["more_queued"] == 2
+    assert kg.run("queue", "--state", "bogus", "--limit", "1").returncode == 2
+    kg.ok("resume")
+    kg.wait_state("b", "succeeded")
 
 
 def test_capacity_is_answered_by_the_service_as_the_cli_prints_it(kg):

@@ -1,5 +1,5 @@
-"""`kugetsu delegate` and `kugetsu capacity` through the running service (issue 31): the thin
-path.
+"""`kugetsu delegate`, `kugetsu capacity` and `kugetsu queue --limit N` through the running
+service (issue 31): the thin path.
 
 The CLI's entry (`run`: the console script and `python -m kugetsu`). For `delegate`, before
 the CLI is imported (argparse, msgspec, the app layer: ~70 ms before it touches the index), it
@@ -10,7 +10,9 @@ checks and admission, in the service's own warm transaction in its loop: it neit
 nor writes the whole index again from scratch) and sends back what the command prints; this
 process writes it and exits with its code. `capacity` is answered the same way, from the
 index the service keeps (views.show_capacity: the CLI's very output), in a transaction that
-writes nothing: at 50,000 queued the CLI's own read of index.json cost 110 ms.
+writes nothing: at 50,000 queued the CLI's own read of index.json cost 110 ms. So is `queue`
+with --limit (at most QUEUE_MOST) and no filter (views.show_queue): what it prints is bounded;
+the whole queue's view is the CLI's to build, never the loop's (_bounded).
 
 --prompt-file is read here (stdin too), once a service listens, and its bytes go with the
 request, at most PROMPT_MAX: a longer one, a file that cannot be read, and stdin when the
@@ -72,7 +74,7 @@ def run() -> NoReturn:
 
 
 def _handed_over(argv: list[str]) -> int | None:
-    """Run `delegate` or `capacity` in the service; its exit code, or None: run it here."""
+    """Run `delegate`, `capacity` or `queue` in the service; its exit code, or None: run it here."""
     if os.environ.get("KUGETSU_STORE") or os.environ.get("KUGETSU_THIN") == "0":
         return None  # a cluster (its services take no home's socket); or asked to run here
     from kugetsu.paths import default_home
@@ -274,7 +276,9 @@ def _parse_request(home: Home, request: bytes) -> tuple[argparse.Namespace, str,
         return None  # said by the CLI, in its words
     if cfg.clustered:
         return None
-    if not delegating:  # capacity: nothing more to check, and no prompt comes with it
+    if args.command == "queue" and not _bounded(args):
+        return None  # the whole queue, or a filter over it: not in the loop every agent's start waits for
+    if not delegating:  # capacity, queue: nothing more to check, and no prompt comes with it
         return (args, cwd, environ, None) if prompt is None else None
     try:
         if delegation.wants_worktree(cfg, _request(args, cwd, environ, prompt)):
@@ -282,6 +286,17 @@ def _parse_request(home: Home, request: bytes) -> tuple[argparse.Namespace, str,
     except KugetsuError:
         pass  # bad input: said by the command itself, as here
     return args, cwd, environ, prompt
+
+
+QUEUE_MOST = 1000  # `queue --limit N` the service answers: what it prints is that long at most
+
+
+def _bounded(args: argparse.Namespace) -> bool:
+    """Whether a `queue` costs the service what it prints, not the whole queue: --limit (at
+    most QUEUE_MOST) and no filter (a filtered view is the whole queue's, then filtered: half a
+    second at 50,000 queued, in the loop that lets every agent go)."""
+    return (args.limit is not None and args.limit <= QUEUE_MOST
+            and args.group is None and args.state is None and args.source is None)
 
 
 def _same_clock(sent: bytes) -> bool:
@@ -313,7 +328,12 @@ def _run(home: Home, args: argparse.Namespace, cwd: str, environ: dict[str, str]
     out, err = io.StringIO(), io.StringIO()
     via = Via(out, err, cwd, environ, delegation.Caller(environ, locked, woken), prompt)  # type: ignore[arg-type]
     try:
-        code = _capacity(args, read, out) if args.command == "capacity" else cmd_delegate(home, args, via)
+        if args.command == "capacity":
+            code = _capacity(args, read, out)
+        elif args.command == "queue":
+            code = _queue(home, args, read, out)
+        else:
+            code = cmd_delegate(home, args, via)
     except (KugetsuError, OSError) as error:
         line, code = main.failure(home, error)
         _say(line, file=err)
@@ -331,6 +351,17 @@ def _capacity(args: argparse.Namespace, read: Callable[[], object], out: object)
     with read() as (txn, cfg):  # type: ignore[attr-defined]
         index = txn.index
         return show_capacity(cfg, index, QueueCounts.of(index.queued, index.holds), args.json, out)  # type: ignore[arg-type]
+
+
+def _queue(home: Home, args: argparse.Namespace, read: Callable[[], object], out: object) -> int:
+    """`queue` from the index the service keeps, read in its transaction (which writes
+    nothing): what the CLI prints from index.json (views.show_queue), its first --limit tasks
+    found without sorting the rest (at 50,000 queued the CLI's own read of index.json cost
+    ~180 ms)."""
+    from kugetsu.frontends.cli.views import show_queue
+
+    with read() as (txn, cfg):  # type: ignore[attr-defined]
+        return show_queue(home, cfg, txn.index, args, True, out)  # type: ignore[arg-type]
 
 
 _quiet: list[type] = []

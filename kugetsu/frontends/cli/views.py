@@ -22,18 +22,30 @@ from kugetsu.paths import Home, nofollow
 
 
 def cmd_queue(home: Home, args: argparse.Namespace) -> int:
-    from kugetsu.frontends import render
-
     cfg, index = _read(home)
     control.ensure_service(home, cfg, index)
+    return show_queue(home, cfg, index, args, control.service_pid(home) is not None)
+
+
+def show_queue(home: Home, cfg: Config, index: Index, args: argparse.Namespace, served: bool,
+               out: TextIO | None = None) -> int:
+    """What `queue` prints, to `out` (default stdout): here, or in the service for a CLI that
+    handed its command line over (frontends/cli/thin.py), from the index it keeps. `served`:
+    a service runs (the text says so)."""
+    from kugetsu.frontends import render
+
     keep = _task_filter(args.group, args.state, args.source)
     view = reading.listing(cfg, index, finished=args.all, home=home, keep=None if keep == selection.TaskFilter() else keep,
                            limit=args.limit)
     if args.json:
-        _kept.append(shown := reading.queue_json(view, home))
-        _print_json(shown)
+        shown = reading.queue_json(view, home)
+        if out is None:
+            _kept.append(shown)  # this process exits next: not freed object by object
+            _print_json(shown)
+        else:
+            print(to_json(shown), file=out)
     else:
-        _say(render.queue_text(view, control.service_pid(home) is not None))
+        _say(render.queue_text(view, served), file=out)
     return OK
 
 def _log_output(args: argparse.Namespace) -> _Output:
