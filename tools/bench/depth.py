@@ -117,7 +117,7 @@ def service_idle(n: int, seconds: float) -> dict:
 
 
 def cli_served(sizes: list[int], reps: int) -> dict:
-    """`delegate -- true` and `capacity --json` while the service runs, n queued behind one
+    """`delegate -- true`, `capacity --json` and `queue --json --limit 20` while the service runs, n queued behind one
     running blocker (the way a PM agent meets it): beside a bare `python -c pass` and the same
     commands kept in the CLI's process (KUGETSU_THIN=0; a checkout without the thin path
     ignores it): those through the service first, then those kept in the CLI, each
@@ -138,7 +138,8 @@ def cli_served(sizes: list[int], reps: int) -> dict:
                 wait_until(lambda: blockers_up(up, 1), 120, "the blocker to start")
                 service = psutil.Process(kg.service_pid())
                 here = {**kg.env, "KUGETSU_THIN": "0"}
-                bare, thin, local, cpu, cap, cap_local = [], [], [], [], [], []
+                bare, thin, local, cpu, cap, cap_local, listed, listed_local = [], [], [], [], [], [], [], []
+                listing = ("queue", "--json", "--limit", "20")
                 # Through the service first, then kept in the CLI, each beside python: a delegate
                 # kept in the CLI writes index.json whole, which the service then reads again (0.25 s
                 # at 50,000), and the request handed to it after one paid for that read.
@@ -148,12 +149,15 @@ def cli_served(sizes: list[int], reps: int) -> dict:
                     thin += timed(kg.argv("delegate", "--", "true"), kg.env, 1)
                     cpu.append((sum(service.cpu_times()[:2]) - before) * 1000)
                     cap += timed(kg.argv("capacity", "--json"), kg.env, 1)
+                    listed += timed(kg.argv(*listing), kg.env, 1)
                 for _ in range(r_n):
                     bare += timed([PY, "-c", "pass"], kg.env, 1)
                     local += timed(kg.argv("delegate", "--", "true"), here, 1)
                     cap_local += timed(kg.argv("capacity", "--json"), here, 1)
+                    listed_local += timed(kg.argv(*listing), here, 1)
                 results[n] = {"python": bare, "delegate": thin, "in_process": local, "service_cpu": cpu,
-                              "capacity": cap, "capacity_in_process": cap_local, "load": os.getloadavg()}
+                              "capacity": cap, "capacity_in_process": cap_local, "queue": listed,
+                              "queue_in_process": listed_local, "load": os.getloadavg()}
             finally:
                 go.touch()
                 kg.stop(cancel=False)

@@ -17,7 +17,7 @@ promotion  from the same 1-slot drains: one task's end stamp to the next one's s
            p50 [<= tsp's] and p95 [<= 10 ms], while the queue is N deep (tsp: at most ~900).
 cli        `delegate`, `capacity --json`, `queue --json` at N queued (no service), beside a bare
            `python -c pass`, interleaved (run.py's cli_latency) [delegate, capacity <= 3x]; then
-           `delegate` and `capacity --json` with the service running (through it:
+           `delegate`, `capacity --json` and `queue --json --limit 20` with the service running (through it:
            frontends/cli/thin.py), beside python and the same kept in the CLI's process
            (depth.cli_served) [<= 3x].
 service    kugetsu's service with N queued behind one running task: start-up (`serve --detach`
@@ -240,6 +240,11 @@ def table(res: dict) -> list[dict]:
             row(f"CLI capacity --json, service running @{int(n):,}", k, py, "ms", "<= 3x python", k <= 3 * py)
             row(f"  kept in the CLI's process (KUGETSU_THIN=0) @{int(n):,}", _med(c["capacity_in_process"]), py, "ms",
                 "", None)
+        if "queue" in c:  # a kugetsu whose service answers `queue --limit`
+            k = _med(c["queue"])
+            row(f"CLI queue --json --limit 20, service running @{int(n):,}", k, py, "ms", "bounded: <= 3x python",
+                k <= 3 * py)
+            row(f"  kept in the CLI's process (KUGETSU_THIN=0) @{int(n):,}", _med(c["queue_in_process"]), py, "ms", "", None)
     for n, s in res.get("service", {}).items():
         k, t = s["kugetsu"], s["tsp"]
         n = int(n)
