@@ -352,7 +352,7 @@ def test_a_full_disk_fails_the_commit_and_leaves_the_journal_as_it_was(small_tmp
 
 
 def test_a_queued_task_put_back_as_an_equal_copy_and_changed_later_reaches_the_disk(warm, monkeypatch):
-    """The head's check compares the queue with == (look.gone_ahead): a task replaced by an
+    """The head's check compares the queue with == (look.follow): a task replaced by an
     equal copy passes it, and a later change of that copy, unseen by the log of assignments
     (which follows the objects the Store knows), must still be written."""
     import msgspec

@@ -121,3 +121,33 @@ def test_a_drain_through_a_deep_queue_asks_the_whole_queue_only_now_and_then(mon
         task.state = TaskState.RUNNING
     assert passes["questions"] <= 7 * 2, passes
     assert passes["sorts"] <= 500 // 100 + 500 // 48 + 4, passes
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 30), st.integers(0, 20), st.integers(0, 5), st.sampled_from(["none", "swap", "drop", "copy"]),
+       st.integers(0, 40))
+def test_follow_moves_the_queue_on_in_place_or_leaves_it_as_it_was(depth, gone, added, other, at):
+    """look.follow, which the chain and the file store share: `now` is `before` less its head
+    (at most 16 gone) plus tasks at its end exactly when it says so, and then `before` is `now`;
+    for any other change (two swapped, one gone from the middle) `before` is left as it was.
+    A task replaced by an equal copy counts as the same (the file store writes it as it is)."""
+    before = [_task(i) for i in range(1, depth + 1)]
+    now = before[min(gone, depth):] + [_task(100 + i) for i in range(added)]
+    if other == "swap" and len(now) >= 2:
+        i = at % (len(now) - 1)
+        now[i], now[i + 1] = now[i + 1], now[i]
+    elif other == "drop" and len(now) >= 2:
+        del now[1 + at % (len(now) - 1)]
+    elif other == "copy" and now:
+        i = at % len(now)
+        now[i] = Task(**{f: getattr(now[i], f) for f in now[i].__struct_fields__})
+    kept = list(before)
+    result = looks.follow(before, now)
+    if result is not None:  # a true account: its head gone, every other in order, then new ones
+        g = len(result)
+        assert g <= 16 and result == kept[:g] and now[:len(kept) - g] == kept[g:] and len(now) >= len(kept) - g
+        assert before == now
+    else:
+        assert before == kept and all(a is b for a, b in zip(before, kept))
+    if other == "none" and min(gone, depth) <= 16:  # a drain's or an admission's change is always seen
+        assert result is not None and [t.id for t in result] == [t.id for t in kept[:min(gone, depth)]]

@@ -362,7 +362,7 @@ def test_queue_is_answered_by_the_service_as_the_cli_prints_it(kg):
     kg.ok("delegate", "b", "--source", "pm", "--memory", "1G", "--", "true")
     kg.ok("delegate", "c", "--prompt-file", "-", "--", "cat", input="a prompt, kept apart\n")
     kg.ok("hold", "claude")
-    ages = re.compile(r"\b\d+[smhd]\b")
+    ages = re.compile(r"\b(?:\d+[smhd])+\b")
     served_args = (["queue", "--limit", "5"], ["queue", "--json", "--limit", "1"], ["queue", "--all", "--limit", "9"],
                    ["queue", "--json", "--all", "--limit", str(thin.QUEUE_MOST)])
     its_own = (["queue"], ["queue", "--json"], ["queue", "--limit", "2", "--source", "pm"],

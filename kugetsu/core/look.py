@@ -88,14 +88,17 @@ class Look:
 
     __slots__ = ("queued", "_facts", "_firsts", "_chain", "_snapshot")
 
-    def __init__(self, queued: list[Task], chain: Chain | None = None):
+    def __init__(self, queued: list[Task], chain: Chain | None = None, snapshot: list[Task] | None = None):
         self.queued = queued
         self._facts: dict[str, bool] = {}
         # order -> (its first tasks, whole: they are the whole queue); else every queued task that
         # sorts before the last of them is among them
         self._firsts: dict[Callable[[Task], Any], tuple[list[Task], bool]] = {}
         self._chain = chain
-        self._snapshot = list(queued) if chain is not None else None  # the queue as it was
+        # The queue as it was (a Chain's Looks): the one before's, moved on in place when the
+        # change is one the next Look carries across (a copy of 50,000 references, and its
+        # freeing, touch every task: ~1 ms a promotion)
+        self._snapshot = snapshot if snapshot is not None else list(queued) if chain is not None else None
 
     @staticmethod
     def of(index: Index, look: Look | None) -> Look:
@@ -184,16 +187,21 @@ class Look:
         return min((t.expires_at for t in self.queued if t.expires_at is not None and t.stashed_at is None),
                    default=None)
 
-    def _carry(self, new: Look, changed: Mapping[int, Task], watch: Callable[[list[Task]], None]) -> None:
-        """Into `new`, of a later state of this queue: the answers the change cannot have made
-        false. Only for a queue that lost tasks at its head and gained some at its end, the rest
-        the same tasks (C compares the lists); `changed`: every task assigned to in between."""
-        before, now = self._snapshot, new.queued
+    def _carried(self, now: list[Task], changed: Mapping[int, Task], watch: Callable[[list[Task]], None]) -> Look | None:
+        """A Look of `now`, a later state of this queue, with the answers the change cannot have
+        made false; None for a change it does not carry (this Look is then spent). Only for a
+        queue that lost tasks at its head and gained some at its end, the rest the same tasks (C
+        compares the lists); `changed`: every task assigned to in between. Its snapshot becomes
+        the new Look's, moved on in place."""
+        before = self._snapshot
         assert before is not None
-        gone = gone_ahead(before, now)
-        if gone is None:
-            return
-        added = now[len(before) - gone:]
+        was = len(before)
+        gone_tasks = follow(before, now)
+        if gone_tasks is None:
+            return None
+        new = Look(now, self._chain, before)
+        gone = len(gone_tasks)
+        added = now[was - gone:]
         if added:
             watch(added)  # appended and not yet committed: not Tracked until then
         queued = [t for t in changed.values() if t.state is TaskState.QUEUED]
@@ -206,7 +214,7 @@ class Look:
             for name, yes in self._facts.items():
                 if not yes:  # no task had it: only a task new or changed can have it now
                     new._facts[name] = _QUESTIONS[name](fresh) if fresh else False
-        out = {id(t) for t in before[:gone]}
+        out = set(map(id, gone_tasks))
         out.update(changed)
         for key, (firsts, whole) in self._firsts.items():
             if key not in _CARRIED_ORDERS or not (firsts or whole):
@@ -222,6 +230,7 @@ class Look:
                     insort(kept, task, key=key)
             if kept or whole:
                 new._firsts[key] = (kept, whole)
+        return new
 
     def verify(self) -> None:
         """Every answer kept against the one asked afresh (Chain.verify: the tests' services)."""
@@ -251,35 +260,45 @@ class Chain:
         if last is not None and changed is not None and not changed and last.queued is queued \
                 and last._snapshot == queued:
             return last  # the same list, the same tasks, none assigned to
-        new = self.last = Look(queued, self)
-        if last is not None and changed is not None:
-            last._carry(new, changed, self.assigned.watch)
-            if self.verify:
-                new.verify()
-        else:
-            self.assigned.watch(queued)  # a chain's first look, or the log cut: each assignment seen from here
+        new = last._carried(queued, changed, self.assigned.watch) if last is not None and changed is not None else None
+        if new is None:
+            new = Look(queued, self)
+            if last is None or changed is None:
+                self.assigned.watch(queued)  # a chain's first look, or the log cut: each assignment seen from here
+        elif self.verify:
+            new.verify()
+        self.last = new
         return new
 
 
-_AHEAD = 16  # tasks gone from the queue's head between two states that gone_ahead looks for
+_AHEAD = 16  # tasks gone from the queue's head between two states that follow looks for
 
 
-def gone_ahead(before: list[Task], now: list[Task]) -> int | None:
-    """How many tasks (at most _AHEAD) left the head of `before` for `now` to begin with all the
-    others, in order, the same objects or equal ones (tasks added after them or not); None for
-    any other change. One C pass over the queue: a list's == takes an item that is the same
-    object for equal without calling its __eq__ (30x the speed of `all(map(is_, ...))`: 7 against
-    210 us at 20,000 queued). Equal is enough for the file store (store/files.py): a task that is
-    another object of the same value is written as it is now, and should it change later (unseen
-    by the log of assignments, which follows the objects the store knows), it no longer equals
-    the one it kept, and the next commit looks up every task's place. A Chain's Look carries
-    answers of the same value; nothing in kugetsu puts a copy in a queue's place."""
+def follow(before: list[Task], now: list[Task]) -> list[Task] | None:
+    """Whether `now` is `before` less at most _AHEAD tasks gone from its head, with all the
+    others in order, the same objects or equal ones, and tasks added after them or not: then
+    `before` is made `now` in place, and the tasks gone are returned. None for any other change,
+    `before` left as it was. The compare is a list's == in C, which takes an item that is the
+    same object for equal without calling its __eq__ and touches no task (30x the speed of
+    `all(map(is_, ...))`); the move deletes the gone ones (a move of pointers) and appends the
+    added: no copy of the queue, whose 50,000 references and their freeing touch every task
+    (~1 ms a promotion). Equal is enough for the file store (store/files.py): a task that is
+    another object of the same value is written as it is now, and should it change later
+    (unseen by the log of assignments, which follows the objects the store knows), it no
+    longer equals the one it kept, and the next commit looks up every task's place. A Chain's
+    Look carries answers of the same value; nothing in kugetsu puts a copy in a queue's place."""
     for gone in range(min(len(before), _AHEAD) + 1):
         kept = len(before) - gone
         if not kept:
-            return gone
+            head = before[:]
+            before[:] = now
+            return head
         if len(now) >= kept and now[0] is before[gone]:
-            # Sliced only where it must be: a slice of 20,000 is a copy of 20,000 references.
-            same = (now if len(now) == kept else now[:kept]) == (before[gone:] if gone else before)
-            return gone if same else None
+            head = before[:gone]
+            del before[:gone]
+            if before == (now if len(now) == kept else now[:kept]):
+                before += now[kept:]
+                return head
+            before[:0] = head
+            return None
     return None

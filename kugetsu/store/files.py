@@ -36,7 +36,7 @@ from kugetsu.config.explain import describe_decode_error
 from kugetsu.config.load import store_url
 from kugetsu.config.model import Config
 from kugetsu.errors import DiskFull, FileError
-from kugetsu.core.look import gone_ahead
+from kugetsu.core.look import follow
 from kugetsu.core.models import INDEX_VERSION, Event, Index, QueueCounts, Task, TaskState, check_index, upgrade
 from kugetsu.store import tracking
 from kugetsu.store.protocol import (IndexFile, Since, StoreProtocol, Transactions, Txn, count_queued, decode_events,
@@ -546,10 +546,12 @@ class Store(Transactions):
         two lists by identity in C, and cost what changed; any other change looks up every
         task's place."""
         old = self._queue
-        gone = gone_ahead(old, queued)
-        if gone is None:
+        was = len(old)
+        gone_tasks = follow(old, queued)  # `old` made `queued` in place
+        if gone_tasks is None:
             return self._queue_rebuilt(queued, changed)
-        kept = len(old) - gone
+        gone = len(gone_tasks)
+        kept = was - gone
         added = queued[kept:]
         redo = _assigned_among(queued, kept, changed, added)
         if not (gone or added or redo):
@@ -565,8 +567,6 @@ class Store(Transactions):
         if kept > at:
             items.append((gone + at, gone + kept))
         items += (msgspec.Raw(encoder.encode(task)) for task in added)
-        del old[:gone]
-        old += added
         tracking.track(added)
         return items
 
