@@ -253,6 +253,12 @@ class Chain:
         self.verify = verify
         self.last: Look | None = None
 
+    def latest(self, queued: list[Task]) -> Look:
+        """The last Look made (the first: of `queued`), for a rule that follows it to the queue
+        as it is at once (step.settle): asked of the queue here as well, the same compare and
+        the same take would be done twice."""
+        return self.last if self.last is not None else self.of(queued)
+
     def of(self, queued: list[Task]) -> Look:
         """The Look of this state of the queue, carrying what holds from the last one."""
         last = self.last

@@ -240,7 +240,7 @@ def waiting_for_one(index: Index, cfg: Config, now: datetime, task: Task, resour
     # its dependencies, by name; what fits (slots, memory); its stash: the full look
     look = Look.of(index, look)
     if task.after or task.stashed_at is not None or accounts(index, cfg, look):
-        return waiting_for(index, cfg, now, resources).get(task.id)
+        return waiting_for(index, cfg, now, resources, look).get(task.id)
     board = Board(index, cfg, now, resources, lanes=False, look=look)
     return board.pause or board.hold or board.why(*board.lane_of(task))
 
@@ -258,7 +258,7 @@ def waiting_for(index: Index, cfg: Config, now: datetime, resources: Resources |
             and not quick.window_presets and quick.budget is None
             and not (look.after or look.timed or look.slots or look.stashed)):
         return {}  # nothing that could hold a task
-    board = Board(index, cfg, now, resources)
+    board = Board(index, cfg, now, resources, look=look)
     out = {t.id: "stashed" for t in index.queued if t.stashed_at is not None}
     for lane_id, lane in board.lanes.items():
         head = lane[0][1]

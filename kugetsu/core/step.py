@@ -171,7 +171,7 @@ def tick(index: Index, cfg: Config, now: datetime, obs: Observations, look: Look
     adopted), then stop what is due, then settle (expiry, who starts, history), and say
     what to do and when to look again. Exits come before adoptions: a start recovered after
     a crash comes after the exit that freed its slot, in the slots and in the events.
-    `look`: of this queue as it is now (a service's Chain: settle's Looks follow it)."""
+    `look`: of this queue or an earlier state of it (a service's Chain: settle's Looks follow it)."""
     plan = Plan()
     here = obs.here
     me = here.name if here else None

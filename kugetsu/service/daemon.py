@@ -345,7 +345,7 @@ class Service:
         committed_running = {t.id for t in txn.index.active}
         try:
             obs = self._gather(txn, resumed)
-            plan = step.tick(txn.index, self.cfg, txn.now, obs, self.looks.of(txn.index.queued))
+            plan = step.tick(txn.index, self.cfg, txn.now, obs, self.looks.latest(txn.index.queued))
             deferred = self._execute(txn, plan, obs, committed_running)
             if hold:
                 self.held.hold(txn, COMMIT_DELAY)
@@ -414,7 +414,7 @@ class Service:
             # While commits fail, nothing new is let go: what starts is committed first.
             while self.failing is None and self._spawn(txn, plan.start):
                 plan.start = self._take(txn, step.settle(index, cfg, txn.now, obs.resources,
-                                                                  look=self.looks.of(index.queued))).start
+                                                                  look=self.looks.latest(index.queued))).start
                 plan.release_at = step.release_at(index, cfg, txn.now)  # a slot given again
         else:
             # A cluster: only a start already committed as this machine's is spawned. Were
@@ -424,7 +424,7 @@ class Service:
             deferred = len(ready) < len(plan.start)
             if self.failing is None and self._spawn(txn, ready):
                 self._take(txn, step.settle(index, cfg, txn.now, obs.resources, obs.here,
-                                                      self.looks.of(index.queued)))
+                                                      self.looks.latest(index.queued)))
                 plan.release_at = step.release_at(index, cfg, txn.now)
                 deferred = True
         unpicked = self.fast.unpicked(txn)

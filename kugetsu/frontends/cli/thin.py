@@ -343,14 +343,13 @@ def _run(home: Home, args: argparse.Namespace, cwd: str, environ: dict[str, str]
 
 def _capacity(args: argparse.Namespace, read: Callable[[], object], out: object) -> int:
     """`capacity` from the index the service keeps, read in its transaction (which writes
-    nothing): what the CLI prints from index.json (views.show_capacity, with the queued tasks
-    counted as read_head counts them)."""
-    from kugetsu.core.models import QueueCounts
+    nothing): what the CLI prints from index.json (views.show_capacity, the queued tasks
+    counted by selection.capacity from the index: the numbers read_head counts, found by a
+    Look's passes in C, where QueueCounts.of took a Python step a task in the service's loop)."""
     from kugetsu.frontends.cli.views import show_capacity
 
     with read() as (txn, cfg):  # type: ignore[attr-defined]
-        index = txn.index
-        return show_capacity(cfg, index, QueueCounts.of(index.queued, index.holds), args.json, out)  # type: ignore[arg-type]
+        return show_capacity(cfg, txn.index, None, args.json, out)  # type: ignore[arg-type]
 
 
 def _queue(home: Home, args: argparse.Namespace, read: Callable[[], object], out: object) -> int:

@@ -264,9 +264,11 @@ def cmd_capacity(home: Home, args: argparse.Namespace) -> int:
     return show_capacity(cfg, index, counts, args.json)
 
 
-def show_capacity(cfg: Config, index: Index, counts: QueueCounts, as_json: bool, out: TextIO | None = None) -> int:
+def show_capacity(cfg: Config, index: Index, counts: QueueCounts | None, as_json: bool, out: TextIO | None = None) -> int:
     """What `capacity` prints, to `out` (default stdout): here, or in the service for a CLI
-    that handed its command line over (frontends/cli/thin.py), from the index it keeps."""
+    that handed its command line over (frontends/cli/thin.py), from the index it keeps.
+    `counts`: the queued tasks' numbers when `index.queued` was not decoded (read_head); None:
+    counted from index.queued (selection.capacity)."""
     from kugetsu.frontends import render
 
     if as_json:
