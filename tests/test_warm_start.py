@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+from datetime import datetime, timedelta, timezone
 
 from conftest import agent_wrappers, service_in_process, wait_for, wait_for_async  # noqa: F401
 
@@ -222,3 +223,33 @@ async def test_a_task_let_go_early_but_not_started_by_pm_is_recorded_not_run_twi
     assert (kg.rec / "next").read_text().count("start") == 1
     assert [e["task"] for e in kg.events("started")].count(2) == 1
     assert "let go early but not picked" in caplog.text
+
+
+def test_an_exit_is_not_kept_waiting_while_a_hundred_wrappers_are_warmed(kg):
+    """A service that finds a deep queue (a start, a burst of delegations) warms the next
+    WARM_AHEAD wrappers, ~1.5 ms of fork and exec each: spawned in one go they held the
+    loop for 100 spawns (150-200 ms here), and an agent that ended meanwhile waited that
+    long for its successor. Spawned a few at a time, between the loop's other work, the
+    successor starts after a few. #2 counts the service's children as it starts: the
+    wrappers warmed by then."""
+    from kugetsu.core.models import Index, Task
+    from kugetsu.store.protocol import encode_index
+
+    kg.config(max_agents=1, max_queue=200, autostart=False)
+    kg.home.root.mkdir(mode=0o700, exist_ok=True)
+    count = kg.rec / "children"
+    # The agent's parent is its wrapper, whose parent is the service.
+    counter = ('svc=$(cut -d" " -f4 /proc/$PPID/stat); cat /proc/$svc/task/*/children | wc -w > "$0"; '
+               'echo "start $(date +%s.%N)" >> "$1"')
+    now = datetime.now(timezone.utc)
+    index = Index(next_id=101)
+    for i in range(1, 101):
+        argv = (kg.agent("first") if i == 1 else ["sh", "-c", counter, str(count), str(kg.rec / "second")] if i == 2
+                else ["true"])
+        index.queued.append(Task(id=i, name=f"t{i}", command=argv, cwd="/", created_at=now, token=runner.new_token(),
+                                 expires_at=now + timedelta(hours=1)))
+    kg.home.index.write_bytes(encode_index(index))
+    kg.ok("serve", "--detach")
+    wait_for(lambda: count.exists() and count.read_text().strip(), timeout=30, what="#2 to start")
+    assert kg.times("first") and int(count.read_text()) < 50
+    wait_for(lambda: len(kg.index()["finished"]) == 100, timeout=60, what="the queue to drain")

@@ -51,7 +51,7 @@ from kugetsu.agents.report import Usage
 from kugetsu.core.models import Event, Index, Task, TaskState
 from kugetsu.core.lifecycle import GUARD_RECHECK
 from kugetsu.paths import Home, atomic_write, read_head
-from kugetsu.service.processes import WARM_AHEAD, LetGo, Processes
+from kugetsu.service.processes import WARM_AHEAD, WARM_EACH, LetGo, Processes
 from kugetsu.store.files import open_store
 from kugetsu.store.protocol import Txn
 from kugetsu.service.handoff import HandoffSocket
@@ -132,6 +132,7 @@ class Service:
         self._cgroups_left = False  # cgroup mode: runs over whose cgroups could not be removed yet
         # The heap's free pages go back to the kernel once the queue rests (Service._trim).
         self._trim_handle: asyncio.TimerHandle | None = None
+        self._warm_handle: asyncio.Handle | None = None  # the next turn's warm_more
         self._queue_version: int | None = None  # the store's queue_version at the last commit
         self._queue_changed_at = 0.0  # when (loop time) a commit last found it changed
 
@@ -185,7 +186,7 @@ class Service:
             if self.member is not None:
                 await asyncio.to_thread(self.member.stop)
             self._reconcile_handle.cancel()
-            for handle in (self._log_check, self._usage_check, self._measure_handle, self._trim_handle):
+            for handle in (self._log_check, self._usage_check, self._measure_handle, self._trim_handle, self._warm_handle):
                 if handle is not None:
                     handle.cancel()
             self.home.usage.unlink(missing_ok=True)  # no service, no measurement to show
@@ -337,6 +338,7 @@ class Service:
         (after an agent's exit): keep the transaction open, lock and all, for COMMIT_DELAY, so
         that the exits that follow in a burst share its commit (fastpath.HeldCommit)."""
         self._tick_pending = False
+        self.procs.stop_warming()
         hold = hold and self.member is None  # a cluster's row lock is every machine's: never held
         # A held transaction already records every agent let go since the last commit (it let
         # them go): only a transaction read afresh, after a commit that failed, lacks them.
@@ -459,7 +461,8 @@ class Service:
             self.request_tick()
         self._sync_jobs(plan.release_at, look)
         if self.member is None:  # in a cluster the next task may start on another machine
-            self.fast.warm(self.index, self.cfg, look)
+            if self.fast.warm(self.index, self.cfg, look):
+                self._warm_later()
         else:
             self.member.shipping({t.id: self.home.log(t.id) for t in self.index.active if t.host == self.member.name})
         # After the warm wrappers' order: the successor is its first task when that is a sort.
@@ -473,6 +476,17 @@ class Service:
             self._committed(txn.events)
         if deferred:
             self.request_tick()  # the starts this tick committed: spawned by the next one
+
+    def _warm_later(self) -> None:
+        """The rest of the warm wrappers, a few a turn of the loop: an exit, a request, a
+        deadline that is ready meanwhile is looked at between them (processes.WARM_EACH)."""
+        if self._warm_handle is None:
+            self._warm_handle = self.loop.call_soon(self._warm_more)
+
+    def _warm_more(self) -> None:
+        self._warm_handle = None
+        if not self._stopped and self.procs.warm_more(WARM_EACH):
+            self._warm_later()
 
     def _signal(self, plan: step.Plan) -> None:
         """The plan's signals to process groups. A stop's SIGTERM goes once per task, from this

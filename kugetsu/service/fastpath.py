@@ -148,7 +148,7 @@ class FastPath:
         self.successor = self.memo.get("successor", (id(cfg), index.paused, bool(index.holds), running),
                                        lambda: selection.successor(index, cfg, look))
 
-    def warm(self, index: Index, cfg: Config, look: policy.Look | None = None) -> None:
+    def warm(self, index: Index, cfg: Config, look: policy.Look | None = None) -> bool:
         """The warm wrappers of the next promotions (one machine: in a cluster the next task
         may start on another). The first ones in start order are kept while the queue is the
         same, when that order is a plain sort (it reads the config and whether presets are
@@ -156,7 +156,8 @@ class FastPath:
         (groups, limits) and nothing can hold a task until a time (policy.may_release): then
         the play reads no clock, and besides the queue and the config only what `played`
         keys (a run timeout's tick at 10,000 queued in a group played 100 starts on a Board
-        of the whole queue, 18 ms). Otherwise it depends on the clock and is played again."""
+        of the whole queue, 18 ms). Otherwise it depends on the clock and is played again.
+        True: wrappers are left to spawn (Processes.warm_more, a few a turn of the loop)."""
         key = (id(cfg), bool(index.holds))
         first = None
         ahead = selection.warm_ahead(index, cfg, processes.WARM_AHEAD, processes.WARM_WINDOW)
@@ -170,7 +171,7 @@ class FastPath:
                       tuple((t.id, t.source, t.group, t.agent, t.slots, t.memory) for t in index.active))
             first = self.memo.get("played", played,
                                   lambda: selection.start_order(index, cfg, transaction.now(), ahead, look))
-        self.procs.sync_warm(index, cfg, ahead, first)
+        return self.procs.sync_warm(index, cfg, ahead, first)
 
 
 class HeldCommit:

@@ -45,6 +45,11 @@ log = logging.getLogger("kugetsu.service")
 # of 1.46. With fewer than selection.PACE_LEAST runs to go by (a new home), WARM_AHEAD.
 WARM_AHEAD = 100
 WARM_WINDOW = 30.0
+# How many of them one turn of the service's loop spawns (sync_warm, warm_more): each is a
+# fork and exec, ~1.5 ms. A hundred in one go held the loop for 150-200 ms after a start or a
+# burst of delegations, and an agent that ended meanwhile waited that long for its successor,
+# the first of them to be spawned.
+WARM_EACH = 1
 
 _FINAL = frozenset(s.value for s in TaskState if s.final)
 
@@ -74,6 +79,8 @@ class Processes:
         self.returncodes: dict[int, int] = {}  # pid -> how a reaped wrapper ended, until committed
         self.warm: dict[int, runner.Spawned] = {}  # task id -> its wrapper, started ahead, waiting
         self.dropped: list[subprocess.Popen[bytes]] = []  # warm wrappers let go, to reap once they exit
+        self._pending: list[Task] = []  # the tasks sync_warm wants warm, last first, not looked at yet
+        self._stored: dict[int, str] | None = None  # their prompts, read when first needed
         self.host: str | None = None  # in a cluster, this machine: other machines' tasks are theirs
         # cgroup mode (service._confine): the cgroups a task with limits starts in, as its
         # wrapper's environment; such a task gets no warm wrapper (its cgroups are its run's).
@@ -114,6 +121,7 @@ class Processes:
 
     def close(self) -> None:
         """The service stops: warm wrappers exit without running anything."""
+        self._pending = []
         for warm in self.warm.values():
             runner.drop(warm)
 
@@ -168,7 +176,7 @@ class Processes:
         prompted = [t.id for t in tasks if t.prompted]
         return self.prompts(prompted) if prompted else {}
 
-    def sync_warm(self, index: Index, cfg: Config, ahead: int, first: list[Task] | None = None) -> None:
+    def sync_warm(self, index: Index, cfg: Config, ahead: int, first: list[Task] | None = None) -> bool:
         """Keep the wrappers of the first `ahead` queued tasks in start order started and
         waiting, while every slot is busy (with a free slot, tasks start at once anyway): a
         promotion is then one write to a pipe, and no process is started while agents end
@@ -176,7 +184,8 @@ class Processes:
         decided by pm in the tick; this only prepares the likely ones. Worktree tasks are not
         warmed: their working directory only exists once they start. The first ones are picked
         without sorting the whole queue (start_order's `first`); `first`: those, when the caller
-        has them already."""
+        has them already. Drops the wrappers no longer wanted at once, and spawns the first
+        WARM_EACH missing (warm_more spawns the rest): True when some are left to spawn."""
         want: list[Task] = []
         if index.queued and selection.free_slots(index, cfg) == 0:
             order = first if first is not None else selection.start_order(index, cfg, transaction.now(), ahead)
@@ -184,23 +193,39 @@ class Processes:
         wanted = {t.id for t in want}
         for task_id in [i for i in self.warm if i not in wanted]:
             self.drop(self.warm.pop(task_id))
-        if not want:
-            return
-        try:
-            stored = self._prompts(want)
-        except Exception:  # the store did not answer: normal starts, and their errors, in their turn
-            stored = {}
-        for task in want:
+        self._pending = want[::-1]  # popped from the end: the first in start order first
+        self._stored = None
+        return self.warm_more(WARM_EACH)
+
+    def warm_more(self, most: int) -> bool:
+        """Spawn up to `most` of the wrappers the last sync_warm found missing (its order, its
+        index: every change of the index calls sync_warm again, which starts the list afresh).
+        True when some are left: the service calls again once the loop has looked at what
+        else is ready."""
+        spawned = 0
+        while self._pending:
+            task = self._pending[-1]
+            if self._stored is None:
+                try:
+                    self._stored = self._prompts(self._pending)
+                except Exception:  # the store did not answer: normal starts, and their errors, in their turn
+                    self._stored = {}
             try:
-                argv: list[str] | None = self._argv(task, stored)
+                argv: list[str] | None = self._argv(task, self._stored)
             except (OSError, ValueError):
                 argv = None
             if task.id in self.warm:
                 if self.warm[task.id].argv == argv and self.warm[task.id].env == task.env:
+                    self._pending.pop()
                     continue
                 self.drop(self.warm.pop(task.id))  # its prompt was edited, its preset changed: stale
             if argv is None:
+                self._pending.pop()
                 continue
+            if spawned == most:
+                return True
+            self._pending.pop()
+            spawned += 1
             try:
                 self.warm[task.id] = runner.spawn(
                     self.home, task.id, task.name, argv, task.cwd, task.env, warm=True, token=task.token,
@@ -208,6 +233,13 @@ class Processes:
                 )
             except (OSError, ValueError):
                 pass  # it gets a normal start, and its error, when its turn comes
+        return False
+
+    def stop_warming(self) -> None:
+        """A tick begins: what the last sync_warm left to spawn waits for the next one, which
+        sees the tasks this tick starts (a tick that fails calls none: no wrapper is warmed
+        for a task it let go)."""
+        self._pending = []
 
     def drop(self, spawned: runner.Spawned) -> None:
         runner.drop(spawned)
