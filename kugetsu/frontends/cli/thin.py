@@ -43,7 +43,14 @@ TYPE_CHECKING = False  # not typing's: its import is 2 ms of the client's start
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Callable
-    from typing import NoReturn
+    from contextlib import AbstractContextManager
+    from typing import NoReturn, TextIO
+
+    from kugetsu.config.model import Config
+    from kugetsu.store.protocol import Txn
+
+    # The service's transaction, as a context manager that gives the txn and the config.
+    Transaction = Callable[[], AbstractContextManager[tuple[Txn, Config]]]
 
     from kugetsu.paths import Home
 
@@ -202,10 +209,10 @@ def _print(code: int, err: str, out: str) -> int:
     return code
 
 
-def _write(stream: object, text: str) -> None:
+def _write(stream: TextIO | None, text: str) -> None:
     if text and stream is not None:  # None: the descriptor was closed (`>&-`); print() writes nothing there
-        stream.write(text)  # type: ignore[attr-defined]
-        stream.flush()  # type: ignore[attr-defined]
+        stream.write(text)
+        stream.flush()
 
 
 # ---- the service's half -------------------------------------------------------------------
@@ -215,7 +222,7 @@ class _Declined(Exception):
     """The command line is not one the service runs (argparse would print, or exit)."""
 
 
-def answerer(home: Home, locked: Callable[[], object], woken: Callable[[], object], read: Callable[[], object]
+def answerer(home: Home, locked: Transaction, woken: Callable[[], object], read: Transaction
              ) -> Callable[[bytes], tuple[Callable[[], bytes], str] | None]:
     """The service's handler for its delegate socket (service/handoff.py): a request, read
     and checked, becomes what runs it (None: the CLI runs it itself). `locked`: the service's
@@ -314,7 +321,7 @@ def _same_clock(sent: bytes) -> bool:
 
 
 def _run(home: Home, args: argparse.Namespace, cwd: str, environ: dict[str, str], prompt: bytes | None,
-         locked: Callable[[], object], woken: Callable[[], object], read: Callable[[], object]) -> bytes:
+         locked: Transaction, woken: Callable[[], object], read: Transaction) -> bytes:
     """cmd_delegate (or capacity's output) for the client, its output and exit code as the
     answer's bytes."""
     import io
@@ -326,7 +333,7 @@ def _run(home: Home, args: argparse.Namespace, cwd: str, environ: dict[str, str]
     from kugetsu.frontends.cli.tasks import Via, cmd_delegate
 
     out, err = io.StringIO(), io.StringIO()
-    via = Via(out, err, cwd, environ, delegation.Caller(environ, locked, woken), prompt)  # type: ignore[arg-type]
+    via = Via(out, err, cwd, environ, delegation.Caller(environ, locked, woken), prompt)
     try:
         if args.command == "capacity":
             code = _capacity(args, read, out)
@@ -341,26 +348,26 @@ def _run(home: Home, args: argparse.Namespace, cwd: str, environ: dict[str, str]
     return b"%d %d %d\n" % (code, len(e), len(o)) + e + o
 
 
-def _capacity(args: argparse.Namespace, read: Callable[[], object], out: object) -> int:
+def _capacity(args: argparse.Namespace, read: Transaction, out: TextIO) -> int:
     """`capacity` from the index the service keeps, read in its transaction (which writes
     nothing): what the CLI prints from index.json (views.show_capacity, the queued tasks
     counted by selection.capacity from the index: the numbers read_head counts, found by a
     Look's passes in C, where QueueCounts.of took a Python step a task in the service's loop)."""
     from kugetsu.frontends.cli.views import show_capacity
 
-    with read() as (txn, cfg):  # type: ignore[attr-defined]
-        return show_capacity(cfg, txn.index, None, args.json, out)  # type: ignore[arg-type]
+    with read() as (txn, cfg):
+        return show_capacity(cfg, txn.index, None, args.json, out)
 
 
-def _queue(home: Home, args: argparse.Namespace, read: Callable[[], object], out: object) -> int:
+def _queue(home: Home, args: argparse.Namespace, read: Transaction, out: TextIO) -> int:
     """`queue` from the index the service keeps, read in its transaction (which writes
     nothing): what the CLI prints from index.json (views.show_queue), its first --limit tasks
     found without sorting the rest (at 50,000 queued the CLI's own read of index.json cost
     ~180 ms)."""
     from kugetsu.frontends.cli.views import show_queue
 
-    with read() as (txn, cfg):  # type: ignore[attr-defined]
-        return show_queue(home, cfg, txn.index, args, True, out)  # type: ignore[arg-type]
+    with read() as (txn, cfg):
+        return show_queue(home, cfg, txn.index, args, True, out)
 
 
 _quiet: list[type] = []
