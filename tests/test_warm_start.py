@@ -229,9 +229,9 @@ def test_an_exit_is_not_kept_waiting_while_a_hundred_wrappers_are_warmed(kg):
     """A service that finds a deep queue (a start, a burst of delegations) warms the next
     WARM_AHEAD wrappers, ~1.5 ms of fork and exec each: spawned in one go they held the
     loop for 100 spawns (150-200 ms here), and an agent that ended meanwhile waited that
-    long for its successor. Spawned a few at a time, between the loop's other work, the
-    successor starts after a few. #2 counts the service's children as it starts: the
-    wrappers warmed by then."""
+    long for its successor. Now those of the next promotions are spawned at once and the
+    rest once the loop is idle (processes.WARM_NOW, WARM_IDLE): the successor starts after a
+    few. #2 counts the service's children as it starts: the wrappers warmed by then."""
     from kugetsu.core.models import Index, Task
     from kugetsu.store.protocol import encode_index
 

@@ -51,7 +51,7 @@ from kugetsu.agents.report import Usage
 from kugetsu.core.models import Event, Index, Task, TaskState
 from kugetsu.core.lifecycle import GUARD_RECHECK
 from kugetsu.paths import Home, atomic_write, read_head
-from kugetsu.service.processes import WARM_AHEAD, WARM_EACH, LetGo, Processes
+from kugetsu.service.processes import WARM_AHEAD, WARM_IDLE, LetGo, Processes
 from kugetsu.store.files import open_store
 from kugetsu.store.protocol import Txn
 from kugetsu.service.handoff import HandoffSocket
@@ -132,7 +132,7 @@ class Service:
         self._cgroups_left = False  # cgroup mode: runs over whose cgroups could not be removed yet
         # The heap's free pages go back to the kernel once the queue rests (Service._trim).
         self._trim_handle: asyncio.TimerHandle | None = None
-        self._warm_handle: asyncio.Handle | None = None  # the next turn's warm_more
+        self._warm_handle: asyncio.TimerHandle | None = None  # the next turn's warm_more
         self._queue_version: int | None = None  # the store's queue_version at the last commit
         self._queue_changed_at = 0.0  # when (loop time) a commit last found it changed
 
@@ -462,7 +462,7 @@ class Service:
         self._sync_jobs(plan.release_at, look)
         if self.member is None:  # in a cluster the next task may start on another machine
             if self.fast.warm(self.index, self.cfg, look):
-                self._warm_later()
+                self._warm_later(WARM_IDLE)
         else:
             self.member.shipping({t.id: self.home.log(t.id) for t in self.index.active if t.host == self.member.name})
         # After the warm wrappers' order: the successor is its first task when that is a sort.
@@ -477,16 +477,19 @@ class Service:
         if deferred:
             self.request_tick()  # the starts this tick committed: spawned by the next one
 
-    def _warm_later(self) -> None:
-        """The rest of the warm wrappers, a few a turn of the loop: an exit, a request, a
-        deadline that is ready meanwhile is looked at between them (processes.WARM_EACH)."""
-        if self._warm_handle is None:
-            self._warm_handle = self.loop.call_soon(self._warm_more)
+    def _warm_later(self, delay: float) -> None:
+        """The rest of the warm wrappers, one a turn of the loop, once no tick came for
+        WARM_IDLE (processes.WARM_NOW). As timers, not call_soon: a turn of asyncio's loop
+        runs what its poll found ready (an agent's exit, a request) before the timers due, so
+        an exit that comes while one is spawned waits for that one alone."""
+        if self._warm_handle is not None:
+            self._warm_handle.cancel()
+        self._warm_handle = self.loop.call_later(delay, self._warm_more)
 
     def _warm_more(self) -> None:
         self._warm_handle = None
-        if not self._stopped and self.procs.warm_more(WARM_EACH):
-            self._warm_later()
+        if not self._stopped and self.procs.warm_more(1):
+            self._warm_later(0)
 
     def _signal(self, plan: step.Plan) -> None:
         """The plan's signals to process groups. A stop's SIGTERM goes once per task, from this

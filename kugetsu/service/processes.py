@@ -45,11 +45,15 @@ log = logging.getLogger("kugetsu.service")
 # of 1.46. With fewer than selection.PACE_LEAST runs to go by (a new home), WARM_AHEAD.
 WARM_AHEAD = 100
 WARM_WINDOW = 30.0
-# How many of them one turn of the service's loop spawns (sync_warm, warm_more): each is a
-# fork and exec, ~1.5 ms. A hundred in one go held the loop for 150-200 ms after a start or a
-# burst of delegations, and an agent that ended meanwhile waited that long for its successor,
-# the first of them to be spawned.
-WARM_EACH = 1
+# When they are spawned. Each is a fork and exec, ~1.5 ms, in the service's loop: a hundred
+# in one go held it for 150-200 ms after a start or a burst of delegations, and an agent
+# that ended meanwhile waited that long for its successor. So those of the next WARM_NOW
+# promotions a slot are spawned at once (as a drain goes: one a tick, right after its
+# successor was let go), and the rest one a turn of the loop once no tick came for
+# WARM_IDLE seconds: spread over a quick drain instead, they came between an agent's end
+# and its successor's start (promotion p95 4 -> 8 ms).
+WARM_NOW = 2
+WARM_IDLE = 0.02
 
 _FINAL = frozenset(s.value for s in TaskState if s.final)
 
@@ -184,8 +188,8 @@ class Processes:
         decided by pm in the tick; this only prepares the likely ones. Worktree tasks are not
         warmed: their working directory only exists once they start. The first ones are picked
         without sorting the whole queue (start_order's `first`); `first`: those, when the caller
-        has them already. Drops the wrappers no longer wanted at once, and spawns the first
-        WARM_EACH missing (warm_more spawns the rest): True when some are left to spawn."""
+        has them already. Drops the wrappers no longer wanted and spawns those of the next
+        promotions (WARM_NOW a slot) at once; True when more are left, for warm_more."""
         want: list[Task] = []
         if index.queued and selection.free_slots(index, cfg) == 0:
             order = first if first is not None else selection.start_order(index, cfg, transaction.now(), ahead)
@@ -193,15 +197,21 @@ class Processes:
         wanted = {t.id for t in want}
         for task_id in [i for i in self.warm if i not in wanted]:
             self.drop(self.warm.pop(task_id))
-        self._pending = want[::-1]  # popped from the end: the first in start order first
-        self._stored = None
-        return self.warm_more(WARM_EACH)
+        now = WARM_NOW * max(cfg.max_agents, 1)
+        self._next(want[:now])
+        self.warm_more(now)
+        self._next(want[now:])
+        return bool(self._pending)
+
+    def _next(self, tasks: list[Task]) -> None:
+        """What warm_more spawns next: these tasks' wrappers, in this order."""
+        self._pending = tasks[::-1]  # popped from the end: the first in start order first
+        self._stored = None  # their prompts, read once if one is needed
 
     def warm_more(self, most: int) -> bool:
-        """Spawn up to `most` of the wrappers the last sync_warm found missing (its order, its
-        index: every change of the index calls sync_warm again, which starts the list afresh).
-        True when some are left: the service calls again once the loop has looked at what
-        else is ready."""
+        """Spawn up to `most` of the wrappers the last sync_warm found missing, in its order
+        (its index: every change of the index calls sync_warm again, which starts the list
+        afresh). True when some are left."""
         spawned = 0
         while self._pending:
             task = self._pending[-1]
