@@ -131,3 +131,35 @@ def test_correct_clock_moves_only_what_is_beyond_the_tolerance():
     assert (late.holds["codex"].since, late.holds["codex"].until) == (now, now + timedelta(minutes=30))
     assert err is not None and err.off < 0 and err.by == "kugetsu hold (pid 8)"
     assert "2d behind" in skew.describe_clock_error(err)
+
+
+@pytest.mark.parametrize("field", ["created_at", "started_at", "finished_at", "attempt", "run", "new_behind"])
+def test_a_wrong_time_deep_in_a_long_queue_is_found(field):
+    """correct_clock asks the queue in C passes whether any of its tasks needs a look (a
+    Python step a task was ~60 ms of a first tick at 50,000 queued): one task among 2,000
+    that carries a wrong time is found and moved, whichever time it is."""
+    import msgspec
+
+    from kugetsu.core import skew
+    from kugetsu.config.model import Config
+    from kugetsu.core.models import Attempt, Index, Run, Task
+
+    now = datetime(2026, 11, 24, 12, tzinfo=timezone.utc)
+    year = timedelta(days=365)
+    queued = [Task(id=i, name=f"t{i}", command=["true"], cwd="/", created_at=now - timedelta(seconds=i))
+              for i in range(1, 2001)]
+    odd = queued[1234]
+    changes = {"created_at": {"created_at": now + year}, "started_at": {"started_at": now + year},
+               "finished_at": {"finished_at": now + year},
+               "attempt": {"attempts": [Attempt(ended_at=now + year, exit_code=1)]},
+               "run": {"run": Run(ended_at=now + year)}, "new_behind": {"id": 3000, "created_at": now - 2 * year}}[field]
+    queued[1234] = odd = msgspec.structs.replace(odd, **changes)
+    index = Index(next_id=3001, queued=queued)
+    before = Index(next_id=2001) if field == "new_behind" else None
+    err = skew.correct_clock(index, Config(), now, before, now - timedelta(seconds=1) if before else None)
+    assert err is not None
+    moved = {"created_at": odd.created_at, "started_at": odd.started_at, "finished_at": odd.finished_at,
+             "attempt": odd.attempts[0].ended_at if odd.attempts else None,
+             "run": odd.run.ended_at if odd.run else None, "new_behind": odd.created_at}[field]
+    assert moved == now
+    assert all(t.created_at == now - timedelta(seconds=t.id) for t in queued if t is not odd)
