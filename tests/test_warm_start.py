@@ -43,6 +43,20 @@ def test_position_one_waits_warm_and_never_runs_before_its_turn(kg):
     assert kg.times("next")["start"] >= kg.times("blocker")["end"]
 
 
+def test_a_task_let_go_warm_records_its_wrappers_start_time(kg):
+    """A warm wrapper's start time is read as it is let go (runner.start_of), not as it is
+    spawned: the running task's record still names its process by pid and start time, which
+    is what a restarted service trusts it by."""
+    gate = _next_waits_warm_behind_a_gated_blocker(kg)
+    kg.ok("delegate", "third", "--", *kg.agent("third", 0, gate=kg.rec / "go3"))
+    wait_for(lambda: 3 in kg.wrappers(), what="third's wrapper, warm")
+    gate.touch()  # next ends at once: third is let go early, as the successor
+    running = wait_for(lambda: [t for t in kg.index()["active"] if t["name"] == "third"], what="third to run")[0]
+    assert running["pid_start"] is not None and runner.process_start(running["pid"]) == running["pid_start"]
+    (kg.rec / "go3").touch()
+    kg.wait_state("third", "succeeded")
+
+
 def test_every_queued_task_waits_warm_and_they_run_in_order_once_each(kg):
     gate = _next_waits_warm_behind_a_gated_blocker(kg)
     kg.delegate("third", 0)

@@ -147,7 +147,7 @@ class Processes:
             self.drop(warm)  # started before its limits were known to need cgroups
             warm = None
         if warm is not None:
-            if warm.gate is not None and warm.argv == argv and warm.env == env and runner.alive(warm.pid, warm.start):
+            if warm.gate is not None and warm.argv == argv and warm.env == env and runner.alive(warm.pid, runner.start_of(warm)):
                 runner.release(warm)
                 return warm
             self.drop(warm)

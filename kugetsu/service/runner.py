@@ -108,6 +108,7 @@ class Spawned(msgspec.Struct):
     exit_file: Path | None = None
     argv: list[str] = []  # what it runs: a warm wrapper whose task's command changed since (`edit`) is stale
     env: dict[str, str] = {}  # the task's own variables it runs with (a failover changes them with the preset)
+    looked: bool = True  # `start` was read (a warm wrapper's is read as it is let go: start_of)
 
 
 def agent_env(home: Home, task_id: int, name: str, token: str | None, env: dict[str, str],
@@ -183,13 +184,27 @@ def spawn(
         os.close(fd)
         if gate_r is not None:
             os.close(gate_r)
+    if warm:
+        return Spawned(popen.pid, None, popen, gate_w, exit_file, list(argv), dict(env), looked=False)
     return Spawned(popen.pid, process_start(popen.pid), popen, gate_w, exit_file, list(argv), dict(env))
 
 
+def start_of(spawned: Spawned) -> int | None:
+    """The wrapper's start time (None: it has exited). A warm one's is read when it is let go,
+    not as it is spawned: read right after the spawn, /proc/PID/stat waits on the new
+    program's memory map (0.39 ms a spawn here, against 0.04 for a process that waits), and
+    until this service reaps its child, the pid is that child's and no other's."""
+    if not spawned.looked:
+        spawned.start, spawned.looked = process_start(spawned.pid), True
+    return spawned.start
+
+
 def release(spawned: Spawned) -> None:
-    """Let a warm wrapper run its agent now."""
+    """Let a warm wrapper run its agent now (ProcessLookupError: it has exited meanwhile)."""
     assert spawned.gate is not None
     try:
+        if start_of(spawned) is None:
+            raise ProcessLookupError(f"the wrapper of pid {spawned.pid} has exited")
         os.write(spawned.gate, b"go\n")
     finally:
         os.close(spawned.gate)
