@@ -106,8 +106,11 @@ def service_idle(n: int, seconds: float) -> dict:
             time.sleep(1.0)  # past the start's own work
             with Sampler(pid, every=0.5) as s:
                 time.sleep(seconds)
-            blocker = {p.pid for p in _tree(kg.index()["active"][0]["pid"])}
-            others = [p for p in _tree(pid)[1:] if p.pid not in blocker]
+            # The service's other children (warm wrappers) and theirs: not its descendants less
+            # the blocker's tree read a moment apart, which counted a `sleep` the blocker
+            # started in between (a count of 2 for 1 wrapper, one run in two).
+            blocker = kg.index()["active"][0]["pid"]
+            others = [p for child in psutil.Process(pid).children() if child.pid != blocker for p in _tree(child.pid)]
             count, rss, pss = _memory(others)
             return {"start_s": start, "cpu_share": s.cpu_share, "rss": s.peak_rss,
                     "wrappers": count, "wrappers_rss": rss, "wrappers_pss": pss}
