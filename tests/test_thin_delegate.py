@@ -159,8 +159,8 @@ def test_hostile_clients_do_not_stop_or_stall_the_service(kg):
     garbage.sendall(b"\xff\x00garbage\x00" * 100)
     garbage.shutdown(socket.SHUT_WR)
     assert garbage.recv(10) == b"F"  # declined: nothing run
-    for junk in (b"kugetsu-delegate/1\x00/\x00/\x00" + b"9" * 5000, b"kugetsu-delegate/1\x00/\x00/\x00\xd9\xa3",
-                 b"kugetsu-delegate/1\x00/\x00/\x001\x000\x00\x00nan\x00delegate\x00"):
+    for junk in (b"kugetsu-delegate/2\x00/\x00/\x00" + b"9" * 5000, b"kugetsu-delegate/2\x00/\x00/\x00\xd9\xa3",
+                 b"kugetsu-delegate/2\x00/\x00/\x001\x000\x00\x00nan\x00delegate\x00"):
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(path)
             s.sendall(junk)
@@ -169,7 +169,7 @@ def test_hostile_clients_do_not_stop_or_stall_the_service(kg):
     huge = socket.socket(socket.AF_UNIX)
     huge.connect(path)
     with pytest.raises(OSError):  # dropped past the bound, while it still writes
-        huge.sendall(b"kugetsu-delegate/1\x00" + b"x" * (8 << 20))
+        huge.sendall(b"kugetsu-delegate/2\x00" + b"x" * (8 << 20))
         huge.shutdown(socket.SHUT_WR)
         if huge.recv(10) == b"":
             raise BrokenPipeError
@@ -216,34 +216,105 @@ def test_a_cluster_store_is_never_handed_over(kg):
     assert handed(kg) == 0 and r.returncode != 0, r  # the CLI's own (unreachable database) error
 
 
-def test_a_service_that_ends_after_it_took_the_request_is_not_delegated_again(kg, tmp_path):
+def _token_of(request: bytes) -> str:
+    """The task's token in a handed request (thin.py: MAGIC, home, cwd, counts, --prompt-file,
+    clock, token, ...)."""
+    return request.split(b"\0")[7].decode()
+
+
+def test_a_service_that_ends_after_it_took_the_request_admits_it_once(kg, tmp_path):
     """The service said it runs the request, then its connection dropped (kill -9 in the
-    commit): it may have committed, so the CLI says so and runs nothing itself."""
+    commit): it may have committed or not. The CLI looks for the task by the token its request
+    gave it: not there, it admits the task itself; there, it prints what delegate prints of it
+    and admits nothing more. Once either way."""
+    from kugetsu.app.transaction import _locked
+    from kugetsu.core import admission
+
     kg.config(autostart=False)
     kg.home.ensure()
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(kg.home.handoff))
     listener.listen(1)
-    cli = subprocess.Popen([sys.executable, "-m", "kugetsu", "delegate", "a", "--", "true"], env=kg.env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    conn, _ = listener.accept()
-    conn.settimeout(10)
-    while conn.recv(65536):
-        pass
-    conn.sendall(b"A")  # taken: then the service "dies"
-    conn.close()
-    out, err = cli.communicate(timeout=60)
-    assert cli.returncode == 1 and out == "", (out, err)
-    assert "may or may not have been admitted" in err and "kugetsu queue" in err
-    assert not kg.home.index.exists()  # not run a second time here
+
+    def took_then_died(name: str, admit: bool) -> tuple[subprocess.CompletedProcess, str]:
+        cli = subprocess.Popen([sys.executable, "-m", "kugetsu", "delegate", name, "--json", "--", "true"], env=kg.env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        conn, _ = listener.accept()
+        conn.settimeout(10)
+        request = b""
+        while data := conn.recv(65536):
+            request += data
+        conn.sendall(b"A")  # taken: then the service "dies", with or without its commit
+        token = _token_of(request)
+        if admit:
+            with _locked(kg.home) as (txn, cfg):
+                admission.admit(txn.index, cfg, txn.now, admission.Request(cwd="/", name=name, command=["true"],
+                                                                           token=token))
+        conn.close()
+        out, err = cli.communicate(timeout=60)
+        return subprocess.CompletedProcess(cli.args, cli.returncode, out, err), token
+
+    r, token = took_then_died("a", admit=False)
+    assert r.returncode == 0 and json.loads(r.stdout)["name"] == "a", r
+    r, token_b = took_then_died("b", admit=True)
+    assert r.returncode == 0 and json.loads(r.stdout)["name"] == "b", r
+    tasks = [t for part in ("active", "queued", "finished") for t in kg.index()[part]]
+    assert sorted(t["name"] for t in tasks) == ["a", "b"]  # each once
+    assert next(t for t in tasks if t["name"] == "b")["token"] == token_b and token != token_b
     # A connection that drops before that byte: nothing was run, so the CLI runs it itself.
-    cli = subprocess.Popen([sys.executable, "-m", "kugetsu", "delegate", "b", "--", "true"], env=kg.env,
+    cli = subprocess.Popen([sys.executable, "-m", "kugetsu", "delegate", "c", "--", "true"], env=kg.env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     conn, _ = listener.accept()
     conn.close()
     out, err = cli.communicate(timeout=60)
-    assert cli.returncode == 0 and out == "started b (#1), slot 1/3\n", (out, err)
+    assert cli.returncode == 0 and " c (#3)" in out, (out, err)
     listener.close()
+
+
+def test_the_service_gives_the_task_the_token_its_request_chose(kg):
+    """What the CLI finds the task by, should the service end before it answers: a request of
+    its own (the CLI's format) with a chosen token; the task admitted carries it."""
+    served(kg)
+    token = os.urandom(16).hex()
+    argv = ["delegate", "t", "--", "true"]
+    head = [str(kg.home.root), "/", str(len(argv)), "0", "", repr(time.time()), token, *argv]
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(kg.home.handoff))
+        s.sendall(b"".join(f + b"\0" for f in (thin.MAGIC, *(f.encode() for f in head))))
+        s.shutdown(socket.SHUT_WR)
+        answer = b""
+        while data := s.recv(65536):
+            answer += data
+    assert answer[:1] == b"A", answer
+    assert [t["token"] for part in ("active", "queued", "finished") for t in kg.index()[part] if t["name"] == "t"] == [token]
+
+
+def test_a_service_killed_while_it_admits_a_handed_request_leaves_it_to_the_cli(kg):
+    """The real service, killed (-9) after it took a request and before its transaction: the
+    test holds the index lock, so the service waits for it with the request taken. The CLI
+    finds no task with its token once the lock is free, and admits it itself: exit 0, one
+    task. (The torture test's kills hit that window once in a full run.)"""
+    import fcntl
+
+    served(kg, autostart=False)
+    pid = kg.service_pid()
+    lock = os.open(kg.home.lock, os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        cli = subprocess.Popen([sys.executable, "-m", "kugetsu", "delegate", "a", "--json", "--", "true"],
+                               env=kg.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # Taken, and waiting for the lock: /proc/locks lists its blocked flock ("->").
+        wait_for(lambda: any("->" in line and f" {pid} " in line for line in Path("/proc/locks").read_text().splitlines()),
+                 30, "the service to take the request and wait for the index lock")
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z",
+                 10, "the service gone")
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        os.close(lock)
+    out, err = cli.communicate(timeout=60)
+    assert cli.returncode == 0 and json.loads(out)["name"] == "a", (out, err)
+    assert [t["name"] for part in ("active", "queued", "finished") for t in kg.index()[part]] == ["a"]
 
 
 def test_another_user_is_refused(tmp_path):
@@ -272,7 +343,7 @@ def test_another_user_is_refused(tmp_path):
                 "except OSError as e:\n"
                 "    print('connect', e.errno); sys.exit()\n"
                 "try:\n"
-                "    s.sendall(b'kugetsu-delegate/1\\0' + sys.argv[2].encode() + b'\\0/\\x002\\x000\\0\\0' + str(time.time()).encode() + b'\\0delegate\\0x\\0')\n"
+                "    s.sendall(b'kugetsu-delegate/2\\0' + sys.argv[2].encode() + b'\\0/\\x002\\x000\\0\\0' + str(time.time()).encode() + b'\\0' + b'0' * 32 + b'\\0delegate\\0x\\0')\n"
                 "    s.shutdown(socket.SHUT_WR)\n"
                 "    print('got', repr(s.recv(10)))\n"
                 "except OSError:  # closed before it wrote, or reset: the same refusal\n"

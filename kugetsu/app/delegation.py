@@ -13,13 +13,14 @@ import msgspec
 
 from kugetsu.app.control import wake
 from kugetsu.app.reading import hosts_up
-from kugetsu.app.transaction import _locked, measure, now, settle
+from kugetsu.app.transaction import _locked, config_in, measure, now, settle
 from kugetsu.config.model import Config
 from kugetsu.core import admission, placement, policy, selection
 from kugetsu.core.models import Task, TaskState
 from kugetsu.errors import KugetsuError, UsageError
 from kugetsu.paths import Home
 from kugetsu.service import runner
+from kugetsu.store.files import open_store
 from kugetsu.store.protocol import StoreProtocol, Txn
 
 
@@ -59,6 +60,9 @@ class Caller(msgspec.Struct, frozen=True):
     environ: Mapping[str, str]
     locked: Callable[[], AbstractContextManager[tuple[Txn, Config]]]
     woken: Callable[[], object]
+    # The token the requesting process chose for its one task: should the service end before it
+    # answers, that process finds out by it whether the task was admitted (`admitted`).
+    token: str | None = None
 
 
 def delegate(home: Home, cfg: Config, req: admission.Request, caller: Caller | None = None) -> Admission:
@@ -113,7 +117,8 @@ def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request], atomic
                 raise BatchRefused(i, err) from None
             out[i] = err
             continue
-        req.token = runner.new_token()
+        given = caller.token if caller is not None and len(reqs) == 1 else None
+        req.token = given or runner.new_token()
         req.parent = req.parent or caller_task(environ)
         todo.append(i)
     if not todo:
@@ -149,6 +154,19 @@ def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request], atomic
     else:
         caller.woken()
     return out  # type: ignore[return-value]
+
+
+def admitted(home: Home, token: str) -> Admission | None:
+    """The task admitted with `token` (Caller.token), as it stands, or None: no such task. Read
+    under the index lock and written nowhere: a service that ended while it admitted it has
+    left the lock to the kernel, and one still alive has committed by then."""
+    store = open_store(home)
+    txn = store.begin()
+    try:
+        task = next((t for t in txn.index.all_tasks() if t.token == token), None)
+        return None if task is None else _admission(txn, config_in(home, txn), task, None)
+    finally:
+        store.abort()
 
 
 def _admit(home: Home, txn: Txn, cfg: Config, req: admission.Request) -> Task:

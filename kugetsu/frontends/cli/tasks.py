@@ -48,10 +48,7 @@ def cmd_delegate(home: Home, args: argparse.Namespace, via: Via | None = None) -
     adm = delegation.delegate(home, cfg, req, via.caller)
     _priority_ignored(cfg.strategy, args.priority, via.err)
     if not args.json:
-        from kugetsu.frontends import render
-
-        _say(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for), file=via.out,
-             flush=True)
+        _say_admitted(adm, via.out)
     if args.wait:  # the task just admitted, by id: never an older task of the same name
         code = _wait_for(home, [adm.task.id], None)
         if args.json:
@@ -62,6 +59,25 @@ def cmd_delegate(home: Home, args: argparse.Namespace, via: Via | None = None) -
         return code
     if args.json:
         print(to_json(reading.task_json(adm.task, adm.position, prompts=reading.prompts(home, [adm.task]))), file=via.out)
+    return OK
+
+
+def _say_admitted(adm: delegation.Admission, out: TextIO) -> None:
+    from kugetsu.frontends import render
+
+    _say(render.admitted(adm.task, adm.position, adm.queued, adm.max_agents, adm.waiting_for), file=out, flush=True)
+
+
+def delegate_found(home: Home, args: argparse.Namespace, token: str) -> int | None:
+    """What `delegate` prints of the task the service admitted with `token` and ended before it
+    said so (frontends/cli/thin.py); None: it did not admit it, and the command runs here."""
+    adm = delegation.admitted(home, token)
+    if adm is None:
+        return None
+    if args.json:
+        print(to_json(reading.task_json(adm.task, adm.position, prompts=reading.prompts(home, [adm.task]))))
+    else:
+        _say_admitted(adm, sys.stdout)
     return OK
 
 

@@ -28,8 +28,11 @@ wrong clock stays one, corrected and said by the service); the service is stoppi
 The service declines before it runs anything, so running here is never a second admission.
 
 A service that ends (kill -9) after it said it runs the request may or may not have committed
-it: the command then fails (exit 1) and says to look at `kugetsu queue` rather than delegate
-again, since a task queued twice is worse than an error (docs/architecture.md, request walks).
+it. The request carries the token the task gets (chosen here, 16 random bytes), and the CLI
+then looks for it under the index lock, which the kernel took from the dead service (one
+still alive has committed by then): found, it prints what `delegate` prints of that task;
+not, the command runs here, as if no service had listened. Once either way, never twice
+(docs/architecture.md, request walks). `capacity` and `queue` only read: asked again here.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ if TYPE_CHECKING:
 
     from kugetsu.paths import Home
 
-MAGIC = b"kugetsu-delegate/1"
+MAGIC = b"kugetsu-delegate/2"  # /2: the task's token in the request
 # The environment `delegate` reads (delegation.caller_task: the task it runs in; the PATH an
 # error names), and nothing else: no other variable (a token) leaves this process.
 _PASSED = ("KUGETSU_TASK_ID", "KUGETSU_TASK_NAME", "PATH")
@@ -98,7 +101,8 @@ def _handed_over(argv: list[str]) -> int | None:
     prompt_file = _prompt_file(argv) if argv[0] == "delegate" else None
     import time
 
-    head = (str(home.root), cwd, str(len(argv)), str(len(env)), prompt_file or "", repr(time.time()), *argv, *env)
+    token = os.urandom(16).hex()  # the task's, should the service end before it answers
+    head = (str(home.root), cwd, str(len(argv)), str(len(env)), prompt_file or "", repr(time.time()), token, *argv, *env)
     request = b"".join(f + b"\0" for f in (MAGIC, *(os.fsencode(s) for s in head)))
     import _socket
 
@@ -132,12 +136,22 @@ def _handed_over(argv: list[str]) -> int | None:
     finally:
         sock.close()
     answer = _answer(b"".join(chunks))
-    if answer is None:
-        _write(sys.stderr, "kugetsu: the service stopped while it admitted this task, before it answered: the task may"
-               " or may not have been admitted. Look with `kugetsu queue --all` before you delegate it again.\n")
-        return FAILURE
+    if answer is None:  # it ended after it took the request: admitted or not, by the token
+        found = _admitted_by(home, argv, token) if argv[0] == "delegate" else None
+        if found is None:
+            _replay(prompt_file, data)
+        return found
     code, err, out = answer
     return _print(code, err, out)
+
+
+def _admitted_by(home: Home, argv: list[str], token: str) -> int | None:
+    """`delegate`'s output and code for the task the service admitted with `token` before it
+    ended without answering; None: it admitted none, and the command runs here."""
+    from kugetsu.frontends.cli import main
+    from kugetsu.frontends.cli.tasks import delegate_found
+
+    return delegate_found(home, main.parse(argv), token)
 
 
 PROMPT_MAX = 1 << 20  # bytes of --prompt-file sent; a longer one is read (and refused) in the CLI, as before
@@ -234,13 +248,14 @@ def answerer(home: Home, locked: Transaction, woken: Callable[[], object], read:
         parsed = _parse_request(home, request)
         if parsed is None:
             return None
-        args, cwd, environ, prompt = parsed
-        return lambda: _run(home, args, cwd, environ, prompt, locked, woken, read), args.command
+        args, cwd, environ, prompt, token = parsed
+        return lambda: _run(home, args, cwd, environ, prompt, token, locked, woken, read), args.command
 
     return handle
 
 
-def _parse_request(home: Home, request: bytes) -> tuple[argparse.Namespace, str, dict[str, str], bytes | None] | None:
+def _parse_request(home: Home, request: bytes
+                   ) -> tuple[argparse.Namespace, str, dict[str, str], bytes | None, str] | None:
     from kugetsu.app import delegation
     from kugetsu.config.load import load_config
     from kugetsu.errors import KugetsuError
@@ -249,14 +264,17 @@ def _parse_request(home: Home, request: bytes) -> tuple[argparse.Namespace, str,
     from kugetsu.frontends.cli.tasks import _request
     from kugetsu.paths import Home
 
-    head = request.split(b"\0", 7)  # MAGIC, home, cwd, argv's count, env's, --prompt-file, clock, the rest
-    if len(head) != 8 or head[0] != MAGIC or not all(n.isdigit() and len(n) <= 7 for n in head[3:5]):
+    head = request.split(b"\0", 8)  # MAGIC, home, cwd, argv's count, env's, --prompt-file, clock, token, the rest
+    if len(head) != 9 or head[0] != MAGIC or not all(n.isdigit() and len(n) <= 7 for n in head[3:5]):
+        return None
+    token = head[7].decode("ascii", "replace")
+    if len(token) != 32 or not all(c in "0123456789abcdef" for c in token):
         return None
     root, cwd, claimed = (os.fsdecode(f) for f in (head[1], head[2], head[5]))
     n_argv, n_env = int(head[3]), int(head[4])
     if not _same_clock(head[6]):
         return None
-    fields = head[7].split(b"\0", n_argv + n_env)  # then --prompt-file's bytes, which may hold NULs
+    fields = head[8].split(b"\0", n_argv + n_env)  # then --prompt-file's bytes, which may hold NULs
     if len(fields) != n_argv + n_env + 1:
         return None
     argv, env = [os.fsdecode(f) for f in fields[:n_argv]], [os.fsdecode(f) for f in fields[n_argv:-1]]
@@ -286,13 +304,13 @@ def _parse_request(home: Home, request: bytes) -> tuple[argparse.Namespace, str,
     if args.command == "queue" and not _bounded(args):
         return None  # the whole queue, or a filter over it: not in the loop every agent's start waits for
     if not delegating:  # capacity, queue: nothing more to check, and no prompt comes with it
-        return (args, cwd, environ, None) if prompt is None else None
+        return (args, cwd, environ, None, token) if prompt is None else None
     try:
         if delegation.wants_worktree(cfg, _request(args, cwd, environ, prompt)):
             return None  # git, which the service's loop never waits for
     except KugetsuError:
         pass  # bad input: said by the command itself, as here
-    return args, cwd, environ, prompt
+    return args, cwd, environ, prompt, token
 
 
 QUEUE_MOST = 1000  # `queue --limit N` the service answers: what it prints is that long at most
@@ -320,7 +338,7 @@ def _same_clock(sent: bytes) -> bool:
         return False
 
 
-def _run(home: Home, args: argparse.Namespace, cwd: str, environ: dict[str, str], prompt: bytes | None,
+def _run(home: Home, args: argparse.Namespace, cwd: str, environ: dict[str, str], prompt: bytes | None, token: str,
          locked: Transaction, woken: Callable[[], object], read: Transaction) -> bytes:
     """cmd_delegate (or capacity's output) for the client, its output and exit code as the
     answer's bytes."""
@@ -333,7 +351,7 @@ def _run(home: Home, args: argparse.Namespace, cwd: str, environ: dict[str, str]
     from kugetsu.frontends.cli.tasks import Via, cmd_delegate
 
     out, err = io.StringIO(), io.StringIO()
-    via = Via(out, err, cwd, environ, delegation.Caller(environ, locked, woken), prompt)
+    via = Via(out, err, cwd, environ, delegation.Caller(environ, locked, woken, token), prompt)
     try:
         if args.command == "capacity":
             code = _capacity(args, read, out)
