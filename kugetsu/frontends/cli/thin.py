@@ -148,10 +148,17 @@ def _handed_over(argv: list[str]) -> int | None:
 def _admitted_by(home: Home, argv: list[str], token: str) -> int | None:
     """`delegate`'s output and code for the task the service admitted with `token` before it
     ended without answering; None: it admitted none, and the command runs here."""
+    from kugetsu.errors import KugetsuError
     from kugetsu.frontends.cli import main
+    from kugetsu.frontends.cli.output import _say
     from kugetsu.frontends.cli.tasks import delegate_found
 
-    return delegate_found(home, main.parse(argv), token)
+    try:
+        return delegate_found(home, main.parse(argv), token)
+    except (KugetsuError, OSError) as error:  # the index cannot be read: the command here would say the same
+        line, code = main.failure(home, error)
+        _say(line, file=sys.stderr)
+        return code
 
 
 PROMPT_MAX = 1 << 20  # bytes of --prompt-file sent; a longer one is read (and refused) in the CLI, as before
