@@ -380,9 +380,12 @@ class Admitter:
         """Forget the store, its journal records folded into index.json first: with no
         long-lived writer left, index.json alone is the state (a server killed before it could
         fold leaves the journal, which every reader replays and the next writer folds)."""
-        kept, self._store = self._store, None
-        if kept is not None:
-            kept[1].fold()
+        kept = self._store
+        try:
+            if kept is not None:
+                kept[1].fold()
+        finally:
+            self._store = None  # after the fold: one that sees it gone sees index.json whole
 
     def close(self) -> None:
         """The server ends: what it appended goes into index.json."""
