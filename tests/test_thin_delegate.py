@@ -275,18 +275,25 @@ def test_the_service_gives_the_task_the_token_its_request_chose(kg):
     """What the CLI finds the task by, should the service end before it answers: a request of
     its own (the CLI's format) with a chosen token; the task admitted carries it."""
     served(kg)
+
+    def ask(token: str, name: str) -> bytes:
+        argv = ["delegate", name, "--", "true"]
+        head = [str(kg.home.root), "/", str(len(argv)), "0", "", repr(time.time()), token, *argv]
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(kg.home.handoff))
+            s.sendall(b"".join(f + b"\0" for f in (thin.MAGIC, *(f.encode() for f in head))))
+            s.shutdown(socket.SHUT_WR)
+            answer = b""
+            while data := s.recv(65536):
+                answer += data
+        return answer
+
     token = os.urandom(16).hex()
-    argv = ["delegate", "t", "--", "true"]
-    head = [str(kg.home.root), "/", str(len(argv)), "0", "", repr(time.time()), token, *argv]
-    with socket.socket(socket.AF_UNIX) as s:
-        s.connect(str(kg.home.handoff))
-        s.sendall(b"".join(f + b"\0" for f in (thin.MAGIC, *(f.encode() for f in head))))
-        s.shutdown(socket.SHUT_WR)
-        answer = b""
-        while data := s.recv(65536):
-            answer += data
-    assert answer[:1] == b"A", answer
+    assert ask(token, "t")[:1] == b"A"
     assert [t["token"] for part in ("active", "queued", "finished") for t in kg.index()[part] if t["name"] == "t"] == [token]
+    for bad in ("", "0" * 31, "0" * 33, "Z" * 32, "../" + "0" * 29):  # not 32 hex digits: declined, nothing run
+        assert ask(bad, "u") == b"F", bad
+    assert not [t for part in ("active", "queued", "finished") for t in kg.index()[part] if t["name"] == "u"]
 
 
 def test_a_service_killed_while_it_admits_a_handed_request_leaves_it_to_the_cli(kg):
