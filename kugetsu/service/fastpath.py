@@ -157,7 +157,8 @@ class FastPath:
         the play reads no clock, and besides the queue and the config only what `played`
         keys (a run timeout's tick at 10,000 queued in a group played 100 starts on a Board
         of the whole queue, 18 ms). Otherwise it depends on the clock and is played again.
-        True: wrappers are left to spawn (Processes.warm_more, a few a turn of the loop)."""
+        True: wrappers are left to spawn (Processes.warm_more: one a turn of the loop, once it
+        is idle)."""
         key = (id(cfg), bool(index.holds))
         first = None
         ahead = selection.warm_ahead(index, cfg, processes.WARM_AHEAD, processes.WARM_WINDOW)
