@@ -139,3 +139,26 @@ async def test_a_deadline_later_than_apschedulers_default_grace_still_fires():
         await asyncio.sleep(0.01)
     scheduler.shutdown(wait=False)
     assert fired and fired[0] - back < LATE, "the late deadline was dropped"
+
+
+def test_what_the_first_tick_asks_for_is_armed_though_the_scheduler_starts_after_it(kg):
+    """The service starts APScheduler after its first tick (its import is not paid before the
+    first agent starts): the deadlines that tick found still fire on time, not at the 5 s
+    reconcile. Queued while no service ran: an expiry behind a running task (group q, one
+    slot), and a start time (the other slot)."""
+    kg.config(autostart=False, max_agents=2, groups={"q": {"max_agents": 1}})
+    hold = kg.rec / "hold.go"
+    kg.delegate("hold", 0, 0, "--group", "q", gate=hold)
+    kg.ok("delegate", "expiring", "--group", "q", "--expire-after", "2s", "--", "true")
+    kg.delegate("later", 0, 0, "--delay", "2s")
+    kg.ok("serve", "--detach")
+    wait_for(lambda: "expiring" in _finished(kg) and "later" in _finished(kg), 10, "the expiry and the start")
+    wait_for(lambda: "expiring" in {e["name"] for e in kg.events("expired")}, 10, "the expired event")
+    expired = next(e for e in kg.events("expired") if e["name"] == "expiring")
+    late = _t(expired["at"]) - _t(_finished(kg)["expiring"]["expires_at"])
+    assert 0 <= late <= LATE, f"the expiry came {late:.3f}s late"
+    later = _finished(kg)["later"]
+    late = kg.times("later")["start"] - _t(later["not_before"])
+    assert 0 <= late <= LATE, f"the delayed task started {late:.3f}s late"
+    hold.touch()
+    kg.wait_state("hold", "succeeded")

@@ -3,9 +3,9 @@
 This module holds its lifecycle and its executor: each tick gathers what happened
 (observations), asks step.tick what to do, carries out the plan and commits, in one store
 transaction. It spawns agents as slots free and learns of their exit at once, records the
-result and promotes the next task in the same transaction. One APScheduler job wakes it at the
-earliest of everything that happens at a time (queue expiry, run timeouts, SIGKILL after
-the grace, policy wake-ups), others fire the recurring schedules, a loop timer runs a
+result and promotes the next task in the same transaction. One APScheduler job (started after
+the first tick) wakes it at the earliest of everything that happens at a time (queue expiry,
+run timeouts, SIGKILL after the grace, policy wake-ups), others fire the recurring schedules, a loop timer runs a
 periodic reconcile; the CLI wakes it through a
 Unix datagram socket after each transaction. What to do is always decided by pm.
 
@@ -43,7 +43,6 @@ from kugetsu.store import logtail, tracking
 from kugetsu.config.load import host_name, load_config
 from kugetsu.config.model import Config
 from kugetsu.config.units import format_size
-from kugetsu.service.deadlines import DeadlineTimer, ScheduleJobs, new_scheduler
 from kugetsu.errors import DiskFull, KugetsuError, Unreachable
 from kugetsu.service.exits import Ending, Exits
 from kugetsu.service.fastpath import FastPath, HeldCommit, QueueMemo
@@ -59,7 +58,10 @@ from kugetsu.service.wakeup import WakeSocket
 from kugetsu.service.worktree_worker import WorktreeWorker, workplace
 
 if TYPE_CHECKING:  # imported only where used: psycopg in cluster mode, the others when configured
+    from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
     from kugetsu.cluster.member import Member
+    from kugetsu.service.deadlines import DeadlineTimer, ScheduleJobs
     from kugetsu.frontends.metrics import Metrics
     from kugetsu.frontends.telegram.bot import TelegramBot
 
@@ -98,6 +100,12 @@ class Service:
         self.looks = Chain(tracking.Assignments(), verify=tracking.VERIFY)
         self.fast = FastPath(home, self.procs, self.exits, self.memo)  # the successor, let go early at an exit
         self.jobs: dict[str, datetime] = {}  # the policies' wake-ups (rate limit, guard re-check)
+        # APScheduler's, made after the first tick (_start_scheduler), which leaves what it
+        # would have armed in _unarmed: (the plan's release, the Look of its queue).
+        self.scheduler: AsyncIOScheduler | None = None
+        self.timer: DeadlineTimer | None = None
+        self.schedule_jobs: ScheduleJobs | None = None
+        self._unarmed: tuple[datetime | None, policy.Look | None] | None = None
         self._reconcile_handle: asyncio.TimerHandle | None = None
         self.listeners: list[Callable[[list[Event]], None]] = []  # told of each transaction's events
         self.telegram: TelegramBot | None = None
@@ -151,10 +159,6 @@ class Service:
         wakeup = WakeSocket(self.home, self.loop, self.request_tick, self.stop)
         wakeup.open()
         handoff: HandoffSocket | None = None
-        self.scheduler = new_scheduler()
-        self.scheduler.start()
-        self.timer = DeadlineTimer(self.scheduler, self._on_deadline)
-        self.schedule_jobs = ScheduleJobs(self.scheduler, self._fire_schedule)
         self._reconcile_handle = self.loop.call_later(RECONCILE_EVERY, self._reconcile)
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self._stopping.set)
@@ -171,6 +175,7 @@ class Service:
             # A first tick that fails (a full disk, a record no rule foresaw) is said and retried
             # with backoff, as every later one: the service stays up for the tasks it can serve.
             self._safe_tick()
+            self._start_scheduler()
             log.info("kugetsu service up (pid %d, home %s, max_agents %d)", os.getpid(), self.home.root, self.cfg.max_agents)
             await self._start_extensions()
             await self._stopping.wait()
@@ -192,8 +197,10 @@ class Service:
             self.home.usage.unlink(missing_ok=True)  # no service, no measurement to show
             if self.cgroup_base is not None:
                 usage.remove_base(self.cgroup_base)
-            self.timer.cancel()
-            self.scheduler.shutdown(wait=False)
+            if self.timer is not None:
+                self.timer.cancel()
+            if self.scheduler is not None:
+                self.scheduler.shutdown(wait=False)
             self.worktrees.shutdown()
             self.procs.close()
             self.exits.close()
@@ -864,7 +871,8 @@ class Service:
 
     def _scheduler_lease(self, held: bool) -> None:
         if held:
-            self.schedule_jobs.restart()
+            if self.schedule_jobs is not None:  # else they are registered afresh as it is made
+                self.schedule_jobs.restart()
             self.request_tick()
 
     def _fires_here(self) -> bool:
@@ -929,15 +937,35 @@ class Service:
         pm's deadlines (expiry, run timeouts, SIGKILL after the grace) and the policies'
         (`release`: the plan's, computed by step.tick from this very index). `look`: of this
         index's queue, when the caller has one."""
+        timer, schedule_jobs = self.timer, self.schedule_jobs
+        if timer is None or schedule_jobs is None:  # the first tick: armed as the scheduler starts
+            self._unarmed = (release, look)
+            return
         now = transaction.now()
         self.jobs = lifecycle.policy_wakeups(self.index, self.cfg, now, transaction.measure(self.cfg), self.jobs, release)
         expiry = self.memo.get("expiry", None, lambda: lifecycle.queue_deadline(self.index, look))
         due = min(filter(None, [lifecycle.next_deadline(self.index, expiry), *self.jobs.values()]), default=None)
-        self.timer.set(due, now)
-        if self.index.schedules or self.schedule_jobs.rules:
-            self.schedule_jobs.sync(self.index.schedules, now, self.cfg.schedule_missed)
+        timer.set(due, now)
+        if self.index.schedules or schedule_jobs.rules:
+            schedule_jobs.sync(self.index.schedules, now, self.cfg.schedule_missed)
         else:
-            self.schedule_jobs.catch_up = False  # none yet: one added later starts at its next firing
+            schedule_jobs.catch_up = False  # none yet: one added later starts at its next firing
+
+    def _start_scheduler(self) -> None:
+        """APScheduler (deadlines.py), started after the first tick, which then arms what it
+        asked for: its import (~35 ms with importlib.metadata) is not paid before the first
+        agent starts. A deadline already due fires at once (misfire_grace_time None)."""
+        from kugetsu.service.deadlines import DeadlineTimer, ScheduleJobs, new_scheduler
+
+        self.scheduler = new_scheduler()
+        self.scheduler.start()
+        self.timer = DeadlineTimer(self.scheduler, self._on_deadline)
+        self.schedule_jobs = ScheduleJobs(self.scheduler, self._fire_schedule)
+        if self._unarmed is not None:  # else the first tick failed: its retry arms them
+            # Nothing ran since that tick (no await between): its index, its Look.
+            release, look = self._unarmed
+            self._unarmed = None
+            self._sync_jobs(release, look)
 
     async def _fire_schedule(self, name: str, at: datetime) -> None:
         """A schedule's firing (deadlines.ScheduleJobs): delegated in a worker thread (its

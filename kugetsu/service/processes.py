@@ -303,14 +303,17 @@ class Processes:
         exit status it recorded, for a queued task or a running one without a pid."""
         # logs/ listed once: a look for each queued task's log was most of the start-up of a
         # service at 50,000 queued.
+        # The ids it names, then one pass of int lookups over the queue, only when a log is
+        # there at all (a name per queued task to look up was 16 ms of it at 50,000 queued).
         try:
-            logs = set(os.listdir(self.home.logs))
+            logged = {int(name[:-4]) for name in os.listdir(self.home.logs) if name.endswith(".log") and name[:-4].isascii() and name[:-4].isdigit()}
         except OSError:
-            logs = set()
-        candidates = {t.id: t.token for t in txn.index.queued if f"{t.id}.log" in logs}
+            logged = set()
+        queued = [t for t in txn.index.queued if t.id in logged] if logged else []
+        candidates = {t.id: t.token for t in queued}
         # A task back in the queue (a retry, a provider's limit) has the exit file of its last
         # run until it starts again: that end is booked already.
-        booked = {t.id: t.attempts[-1].ended_at for t in txn.index.queued if t.attempts}
+        booked = {t.id: t.attempts[-1].ended_at for t in queued if t.attempts}
         unrecorded = [t for t in txn.index.active if t.run.pid is None and t.run.stop is None and ours(t, self.host)]
         candidates.update((t.id, t.token) for t in unrecorded)
         if not candidates:
