@@ -304,12 +304,12 @@ class Service:
         self._retry = None
         self._safe_tick()
 
-    def _commit_succeeded(self, ticked: bool = True) -> None:
+    def _commit_succeeded(self, index: Index, ticked: bool = True) -> None:
         """The index on disk now records everything let go and every exit reaped so far.
         `ticked`: by a whole tick. A held transaction's flush proves the disk writes again,
         not that a tick that raised works now: that one stays on its backoff (else each flush
         asked for the failing tick at once: 47 failures a second, 100 MB of log in 30 min)."""
-        self.procs.committed()
+        self.procs.committed(index)
         self._trim_later()
         if self.failing is not None and (ticked or not self._tick_broken):
             log.info("the index is written again (after: %s)", self.failing)
@@ -347,6 +347,7 @@ class Service:
         self._tick_pending = False
         self.procs.stop_warming()
         hold = hold and self.member is None  # a cluster's row lock is every machine's: never held
+        hold = hold and not self.held.overdue()  # held for COMMIT_DELAY already: committed now
         # A held transaction already records every agent let go since the last commit (it let
         # them go): only a transaction read afresh, after a commit that failed, lacks them.
         resumed = self.held.holding
@@ -360,7 +361,7 @@ class Service:
                 self.held.hold(txn, COMMIT_DELAY)
             else:
                 self.held.commit(txn)
-                self._commit_succeeded()
+                self._commit_succeeded(txn.index)
         except BaseException:
             self.store.abort()
             raise
@@ -764,7 +765,7 @@ class Service:
 
     def _held_committed(self, txn: Txn) -> None:
         """A held transaction reached the disk (fastpath.HeldCommit.flush)."""
-        self._commit_succeeded(ticked=False)
+        self._commit_succeeded(txn.index, ticked=False)
         self._committed(txn.events)
 
     def _committed(self, events: list[Event]) -> None:

@@ -22,6 +22,7 @@ from kugetsu.core import commandline, policy, selection, step
 from kugetsu.frontends import render
 
 from kugetsu.service import runner, worktree
+from kugetsu.service.spares import SpareExits
 from kugetsu.config.model import Config
 from kugetsu.core.models import Index, Task, TaskState
 from kugetsu.paths import Home, atomic_write, nofollow
@@ -89,11 +90,13 @@ class Processes:
         # cgroup mode (service._confine): the cgroups a task with limits starts in, as its
         # wrapper's environment; such a task gets no warm wrapper (its cgroups are its run's).
         self.confine: Callable[[Task], dict[str, str] | None] | None = None
+        self.spares = SpareExits(home)  # ended tasks' exit files, used again by the next spawns
 
-    def committed(self) -> None:
-        """The index on disk now records everything let go and every exit reaped so far."""
+    def committed(self, index: Index) -> None:
+        """The index on disk (`index`) now records everything let go and every exit reaped so far."""
         self.let_go.clear()
         self.returncodes.clear()
+        self.spares.committed(index)
 
     # ---- what the service records as it lets agents go ----------------------------------
 
@@ -152,7 +155,7 @@ class Processes:
                 return warm
             self.drop(warm)
         return runner.spawn(self.home, task.id, task.name, argv, cwd, env, token=task.token, depth=task.depth,
-                            confine=confine, header=render.attempt_header(task))
+                            confine=confine, header=render.attempt_header(task), spares=self.spares)
 
     def _argv(self, task: Task, stored: dict[int, str]) -> list[str]:
         """commandline.argv of the task; a {prompt_file} preset's file is made here first, on the
@@ -239,7 +242,7 @@ class Processes:
             try:
                 self.warm[task.id] = runner.spawn(
                     self.home, task.id, task.name, argv, task.cwd, task.env, warm=True, token=task.token,
-                    depth=task.depth, header=render.attempt_header(task),
+                    depth=task.depth, header=render.attempt_header(task), spares=self.spares,
                 )
             except (OSError, ValueError):
                 pass  # it gets a normal start, and its error, when its turn comes
@@ -280,6 +283,7 @@ class Processes:
         self.reap(task)
         code = runner.read_exit(self.home, task.id)
         if code is not None:
+            self.spares.booked(task.id)
             return code, None
         returncode = self.returncodes.get(task.run.pid)  # type: ignore[arg-type]
         if returncode is not None and returncode < 0:

@@ -14,13 +14,16 @@ import signal
 from datetime import datetime, timezone
 from pathlib import Path
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kugetsu.config.model import STORE_ENV
 from kugetsu.errors import redact_url
 from kugetsu.paths import Home, open_file
+
+if TYPE_CHECKING:
+    from kugetsu.service.spares import SpareExits
 
 # The agent's argv reaches the wrapper in its environment (KUGETSU_ARG_<i>, readable in /proc
 # only by the same user), not on its command line: `ps` shows every local user the command
@@ -133,24 +136,26 @@ def agent_env(home: Home, task_id: int, name: str, token: str | None, env: dict[
 def spawn(
     home: Home, task_id: int, name: str, argv: list[str], cwd: str, env: dict[str, str],
     warm: bool = False, token: str | None = None, depth: int = 0, confine: dict[str, str] | None = None,
-    header: str | None = None,
+    header: str | None = None, spares: SpareExits | None = None,
 ) -> Spawned:
     """Start the task's wrapper: running at once, or (warm) waiting for `release`. `header`:
-    the line its log gets before its agent's output (HEADER_VAR)."""
+    the line its log gets before its agent's output (HEADER_VAR). `spares`: exit files used
+    again (spares.py), one of which becomes this task's."""
     import subprocess  # only the service spawns; the CLI never pays for this import
 
     log = home.log(task_id)
     exit_file = home.exit_file(task_id)
     # Blanks, which read as "no status yet": created (and their space allocated) here, so that
     # the wrapper only writes over them when its agent ends, full disk or not.
-    fd = open_file(exit_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    try:
-        os.write(fd, EXIT_BLANK)
-    except BaseException:
+    if spares is None or not spares.take(task_id, exit_file):
+        fd = open_file(exit_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            os.write(fd, EXIT_BLANK)
+        except BaseException:
+            os.close(fd)
+            exit_file.unlink(missing_ok=True)
+            raise
         os.close(fd)
-        exit_file.unlink(missing_ok=True)
-        raise
-    os.close(fd)
     full_env = agent_env(home, task_id, name, token, env, depth)
     full_env.update((f"KUGETSU_ARG_{i}", arg) for i, arg in enumerate(argv))
     full_env.update(confine or {})
