@@ -213,8 +213,8 @@ class HeldCommit:
     def overdue(self) -> bool:
         """Has the held transaction been held for its `delay`? Its flush is a timer, which the
         loop looks at once a turn: a burst of exits each ticked in one turn (200 of them in a
-        drain through 4 slots) made it fire 200-400 ms late, the index lock held all along
-        (a CLI command waits for it) and nothing committed. The tick then commits instead."""
+        drain through 4 slots) made it fire 0.2-2.3 s late, the index lock held all along (a
+        CLI command waits for it) and nothing committed. The tick then commits instead."""
         return self._handle is not None and self.loop().time() >= self._handle.when()
 
     def commit(self, txn: Txn) -> None:

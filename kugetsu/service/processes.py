@@ -305,12 +305,13 @@ class Processes:
         wrapper of ours (same user, the task's token) that runs its agent (a warm one that
         was never released has no child, and exits when it sees its pipe closed), or the
         exit status it recorded, for a queued task or a running one without a pid."""
-        # logs/ listed once: a look for each queued task's log was most of the start-up of a
-        # service at 50,000 queued.
-        # The ids it names, then one pass of int lookups over the queue, only when a log is
-        # there at all (a name per queued task to look up was 16 ms of it at 50,000 queued).
+        # logs/ listed once (a look for each queued task's log was most of the start-up of a
+        # service at 50,000 queued), and the ids its logs name looked up: one pass of int
+        # lookups over the queue, only when there is a log at all (a name made for each queued
+        # task was 16 ms of the start at 50,000).
         try:
-            logged = {int(name[:-4]) for name in os.listdir(self.home.logs) if name.endswith(".log") and name[:-4].isascii() and name[:-4].isdigit()}
+            logged = {int(name[:-4]) for name in os.listdir(self.home.logs)
+                      if name.endswith(".log") and name[:-4].isascii() and name[:-4].isdigit()}
         except OSError:
             logged = set()
         queued = [t for t in txn.index.queued if t.id in logged] if logged else []
