@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, processes_under
+from conftest import REPO, processes_under, wait_for
 
 
 @pytest.fixture
@@ -85,6 +85,31 @@ def test_everyday_commands_do_not_import_heavy_modules(kg, command):
                           "kugetsu.service.deadlines"}
     heavy |= {m for m in imported if m.startswith("kugetsu.frontends.mcp")}  # the MCP server: only `kugetsu mcp` loads it
     assert heavy == set()
+
+
+def test_a_started_service_loads_no_cli_module_and_starts_its_agents_before_apscheduler(kg):
+    """`serve --detach` (and every autostart) runs `python -m kugetsu.service`: not the CLI's
+    parser and the modules only its commands use (~35 ms of each start); APScheduler is
+    loaded after the first tick, which started the agent (deadlines: ~35 ms). The service's
+    imports, in order, from its log (PYTHONPROFILEIMPORTTIME), against its agent's start."""
+    kg.config(autostart=False)
+    kg.delegate("first", 0)
+    kg.env["PYTHONPROFILEIMPORTTIME"] = "1"
+    kg.ok("serve", "--detach")
+    kg.wait_state("first", "succeeded")
+    wait_for(lambda: "kugetsu service up" in kg.home.service_log.read_text(), 10, "the service to say it is up")
+    log = kg.home.service_log.read_text().splitlines()
+    imported = [line.split("|")[-1].strip() for line in log if line.startswith("import time")]
+    assert "kugetsu.service.daemon" in imported
+    # (thin, the delegate socket's half of the CLI, is the service's: it answers handed requests)
+    cli = [m for m in imported if m == "argparse" or m.startswith("kugetsu.frontends.cli.")
+           and m != "kugetsu.frontends.cli.thin"]
+    assert cli == [], f"the service loaded {cli}"
+    # The service says it is up after its first tick, which spawned the agent: then APScheduler.
+    up = next(i for i, line in enumerate(log) if "kugetsu service up" in line)
+    scheduler = next(i for i, line in enumerate(log)
+                     if line.startswith("import time") and line.split("|")[-1].strip() == "apscheduler")
+    assert scheduler > up, "APScheduler was loaded before the first tick"
 
 
 def test_a_msgspec_that_needs_typing_extensions_is_imported_as_it_wants(tmp_path):

@@ -158,7 +158,7 @@ def start_service(home: Home) -> int | None:
         log = open_file(home.service_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kugetsu", "serve"],
+                [sys.executable, "-m", "kugetsu.service", "serve"],  # the service without the CLI (service/__main__.py)
                 env={**os.environ, "KUGETSU_HOME": str(home.root), LOCK_FD_ENV: str(lock)},
                 stdin=subprocess.DEVNULL,
                 stdout=log,

@@ -175,8 +175,8 @@ class Service:
             # A first tick that fails (a full disk, a record no rule foresaw) is said and retried
             # with backoff, as every later one: the service stays up for the tasks it can serve.
             self._safe_tick()
-            self._start_scheduler()
             log.info("kugetsu service up (pid %d, home %s, max_agents %d)", os.getpid(), self.home.root, self.cfg.max_agents)
+            self._start_scheduler()
             await self._start_extensions()
             await self._stopping.wait()
             log.info("kugetsu service stopping; running agents keep running")
