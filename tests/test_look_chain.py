@@ -93,12 +93,9 @@ def test_each_look_of_a_chain_answers_what_a_fresh_look_answers(depth, changes, 
     assert _answers(chain.of(queue)) == _answers(Look(list(queue)))
 
 
-def test_a_drain_through_a_deep_queue_asks_the_whole_queue_only_now_and_then(monkeypatch):
-    """10,000 queued, one started from the head per promotion: over 500 promotions the rules'
-    questions pass over the whole queue a handful of times (the first tasks in id order are
-    counted again once the carried ones run short), where a fresh Look a promotion asked each
-    of them 500 times."""
-    queue = [_task(i) for i in range(1, 10_001)]
+def count_passes(monkeypatch) -> dict[str, int]:
+    """From now on, counts the passes over a list of more than 100 tasks: by the rules'
+    questions (look._QUESTIONS) and by the sorts for first tasks (heapq.nsmallest)."""
     passes = {"questions": 0, "sorts": 0}
     questions = {name: (lambda q, ask=ask: (passes.__setitem__("questions", passes["questions"] + (len(q) > 100)),
                                             ask(q))[1])
@@ -111,6 +108,16 @@ def test_a_drain_through_a_deep_queue_asks_the_whole_queue_only_now_and_then(mon
         return real(n, items, key=key)
 
     monkeypatch.setattr(looks.heapq, "nsmallest", nsmallest)
+    return passes
+
+
+def test_a_drain_through_a_deep_queue_asks_the_whole_queue_only_now_and_then(monkeypatch):
+    """10,000 queued, one started from the head per promotion: over 500 promotions the rules'
+    questions pass over the whole queue a handful of times (the first tasks in id order are
+    counted again once the carried ones run short), where a fresh Look a promotion asked each
+    of them 500 times."""
+    queue = [_task(i) for i in range(1, 10_001)]
+    passes = count_passes(monkeypatch)
     chain = Chain(tracking.Assignments(), verify=False)
     for _ in range(500):
         current = chain.of(queue)
@@ -151,3 +158,27 @@ def test_follow_moves_the_queue_on_in_place_or_leaves_it_as_it_was(depth, gone, 
         assert before == kept and all(a is b for a, b in zip(before, kept))
     if other == "none" and min(gone, depth) <= 16:  # a drain's or an admission's change is always seen
         assert result is not None and [t.id for t in result] == [t.id for t in kept[:min(gone, depth)]]
+
+
+def test_a_queue_kept_whole_while_short_is_not_carried_whole_as_it_grows(monkeypatch):
+    """A queue short enough for its first tasks to be the whole of it, then grown one admission
+    at a time (a PM delegating issue by issue into a service or an MCP server): each Look carried
+    the whole queue in order, a Python step a task at every Look, for ever. It is cut to its first
+    ones (_CARRIED_MOST), so each admission sorts in nothing that comes after them."""
+    queue = [_task(i) for i in range(1, 11)]
+    sorted_in = [0]
+    real = looks.insort
+
+    def insort(items, task, key):
+        sorted_in[0] += 1
+        real(items, task, key=key)
+
+    monkeypatch.setattr(looks, "insort", insort)
+    chain = Chain(tracking.Assignments(), verify=False)
+    for tid in range(11, 2001):
+        current = chain.of(queue)
+        current.smallest(3, by_id)
+        current.earliest_expiry()
+        queue.append(_task(tid))
+    assert _answers(chain.of(queue)) == _answers(Look(list(queue)))
+    assert sorted_in[0] <= 2 * looks._CARRIED_MOST, sorted_in  # whole: two for each of the 1,990 admitted

@@ -70,6 +70,12 @@ _QUESTIONS: dict[str, Callable[[list[Task]], bool]] = {
 # assigned to (an id never does). An order made per call (policy.order_key's task_key) is not.
 _CARRIED_ORDERS = (by_id, _expiry)
 _EXPIRY_FIRST = 48  # a drain takes one at a time (each recount is a Python step a task)
+# The most first tasks a Look carries in one order. A queue short enough to be kept whole, that
+# then grows one admission at a time, would otherwise be carried whole to any length: a Python
+# step a task at every Look (a 10,000-task queue delegated one by one into a service or an MCP
+# server: ~2 ms a transaction). Cut to its first ones, it is no longer whole, and still right:
+# every task that sorts before the last kept is among them.
+_CARRIED_MOST = 256
 
 
 class Assignments(Protocol):
@@ -228,6 +234,9 @@ class Look:
             for task in added:
                 if whole or key(task) <= bound:
                     insort(kept, task, key=key)
+            if len(kept) > _CARRIED_MOST:
+                del kept[_CARRIED_MOST:]
+                whole = False
             if kept or whole:
                 new._firsts[key] = (kept, whole)
         return new
