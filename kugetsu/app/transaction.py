@@ -43,9 +43,10 @@ def config_in(home: Home, txn: Txn) -> Config:
     return cluster_config(home, read_raw(home), msgspec.json.decode(txn.shared_config))
 
 
-def settle(txn: Txn, cfg: Config) -> None:
-    """step.settle in a transaction: every transaction runs it (expiry, starts, history)."""
-    plan = step.settle(txn.index, cfg, txn.now, measure(cfg))
+def settle(txn: Txn, cfg: Config, look: policy.Look | None = None) -> None:
+    """step.settle in a transaction: every transaction runs it (expiry, starts, history).
+    `look`: of this queue or an earlier state of it (a Chain's, core/look.py)."""
+    plan = step.settle(txn.index, cfg, txn.now, measure(cfg), look=look)
     txn.emit(plan.events)
     txn.archive.extend(plan.archive)
 

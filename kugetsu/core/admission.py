@@ -263,8 +263,11 @@ def _check_name(index: Index, name: str) -> None:
         raise UsageError(f"a task named {name!r} is already queued or running; pick another name")
 
 
-def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task, list[Event]]:
-    """Add a task to the queue, or refuse. Raises before changing anything."""
+def admit(index: Index, cfg: Config, now: datetime, req: Request,
+          look: Look | None = None) -> tuple[Task, list[Event]]:
+    """Add a task to the queue, or refuse. Raises before changing anything. `look`: of the
+    queue as it is before (a Chain's, core/look.py: the new task's position then asks only
+    what its arrival can have changed, not the whole queue again)."""
     check_prompt(cfg, req.prompt)
     check_env(req.env)
     if req.name is not None:
@@ -357,7 +360,8 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request) -> tuple[Task,
     )
     index.next_id += 1
     index.queued.append(task)
-    return task, events + [_event("queued", task, now, position=position(index, cfg, now, task))]
+    after = look.following(index.queued) if look is not None else None
+    return task, events + [_event("queued", task, now, position=position(index, cfg, now, task, after))]
 
 
 def declared(cfg: Config, req: Request, agent: str | None) -> tuple[int | None, int | None, int]:

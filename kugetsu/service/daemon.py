@@ -218,7 +218,7 @@ class Service:
         from kugetsu.frontends.cli import thin  # the CLI's half: what a request says, what it prints
 
         sock = HandoffSocket(self.home, self.loop, thin.answerer(self.home, self._handed_transaction, self._handed,
-                                                                 partial(self._handed_transaction, False)))
+                                                                 partial(self._handed_transaction, False), self.looks))
         try:
             return sock if sock.open() else None
         except OSError as err:  # the CLI delegates in its own process, as without a service

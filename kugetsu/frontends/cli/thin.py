@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from typing import NoReturn, TextIO
 
     from kugetsu.config.model import Config
+    from kugetsu.core.look import Chain
     from kugetsu.store.protocol import Txn
 
     # The service's transaction, as a context manager that gives the txn and the config.
@@ -243,20 +244,21 @@ class _Declined(Exception):
     """The command line is not one the service runs (argparse would print, or exit)."""
 
 
-def answerer(home: Home, locked: Transaction, woken: Callable[[], object], read: Transaction
-             ) -> Callable[[bytes], tuple[Callable[[], bytes], str] | None]:
+def answerer(home: Home, locked: Transaction, woken: Callable[[], object], read: Transaction,
+             looks: Chain | None = None) -> Callable[[bytes], tuple[Callable[[], bytes], str] | None]:
     """The service's handler for its delegate socket (service/handoff.py): a request, read
     and checked, becomes what runs it (None: the CLI runs it itself). `locked`: the service's
     transaction (a context manager giving the txn and the config under its lock); `woken`:
     its tick, asked for as a local delegate's datagram would; `read`: the transaction of a
-    command that only reads (`capacity`)."""
+    command that only reads (`capacity`); `looks`: the service's Looks of the queue it keeps
+    (core/look.py), which an admission follows instead of asking the whole queue afresh."""
 
     def handle(request: bytes) -> tuple[Callable[[], bytes], str] | None:
         parsed = _parse_request(home, request)
         if parsed is None:
             return None
         args, cwd, environ, prompt, token = parsed
-        return lambda: _run(home, args, cwd, environ, prompt, token, locked, woken, read), args.command
+        return lambda: _run(home, args, cwd, environ, prompt, token, locked, woken, read, looks), args.command
 
     return handle
 
@@ -346,7 +348,7 @@ def _same_clock(sent: bytes) -> bool:
 
 
 def _run(home: Home, args: argparse.Namespace, cwd: str, environ: dict[str, str], prompt: bytes | None, token: str,
-         locked: Transaction, woken: Callable[[], object], read: Transaction) -> bytes:
+         locked: Transaction, woken: Callable[[], object], read: Transaction, looks: Chain | None = None) -> bytes:
     """cmd_delegate (or capacity's output) for the client, its output and exit code as the
     answer's bytes."""
     import io
@@ -358,7 +360,7 @@ def _run(home: Home, args: argparse.Namespace, cwd: str, environ: dict[str, str]
     from kugetsu.frontends.cli.tasks import Via, cmd_delegate
 
     out, err = io.StringIO(), io.StringIO()
-    via = Via(out, err, cwd, environ, delegation.Caller(environ, locked, woken, token), prompt)
+    via = Via(out, err, cwd, environ, delegation.Caller(environ, locked, woken, token, looks), prompt)
     try:
         if args.command == "capacity":
             code = _capacity(args, read, out)

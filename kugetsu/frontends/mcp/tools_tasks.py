@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kugetsu.app import delegation, reading, verbs, waiting
 from kugetsu.config.load import load_config, store_url
 from kugetsu.config.model import Config
+from kugetsu.core.look import Chain
 from kugetsu.core import admission
 from kugetsu.errors import Rejected, UsageError
 from kugetsu.frontends import render
@@ -295,6 +296,7 @@ class Admitter:
         self.pending: list[_Entry] = []
         self.lock = anyio.Lock()
         self._store: tuple[str | None, StoreProtocol] | None = None  # the store's URL (None: files), the store
+        self._looks: Chain | None = None  # the Looks of that store's queue, one admission after the other
         self._used = 0.0  # time.monotonic() of the last admission
         self._forget_after = forget_after
         self._forgetter: threading.Thread | None = None
@@ -347,9 +349,10 @@ class Admitter:
                 run, reqs = batch[at:end], [e.reqs[0] for e in batch[at:end]]
             try:
                 if run[0].atomic:
-                    results: list[Any] = [delegation.delegate_all(self.home, cfg, reqs, store)]
+                    results: list[Any] = [delegation.delegate_all(self.home, cfg, reqs, store, self._looks)]
                 else:
-                    results = delegation.delegate_many(self.home, cfg, reqs, store=store)  # type: ignore[assignment]
+                    results = delegation.delegate_many(self.home, cfg, reqs, store=store,  # type: ignore[assignment]
+                                                       looks=self._looks)
             except Exception as err:
                 results = [err] * len(run)
             for e, result in zip(run, results):
@@ -371,6 +374,7 @@ class Admitter:
             store.append_commits()
             store.read_ahead()  # kept as read: the first admission appends too (as the service's first tick)
             kept = self._store = (url, store)
+            self._looks = delegation.new_looks()
         if self._forgetter is None:
             self._forgetter = threading.Thread(target=self._forget_when_idle, name="kugetsu-mcp-forget", daemon=True)
             self._forgetter.start()
@@ -386,6 +390,7 @@ class Admitter:
                 kept[1].fold()
         finally:
             self._store = None  # after the fold: one that sees it gone sees index.json whole
+            self._looks = None
 
     def close(self) -> None:
         """The server ends: what it appended goes into index.json."""
