@@ -312,7 +312,15 @@ def admission(n_mcp: int, n_cli: int) -> dict:
             out["mcp_batch"] = batched
     sessions = getattr(mcp, "sessions_rate", None)
     if sessions is not None:
-        out["mcp_32_sessions"] = sessions(max(n_mcp, 320), 32, http=True)
+        if "cpu" in inspect.signature(sessions).parameters:  # the server's CPU a task, 1 session and 32
+            one: dict = {}
+            out["mcp_1_session_http"] = sessions(max(n_mcp, 320) // 4, 1, http=True, cpu=one)
+            many: dict = {}
+            out["mcp_32_sessions"] = sessions(max(n_mcp, 320), 32, http=True, cpu=many)
+            out["mcp_http_server_ms"] = {"1": one.get("server_ms"), "32": many.get("server_ms")}
+            out["mcp_http_clients_ms"] = {"1": one.get("clients_ms"), "32": many.get("clients_ms")}
+        else:
+            out["mcp_32_sessions"] = sessions(max(n_mcp, 320), 32, http=True)
     return out
 
 

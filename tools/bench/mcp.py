@@ -147,15 +147,22 @@ def _http_server(kg: Kg) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"kugetsu mcp --http did not come up: {log.read_text()}")
 
 
-def sessions_rate(n: int, sessions: int, http: bool) -> float:
+def sessions_rate(n: int, sessions: int, http: bool, cpu: dict | None = None) -> float:
     """`sessions` client sessions, each one call after the other, n tasks in all: of one
     HTTP server, or each with its own stdio server process. The sessions' starts are not
-    counted: all are open before the clock starts."""
+    counted: all are open before the clock starts. `cpu` (HTTP): gets the server's CPU time a
+    task ("server_ms") and the clients' ("clients_ms"), from the clock's start to the last
+    answer: on 2 cores the 32 clients of this process take the server's CPU (2-3x its own),
+    so whether the server collapses shows in its own time a task, not in the wall rate."""
+    import psutil
     from mcp import Client, StdioServerParameters
 
     each = n // sessions
+    proc: subprocess.Popen | None = None
 
     async def main(kg: Kg, url: str | None) -> float:
+        server = psutil.Process(proc.pid) if cpu is not None and proc is not None else None
+        spent: dict = {}
         ready, go, opening = [0], anyio.Event(), anyio.Lock()
         ends: list[float] = []
         results: list = []
@@ -188,6 +195,8 @@ def sessions_rate(n: int, sessions: int, http: bool) -> float:
                     for _ in range(each):
                         results.append(await c.call_tool("delegate", item))
                     ends.append(time.perf_counter())
+                    if len(ends) == sessions and server is not None:  # the last answer: before the sessions close
+                        spent.update(server=server.cpu_times(), mine=time.process_time())
             finally:
                 if held:
                     opening.release()
@@ -197,8 +206,14 @@ def sessions_rate(n: int, sessions: int, http: bool) -> float:
                 tg.start_soon(session)
             while ready[0] < sessions:
                 await anyio.sleep(0.05)
+            used = server.cpu_times() if server is not None else None
+            mine = time.process_time()
             t0 = time.perf_counter()
             go.set()
+        if cpu is not None and used is not None and spent:
+            now, done = spent["server"], sessions * each
+            cpu["server_ms"] = ((now.user + now.system) - (used.user + used.system)) * 1000 / done
+            cpu["clients_ms"] = (spent["mine"] - mine) * 1000 / done
         _admitted(results, sessions * each)
         return sessions * each / (max(ends) - t0)
 
