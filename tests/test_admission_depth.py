@@ -7,6 +7,8 @@ Look against a fresh one (KUGETSU_PG_VERIFY, conftest)."""
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone
+
 import anyio
 import pytest
 from test_look_chain import count_passes
@@ -76,3 +78,37 @@ def test_a_long_lived_writers_admissions_one_after_the_other_carry_their_looks(k
     assert passes["questions"] <= 7 * 3, passes  # a fresh Look an admission: ~7 * 40 * 3
     assert passes["sorts"] <= 6, passes
     assert [t.name for t in open_store(home).read().queued[-41:]] == ["first"] + [f"issue-{i}" for i in range(40)]
+
+
+def test_a_refused_batch_leaves_the_next_admissions_positions_true(kg):
+    """A list refused at its third item writes nothing; the Admitter's Looks had followed its
+    first two into a queue that was never committed. Then the CLI, another process, delegates
+    (index.json written whole: the Admitter reads it afresh). The calls after both are placed
+    as the queue on disk has them (every carried Look is checked against a fresh one here)."""
+    pytest.importorskip("mcp", reason="the MCP SDK is in the test extra: pip install -e '.[test]'")
+    from kugetsu.frontends.mcp.tools_tasks import Admitter
+
+    kg.config(autostart=False, max_agents=1, max_queue=500, groups={"small": {"max_agents": 1}})
+    home = kg.home
+    admitter = Admitter(home)
+
+    async def calls() -> list[delegation.Admission]:
+        out = [await admitter.admit(_request(f"a{i}")) for i in range(120)]
+        bad = [_request("b0"), _request("b1"), admission.Request(cwd="/", command=["true"], group="nosuch")]
+        with pytest.raises(delegation.BatchRefused):
+            await admitter.admit_all(bad)
+        assert kg.ok("delegate", "x0", "--", "true").startswith("queued x0 (#121), position 120 of 120")
+        later = admission.Request(cwd="/", command=["true"], source="pm", name="c1",
+                                  start_at=datetime.now(timezone.utc) + timedelta(hours=1))
+        out += await admitter.admit_all([_request("c0"), later])  # c1 waits for its time: not before d0
+        out.append(await admitter.admit(_request("d0")))
+        return out
+
+    try:
+        out = anyio.run(calls)
+    finally:
+        admitter.close()
+    assert [a.position for a in out] == [None] + list(range(1, 120)) + [121, 122, 122]
+    queued = open_store(home).read().queued
+    assert [t.name for t in queued[-5:]] == ["a119", "x0", "c0", "c1", "d0"]
+    assert not any(t.name.startswith("b") for t in queued)
