@@ -380,3 +380,52 @@ def test_the_service_idles_while_a_leftover_waits_out_its_grace(kg):
 def _cpu(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+SUBREAPER_CHILDREN = r"""
+import json, os, signal, subprocess, threading
+from kugetsu.service import runner
+
+assert runner.become_subreaper()
+ready, done, box = threading.Event(), threading.Event(), {}
+
+
+def other_thread():
+    box["direct"] = subprocess.Popen(["/bin/sleep", "30"])  # a child of this thread (a worktree's git)
+    # a child of this thread that leaves a grandchild behind: an orphan for the subreaper
+    sh = subprocess.Popen(["/bin/sh", "-c", "/bin/sleep 30 >/dev/null & echo $!"], stdout=subprocess.PIPE)
+    box["orphan_of_other"] = int(sh.stdout.readline())
+    sh.wait()
+    ready.set()
+    done.wait()
+
+
+worker = threading.Thread(target=other_thread)
+worker.start()
+ready.wait()
+mine = subprocess.Popen(["/bin/sleep", "30"])  # as the service spawns a wrapper: from its loop's thread
+sh = subprocess.Popen(["/bin/sh", "-c", "/bin/sleep 30 >/dev/null & echo $!"], stdout=subprocess.PIPE)
+orphan = int(sh.stdout.readline())
+sh.wait()
+print(json.dumps({"seen": runner.own_children(), "mine": mine.pid, "orphan": orphan,
+                  "orphan_of_other": box["orphan_of_other"], "direct": box["direct"].pid}), flush=True)
+for pid in (mine.pid, orphan, box["orphan_of_other"], box["direct"].pid):
+    os.kill(pid, signal.SIGKILL)
+done.set()
+worker.join()
+"""
+
+
+def test_the_subreaper_finds_every_orphan_among_its_main_threads_children():
+    """runner.own_children reads the main thread's children only (one read on the path from an
+    agent's exit to its successor's start, where one per thread cost ~0.1 ms): what the service
+    spawns from its loop, and every orphan handed to it, also the orphan of a child another
+    thread started (the kernel gives orphans to the subreaper's first live thread, its leader).
+    Another thread's own child (a worktree's git) is not among them."""
+    r = subprocess.run([sys.executable, "-c", SUBREAPER_CHILDREN], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    seen = set(got["seen"])
+    assert {got["mine"], got["orphan"], got["orphan_of_other"]} <= seen, got
+    assert got["direct"] not in seen, got
