@@ -147,6 +147,11 @@ class FastPath:
         running = tuple((t.id, t.memory, t.slots, t.retries, t.agent) for t in index.active)
         self.successor = self.memo.get("successor", (id(cfg), index.paused, bool(index.holds), running),
                                        lambda: selection.successor(index, cfg, look))
+        warm = self.procs.warm_of(self.successor.task.id) if self.successor is not None else None
+        if warm is not None and warm.gate is not None:
+            # Its start time read now, not between the next exit and its release (~40 µs there):
+            # the successor's wrapper was spawned a promotion or more ago, its exec long done.
+            runner.start_of(warm)
 
     def warm(self, index: Index, cfg: Config, look: policy.Look | None = None) -> bool:
         """The warm wrappers of the next promotions (one machine: in a cluster the next task
