@@ -21,8 +21,8 @@ from kugetsu.core.models import Task, TaskState
 from kugetsu.errors import KugetsuError, UsageError
 from kugetsu.paths import Home
 from kugetsu.service import runner
-from kugetsu.store.files import open_store
 from kugetsu.store import tracking
+from kugetsu.store.files import open_store
 from kugetsu.store.protocol import StoreProtocol, Txn
 
 
@@ -142,7 +142,7 @@ def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request], atomic
     chain = looks if looks is not None else new_looks() if len(todo) > 1 else None
     try:
         with (_locked(home, store) if caller is None else caller.locked()) as (txn, cfg):
-            settle(txn, cfg, chain.of(txn.index.queued) if chain is not None else None)
+            settle(txn, cfg, _look(chain, txn))
             admitted: dict[int, Task] = {}
             for i in todo:
                 try:
@@ -160,7 +160,7 @@ def delegate_many(home: Home, cfg: Config, reqs: list[admission.Request], atomic
             waiting = sum(1 for t in admitted.values() if t.state is TaskState.QUEUED)
             whys = selection.waiting_for(txn.index, cfg, txn.now, measure(cfg)) if waiting > _WHYS_PAST else None
             # one for them all: nothing below changes the queue
-            look = chain.of(txn.index.queued) if chain is not None else policy.Look(txn.index.queued)
+            look = _look(chain, txn) or policy.Look(txn.index.queued)
             for i, task in admitted.items():
                 out[i] = _admission(txn, cfg, task, positions, whys, look)
             if not any(isinstance(a, Admission) for a in out):
@@ -191,15 +191,20 @@ def _admit(home: Home, txn: Txn, cfg: Config, req: admission.Request, chain: Cha
     """`chain`: the Looks of this transaction's queue, one state after the other (a batch's)."""
     if admission.wants_prompt_file(cfg, req):
         req.prompt_path = str(home.prompt_file(txn.index.next_id))  # the id admit gives it
-    task, events = admission.admit(txn.index, cfg, txn.now, req, chain.of(txn.index.queued) if chain else None)
+    task, events = admission.admit(txn.index, cfg, txn.now, req, _look(chain, txn))
     if req.prompt is not None:
         # Kept by the store beside the index, committed with the task (for the file store,
         # the very file a {prompt_file} preset's agent reads).
         txn.prompts[task.id] = req.prompt
     txn.emit(events)
-    settle(txn, cfg, chain.of(txn.index.queued) if chain else None)
+    settle(txn, cfg, _look(chain, txn))
     admission.started_at_once(events, task)  # still in the outbox: written with the commit
     return task
+
+
+def _look(chain: Chain | None, txn: Txn) -> policy.Look | None:
+    """The chain's Look of the transaction's queue as it is now (None without a chain)."""
+    return chain.of(txn.index.queued) if chain is not None else None
 
 
 def admit_in(home: Home, txn: Txn, cfg: Config, req: admission.Request) -> Admission:

@@ -360,8 +360,8 @@ def admit(index: Index, cfg: Config, now: datetime, req: Request,
     )
     index.next_id += 1
     index.queued.append(task)
-    after = look.following(index.queued) if look is not None else None
-    return task, events + [_event("queued", task, now, position=position(index, cfg, now, task, after))]
+    now_look = look.following(index.queued) if look is not None else None  # of the queue with the task in it
+    return task, events + [_event("queued", task, now, position=position(index, cfg, now, task, now_look))]
 
 
 def declared(cfg: Config, req: Request, agent: str | None) -> tuple[int | None, int | None, int]:
