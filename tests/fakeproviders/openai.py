@@ -213,15 +213,17 @@ class FakeOpenAI:
                 pass
 
             def _send(self, status: int, body: bytes, ctype: str, headers: dict[str, str] | None = None) -> None:
+                # The connection stays open for the next request, as OpenAI's does (and the
+                # Anthropic fake's): closed after each answer, opencode's runtime (Bun) at times
+                # sent its immediate retry of a 429 on the socket being closed and failed the
+                # turn with "The socket connection was closed unexpectedly" (1 CI run in ~6).
                 self.send_response(status)
                 self.send_header("content-type", ctype)
                 self.send_header("content-length", str(len(body)))
-                self.send_header("connection", "close")
                 for k, v in (headers or {}).items():
                     self.send_header(k, v)
                 self.end_headers()
                 self.wfile.write(body)
-                self.close_connection = True
 
             def do_GET(self) -> None:  # model lists: one fake model
                 if self.path.rstrip("/").endswith("/models"):
