@@ -847,7 +847,7 @@ class _Shared(Task):
     just decoded is freed at once and the next task's objects take its place: interned after
     the decode, the copies left holes between live objects and RSS did not move. Only strings,
     which are immutable, are shared; never a list or a dict. Encoded exactly as a Task, and
-    made Tracked as any queued task the Store keeps (tracking.track) as it is decoded."""
+    made Tracked as any queued task the Store keeps (tracking.track)."""
 
     def __post_init__(self) -> None:
         self.cwd = _intern(self.cwd)
@@ -861,9 +861,6 @@ class _Shared(Task):
             self.repo = _intern(self.repo)
         if self.route:
             self.route = list(map(_intern, self.route))
-        # Tracked now, as the Store makes every task it keeps (_know): a pass of its own after
-        # the decode was a Python step a task (~8 ms at 50,000 queued, the service's start).
-        self.__class__ = tracking.Tracked
 
 
 class _KeptIndexFile(IndexFile, forbid_unknown_fields=True):
