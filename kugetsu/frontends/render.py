@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
-
-import msgspec
 
 from kugetsu.config.units import format_duration, format_size
 from kugetsu.service import runner
@@ -14,37 +11,12 @@ from kugetsu.core.models import Task
 from kugetsu.core.policy import short_size
 from kugetsu.core.selection import Capacity
 from kugetsu.core.step import Measured
+# Kept here too for those that show text through render (text.py: what a command needs that
+# reads nothing).
+from kugetsu.frontends.text import printable, to_json  # noqa: F401
 
 if TYPE_CHECKING:  # render shows what ops lists; ops does not need render
     from kugetsu.app.reading import Listing
-
-
-# What a terminal obeys instead of showing: C0 controls (ESC starts the sequences that set the
-# window title, clear the screen, move the cursor; CR overwrites the line), DEL, C1 controls
-# (U+0080-009F: 0x9B is a CSI of its own to some terminals), and the bidi embeddings, overrides
-# and isolates (U+202A-202E, U+2066-2069) that make text read in an order other than stored.
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-_UNSAFE_KEEP_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-_SHORT = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
-
-
-def _escaped(m: re.Match[str]) -> str:
-    char = m.group()
-    return _SHORT.get(char) or (f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
-
-
-def printable(text: str, lines: bool = True) -> str:
-    """`text` (a name, a prompt, a reason: anyone's words, an agent's or a chat's) safe to show
-    on a terminal or in a widget: each character a terminal would obey is shown escaped, as
-    Python writes it (ESC as `\\x1b`, CR as `\\r`, U+202E as `\\u202e`). `lines`: newlines and
-    tabs stay (a multi-line field); False escapes them too (a table cell, one line). Every human
-    output of the CLI, the dashboard and the bot goes through it; `--json` never does (exact)."""
-    unsafe = _UNSAFE_KEEP_LINES if lines else _UNSAFE
-    return unsafe.sub(_escaped, text)
-
-
-def to_json(obj: Any) -> str:
-    return msgspec.json.format(msgspec.json.encode(obj), indent=2).decode()
 
 
 def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:  # type: ignore[assignment]

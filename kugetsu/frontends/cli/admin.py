@@ -5,20 +5,17 @@ worktrees, mcp, dashboard, stats, doctor, demo, schedule, telegram.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from typing import Any
 
 from kugetsu.app import config_change, control, machines, reading, recurring, transaction, worktrees
 from kugetsu.config.keys import get_value, parse_value
 from kugetsu.config.load import load_config
-from kugetsu.errors import FAILURE, OK, KugetsuError, UsageError
+from kugetsu.errors import FAILURE, OK, UsageError
 from kugetsu.frontends.cli.output import _count, _read, _say
 from kugetsu.frontends.cli.tasks import _request
 from kugetsu.frontends.render import to_json
-from kugetsu.paths import Home, read_tail
-from kugetsu.service import runner
+from kugetsu.paths import Home
 
 
 def cmd_config(home: Home, args: argparse.Namespace) -> int:
@@ -100,54 +97,6 @@ def _read_unechoed(prompt: str) -> str:
     finally:
         termios.tcsetattr(fd, termios.TCSAFLUSH, before)
         print(file=sys.stderr)
-
-
-def cmd_serve(home: Home, args: argparse.Namespace) -> int:
-    control.check_wakeable(home)  # the service binds its socket there: say so now, not in its log
-    if args.detach:
-        child = control.start_service(home)
-        if child is None:
-            pid = control.service_pid(home)
-            _say(f"kugetsu service already running{f' (pid {pid})' if pid else ''}")
-            return OK
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            pid = control.service_pid(home)
-            if pid:
-                _say(f"kugetsu service started (pid {pid}), log: {home.service_log}")
-                return OK
-            if runner.process_start(child) is None:  # it exited: say why now, not in 10 s
-                raise KugetsuError(f"the service stopped at once; the end of {home.service_log}:\n"
-                                   + _last_lines(home.service_log))
-            time.sleep(0.05)
-        raise KugetsuError(f"the service did not come up within 10s; see {home.service_log}")
-    from kugetsu.service.daemon import serve
-
-    return serve(home)
-
-
-def _last_lines(path: os.PathLike[str], count: int = 4) -> str:
-    lines = read_tail(path, 4096).decode(errors="replace").splitlines()[-count:]
-    return "\n".join(f"  {line}" for line in lines) or "  (no log)"
-
-
-def cmd_shutdown(home: Home, args: argparse.Namespace) -> int:
-    control.check_wakeable(home)  # else "no service is running" would hide why it cannot be told
-    if not control.service_holds_lock(home):
-        _say("no kugetsu service is running")
-        return OK
-    # The lock is held: a service is up, or still coming up (autostarted by the command just
-    # before, its socket not bound yet): it is told as soon as it listens, never missed.
-    pid, told = None, False
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        pid = control.service_pid(home) or pid
-        if not control.service_holds_lock(home):  # not just its pid file gone: wholly stopped
-            _say(f"kugetsu service stopped{f' (pid {pid})' if pid else ''}; running agents keep running")
-            return OK
-        told = told or control.send(home, b"shutdown", warn=False)  # tried again until it listens
-        time.sleep(0.02)
-    raise KugetsuError(f"the service{f' (pid {pid})' if pid else ''} did not stop within 15s")
 
 
 def cmd_hosts(home: Home, args: argparse.Namespace) -> int:

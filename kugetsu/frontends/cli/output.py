@@ -9,15 +9,18 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kugetsu.app import reading
-from kugetsu.config.model import Config
-from kugetsu.core import selection
-from kugetsu.core.models import Index
 from kugetsu.errors import KugetsuError, UsageError
-from kugetsu.frontends.render import printable, to_json
+from kugetsu.frontends.text import printable, to_json
 from kugetsu.paths import Home
+
+# Imported where used: every command loads this module (main.py), and one that reads nothing
+# (`serve --detach`: ~40 ms before it starts the service) should not load the reading of the queue.
+if TYPE_CHECKING:
+    from kugetsu.config.model import Config
+    from kugetsu.core import selection
+    from kugetsu.core.models import Index
 
 
 def _count(n: int, noun: str) -> str:
@@ -85,6 +88,8 @@ _kept: list[object] = []
 
 
 def _read(home: Home) -> tuple[Config, Index]:
+    from kugetsu.app import reading
+
     cfg, index = reading.read(home)
     _kept.append(index)
     return cfg, index
@@ -185,6 +190,8 @@ def _drop_output() -> None:
         pass
 
 def _task_filter(group: str | None = None, states: list[str] | None = None, source: str | None = None) -> selection.TaskFilter:
+    from kugetsu.core import selection
+
     try:
         return selection.task_filter(group, states, source)
     except UsageError as err:
