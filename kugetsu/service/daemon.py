@@ -396,10 +396,7 @@ class Service:
             self.fast.release(txn)
         obs.exits = [self._with_output(self.exits.seen(t, self._first_tick), t) for t in list(index.active)
                      if t.run.ended_at is None and t.run.pid is not None and placement.ours(t, here)
-                     and (self.exits.has_exited(t.id)
-                          # /proc's word only on an agent no pidfd watches (one read per running
-                          # agent per tick was ~8 % of a 4-slot drain's service time)
-                          or (not self.exits.watched(t.id) and not runner.alive(t.run.pid, t.run.pid_start)))]
+                     and (self.exits.has_exited(t.id) or not runner.alive(t.run.pid, t.run.pid_start))]
         if self.cgroup_base is not None and obs.exits:
             obs.measured += self._kernel_said(index, obs.exits)
         if self.exits.endings or any(t.run.ended_at is not None for t in index.active):

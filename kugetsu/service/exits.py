@@ -60,11 +60,6 @@ class Exits:
         """Has the task's pidfd fired since the last tick?"""
         return task_id in self.exited
 
-    def watched(self, task_id: int) -> bool:
-        """Is the task's agent watched by a pidfd that has not fired? Then it runs: its exit
-        comes as a tick of its own (_on_exit), and no look at /proc can tell more."""
-        return task_id in self.watches
-
     @property
     def any_exited(self) -> bool:
         return bool(self.exited)
