@@ -396,6 +396,9 @@ class Service:
             self.fast.release(txn)
         obs.exits = [self._with_output(self.exits.seen(t, self._first_tick), t) for t in list(index.active)
                      if t.run.ended_at is None and t.run.pid is not None and placement.ours(t, here)
+                     # /proc's word on every agent, watched or not: it finds those that ended
+                     # before their pidfd's callback ran, booked in this tick (a 4-slot drain
+                     # without it spent ~0.6 ms more of the service's CPU a task: a tick each)
                      and (self.exits.has_exited(t.id) or not runner.alive(t.run.pid, t.run.pid_start))]
         if self.cgroup_base is not None and obs.exits:
             obs.measured += self._kernel_said(index, obs.exits)
