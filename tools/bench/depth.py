@@ -86,22 +86,37 @@ def _memory(procs: list[psutil.Process]) -> tuple[int, int, int]:
     return count, rss, pss
 
 
-def service_idle(n: int, seconds: float) -> dict:
+def service_idle(n: int, seconds: float, starts: int = 3) -> dict:
     """kugetsu's service with n queued behind one running blocker (one slot): its start-up
     (from `serve --detach` to the blocker's own start stamp: up, the index read, a task
-    running), then, idle, its CPU share and RSS over `seconds`, and its other descendants
-    (warm wrappers: count, RSS, PSS). The home has the history a deep queue of agents has: its
-    last runs took 10 minutes each (the warm wrappers follow their pace: selection.warm_ahead;
-    with no run to go by, the service warms WARM_AHEAD)."""
+    running), the median of `starts` starts of the same home as written (one start alone
+    varied by +-80 ms on a 2-core VM), then, idle, its CPU share and RSS over `seconds`, and
+    its other descendants (warm wrappers: count, RSS, PSS). The home has the history a deep
+    queue of agents has: its last runs took 10 minutes each (the warm wrappers follow their
+    pace: selection.warm_ahead; with no run to go by, the service warms WARM_AHEAD)."""
+    import shutil
+
     with tempfile.TemporaryDirectory(prefix="kgscale-") as tmp:
         root = Path(tmp)
         go, up = root / "go", root / "up"
         kg = queue_home(root, n, 1, go, up, ran=600.0)
-        t0 = time.monotonic()
+        pristine = root / "pristine"
+        shutil.copytree(kg.home.root, pristine)  # each start's home: the one written, no service's trace
+        times: list[float] = []
         try:
-            kg.run("serve", "--detach")
-            wait_until(lambda: blockers_up(up, 1), 120, "the blocker to start")
-            start = time.monotonic() - t0
+            for i in range(starts):
+                if i:  # the last start's service and blocker gone, the home as it was written
+                    go.touch()
+                    kg.stop(cancel=False)
+                    shutil.rmtree(kg.home.root)
+                    shutil.copytree(pristine, kg.home.root)
+                    go.unlink()
+                    for stamp in up.iterdir():
+                        stamp.unlink()
+                t0 = time.monotonic()
+                kg.run("serve", "--detach")
+                wait_until(lambda: blockers_up(up, 1), 120, "the blocker to start")
+                times.append(time.monotonic() - t0)
             pid = kg.service_pid()
             time.sleep(1.0)  # past the start's own work
             with Sampler(pid, every=0.5) as s:
@@ -112,8 +127,8 @@ def service_idle(n: int, seconds: float) -> dict:
             blocker = kg.index()["active"][0]["pid"]
             others = [p for child in psutil.Process(pid).children() if child.pid != blocker for p in _tree(child.pid)]
             count, rss, pss = _memory(others)
-            return {"start_s": start, "cpu_share": s.cpu_share, "rss": s.peak_rss,
-                    "wrappers": count, "wrappers_rss": rss, "wrappers_pss": pss}
+            return {"start_s": statistics.median(times), "start_runs_s": times, "cpu_share": s.cpu_share,
+                    "rss": s.peak_rss, "wrappers": count, "wrappers_rss": rss, "wrappers_pss": pss}
         finally:
             go.touch()
             kg.stop(cancel=False)
