@@ -412,3 +412,31 @@ def test_a_queued_task_assigned_to_is_found_in_a_queue_out_of_id_order(warm):
         record = _records(warm.home)[-1]
         assert [item["name"] for item in record["queue"] if isinstance(item, dict)] == [f"moved{where}"]
         assert _fresh(warm) == expected
+
+
+@pytest.mark.parametrize("threads", ["a thread", "no thread to be had"])
+def test_the_journal_header_worked_out_beside_the_decode_names_the_snapshot(tmp_path, monkeypatch, threads):
+    """The service's Store works out the journal's first line (checksums of index.json) on a
+    thread while it decodes the index it starts on; with no thread to be had it reads the file
+    at the first record instead. Either way the journal follows that index.json: a fresh reader
+    replays it, and the header is the file's."""
+    home = Home(tmp_path / "home")
+    writer = Store(home)
+    with writer.transaction() as txn:  # index.json written whole, as a command would
+        txn.index.queued.extend(_task(i) for i in range(1, 200))
+        txn.index.next_id = 200
+    if threads != "a thread":
+        def refuse(self: threading.Thread) -> None:
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+    store = Store(home)
+    store.append_commits()
+    store.read_ahead()
+    with store.transaction() as txn:
+        txn.index.queued[0].name = "renamed"
+        expected = encode_index(txn.index)
+    assert store.home.journal.exists()
+    first = store.home.journal.read_bytes().split(b"\n", 1)[0] + b"\n"
+    assert first == journal.header(store.home.index.read_bytes())
+    assert _fresh(store) == expected

@@ -46,6 +46,7 @@ class TaskState(str, enum.Enum):
 
 FINAL_STATES = tuple(state for state in TaskState if state.final)
 
+
 def valid_host(name: str) -> bool:
     """A machine's name in a cluster (config `host`, `delegate --host`): NAME_PATTERN, digits
     alone allowed (no task id to confuse it with)."""

@@ -793,16 +793,22 @@ class _HeaderAhead:
         self._header: bytes | None = None
         self._data: bytes | None = data
         self._journal = _journal()  # imported here: an import in the thread would wait on this one's
-        self._thread = threading.Thread(target=self._work, name="kugetsu-index-header", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = threading.Thread(target=self._work, name="kugetsu-index-header",
+                                                                 daemon=True)
+        try:
+            self._thread.start()
+        except RuntimeError:  # no thread to be had (a limit on them): first_line reads the file
+            self._thread = self._data = None
 
     def _work(self) -> None:
         assert self._data is not None
         self._header, self._data = self._journal.header(self._data), None
 
     def result(self) -> bytes | None:
-        """The header; None if the thread failed (short of memory): first_line reads the file."""
-        self._thread.join()
+        """The header; None if there was no thread or it failed (short of memory): first_line
+        reads the file."""
+        if self._thread is not None:
+            self._thread.join()
         return self._header
 
 
