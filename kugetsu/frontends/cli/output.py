@@ -16,7 +16,7 @@ from kugetsu.frontends.text import printable, to_json
 from kugetsu.paths import Home
 
 # Imported where used: every command loads this module (main.py), and one that reads nothing
-# (`serve --detach`: ~40 ms before it starts the service) should not load the reading of the queue.
+# (`serve --detach`: ~25 ms before it starts the service) should not load the reading of the queue.
 if TYPE_CHECKING:
     from kugetsu.config.model import Config
     from kugetsu.core import selection
