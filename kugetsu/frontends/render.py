@@ -11,9 +11,7 @@ from kugetsu.core.models import Task
 from kugetsu.core.policy import short_size
 from kugetsu.core.selection import Capacity
 from kugetsu.core.step import Measured
-# Kept here too for those that show text through render (text.py: what a command needs that
-# reads nothing).
-from kugetsu.frontends.text import printable, to_json  # noqa: F401
+from kugetsu.frontends.text import printable
 
 if TYPE_CHECKING:  # render shows what ops lists; ops does not need render
     from kugetsu.app.reading import Listing

@@ -14,7 +14,7 @@ from kugetsu.config.load import load_config
 from kugetsu.errors import FAILURE, OK, UsageError
 from kugetsu.frontends.cli.output import _count, _read, _say
 from kugetsu.frontends.cli.tasks import _request
-from kugetsu.frontends.render import to_json
+from kugetsu.frontends.text import to_json
 from kugetsu.paths import Home
 
 

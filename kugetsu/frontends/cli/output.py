@@ -98,7 +98,7 @@ def _read(home: Home) -> tuple[Config, Index]:
 def _say(text: object = "", **kw: Any) -> None:
     """print() for a person: names, prompts, paths and reasons in it are anyone's text (an
     agent's, a chat's), so what a terminal would obey in it (an OSC that retitles the window, a
-    screen clear, a CR, a bidi override) is shown escaped (render.printable). --json output
+    screen clear, a CR, a bidi override) is shown escaped (text.printable). --json output
     never comes here: it stays exact."""
     print(printable(str(text)), **kw)
 
@@ -126,7 +126,7 @@ class _Output:
     `shown`: the bytes are an agent's output on their way to a terminal, where its escape
     sequences would be obeyed (retitle the window, clear the screen, rewrite what is shown):
     they are decoded as they come (a character split between two reads waits for its end;
-    an invalid byte reads `\\x9b`) and shown escaped (render.printable)."""
+    an invalid byte reads `\\x9b`) and shown escaped (text.printable)."""
 
     def __init__(self, shown: bool = False) -> None:
         self.raw = sys.stdout.buffer

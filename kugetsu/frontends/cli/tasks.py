@@ -17,7 +17,7 @@ from kugetsu.core.models import Task, TaskState
 from kugetsu.errors import FAILURE, OK, UsageError
 from kugetsu.frontends.cli.output import _count, _read, _say, _task_filter
 from kugetsu.frontends.cli.views import _wait_for
-from kugetsu.frontends.render import to_json
+from kugetsu.frontends.text import to_json
 from kugetsu.paths import Home
 
 

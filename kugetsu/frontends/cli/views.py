@@ -17,7 +17,7 @@ from kugetsu.config.model import Config
 from kugetsu.core.models import Index, QueueCounts, TaskState
 from kugetsu.errors import FAILURE, OK, TIMED_OUT, UsageError
 from kugetsu.frontends.cli.output import _kept, _Output, _print_json, _read, _Rendered, _say, _task_filter
-from kugetsu.frontends.render import to_json
+from kugetsu.frontends.text import to_json
 from kugetsu.paths import Home, nofollow
 
 

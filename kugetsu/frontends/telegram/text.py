@@ -12,6 +12,7 @@ import re
 from datetime import datetime
 
 from kugetsu.frontends import render
+from kugetsu.frontends.text import printable
 from kugetsu.config.keys import mask_secrets
 from kugetsu.config.model import Config
 from kugetsu.config.units import format_duration
@@ -26,8 +27,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 def esc(text: object) -> str:
     """Anyone's text as Telegram HTML: as written, its controls and bidi overrides (a chat
-    client reorders at a U+202E too) shown escaped (render.printable)."""
-    return html.escape(render.printable(str(text)), quote=False)
+    client reorders at a U+202E too) shown escaped (frontends/text.printable)."""
+    return html.escape(printable(str(text)), quote=False)
 
 
 def fit(lines: list[str], more: str = "... and {n} more") -> str:

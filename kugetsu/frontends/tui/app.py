@@ -33,7 +33,7 @@ from kugetsu.store.files import open_store
 from kugetsu.frontends.tui import view
 from kugetsu.frontends.tui.screens import (SOURCE, ConfirmCancel, DelegateForm, EditForm, HelpScreen, LogScreen, SchedulesScreen,
                                  describe_error)
-from kugetsu.frontends.render import printable
+from kugetsu.frontends.text import printable
 from kugetsu.frontends.tui.widgets import LogView, StateTable, TaskTable, plain
 
 EVENTS_SHOWN = 100

@@ -12,7 +12,7 @@ from rich.text import Text
 from textual.widgets import DataTable, Log
 
 from kugetsu.paths import nofollow
-from kugetsu.frontends.render import printable
+from kugetsu.frontends.text import printable
 from kugetsu.frontends.tui.view import Row
 
 
@@ -20,7 +20,7 @@ def plain(text: str, lines: bool = True, **style: object) -> Text:
     """Anyone's text (a task's reason, a preset's name, a path in an error, an agent's output)
     for a widget, as written: a Text is never read as markup (a `[/]` in a string was a
     MarkupError that closed the dashboard, a `[@click=app.quit]` a live action), and what a
-    terminal would obey in it is shown escaped (render.printable; `lines` as there). Every
+    terminal would obey in it is shown escaped (text.printable; `lines` as there). Every
     widget that shows such text takes it from here; markup is for the app's own words only."""
     return Text(printable(text, lines), **style)  # type: ignore[arg-type]
 
