@@ -461,9 +461,11 @@ def _bad_time(index: Index) -> str | None:
     times = [list(map(_CREATED, live)), *(list(filter(None, map(get, live))) for get in _LIVE_TIMES),
              *(list(filter(None, map(get, runs))) for get in _RUN_TIMES)]
     if any(ts and (min(ts) < lo or max(ts) > hi) for ts in times):
-        task, at = next((t, a) for t in live for a in (t.created_at, t.expires_at, t.started_at, t.not_before,
-                                                        *((t.run.kill_at, t.run.ended_at) if t.run else ()))
-                         if a is not None and not lo <= a <= hi)
+        # Named by the same getters as the passes above: a field added there is looked at here too.
+        task, at = next((t, a) for t in live
+                        for a in (_CREATED(t), *(get(t) for get in _LIVE_TIMES),
+                                  *((get(t.run) for get in _RUN_TIMES) if t.run else ()))
+                        if a is not None and not lo <= a <= hi)
         return f"task #{task.id} has the time {at.isoformat()}"
     for source, mark in index.last_start.items():
         if not lo <= mark.at <= hi:
