@@ -113,7 +113,7 @@ def count_passes(monkeypatch) -> dict[str, int]:
 
 def test_a_drain_through_a_deep_queue_asks_the_whole_queue_only_now_and_then(monkeypatch):
     """10,000 queued, one started from the head per promotion: over 500 promotions the rules'
-    questions pass over the whole queue a handful of times (the first tasks in id order are
+    questions pass over the whole queue a handful of times (the first tasks in an order are
     counted again once the carried ones run short), where a fresh Look a promotion asked each
     of them 500 times."""
     queue = [_task(i) for i in range(1, 10_001)]
@@ -127,7 +127,10 @@ def test_a_drain_through_a_deep_queue_asks_the_whole_queue_only_now_and_then(mon
         task = queue.pop(0)
         task.state = TaskState.RUNNING
     assert passes["questions"] <= 7 * 2, passes
-    assert passes["sorts"] <= 500 // 100 + 500 // 48 + 4, passes
+    # A pass keeps ~sqrt(5 x 10,000) = 223 first tasks, so a pass in id order serves ~120
+    # promotions and one in expiry order ~175: 8 passes here (17 when each kept twice what
+    # was asked, one every 48 promotions for the expiry).
+    assert passes["sorts"] <= 500 // 120 + 500 // 175 + 3, passes
 
 
 @settings(max_examples=300, deadline=None)
