@@ -414,6 +414,34 @@ def test_cgroup_mode_counts_a_process_that_dropped_the_tasks_token(kg):
     kg.ok("cancel", "m")
 
 
+@pytest.mark.skipif(not cgroups_here(), reason="needs root and cgroup v1 memory and pids controllers")
+async def test_a_drain_sweeps_its_cgroups_once_a_second_not_at_each_end(kg, monkeypatch):
+    """A sweep of finished runs' cgroups takes every live task's attempt (a copy of the queue:
+    0.3 ms of each end of a 4-slot drain at 50,000 queued when each end swept): the ends of a
+    drain share one a second (daemon.SWEEP_EVERY), and every cgroup still goes."""
+    import asyncio
+
+    from conftest import service_in_process, wait_for_async
+
+    from kugetsu.service import daemon
+
+    kg.config(max_agents=2, autostart=False, max_queue=50, resources={"mode": "cgroup"})
+    names = [f"t{i}" for i in range(16)]
+    await asyncio.to_thread(lambda: [kg.delegate(n, 0.1, 0, "--memory", "100M") for n in names])
+    sweeps: list[float] = []
+    real = usage.remove_finished
+    monkeypatch.setattr(usage, "remove_finished", lambda *a: (sweeps.append(time.monotonic()), real(*a))[1])
+    base = usage.cgroup_base(kg.home)
+    assert base is not None
+    async with service_in_process(kg.home):
+        t0 = time.monotonic()
+        await wait_for_async(lambda: all("end" in kg.times(n) for n in names), 30, "the drain")
+        took = time.monotonic() - t0
+        await wait_for_async(lambda: not any(base.memory.glob("task-*")), 10, "every run's cgroups to be removed")
+    during = [t for t in sweeps if t <= t0 + took]
+    assert len(during) <= took / daemon.SWEEP_EVERY + 2, (len(during), took)  # each end swept: 12 in 1.0 s
+
+
 # ---- the rule, pure ----------------------------------------------------------------------------
 
 
