@@ -162,3 +162,50 @@ def test_what_the_first_tick_asks_for_is_armed_though_the_scheduler_starts_after
     assert 0 <= late <= LATE, f"the delayed task started {late:.3f}s late"
     hold.touch()
     kg.wait_state("hold", "succeeded")
+
+
+async def test_the_schedulers_import_holds_back_no_promotion(kg, monkeypatch):
+    """APScheduler is imported after the first tick, in a worker thread: the agents that tick
+    started end and their successors start meanwhile. In the loop it held the first promotions
+    back 40-60 ms (a drain begun as the service came up ran at half its pace). Made slow here
+    (3 s), the whole drain is over before the import is."""
+    import asyncio
+    import importlib.abc
+    import importlib.machinery
+    import sys
+    import time
+
+    from conftest import service_in_process, wait_for_async
+
+    name = "kugetsu.service.deadlines"
+    imported: list[float] = []
+
+    class Slow(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            real = spec.loader
+
+            class Loader(importlib.abc.Loader):
+                def create_module(self, spec):
+                    return None
+
+                def exec_module(self, module):
+                    time.sleep(3)
+                    real.exec_module(module)
+                    imported.append(time.time())
+
+            spec.loader = Loader()
+            return spec
+
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Slow(), *sys.meta_path])
+    kg.config(max_agents=1, autostart=False)
+    names = [f"t{i}" for i in range(4)]
+    await asyncio.to_thread(lambda: [kg.delegate(n, 0) for n in names])
+    async with service_in_process(kg.home):
+        await wait_for_async(lambda: all("end" in kg.times(n) for n in names), 30, "the drain")
+        await wait_for_async(lambda: imported, 30, "the scheduler's import")
+    ends = [kg.times(n)["end"] for n in names]
+    assert max(ends) < imported[0], (ends, imported)
