@@ -6,7 +6,8 @@ are met.
     python tools/bench/scale.py [--sizes 100,1000,10000,50000] [--quick] [--json] [--only drain,cli,...]
 
 drain      N trivial tasks queued behind one blocker per slot; from the moment the blockers
-           are let go to the end stamp of the C-th task (C = --cap, or N if smaller: at
+           are let go (kugetsu: once its service's warm wrappers are up, as tsp's waiting
+           clients are: depth.warm_settled) to the end stamp of the C-th task (C = --cap, or N if smaller: at
            50,000 a whole drain takes hours, and what grows with the queue shows per task),
            through S slots, kugetsu and `tsp -S S` in interleaved rounds (kugetsu, tsp, ...).
            Medians; time per task; ratio kugetsu / tsp [<= 1.5]; kugetsu's time per task at
@@ -96,6 +97,7 @@ def drain_kugetsu(n: int, slots: int, cap: int) -> dict:
         try:
             kg.run("serve", "--detach")
             wait_until(lambda: blockers_up(up, slots), 600, "the blockers to start")
+            depth.warm_settled(kg)  # as tsp's waiting clients are, before its clock starts
             t0 = _go(go)
             _wait_ends(stamps, count, 3600, f"kugetsu's drain of {count}")
             return _result(stamps, t0, count)
