@@ -79,7 +79,9 @@ def test_everyday_commands_do_not_import_heavy_modules(kg, command):
                                                          # what typing_extensions brings, 10 ms (kugetsu/__init__.py)
                                                          "inspect", "dis", "ast",
                                                          # shutil (with bz2, lzma): runner.which instead, 3 ms
-                                                         "shutil", "bz2", "lzma")}
+                                                         "shutil", "bz2", "lzma",
+                                                         # for warnings a command seldom has, 7 ms (core/limits.py)
+                                                         "logging")}
     # kugetsu's own modules that only their commands need (stats reads history, doctor probes)
     heavy |= imported & {"kugetsu.app.stats", "kugetsu.frontends.metrics", "kugetsu.frontends.doctor", "kugetsu.frontends.web", "kugetsu.core.schedules",
                           "kugetsu.service.deadlines"}

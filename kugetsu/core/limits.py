@@ -12,11 +12,17 @@ property-tests it.
 
 from __future__ import annotations
 
-import logging
 import re
 from datetime import datetime, timedelta, timezone, tzinfo
 
-log = logging.getLogger("kugetsu.limits")
+
+def _warn(message: str, *args: object) -> None:
+    """logging, imported when there is something to say: every command reaches this module
+    (core.step), and logging's import is 7 ms of a 70 ms `delegate`."""
+    import logging
+
+    logging.getLogger("kugetsu.limits").warning(message, *args)
+
 
 # How much of the end of the log is read at an agent's exit: a limit message is among the
 # last lines an agent prints.
@@ -190,7 +196,7 @@ def _unreadable(err: Exception) -> None:
     what = f"{type(err).__name__}: {err}"
     if what not in _SAID:
         _SAID.add(what)
-        log.warning("an agent's output could not be read for a limit (%s): read as no reset time", what)
+        _warn("an agent's output could not be read for a limit (%s): read as no reset time", what)
 
 
 def matches(patterns: list[str], text: str) -> bool:
