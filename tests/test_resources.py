@@ -418,7 +418,8 @@ def test_cgroup_mode_counts_a_process_that_dropped_the_tasks_token(kg):
 async def test_a_drain_sweeps_its_cgroups_once_a_second_not_at_each_end(kg, monkeypatch):
     """A sweep of finished runs' cgroups takes every live task's attempt (a copy of the queue:
     0.3 ms of each end of a 4-slot drain at 50,000 queued when each end swept): the ends of a
-    drain share one a second (daemon.SWEEP_EVERY), and every cgroup still goes."""
+    drain share one a second (daemon.SWEEP_EVERY), and every cgroup still goes, the last ones
+    as the service stops."""
     import asyncio
 
     from conftest import service_in_process, wait_for_async
@@ -435,9 +436,10 @@ async def test_a_drain_sweeps_its_cgroups_once_a_second_not_at_each_end(kg, monk
     assert base is not None
     async with service_in_process(kg.home):
         t0 = time.monotonic()
-        await wait_for_async(lambda: all("end" in kg.times(n) for n in names), 30, "the drain")
+        await wait_for_async(lambda: len(kg.index()["finished"]) == len(names), 30, "the drain to be committed")
         took = time.monotonic() - t0
-        await wait_for_async(lambda: not any(base.memory.glob("task-*")), 10, "every run's cgroups to be removed")
+        # Stopped at once: the last ends' sweep, still due, is done as the service stops.
+    assert not any(base.memory.glob("task-*")), "a run's cgroups left behind"
     during = [t for t in sweeps if t <= t0 + took]
     assert len(during) <= took / daemon.SWEEP_EVERY + 2, (len(during), took)  # each end swept: 12 in 1.0 s
 

@@ -209,6 +209,9 @@ class Service:
                     handle.cancel()
             self.home.usage.unlink(missing_ok=True)  # no service, no measurement to show
             if self.cgroup_base is not None:
+                # The last ends' sweep may still be due (SWEEP_EVERY): done here, so that a
+                # service stopped right after a run leaves no cgroup of it behind.
+                usage.remove_finished(self.cgroup_base, usage.Attempts(self.index.live()), self.index.next_id)
                 usage.remove_base(self.cgroup_base)
             if self.timer is not None:
                 self.timer.cancel()
