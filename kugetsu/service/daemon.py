@@ -628,21 +628,27 @@ class Service:
         else:
             self._sweep_handle = self.loop.call_later(wait, self._sweep_due)
 
-    def _sweep_due(self) -> None:
+    def _sweep_due(self, tries: int = 30) -> None:
         self._sweep_handle = None
         if not self._stopped:
-            self._sweep()
+            self._sweep(tries)
 
     def _sweep(self, tries: int = 30) -> None:
         """cgroup mode: remove the cgroups of runs that are over, off the loop; while some are
-        not empty yet (their last processes being killed), again a second later."""
+        not empty yet (their last processes being killed), again a second later (`tries` times)."""
         # Every live task's attempt, not as a dict of them (usage.Attempts): at each end of a
         # drain at 50,000 queued that cost 25 ms.
         self._swept_at = self.loop.time()
         live = usage.Attempts(self.index.live())
         job = self.loop.run_in_executor(None, usage.remove_finished, self.cgroup_base, live, self.index.next_id)
-        job.add_done_callback(lambda done: done.exception() is None and done.result() and tries > 1
-                              and self.loop.call_later(1.0, self._sweep, tries - 1))
+        job.add_done_callback(lambda done: self._swept(done, tries))
+
+    def _swept(self, done: asyncio.Future[int], tries: int) -> None:
+        """Some were not empty yet: the next sweep a second later, unless one is due anyway (the
+        retries and the ends' sweeps are one a second together)."""
+        if (done.exception() is None and done.result() and tries > 1 and self._sweep_handle is None
+                and not self._stopped):
+            self._sweep_handle = self.loop.call_later(SWEEP_EVERY, self._sweep_due, tries - 1)
 
     def _measure(self) -> None:
         self._measure_handle = None
