@@ -15,13 +15,7 @@ from __future__ import annotations
 import re
 from datetime import datetime, timedelta, timezone, tzinfo
 
-
-def _warn(message: str, *args: object) -> None:
-    """logging, imported when there is something to say: every command reaches this module
-    (core.step), and logging's import is 7 ms of a 70 ms `delegate`."""
-    import logging
-
-    logging.getLogger("kugetsu.limits").warning(message, *args)
+from kugetsu.errors import warn
 
 
 # How much of the end of the log is read at an agent's exit: a limit message is among the
@@ -196,7 +190,7 @@ def _unreadable(err: Exception) -> None:
     what = f"{type(err).__name__}: {err}"
     if what not in _SAID:
         _SAID.add(what)
-        _warn("an agent's output could not be read for a limit (%s): read as no reset time", what)
+        warn("kugetsu.limits", "an agent's output could not be read for a limit (%s): read as no reset time", what)
 
 
 def matches(patterns: list[str], text: str) -> bool:

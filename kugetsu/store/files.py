@@ -34,7 +34,7 @@ import msgspec
 from kugetsu.config.explain import describe_decode_error
 from kugetsu.config.load import store_url
 from kugetsu.config.model import Config
-from kugetsu.errors import DiskFull, FileError
+from kugetsu.errors import DiskFull, FileError, warn
 from kugetsu.core.look import follow
 from kugetsu.core.models import INDEX_VERSION, Event, Index, QueueCounts, Task, TaskState, check_index, upgrade
 from kugetsu.store import tracking
@@ -48,12 +48,7 @@ _stores: dict[str, Store] = {}  # open_store's file Stores of the main thread, b
 
 
 def _warn(message: str, *args: object) -> None:
-    """logging, imported when there is something to say: a command's transaction comes here, and
-    logging's import is 7 ms of a 70 ms `delegate`. "kugetsu.store": the name its lines had
-    before the store became a package."""
-    import logging
-
-    logging.getLogger("kugetsu.store").warning(message, *args)
+    warn("kugetsu.store", message, *args)  # the name its lines had before the store became a package
 
 
 def open_store(home: Home) -> StoreProtocol:
