@@ -83,6 +83,7 @@ RETRY_FIRST, RETRY_MAX = 0.1, 5.0  # seconds: backoff while transactions fail (a
 # live tasks' attempts, a copy of every queued task's place (0.3 ms a task of a 4-slot drain at
 # 50,000 queued when each end swept), and a cgroup of a run over may wait a second to go.
 SWEEP_EVERY = 1.0
+SWEEP_TRIES = 30  # sweeps, a second apart, while a run's cgroup is not empty yet (its last processes dying)
 
 
 class Service:
@@ -106,11 +107,11 @@ class Service:
         self.fast = FastPath(home, self.procs, self.exits, self.memo)  # the successor, let go early at an exit
         self.jobs: dict[str, datetime] = {}  # the policies' wake-ups (rate limit, guard re-check)
         # APScheduler's, made after the first tick (_start_scheduler), which leaves what it
-        # would have armed in _unarmed: (the plan's release, the Look of its queue).
+        # would have armed in _unarmed: (the plan's release,); None: nothing left to arm.
         self.scheduler: AsyncIOScheduler | None = None
         self.timer: DeadlineTimer | None = None
         self.schedule_jobs: ScheduleJobs | None = None
-        self._unarmed: tuple[datetime | None, policy.Look | None] | None = None
+        self._unarmed: tuple[datetime | None] | None = None
         self._reconcile_handle: asyncio.TimerHandle | None = None
         self.listeners: list[Callable[[list[Event]], None]] = []  # told of each transaction's events
         self.telegram: TelegramBot | None = None
@@ -628,12 +629,12 @@ class Service:
         else:
             self._sweep_handle = self.loop.call_later(wait, self._sweep_due)
 
-    def _sweep_due(self, tries: int = 30) -> None:
+    def _sweep_due(self, tries: int = SWEEP_TRIES) -> None:
         self._sweep_handle = None
         if not self._stopped:
             self._sweep(tries)
 
-    def _sweep(self, tries: int = 30) -> None:
+    def _sweep(self, tries: int = SWEEP_TRIES) -> None:
         """cgroup mode: remove the cgroups of runs that are over, off the loop; while some are
         not empty yet (their last processes being killed), again a second later (`tries` times)."""
         # Every live task's attempt, not as a dict of them (usage.Attempts): at each end of a
@@ -982,7 +983,7 @@ class Service:
         index's queue, when the caller has one."""
         timer, schedule_jobs = self.timer, self.schedule_jobs
         if timer is None or schedule_jobs is None:  # the first tick: armed as the scheduler starts
-            self._unarmed = (release, look)
+            self._unarmed = (release,)  # not the Look: the scheduler starts after an await (the import)
             return
         now = transaction.now()
         self.jobs = lifecycle.policy_wakeups(self.index, self.cfg, now, transaction.measure(self.cfg), self.jobs, release)
@@ -1005,9 +1006,9 @@ class Service:
         self.timer = DeadlineTimer(self.scheduler, self._on_deadline)
         self.schedule_jobs = ScheduleJobs(self.scheduler, self._fire_schedule)
         if self._unarmed is not None:  # else the first tick failed: its retry arms them
-            # The last tick's release; not its Look, which a commit since (during the import)
-            # may have moved on: the queue is looked at afresh, once.
-            release, _ = self._unarmed
+            # The last tick's release, with the queue looked at afresh, once: a commit since
+            # (during the import) may have moved that tick's Look on.
+            (release,) = self._unarmed
             self._unarmed = None
             self._sync_jobs(release)
 

@@ -7,8 +7,9 @@ are met.
 
 drain      N trivial tasks queued behind one blocker per slot; from the moment the blockers
            are let go (kugetsu: once its service's warm wrappers are up, as tsp's waiting
-           clients are: depth.warm_settled) to the end stamp of the C-th task (C = --cap, or N if smaller: at
-           50,000 a whole drain takes hours, and what grows with the queue shows per task),
+           clients are: depth.warm_settled) to the end stamp of the C-th task (C = --cap, or
+           N if smaller: at 50,000 a whole drain takes hours, and what grows with the queue
+           shows per task),
            through S slots, kugetsu and `tsp -S S` in interleaved rounds (kugetsu, tsp, ...).
            Medians; time per task; ratio kugetsu / tsp [<= 1.5]; kugetsu's time per task at
            the deepest queue against at the shallowest [no worse: <= 1.1, noise allowed].
