@@ -129,7 +129,10 @@ def test_a_subscription_limit_holds_the_preset_until_its_reset_and_resumes_the_s
     kg.ok("delegate", "c", "--agent", "other")
     # a hit the limit: back in the queue ahead of b, the preset held until the reset the API
     # gave (to the second, from the stream), and c (another preset) runs meanwhile.
-    wait_for(lambda: (kg.rec / "other").exists(), RUN, "c to run while claude is held")
+    # c's process starts inside the transaction that requeues a, whose commit the service may
+    # hold for a moment (COMMIT_DELAY) for the exits that follow: c's file alone can come first.
+    wait_for(lambda: (kg.rec / "other").exists() and kg.task("c")["state"] != "queued", RUN,
+             "c to run while claude is held")
     a = kg.task("a")
     assert a["state"] == "queued" and a["attempts"][0]["limit"] is True, a
     assert a["attempts"][0]["exit_code"] == 1 and "claude usage limit" in a["attempts"][0]["reason"]

@@ -120,7 +120,10 @@ def test_a_usage_limit_with_a_curly_apostrophe_holds_codex_until_its_reset_and_r
     codex.ok("delegate", "c", "--agent", "other")
     # `You’ve hit your usage limit. ... try again at 9:47 PM.`: not a failure; a is back in the
     # queue ahead of b, codex held until that minute, and c (another preset) runs meanwhile.
-    wait_for(lambda: (codex.rec / "other").exists(), RUN, "c to run while codex is held")
+    # c's process starts inside the transaction that requeues a, whose commit the service may
+    # hold for a moment (COMMIT_DELAY) for the exits that follow: c's file alone can come first.
+    wait_for(lambda: (codex.rec / "other").exists() and codex.task("c")["state"] != "queued", RUN,
+             "c to run while codex is held")
     a = codex.task("a")
     assert a["state"] == "queued" and a["attempts"][0]["limit"] is True, (a, codex.ok("logs", "a", "--raw"))
     assert "You’ve hit your usage limit" in codex.ok("logs", "a", "--raw")

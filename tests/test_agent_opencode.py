@@ -118,7 +118,10 @@ def test_a_long_retry_after_ends_opencode_at_once_holds_the_preset_and_resumes_t
     opencode.ok("delegate", "c", "--agent", "other")
     # Left to itself, opencode would sleep an hour before its retry, printing nothing. The
     # plugin ends the run at once; kugetsu holds the preset until then; c runs meanwhile.
-    wait_for(lambda: (opencode.rec / "other").exists(), RUN, "c to run while opencode is held")
+    # c's process starts inside the transaction that requeues a, whose commit the service may
+    # hold for a moment (COMMIT_DELAY) for the exits that follow: c's file alone can come first.
+    wait_for(lambda: (opencode.rec / "other").exists() and opencode.task("c")["state"] != "queued", RUN,
+             "c to run while opencode is held")
     a = opencode.task("a")
     assert a["state"] == "queued" and a["attempts"][0]["limit"] is True, (a, opencode.ok("logs", "a", "--raw")[-3000:])
     assert a["attempts"][0]["exit_code"] == 75
