@@ -29,6 +29,7 @@ class Home:
         self.config = self.root / "config.json"
         self.index = self.root / "index.json"
         self.journal = self.root / "index.journal"  # the commits since index.json was written whole (store/journal.py)
+        self.head = self.root / "index.head"  # what `capacity` needs of index.json, a cache beside it (store/head.py)
         self.lock = self.root / "index.lock"
         self.events = self.root / "events.jsonl"
         self.events_old = self.root / "events.jsonl.1"  # the previous events.jsonl, once it grew past events_max_size

@@ -199,6 +199,7 @@ def test_store_migrate_moves_a_file_home_and_refuses_when_busy(kg: Kugetsu, pg_u
     out = kg.ok("store", "migrate", pg_url)
     assert "moved 1 finished task(s), 2 archived" in out
     assert json.loads(kg.home.config.read_text()) == {"store": pg_url}
+    assert not kg.home.index.exists() and not kg.home.head.exists()  # aside, and its summary gone
     other = Kugetsu(tmp_path / "other")
     other.config(store=pg_url, host="other")
     assert other.json("capacity")["max_agents"] == 2  # type: ignore[index]

@@ -306,11 +306,13 @@ def small_tmpfs(tmp_path):
 
 
 def _fill(mnt: Path) -> None:
-    with open(mnt / "filler", "wb") as f:
+    """Write until the file system says it is full. Unbuffered: a short write left in a buffer
+    would raise ENOSPC again as the file closes (whether one comes depends on what else is on
+    the disk: index.head's few KB made it come)."""
+    with open(mnt / "filler", "wb", buffering=0) as f:
         try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
+            while f.write(b"\0" * 65536):
+                pass
         except OSError as err:
             assert err.errno == 28  # ENOSPC
 

@@ -279,10 +279,10 @@ def test_a_full_disk_runs_nothing_twice_and_loses_no_exit(tmp_path):
             kg.delegate(n, 0, code, gate=gates[n])
         wait_for(lambda: kg.times("A") and kg.times("B"), what="A and B to run")
         # Fill the disk, then let the running agents end while nothing can be written.
-        with open(filler, "wb") as f:
+        with open(filler, "wb", buffering=0) as f:  # unbuffered: nothing left to flush as it closes
             try:
-                while True:
-                    f.write(b"\0" * 65536)
+                while f.write(b"\0" * 65536):
+                    pass
             except OSError:
                 pass
         gates["A"].touch()

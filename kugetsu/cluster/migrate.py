@@ -77,6 +77,7 @@ def migrate(home: Home, url: str) -> str:
         os.replace(home.index, home.index.with_name(f"index.json.migrated-{stamp}"))
     if home.journal.exists():  # what was read above, with index.json: the record goes aside with it
         os.replace(home.journal, home.journal.with_name(f"index.journal.migrated-{stamp}"))
+    home.head.unlink(missing_ok=True)  # only a summary of the index.json moved aside (store/head.py)
     return (f"moved {len(index.finished)} finished task(s), {len(history)} archived, {len(events)} event(s)"
             f" and the config into {redact(url)}; this machine now uses it (config store). Run `kugetsu serve`"
             " on each machine that runs agents.")

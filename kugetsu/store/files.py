@@ -37,7 +37,7 @@ from kugetsu.config.model import Config
 from kugetsu.errors import DiskFull, FileError, warn
 from kugetsu.core.look import follow
 from kugetsu.core.models import INDEX_VERSION, Event, Index, QueueCounts, Task, TaskState, check_index, upgrade
-from kugetsu.store import tracking
+from kugetsu.store import head, tracking
 from kugetsu.store.protocol import (IndexFile, Since, StoreProtocol, Transactions, Txn, count_queued, decode_events,
                                     encode_index, encoder, head_of, held, index_decoder, mark_writer)
 from kugetsu.paths import Home, atomic_write, open_file, read_file, read_tail
@@ -251,6 +251,9 @@ class Store(Transactions):
         """The committed index without its queued and finished tasks, and the queued tasks'
         counts: what `capacity` needs, without decoding a long queue. Its check (check_index)
         sees the running tasks and the rest; `read` checks the skipped tasks too."""
+        summary = self._summary()
+        if summary is not None:
+            return summary
         files = self._files()
         if files is None:
             return Index(), QueueCounts(queued=0)
@@ -268,6 +271,25 @@ class Store(Transactions):
                     index, queued = _journal().replay_head(index, queued, found)
         self._check(index)
         return index, count_queued(index, queued, [data, *found])
+
+    def _summary(self) -> tuple[Index, QueueCounts] | None:
+        """index.head, while it names the index.json that is there and no journal follows it
+        (store/head.py): what read_head reads of index.json, without reading index.json."""
+        try:
+            of = head.identity(os.lstat(self.home.index))
+        except FileNotFoundError:
+            return None
+        summary = head.read(self.home.head, of)
+        if summary is None or _lkey(self.home.journal) is not None:
+            return None
+        try:  # unmoved since: the journal was looked for while this index.json was the state
+            if head.identity(os.lstat(self.home.index)) != of:
+                return None
+        except FileNotFoundError:
+            return None
+        if check_index(summary[0]):
+            return None  # the whole read says what is wrong
+        return summary
 
     def stamp(self) -> tuple[int, ...]:
         """index.json's and index.journal's inode, mtime and size: every commit renames a new
@@ -648,7 +670,9 @@ class Store(Transactions):
         except FileNotFoundError:
             pass
         pin = os.fdopen(open_file(self.home.index, os.O_RDONLY), "rb", buffering=0)
-        self._disk = _OnDisk(_key(os.fstat(pin.fileno())), None, False, pin, 0, None, len(data))
+        st = os.fstat(pin.fileno())
+        self._disk = _OnDisk(_key(st), None, False, pin, 0, None, len(data))
+        head.write(self.home.head, index, st)  # after the commit: a cache, never the state
         self._whole = False
         self._know(index)
 
