@@ -539,9 +539,12 @@ class QueueCounts(msgspec.Struct, frozen=True, kw_only=True):
             for t in tasks:
                 if t.agent in by_agent:
                     by_agent[t.agent] += 1
-        if accounting is None:
-            accounting = any(t.memory or t.slots != 1 for t in tasks)
+        if accounting is None:  # in C (map): a whole write of index.json counts its queue for index.head
+            accounting = any(map(_MEMORY, tasks)) or any(map((1).__ne__, map(_SLOTS, tasks)))
         return cls(queued=len(tasks), held_agents=by_agent, accounting=accounting)
+
+
+_MEMORY, _SLOTS = attrgetter("memory"), attrgetter("slots")
 
 
 class QueuedBrief(msgspec.Struct):
