@@ -249,8 +249,9 @@ class Store(Transactions):
 
     def read_head(self) -> tuple[Index, QueueCounts]:
         """The committed index without its queued and finished tasks, and the queued tasks'
-        counts: what `capacity` needs, without decoding a long queue. Its check (check_index)
-        sees the running tasks and the rest; `read` checks the skipped tasks too."""
+        counts: what `capacity` needs, without decoding a long queue (and from index.head,
+        while it is this index.json's, without reading it). Its check (check_index) sees the
+        running tasks and the rest; `read` checks the skipped tasks too."""
         summary = self._summary()
         if summary is not None:
             return summary
