@@ -5,6 +5,7 @@ grow a bytearray in steps (never beyond ~200 MB) and shell scripts that fork (bo
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -619,3 +620,14 @@ def test_the_sweeps_attempts_are_each_live_tasks_own():
                            for i, a in zip(ids, attempts)])
     assert {i: live.get(i) for i in (3, 7, 12, 5)} == {3: 2, 7: 1, 12: 1, 5: None}
     assert dict(live) == dict(zip(ids, attempts)) and len(live) == 3
+
+
+def test_a_measurement_interval_under_the_floor_names_a_floor_that_is_accepted(kg):
+    """The error says what to write instead, in a form the config reads (it said `50ms`, which
+    is not a duration kugetsu reads)."""
+    kg.config(resources={"interval": "0.01"})
+    r = kg.run("capacity")
+    assert r.returncode == 2 and "resources.interval" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    floor = re.search(r"at least (\S+)", r.stderr).group(1)
+    kg.config(resources={"interval": floor})
+    kg.ok("capacity")

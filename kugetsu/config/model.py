@@ -299,7 +299,7 @@ class ResourcesConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if parse_duration(self.interval, "resources.interval") < 0.05:
-            raise ValueError("resources.interval must be at least 50ms")
+            raise ValueError("resources.interval must be at least 0.05s")  # in a unit parse_duration reads
         if self.default_memory is not None:
             parse_size(self.default_memory, "resources.default_memory")
 
