@@ -216,11 +216,11 @@ def open_file(path: os.PathLike[str] | str, flags: int, mode: int = 0o600) -> in
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
 
 
-def write_new(path: Path, data: bytes, name: object = None) -> None:
-    """Create `path` afresh with `data`, fsync'd, 0600: a stale file of that name is removed
-    first (a planted link too: unlink removes the link, never its target), then the file is
-    made with O_EXCL|O_NOFOLLOW. On any failure (a full disk too) it is removed again and the
-    error raised, naming `name` (default `path`) when the system named no file."""
+def write_new(path: Path, data: bytes, name: object = None, durable: bool = True) -> None:
+    """Create `path` afresh with `data`, fsync'd (unless not `durable`), 0600: a stale file of
+    that name is removed first (a planted link too: unlink removes the link, never its target),
+    then the file is made with O_EXCL|O_NOFOLLOW. On any failure (a full disk too) it is removed
+    again and the error raised, naming `name` (default `path`) when the system named no file."""
     try:
         path.unlink()
     except FileNotFoundError:
@@ -231,7 +231,8 @@ def write_new(path: Path, data: bytes, name: object = None) -> None:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
     except BaseException as err:
@@ -248,17 +249,21 @@ def _discard(path: Path, err: BaseException, name: object) -> None:
         err.filename = str(name)  # os.write's errors name no file: say which one it was
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes, durable: bool = True) -> None:
     """Replace `path` with `data` so that a crash leaves the old or the new file, never a torn one:
     temp file in the same directory (made afresh by write_new, never through a planted link),
-    fsync, rename, fsync of the directory. On any failure the temp file is removed."""
+    fsync, rename, fsync of the directory. On any failure the temp file is removed. Not
+    `durable` (a cache that names what it was made from: store/head.py): neither fsync, so a
+    reader never sees half of it, but a crash may leave the old file or an empty one."""
     tmp = path.with_name(f".{path.name}.tmp")
-    write_new(tmp, data, name=path)
+    write_new(tmp, data, name=path, durable=durable)
     try:
         os.replace(tmp, path)
     except BaseException as err:
         _discard(tmp, err, path)
         raise
+    if not durable:
+        return
     dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(dfd)

@@ -53,7 +53,7 @@ def test_the_head_read_at_depth_reads_a_small_file_and_counts_as_the_whole_read(
     assert index.holds == whole.holds and index.next_id == 10_002
     assert home.index.stat().st_size > 2_000_000
     assert read < 64 << 10, f"read {read} bytes for a queue of 10,000"
-    assert stat.S_IMODE(os.stat(home.root / "index.head").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(home.head).st_mode) == 0o600
 
 
 def test_an_index_json_put_back_by_hand_is_read_not_the_summary(tmp_path):
@@ -72,7 +72,7 @@ def test_an_index_json_put_back_by_hand_is_read_not_the_summary(tmp_path):
 def test_a_damaged_or_planted_summary_is_ignored_and_the_next_write_replaces_it(tmp_path):
     home = Home(tmp_path / "home")
     store = _deep(home, 30)
-    head = home.root / "index.head"
+    head = home.head
     expected = QueueCounts(queued=30, held_agents={"codex": 10}, accounting=True)
     for junk in (b"", b"{", b'{"of": [1, 2, 3, 4, 5]}', b"\xff" * 100, head.read_bytes()[:-5], b"[]" * 10):
         head.write_bytes(junk)
@@ -113,8 +113,8 @@ def test_capacity_through_the_cli_agrees_with_or_without_the_summary(kg):
         kg.ok("delegate", f"t{i}", *(["--memory", "1G"] if i == 2 else []), "--", "true")
     kg.ok("hold", "claude")
     with_head = kg.json("capacity")
-    assert (kg.home.root / "index.head").exists()
-    (kg.home.root / "index.head").unlink()
+    assert kg.home.head.exists()
+    kg.home.head.unlink()
     without = kg.json("capacity")
     assert with_head == without and with_head["queued"] == 5, (with_head, without)
     kg.ok("cancel", "t0")

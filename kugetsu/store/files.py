@@ -276,18 +276,12 @@ class Store(Transactions):
     def _summary(self) -> tuple[Index, QueueCounts] | None:
         """index.head, while it names the index.json that is there and no journal follows it
         (store/head.py): what read_head reads of index.json, without reading index.json."""
-        try:
-            of = head.identity(os.lstat(self.home.index))
-        except FileNotFoundError:
-            return None
-        summary = head.read(self.home.head, of)
+        of = head.identity_at(self.home.index)
+        summary = None if of is None else head.read(self.home.head, of)
         if summary is None or _lkey(self.home.journal) is not None:
             return None
-        try:  # unmoved since: the journal was looked for while this index.json was the state
-            if head.identity(os.lstat(self.home.index)) != of:
-                return None
-        except FileNotFoundError:
-            return None
+        if head.identity_at(self.home.index) != of:
+            return None  # moved since: the journal was looked for beside another index.json
         if check_index(summary[0]):
             return None  # the whole read says what is wrong
         return summary

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from kugetsu.core.models import INDEX_VERSION, Index, QueueCounts
-from kugetsu.paths import open_file
+from kugetsu.paths import atomic_write, open_file
 
 Identity = tuple[int, int, int, int, int]  # index.json's st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
 
@@ -39,33 +39,28 @@ def identity(st: os.stat_result) -> Identity:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
+def identity_at(path: Path) -> Identity | None:
+    """The identity of the file at `path` (never through a link); None: there is none."""
+    try:
+        return identity(os.lstat(path))
+    except FileNotFoundError:
+        return None
+
+
 def write(path: Path, index: Index, of: os.stat_result) -> None:
-    """The summary of `index`, just written whole as the file `of` describes. A temp file renamed
-    in (a reader never sees half of one), no fsync (after a crash a torn summary is ignored);
-    called under the index lock, so no two writers share the temp file. Any failure removes the
-    summary instead: the next read takes index.json."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """The summary of `index`, just written whole as the file `of` describes: renamed in (a
+    reader never sees half of one), without fsync (after a crash an old summary names another
+    index.json, an empty one does not decode); called under the index lock, so no two writers
+    share the temp file. Any failure removes the summary instead: the next read takes index.json."""
     data = _encoder.encode(Head(of=identity(of), counts=QueueCounts.of(index.queued, index.holds),
                                 index=msgspec.structs.replace(index, queued=[], finished=[])))
     try:
-        try:
-            tmp.unlink()  # a stale one, or a link planted there (unlink removes the link)
-        except FileNotFoundError:
-            pass
-        fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        atomic_write(path, data, durable=False)
     except OSError:
-        for stale in (tmp, path):
-            try:
-                stale.unlink()
-            except OSError:
-                pass
+        try:
+            path.unlink()
+        except OSError:
+            pass
 
 
 def read(path: Path, of: Identity) -> tuple[Index, QueueCounts] | None:
