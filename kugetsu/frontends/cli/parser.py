@@ -46,13 +46,6 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
-def _at_least_one(text: str) -> int:
-    n = _positive_int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected 1 or more, got {text!r}")
-    return n
-
-
 # Each command's arguments. Only the parser of the command being run is built: argparse
 # looks up a translation catalog on disk for every help string, and building all of them
 # cost 42 ms of a call that agents make all day.
